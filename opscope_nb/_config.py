@@ -1,0 +1,52 @@
+"""The one place that owns numba's compilation flags.
+
+Every ``@njit`` in the package takes its options from here (never a literal
+``fastmath=`` / ``cache=`` elsewhere), so a policy change is one edit.
+
+* ``FASTMATH`` is fastmath *without* ``nnan``/``ninf``: reassociation and
+  contraction let LLVM vectorise reductions, while NaN/Inf keep their IEEE
+  meaning so finiteness checks inside kernels still work.
+* ``cache=True`` everywhere numba allows it, so a second process loads the
+  compiled machine code from ``__pycache__`` instead of recompiling.
+* Parallel kernels are cached too (numba supports caching ``parallel=True``
+  functions); a test checks that a second process does not recompile.
+
+Thresholds are never module globals read by kernels (numba freezes globals at
+compile time): they are function arguments.
+"""
+from __future__ import annotations
+
+import numba
+
+#: LLVM fast-math flags: everything except ``nnan`` and ``ninf``.
+FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
+
+#: Cache compiled kernels on disk (``__pycache__``) for later processes.
+CACHE = True
+
+#: Options for serial kernels.
+JIT = dict(nogil=True, cache=CACHE, fastmath=set(FASTMATH))
+
+#: Options for kernels with ``prange`` loops.
+JIT_PARALLEL = dict(JIT, parallel=True)
+
+
+def njit(fn=None, **overrides):
+    """``numba.njit`` with the package's serial options (overridable).
+
+    Usable bare (``@njit``) or with keyword overrides (``@njit(parallel=True)``).
+    """
+    opts = dict(JIT)
+    opts.update(overrides)
+    if fn is None:
+        return lambda f: numba.njit(**opts)(f)
+    return numba.njit(**opts)(fn)
+
+
+def njit_parallel(fn=None, **overrides):
+    """``numba.njit`` with the package's parallel options (``prange`` loops)."""
+    opts = dict(JIT_PARALLEL)
+    opts.update(overrides)
+    if fn is None:
+        return lambda f: numba.njit(**opts)(f)
+    return numba.njit(**opts)(fn)

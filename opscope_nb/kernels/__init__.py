@@ -1,0 +1,30 @@
+"""The ``@njit`` cores, importable into your own numba code.
+
+Every name here is a numba dispatcher (or a plain Python helper where noted)
+that **assumes valid input**: C-contiguous ``float32`` arrays of the documented
+shape, finite values, in-range integers.  The validating public twins live in
+:mod:`opscope_nb.probe`, :mod:`opscope_nb.svd`, :mod:`opscope_nb.decompose`, etc.
+
+Example
+-------
+>>> import numba, numpy as np
+>>> from opscope_nb.kernels import quant_error, factorize
+>>> @numba.njit
+... def my_probe(w):
+...     u, v = factorize(w, 4, 0)
+...     return quant_error(w, 8), u.shape[1]
+"""
+from ._probe import *      # noqa: F401,F403
+from ._svd import *        # noqa: F401,F403
+from ._lowrank import *    # noqa: F401,F403
+from ._monarch import *    # noqa: F401,F403
+from ._tucker import *     # noqa: F401,F403
+from ._tt import *         # noqa: F401,F403
+from ._matmul import *     # noqa: F401,F403
+from ._simd import *       # noqa: F401,F403
+from ._dado import *       # noqa: F401,F403
+
+from . import _probe, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd, _dado
+
+__all__ = sorted(set().union(*(m.__all__ for m in (
+    _probe, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd, _dado))))

@@ -1,0 +1,1 @@
+"""NumPy twins (never imports opscope_nb)."""
