@@ -1,0 +1,585 @@
+"""Tensor sources: checkpoints read lazily, one weight matrix at a time.
+
+A *source* lists its tensors (name, shape, dtype) from the file headers alone;
+each :class:`TensorEntry` loads its data only when :meth:`TensorEntry.load` is
+called, through a memory map that is released as soon as the ``float32`` copy
+exists.  So profiling holds one tensor in memory at a time and a checkpoint
+larger than RAM still profiles.
+
+Supported sources (see :func:`open_source`):
+
+* a ``.safetensors`` file, parsed here (8-byte little-endian header length,
+  JSON header with ``dtype`` / ``shape`` / ``data_offsets``, raw data) so
+  ``F32``, ``F16``, ``BF16`` and ``F64`` load without torch; bfloat16 is the high
+  half of a float32, so its raw ``uint16`` words are shifted into place.
+* a directory of ``*.safetensors`` shards (a Hugging Face
+  ``model.safetensors.index.json`` ``weight_map`` is honoured when present) or
+  of upstream ``*.tensor`` dumps (``u32 LE rows, u32 LE cols, f32 LE`` data);
+* a ``.gguf`` file through the optional ``gguf`` package; quantised tensors
+  are dequantised to float32 and GGUF's reversed dimension order is undone, so
+  a weight comes out as ``[out, in]`` like a PyTorch ``Linear`` weight;
+* ``None``: the built-in synthetic model of the upstream ``opscope-layers``.
+
+Every loaded weight is ``float32``, C-contiguous, ``[rows, cols]`` =
+``[out_features, in_features]`` as stored by the checkpoint.  Problems with a
+file raise :class:`SourceError` (a ``ValueError``) naming the file, the rule
+and the fix.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+__all__ = [
+    "SourceError",
+    "UnsupportedDtypeError",
+    "MissingDependencyError",
+    "TensorEntry",
+    "TensorSource",
+    "open_source",
+    "select",
+    "is_embedding",
+    "synthetic_model",
+    "SYNTHETIC_LAYERS",
+    "read_safetensors_header",
+    "natural_key",
+]
+
+#: Largest safetensors JSON header accepted (the format itself caps it at 100 MB).
+_MAX_HEADER = 100 * 1024 * 1024
+
+#: safetensors dtype -> (numpy dtype of the stored words, bytes per element).
+#: ``BF16`` is read as raw little-endian ``uint16`` and widened by a shift.
+_ST_FLOAT = {
+    "F32": (np.dtype("<f4"), 4),
+    "F16": (np.dtype("<f2"), 2),
+    "BF16": (np.dtype("<u2"), 2),
+    "F64": (np.dtype("<f8"), 8),
+}
+#: Sizes of the other safetensors dtypes, only to validate ``data_offsets``.
+_ST_OTHER_SIZES = {"I8": 1, "U8": 1, "BOOL": 1, "I16": 2, "U16": 2, "I32": 4,
+                   "U32": 4, "I64": 8, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+class SourceError(ValueError):
+    """A checkpoint cannot be read: missing, truncated, corrupt or unsupported."""
+
+
+class UnsupportedDtypeError(SourceError):
+    """A selected tensor has a dtype that cannot be turned into float32 weights."""
+
+
+class MissingDependencyError(SourceError):
+    """An optional package (``gguf``) needed for this source is not installed."""
+
+
+def natural_key(name: str):
+    """Sort key comparing digit runs as numbers (``layer.2`` before ``layer.10``)."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t)
+            for t in re.split(r"(\d+)", name) if t]
+
+
+def bf16_to_float32(raw: np.ndarray) -> np.ndarray:
+    """Widen raw bfloat16 words (``uint16``) to float32 (exact: bf16 is f32's top half).
+
+    Parameters
+    ----------
+    raw : ndarray of uint16
+        The bfloat16 bit patterns, any shape.
+
+    Returns
+    -------
+    ndarray of float32, same shape, C-contiguous.
+    """
+    return (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a source, described by its header; data loads on demand.
+
+    Attributes
+    ----------
+    name : str
+        Checkpoint key, e.g. ``model.layers.0.self_attn.q_proj.weight``.
+    shape : tuple of int
+        Logical shape; for a 2-D weight ``(rows, cols)`` = ``(out, in)``.
+    dtype : str
+        Storage dtype as the format names it (``F32``, ``BF16``, ``Q8_0`` ...).
+    path : str
+        File the data lives in (``"synthetic"`` for the built-in model).
+    """
+
+    name: str
+    shape: tuple
+    dtype: str
+    path: str
+    _loader: Callable[[], np.ndarray] = field(repr=False, compare=False)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+    def load(self) -> np.ndarray:
+        """Read the tensor as a C-contiguous float32 array of shape :attr:`shape`.
+
+        Raises
+        ------
+        UnsupportedDtypeError
+            The stored dtype is not a float format (e.g. ``I64``).
+        SourceError
+            The file changed or is unreadable.
+        """
+        arr = self._loader()
+        return np.ascontiguousarray(arr, dtype=np.float32).reshape(self.shape)
+
+
+@dataclass
+class TensorSource:
+    """A checkpoint's tensor list (headers only) plus how to describe it.
+
+    Attributes
+    ----------
+    kind : str
+        ``safetensors``, ``safetensors-dir``, ``tensor-dir``, ``gguf`` or ``synthetic``.
+    path : str
+        The path given (``"synthetic"`` for the built-in model).
+    entries : list of TensorEntry
+        Every tensor, in natural name order.
+    filter_embeddings : bool
+        Whether :func:`select` drops embeddings / ``lm_head`` unless asked; False
+        for the synthetic model, whose ``lm_head`` is one of its seven layers.
+    """
+
+    kind: str
+    path: str
+    entries: list
+    filter_embeddings: bool = True
+
+
+# --------------------------------------------------------------------------- #
+# safetensors
+# --------------------------------------------------------------------------- #
+def read_safetensors_header(path: str) -> tuple[int, dict]:
+    """Parse and validate a ``.safetensors`` header.
+
+    Parameters
+    ----------
+    path : str
+        File path.
+
+    Returns
+    -------
+    data_start : int
+        Byte offset of the data section (``8 + header length``).
+    tensors : dict
+        ``name -> {"dtype": str, "shape": [int], "data_offsets": [begin, end]}``
+        (``__metadata__`` removed), in file order.
+
+    Raises
+    ------
+    SourceError
+        Truncated file, header that is not a JSON object, malformed entries, or
+        ``data_offsets`` beyond the end of the file / inconsistent with the shape.
+    """
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise SourceError(f"{path}: truncated safetensors file ({size} bytes; "
+                                  f"a header needs at least 8). Re-download or re-save it.")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise SourceError(
+                    f"{path}: truncated or corrupt safetensors file (header length "
+                    f"{n} bytes, file {size} bytes). Re-download or re-save it.")
+            raw = f.read(n)
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot read ({exc.strerror or exc}).") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SourceError(f"{path}: safetensors header is not valid JSON ({exc}). "
+                          f"The file is corrupt or not a safetensors file.") from None
+    if not isinstance(header, dict):
+        raise SourceError(f"{path}: safetensors header must be a JSON object; got "
+                          f"{type(header).__name__}.")
+    data_start = 8 + n
+    data_len = size - data_start
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = info["dtype"]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(v) for v in info["data_offsets"])
+            if not isinstance(dtype, str) or any(d < 0 for d in shape):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise SourceError(f"{path}: malformed header entry for tensor {name!r}: "
+                              f"{info!r} (needs dtype, shape, data_offsets).") from None
+        if not 0 <= begin <= end:
+            raise SourceError(f"{path}: tensor {name!r} has bad data_offsets "
+                              f"[{begin}, {end}].")
+        if end > data_len:
+            raise SourceError(
+                f"{path}: truncated file: tensor {name!r} ends at byte {end} of the "
+                f"data section but only {data_len} bytes are present. Re-download it.")
+        item = _ST_FLOAT.get(dtype, (None, _ST_OTHER_SIZES.get(dtype)))[1]
+        if item is not None:
+            numel = 1
+            for d in shape:
+                numel *= d
+            if end - begin != numel * item:
+                raise SourceError(
+                    f"{path}: tensor {name!r} ({dtype}, shape {shape}) needs "
+                    f"{numel * item} bytes but data_offsets span {end - begin}.")
+        out[name] = {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+    return data_start, out
+
+
+def _safetensors_loader(path: str, name: str, dtype: str, shape: Sequence[int],
+                        offset: int, nbytes: int) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        if dtype not in _ST_FLOAT:
+            raise UnsupportedDtypeError(
+                f"{path}: tensor {name!r} has dtype {dtype}; only F32, F16, BF16 and "
+                f"F64 weights can be profiled. Exclude it with --exclude.")
+        np_dtype, item = _ST_FLOAT[dtype]
+        count = nbytes // item
+        if count == 0:
+            return np.zeros(tuple(shape), np.float32)
+        try:
+            # A map per tensor, dropped right after the copy: RSS holds one tensor.
+            mm = np.memmap(path, dtype=np_dtype, mode="r", offset=offset, shape=(count,))
+        except (OSError, ValueError) as exc:
+            raise SourceError(f"{path}: cannot map tensor {name!r} ({exc}).") from None
+        try:
+            if dtype == "BF16":
+                out = bf16_to_float32(mm)
+            else:
+                out = np.array(mm, dtype=np.float32)
+        finally:
+            del mm
+        return out.reshape(tuple(shape))
+    return load
+
+
+def _safetensors_entries(path: str, names: Iterable[str] | None = None) -> list:
+    data_start, header = read_safetensors_header(path)
+    if names is not None:
+        missing = [n for n in names if n not in header]
+        if missing:
+            raise SourceError(f"{path}: the shard index lists {missing[0]!r} but the "
+                              f"shard does not contain it.")
+        header = {n: header[n] for n in names}
+    entries = []
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        entries.append(TensorEntry(
+            name, tuple(info["shape"]), info["dtype"], path,
+            _safetensors_loader(path, name, info["dtype"], info["shape"],
+                                data_start + begin, end - begin)))
+    return entries
+
+
+# --------------------------------------------------------------------------- #
+# upstream .tensor dumps
+# --------------------------------------------------------------------------- #
+def _tensor_file_entry(path: str) -> TensorEntry:
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot read ({exc.strerror or exc}).") from None
+    if len(head) < 8:
+        raise SourceError(f"{path}: truncated .tensor file ({size} bytes; the header "
+                          f"alone is 8). Re-dump it.")
+    rows, cols = struct.unpack("<II", head)
+    need = 8 + 4 * rows * cols
+    if size != need:
+        what = "truncated" if size < need else "oversized"
+        raise SourceError(f"{path}: {what} .tensor file: header says {rows}x{cols} "
+                          f"float32 ({need} bytes) but the file has {size} bytes.")
+    base = os.path.basename(path)
+    name = base[: -len(".tensor")]
+
+    def load() -> np.ndarray:
+        if rows * cols == 0:
+            return np.zeros((rows, cols), np.float32)
+        mm = np.memmap(path, dtype="<f4", mode="r", offset=8, shape=(rows, cols))
+        try:
+            return np.array(mm, dtype=np.float32)
+        finally:
+            del mm
+    return TensorEntry(name, (rows, cols), "F32", path, load)
+
+
+# --------------------------------------------------------------------------- #
+# GGUF
+# --------------------------------------------------------------------------- #
+def _import_gguf():
+    try:
+        import gguf  # noqa: F401
+        import gguf.quants  # noqa: F401
+    except ImportError:
+        raise MissingDependencyError(
+            "reading .gguf files needs the optional 'gguf' package: "
+            "pip install 'opscope-nb[gguf]' (or pip install gguf).") from None
+    return gguf
+
+
+def _gguf_entries(path: str) -> list:
+    gguf = _import_gguf()
+    try:
+        reader = gguf.GGUFReader(path, "r")
+        tensors = list(reader.tensors)
+    except Exception as exc:  # the reader raises ValueError/IndexError/struct.error on bad files
+        raise SourceError(f"{path}: not a readable GGUF file ({type(exc).__name__}: "
+                          f"{exc}). Re-download it.") from None
+    entries = []
+    for t in tensors:
+        # GGUF lists dims innermost first (ne[0] = in_features); PyTorch order is reversed.
+        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+        qtype = t.tensor_type
+        entries.append(TensorEntry(t.name, shape, qtype.name, path,
+                                   _gguf_loader(gguf, path, t.name, t.data, qtype, shape)))
+    return entries
+
+
+def _gguf_loader(gguf, path, name, data, qtype, shape):
+    def load() -> np.ndarray:
+        tname = qtype.name
+        if tname == "F64":
+            return np.array(data, dtype=np.float32).reshape(shape)
+        if tname.startswith(("I", "U")) and tname[1:].isdigit():
+            raise UnsupportedDtypeError(
+                f"{path}: tensor {name!r} has integer type {tname}; only float and "
+                f"quantised float weights can be profiled. Exclude it with --exclude.")
+        try:
+            out = gguf.quants.dequantize(data, qtype)
+        except NotImplementedError:
+            raise UnsupportedDtypeError(
+                f"{path}: tensor {name!r} has type {tname}, which this gguf package "
+                f"cannot dequantise. Upgrade gguf or exclude it with --exclude.") from None
+        return np.asarray(out, dtype=np.float32).reshape(shape)
+    return load
+
+
+# --------------------------------------------------------------------------- #
+# synthetic model
+# --------------------------------------------------------------------------- #
+#: The upstream ``opscope-layers`` synthetic model: (name, Dist name, rows, cols, seed).
+SYNTHETIC_LAYERS = (
+    ("model.layers.0.self_attn.q_proj.weight", "LOWRANK", 256, 256, 1),
+    ("model.layers.0.self_attn.k_proj.weight", "LOWRANK", 256, 128, 2),
+    ("model.layers.0.self_attn.o_proj.weight", "GAUSSIAN", 256, 256, 3),
+    ("model.layers.0.mlp.gate_proj.weight", "QUANTIZED", 256, 512, 4),
+    ("model.layers.0.mlp.up_proj.weight", "GAUSSIAN", 256, 512, 5),
+    ("model.layers.0.mlp.down_proj.weight", "LOWRANK", 512, 256, 6),
+    ("lm_head.weight", "OUTLIER", 256, 400, 7),
+)
+
+
+def synthetic_model() -> TensorSource:
+    """The upstream's seven synthetic layers (``opscope-layers`` with no directory).
+
+    Each weight is ``opscope_nb.synth.sample(Dist.<kind>, rows, cols, seed)``,
+    generated when loaded.  ``lm_head`` is part of this model, so
+    :attr:`TensorSource.filter_embeddings` is False.
+    """
+    def loader(dist_name, rows, cols, seed):
+        def load():
+            from . import synth
+            return np.asarray(synth.sample(getattr(synth.Dist, dist_name), rows, cols,
+                                           seed=seed), dtype=np.float32).reshape(rows, cols)
+        return load
+    entries = [TensorEntry(n, (r, c), "F32", "synthetic", loader(d, r, c, s))
+               for n, d, r, c, s in SYNTHETIC_LAYERS]
+    return TensorSource("synthetic", "synthetic", entries, filter_embeddings=False)
+
+
+# --------------------------------------------------------------------------- #
+# opening and selecting
+# --------------------------------------------------------------------------- #
+def _sorted(entries: list) -> list:
+    return sorted(entries, key=lambda e: natural_key(e.name))
+
+
+def _open_dir(path: str) -> TensorSource:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                wmap = json.load(f)["weight_map"]
+            if not isinstance(wmap, dict):
+                raise TypeError
+        except OSError as exc:
+            raise SourceError(f"{index}: cannot read ({exc.strerror or exc}).") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise SourceError(f"{index}: not a valid shard index (needs a JSON object "
+                              f"with a 'weight_map' of tensor -> shard file).") from None
+        by_shard: dict = {}
+        for name, shard in wmap.items():
+            by_shard.setdefault(str(shard), []).append(name)
+        entries = []
+        for shard in sorted(by_shard, key=natural_key):
+            spath = os.path.join(path, shard)
+            if not os.path.isfile(spath):
+                raise SourceError(f"{index}: shard {shard!r} is listed but "
+                                  f"{spath} does not exist.")
+            entries += _safetensors_entries(spath, by_shard[shard])
+        return TensorSource("safetensors-dir", path, _sorted(entries))
+    try:
+        files = sorted(os.listdir(path), key=natural_key)
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot list directory ({exc.strerror or exc}).") from None
+    shards = [f for f in files if f.endswith(".safetensors")]
+    if shards:
+        entries = []
+        seen = {}
+        for s in shards:
+            for e in _safetensors_entries(os.path.join(path, s)):
+                if e.name in seen:
+                    raise SourceError(f"{path}: tensor {e.name!r} appears in both "
+                                      f"{seen[e.name]} and {s}.")
+                seen[e.name] = s
+                entries.append(e)
+        return TensorSource("safetensors-dir", path, _sorted(entries))
+    dumps = [f for f in files if f.endswith(".tensor")]
+    if dumps:
+        return TensorSource("tensor-dir", path,
+                            _sorted([_tensor_file_entry(os.path.join(path, f))
+                                     for f in dumps]))
+    raise SourceError(f"{path}: directory holds no *.safetensors or *.tensor files.")
+
+
+def open_source(path: str | os.PathLike | None) -> TensorSource:
+    """Open a checkpoint (headers only) or, for ``None``, the synthetic model.
+
+    Parameters
+    ----------
+    path : str, PathLike or None
+        A ``.safetensors`` file, a ``.gguf`` file, a ``.tensor`` file, a
+        directory of ``*.safetensors`` shards or ``*.tensor`` dumps, or None.
+
+    Returns
+    -------
+    TensorSource
+        Entries in natural name order (digit runs compared as numbers).
+
+    Raises
+    ------
+    SourceError
+        Missing path, unknown file type, unreadable/truncated/corrupt file.
+    MissingDependencyError
+        A ``.gguf`` file without the ``gguf`` package installed.
+    """
+    if path is None:
+        return synthetic_model()
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise SourceError(f"{path}: no such file or directory.")
+    if os.path.isdir(path):
+        return _open_dir(path)
+    low = path.lower()
+    if low.endswith(".safetensors"):
+        return TensorSource("safetensors", path, _sorted(_safetensors_entries(path)))
+    if low.endswith(".gguf"):
+        return TensorSource("gguf", path, _sorted(_gguf_entries(path)))
+    if low.endswith(".tensor"):
+        return TensorSource("tensor", path, [_tensor_file_entry(path)])
+    raise SourceError(f"{path}: unknown checkpoint type; expected a .safetensors, "
+                      f".gguf or .tensor file, or a directory of them.")
+
+
+_EMBED_PARTS = ("wte", "wpe", "lm_head", "token_embd")
+
+
+def is_embedding(name: str) -> bool:
+    """Whether ``name`` is an embedding table or an output head (``lm_head``).
+
+    Matches a dotted component containing ``embed`` (``embed_tokens``,
+    ``word_embeddings``), or equal to ``wte``, ``wpe``, ``lm_head`` or
+    ``token_embd``, and GGUF's top-level ``output.weight``.
+    """
+    if name == "output.weight":
+        return True
+    for part in name.lower().split("."):
+        if "embed" in part or part in _EMBED_PARTS:
+            return True
+    return False
+
+
+def _compile(pattern, what):
+    if pattern is None or isinstance(pattern, re.Pattern):
+        return pattern
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"{what} {pattern!r} is not a valid regular expression "
+                         f"({exc}).") from None
+
+
+def select(source: TensorSource, *, include=None, exclude=None,
+           include_embeddings: bool = False) -> tuple[list, list]:
+    """Pick the weights to profile.
+
+    Rules, in order: not 2-D -> skipped (1-D never profiles); rows < 2 or
+    cols < 2 -> skipped; an embedding / ``lm_head`` (:func:`is_embedding`) ->
+    skipped unless ``include_embeddings`` or the source is the synthetic model;
+    ``include`` given and ``re.search`` finds no match -> skipped; ``exclude``
+    matches -> skipped.
+
+    Parameters
+    ----------
+    source : TensorSource
+    include, exclude : str or re.Pattern, optional
+        Regular expressions searched in the tensor name.
+    include_embeddings : bool
+        Keep embedding tables and output heads.
+
+    Returns
+    -------
+    chosen : list of TensorEntry
+    skipped : list of (TensorEntry, reason str)
+
+    Raises
+    ------
+    ValueError
+        A pattern is not a valid regular expression.
+    """
+    inc = _compile(include, "--include")
+    exc = _compile(exclude, "--exclude")
+    chosen, skipped = [], []
+    for e in source.entries:
+        if e.ndim != 2:
+            skipped.append((e, f"{e.ndim}-D"))
+        elif e.shape[0] < 2 or e.shape[1] < 2:
+            skipped.append((e, "rows or cols < 2"))
+        elif (source.filter_embeddings and not include_embeddings
+              and is_embedding(e.name)):
+            skipped.append((e, "embedding (use --include-embeddings)"))
+        elif inc is not None and not inc.search(e.name):
+            skipped.append((e, "not matched by --include"))
+        elif exc is not None and exc.search(e.name):
+            skipped.append((e, "matched by --exclude"))
+        else:
+            chosen.append(e)
+    return chosen, skipped

