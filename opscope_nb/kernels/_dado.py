@@ -1,1 +1,628 @@
-__all__ = []
+"""``@njit`` cores of the mining and allocation layer (no input validation).
+
+Two families live here:
+
+* **Allocator cores** on padded option tables.  A problem with ``L`` layers is
+  held as ``cost[L, K]`` (float64, the *weighted* error ``w_i * rel_err_ij``),
+  ``nbytes[L, K]`` (int64) and ``nopt[L]`` (int64, how many of the ``K``
+  columns of row ``i`` are real options; the rest is padding and never read).
+  Option 0 of every layer is the dense baseline.
+* **Packing cores** for the quantised options: symmetric group-wise
+  quantisation along a row, nibble (int4) and 2-bit packing, and N:M pruning.
+
+Every function assumes valid, C-contiguous input of the documented dtype; the
+validating wrappers are :mod:`opscope_nb.allocate` and :mod:`opscope_nb.mining`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._config import njit
+
+__all__ = [
+    "xorshift64_step",
+    "greedy_core",
+    "dado_core",
+    "mckp_lp_bound",
+    "quantize_groups_sym",
+    "dequantize_groups",
+    "pack_nibbles",
+    "unpack_nibbles",
+    "pack_crumbs",
+    "unpack_crumbs",
+    "nm_prune",
+    "nm_unprune",
+    "ternary_twn",
+    "rel_err_f64",
+]
+
+
+# ───────────────────────────── allocator cores ─────────────────────────────
+
+@njit
+def xorshift64_step(s):
+    """One xorshift64 step (Marsaglia 13/7/17) on a ``uint64`` state.
+
+    Parameters
+    ----------
+    s : uint64
+        Current state (must be non-zero).
+
+    Returns
+    -------
+    s : uint64
+        Next state.  ``float(s >> 11) / 2**53`` is the uniform draw in [0, 1).
+    """
+    s ^= s << np.uint64(13)
+    s ^= s >> np.uint64(7)
+    s ^= s << np.uint64(17)
+    return s
+
+
+@njit
+def greedy_core(cost, nbytes, nopt, budget):
+    """Greedy Lagrangian descent from all-dense (the upstream rule).
+
+    While the total bytes exceed ``budget``, apply the single swap (layer ``i``
+    from its current option to any option with strictly fewer bytes) whose
+    ``max(cost_new - cost_cur, 0) / bytes_saved`` is smallest; ties keep the
+    first pair found (layers in order, options in order).  Stops when the
+    budget is met or no swap saves bytes.
+
+    Parameters
+    ----------
+    cost : ndarray of shape (L, K), float64, C-contiguous
+        Weighted error of option ``j`` of layer ``i``.
+    nbytes : ndarray of shape (L, K), int64, C-contiguous
+        Bytes of option ``j`` of layer ``i``.
+    nopt : ndarray of shape (L,), int64
+        Number of real options per layer (``1 <= nopt[i] <= K``).
+    budget : int
+        Byte budget.
+
+    Returns
+    -------
+    choice : ndarray of shape (L,), int64
+        Option index per layer.
+    """
+    nl = cost.shape[0]
+    choice = np.zeros(nl, dtype=np.int64)
+    total = np.int64(0)
+    for i in range(nl):
+        total += nbytes[i, 0]
+    while total > budget:
+        best = np.inf
+        bi = -1
+        bj = -1
+        for i in range(nl):
+            c = choice[i]
+            cb = nbytes[i, c]
+            cc = cost[i, c]
+            for j in range(nopt[i]):
+                if nbytes[i, j] >= cb:
+                    continue
+                d = cost[i, j] - cc
+                if d < 0.0:
+                    d = 0.0
+                score = d / float(cb - nbytes[i, j])
+                if bi < 0 or score < best:
+                    best = score
+                    bi = i
+                    bj = j
+        if bi < 0:
+            break
+        total += nbytes[bi, bj] - nbytes[bi, choice[bi]]
+        choice[bi] = bj
+    return choice
+
+
+@njit
+def dado_core(cost, nbytes, nopt, budget, init_choice, iters, pop, n_elite,
+              penalty, seed):
+    """DADO cross-entropy search over per-layer categorical marginals.
+
+    The upstream algorithm: marginals start at ``0.4/K_i`` on every option
+    plus ``0.6`` on ``init_choice[i]`` (the greedy plan); each iteration draws
+    ``pop`` configurations (layers in order, one xorshift64 draw per layer,
+    ``u = (s >> 11) / 2**53``, the first option whose cumulative probability
+    is ``>= u``), keeps the best *strictly feasible* configuration seen
+    (``bytes <= budget`` and ``err < best``), stable-sorts the population by
+    ``loss = err + penalty * max((bytes - budget) / budget, 0)``, and refits
+    every marginal to ``(1 + elite count) / (K_i + n_elite)``.
+
+    Parameters
+    ----------
+    cost, nbytes, nopt
+        Padded option tables, see the module docstring.
+    budget : int
+        Byte budget (``>= 1``).
+    init_choice : ndarray of shape (L,), int64
+        Warm start and initial incumbent (must be feasible).
+    iters, pop, n_elite : int
+        Iterations, population size, elite size (``1 <= n_elite <= pop``).
+    penalty : float
+        Weight of the relative budget overshoot in the loss.
+    seed : uint64
+        RNG seed; the state starts at ``seed | 1``.
+
+    Returns
+    -------
+    choice : ndarray of shape (L,), int64
+        Best feasible configuration found (``init_choice`` if none beat it).
+    err : float
+        Its total weighted error.
+    """
+    nl = cost.shape[0]
+    kmax = cost.shape[1]
+    p = np.zeros((nl, kmax))
+    for i in range(nl):
+        k = nopt[i]
+        for j in range(k):
+            p[i, j] = 0.4 / k
+        p[i, init_choice[i]] += 0.6
+    best_choice = init_choice.copy()
+    best_err = 0.0
+    for i in range(nl):
+        best_err += cost[i, init_choice[i]]
+    fbudget = float(budget)
+
+    s = seed | np.uint64(1)
+    inv53 = 1.0 / 9007199254740992.0
+    cum = np.empty((nl, kmax))
+    samples = np.empty((pop, nl), dtype=np.int64)
+    loss = np.empty(pop)
+    counts = np.empty(kmax)
+    for _ in range(iters):
+        for i in range(nl):
+            acc = 0.0
+            for j in range(nopt[i]):
+                acc += p[i, j]
+                cum[i, j] = acc
+        for q in range(pop):
+            err = 0.0
+            tb = np.int64(0)
+            for i in range(nl):
+                s = xorshift64_step(s)
+                u = float(s >> np.uint64(11)) * inv53
+                k = nopt[i]
+                c = k - 1
+                for j in range(k):
+                    if u <= cum[i, j]:
+                        c = j
+                        break
+                samples[q, i] = c
+                err += cost[i, c]
+                tb += nbytes[i, c]
+            if tb <= budget and err < best_err:
+                best_err = err
+                for i in range(nl):
+                    best_choice[i] = samples[q, i]
+            over = (float(tb) - fbudget) / fbudget
+            if over < 0.0:
+                over = 0.0
+            loss[q] = err + penalty * over
+        order = np.argsort(loss, kind="mergesort")
+        for i in range(nl):
+            k = nopt[i]
+            for j in range(k):
+                counts[j] = 1.0
+            for e in range(n_elite):
+                counts[samples[order[e], i]] += 1.0
+            den = float(k + n_elite)
+            for j in range(k):
+                p[i, j] = counts[j] / den
+    return best_choice, best_err
+
+
+@njit
+def mckp_lp_bound(cost, nbytes, nopt, budget):
+    """LP relaxation = Lagrangian dual of the multiple-choice knapsack.
+
+    ``max_{lambda >= 0} sum_i min_j (cost_ij + lambda * nbytes_ij) -
+    lambda * budget``, evaluated exactly through the lower convex hull of each
+    layer's (bytes, cost) points: start every layer at its cheapest-in-bytes
+    hull vertex, then buy hull segments in order of decreasing efficiency
+    (cost saved per byte) until the budget is spent, the last one
+    fractionally.  The result is a valid lower bound on the integer optimum.
+
+    Parameters
+    ----------
+    cost, nbytes, nopt
+        Padded option tables, see the module docstring.
+    budget : int
+        Byte budget.
+
+    Returns
+    -------
+    bound : float
+        The bound; ``+inf`` when even the smallest configuration exceeds the
+        budget (the problem is infeasible).
+    """
+    nl = cost.shape[0]
+    kmax = cost.shape[1]
+    seg_eff = np.empty(nl * kmax)
+    seg_db = np.empty(nl * kmax)
+    seg_dc = np.empty(nl * kmax)
+    nseg = 0
+    base_c = 0.0
+    base_b = 0.0
+    hb = np.empty(kmax)
+    hc = np.empty(kmax)
+    idx = np.empty(kmax, dtype=np.int64)
+    key = np.empty(kmax)
+    for i in range(nl):
+        k = nopt[i]
+        # sort options by (bytes, cost): two stable passes
+        for j in range(k):
+            key[j] = cost[i, j]
+        o1 = np.argsort(key[:k], kind="mergesort")
+        for t in range(k):
+            key[t] = float(nbytes[i, o1[t]])
+        o2 = np.argsort(key[:k], kind="mergesort")
+        for t in range(k):
+            idx[t] = o1[o2[t]]
+        # Pareto front (strictly decreasing cost) + lower convex hull
+        h = 0
+        for t in range(k):
+            j = idx[t]
+            b = float(nbytes[i, j])
+            c = cost[i, j]
+            if h > 0 and c >= hc[h - 1]:
+                continue  # dominated: more bytes, no less cost
+            while h >= 2:
+                x1 = hb[h - 2]
+                y1 = hc[h - 2]
+                x2 = hb[h - 1]
+                y2 = hc[h - 1]
+                # drop the middle point if it lies on/above the chord
+                if (y2 - y1) * (b - x1) >= (c - y1) * (x2 - x1):
+                    h -= 1
+                else:
+                    break
+            hb[h] = b
+            hc[h] = c
+            h += 1
+        base_b += hb[0]
+        base_c += hc[0]
+        for t in range(1, h):
+            db = hb[t] - hb[t - 1]
+            dc = hc[t - 1] - hc[t]
+            seg_db[nseg] = db
+            seg_dc[nseg] = dc
+            seg_eff[nseg] = dc / db
+            nseg += 1
+    fb = float(budget)
+    if base_b > fb:
+        return np.inf
+    rem = fb - base_b
+    val = base_c
+    order = np.argsort(-seg_eff[:nseg], kind="mergesort")
+    for t in range(nseg):
+        g = order[t]
+        if seg_db[g] <= rem:
+            rem -= seg_db[g]
+            val -= seg_dc[g]
+        else:
+            val -= seg_eff[g] * rem
+            break
+    return val
+
+
+# ───────────────────────────── packing cores ─────────────────────────────
+
+@njit
+def quantize_groups_sym(x, bits, group):
+    """Symmetric quantisation with one scale per ``group`` values of a row.
+
+    Row ``i`` is cut into ``ceil(cols / group)`` consecutive groups (the last
+    may be short).  ``levels = max(2**(bits-1) - 1, 1)``, ``scale = amax /
+    levels`` (1.0 when ``amax < 1e-20``), ``code = clamp(round_half_away(x /
+    scale), -levels, levels)``.  ``group = cols`` is per-channel (per-row).
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+    bits : int
+        2..8.
+    group : int
+        Group length along a row (``>= 1``).
+
+    Returns
+    -------
+    codes : ndarray of shape (rows, cols), int8
+    scales : ndarray of shape (rows, ceil(cols / group)), float32
+    """
+    rows, cols = x.shape
+    ng = (cols + group - 1) // group
+    levels = max((1 << (bits - 1)) - 1, 1)
+    flev = np.float32(levels)
+    codes = np.empty((rows, cols), dtype=np.int8)
+    scales = np.empty((rows, ng), dtype=np.float32)
+    for i in range(rows):
+        for g in range(ng):
+            lo = g * group
+            hi = min(lo + group, cols)
+            amax = np.float32(0.0)
+            for j in range(lo, hi):
+                a = abs(x[i, j])
+                if a > amax:
+                    amax = a
+            sc = amax / flev if amax >= np.float32(1e-20) else np.float32(1.0)
+            scales[i, g] = sc
+            for j in range(lo, hi):
+                v = x[i, j] / sc
+                r = np.floor(abs(v) + np.float32(0.5))
+                if v < 0:
+                    r = -r
+                if r > flev:
+                    r = flev
+                elif r < -flev:
+                    r = -flev
+                codes[i, j] = np.int8(r)
+    return codes, scales
+
+
+@njit
+def dequantize_groups(codes, scales, group):
+    """Inverse of :func:`quantize_groups_sym`: ``codes * scale`` in float32.
+
+    Parameters
+    ----------
+    codes : ndarray of shape (rows, cols), int8
+    scales : ndarray of shape (rows, ceil(cols / group)), float32
+    group : int
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), float32
+    """
+    rows, cols = codes.shape
+    out = np.empty((rows, cols), dtype=np.float32)
+    for i in range(rows):
+        for j in range(cols):
+            out[i, j] = np.float32(codes[i, j]) * scales[i, j // group]
+    return out
+
+
+@njit
+def pack_nibbles(codes):
+    """Pack int4 codes (two's complement, in [-8, 7]) two per byte, per row.
+
+    Column ``2t`` goes to the low nibble of byte ``t``, column ``2t+1`` to the
+    high nibble; an odd last column leaves the high nibble zero.
+
+    Parameters
+    ----------
+    codes : ndarray of shape (rows, cols), int8
+
+    Returns
+    -------
+    ndarray of shape (rows, ceil(cols / 2)), uint8
+    """
+    rows, cols = codes.shape
+    nb = (cols + 1) // 2
+    out = np.zeros((rows, nb), dtype=np.uint8)
+    for i in range(rows):
+        for j in range(cols):
+            v = np.int64(codes[i, j]) & 0xF
+            out[i, j >> 1] |= np.uint8(v << (4 * (j & 1)))
+    return out
+
+
+@njit
+def unpack_nibbles(packed, cols):
+    """Inverse of :func:`pack_nibbles`.
+
+    Parameters
+    ----------
+    packed : ndarray of shape (rows, ceil(cols / 2)), uint8
+    cols : int
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), int8
+    """
+    rows = packed.shape[0]
+    out = np.empty((rows, cols), dtype=np.int8)
+    for i in range(rows):
+        for j in range(cols):
+            v = (np.int64(packed[i, j >> 1]) >> (4 * (j & 1))) & 0xF
+            if v >= 8:
+                v -= 16
+            out[i, j] = np.int8(v)
+    return out
+
+
+@njit
+def pack_crumbs(vals):
+    """Pack 2-bit values (0..3) four per byte, per row (value ``4t+q`` in bits
+    ``2q..2q+1`` of byte ``t``).
+
+    Parameters
+    ----------
+    vals : ndarray of shape (rows, n), uint8, each in 0..3
+
+    Returns
+    -------
+    ndarray of shape (rows, ceil(n / 4)), uint8
+    """
+    rows, n = vals.shape
+    nb = (n + 3) // 4
+    out = np.zeros((rows, nb), dtype=np.uint8)
+    for i in range(rows):
+        for j in range(n):
+            v = np.int64(vals[i, j]) & 3
+            out[i, j >> 2] |= np.uint8(v << (2 * (j & 3)))
+    return out
+
+
+@njit
+def unpack_crumbs(packed, n):
+    """Inverse of :func:`pack_crumbs`.
+
+    Parameters
+    ----------
+    packed : ndarray of shape (rows, ceil(n / 4)), uint8
+    n : int
+
+    Returns
+    -------
+    ndarray of shape (rows, n), uint8 in 0..3
+    """
+    rows = packed.shape[0]
+    out = np.empty((rows, n), dtype=np.uint8)
+    for i in range(rows):
+        for j in range(n):
+            out[i, j] = np.uint8((np.int64(packed[i, j >> 2]) >> (2 * (j & 3))) & 3)
+    return out
+
+
+@njit
+def nm_prune(x, n, m):
+    """N:M structured pruning along each row: the kept values and their slots.
+
+    Every row is cut into groups of ``m`` consecutive values (the last may be
+    short); in each group the ``n`` largest ``|v|`` are kept (ties keep the
+    lower index), all of a group shorter than ``n``.  Kept values are stored in
+    increasing column order with their position inside the group.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32
+    n, m : int
+        ``1 <= n <= m <= 256``.
+
+    Returns
+    -------
+    values : ndarray of shape (rows, nv), float32
+    slots : ndarray of shape (rows, nv), uint8
+        Position of each kept value inside its group (``0..m-1``).
+        ``nv = n * (cols // m) + min(n, cols % m)``.
+    """
+    rows, cols = x.shape
+    full = cols // m
+    tail = cols - full * m
+    nv = n * full + min(n, tail)
+    values = np.empty((rows, nv), dtype=np.float32)
+    slots = np.empty((rows, nv), dtype=np.uint8)
+    keep = np.zeros(m, dtype=np.bool_)
+    for i in range(rows):
+        t = 0
+        for lo in range(0, cols, m):
+            ln = min(m, cols - lo)
+            kn = min(n, ln)
+            for q in range(ln):
+                keep[q] = False
+            for _ in range(kn):
+                bq = -1
+                bv = np.float32(0.0)
+                for q in range(ln):
+                    if keep[q]:
+                        continue
+                    a = abs(x[i, lo + q])
+                    if bq < 0 or a > bv:
+                        bq = q
+                        bv = a
+                keep[bq] = True
+            for q in range(ln):
+                if keep[q]:
+                    values[i, t] = x[i, lo + q]
+                    slots[i, t] = np.uint8(q)
+                    t += 1
+    return values, slots
+
+
+@njit
+def nm_unprune(values, slots, cols, n, m):
+    """Scatter :func:`nm_prune` output back to a dense ``[rows, cols]`` float32.
+
+    Parameters
+    ----------
+    values : ndarray of shape (rows, nv), float32
+    slots : ndarray of shape (rows, nv), uint8
+    cols, n, m : int
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), float32
+    """
+    rows = values.shape[0]
+    out = np.zeros((rows, cols), dtype=np.float32)
+    for i in range(rows):
+        t = 0
+        for lo in range(0, cols, m):
+            kn = min(n, cols - lo)
+            for _ in range(kn):
+                out[i, lo + slots[i, t]] = values[i, t]
+                t += 1
+    return out
+
+
+@njit
+def ternary_twn(x):
+    """Ternary weight network codes (Li & Liu 2016), one scale per tensor.
+
+    ``delta = 0.7 * mean|x|``, ``alpha = mean of |x| over |x| > delta``
+    (0 when nothing passes), codes ``+1`` where ``x > delta``, ``-1`` where
+    ``x < -delta``, else 0.  Sums are accumulated in float64.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32
+
+    Returns
+    -------
+    codes : ndarray of shape (rows, cols), int8 in {-1, 0, 1}
+    alpha : float32
+    """
+    rows, cols = x.shape
+    tot = 0.0
+    for i in range(rows):
+        for j in range(cols):
+            tot += abs(x[i, j])
+    delta = np.float32(0.7 * tot / (rows * cols))
+    s = 0.0
+    cnt = 0
+    codes = np.zeros((rows, cols), dtype=np.int8)
+    for i in range(rows):
+        for j in range(cols):
+            v = x[i, j]
+            if v > delta:
+                codes[i, j] = 1
+                s += v
+                cnt += 1
+            elif v < -delta:
+                codes[i, j] = -1
+                s -= v
+                cnt += 1
+    alpha = np.float32(s / cnt) if cnt > 0 else np.float32(0.0)
+    return codes, alpha
+
+
+@njit
+def rel_err_f64(ref, approx):
+    """Relative Frobenius error ``||ref - approx||_F / ||ref||_F`` in float64.
+
+    Sums run in float64 (so the value does not depend on summation order at
+    float32 precision); 0 when ``sum ref**2 < 1e-20`` (the upstream guard).
+
+    Parameters
+    ----------
+    ref, approx : ndarray of shape (rows, cols), float32, C-contiguous
+
+    Returns
+    -------
+    float
+    """
+    num = 0.0
+    den = 0.0
+    rows, cols = ref.shape
+    for i in range(rows):
+        for j in range(cols):
+            a = float(ref[i, j])
+            d = a - float(approx[i, j])
+            num += d * d
+            den += a * a
+    if den < 1e-20:
+        return 0.0
+    return np.sqrt(num / den)

@@ -1,0 +1,872 @@
+"""Per-layer decomposition mining: every compression option, its true error and
+its honest size.
+
+A weight ``w`` is a PyTorch ``Linear`` weight, ``[out_features, in_features]``
+= ``[rows, cols]``, float32; a *channel* is a row.  :func:`profile_layer`
+evaluates each applicable :class:`Decomp` and records a :class:`DecompOption`:
+
+* ``rel_err`` is the true relative Frobenius error of the reconstruction
+  ``approximate(w, decomp)`` (float64 sums, 0 for an all-zero ``w``);
+* ``bytes`` is exactly the total ``nbytes`` of the arrays :func:`pack` returns,
+  i.e. everything a kernel holds at run time (codes, float32 scales, indices,
+  factors);
+* ``flops`` is multiply-adds per input row (one ``x[cols] -> y[rows]`` product).
+
+:func:`approximate` is ``unpack(pack(w, d))``, the same code path
+:func:`profile_layer` measures, so a reported ``rel_err`` can always be
+re-checked.
+
+Packed layouts (all C-contiguous, row = output channel)
+--------------------------------------------------------
+===================  ==========================================================
+label                arrays
+===================  ==========================================================
+``dense``            ``w`` f32 [rows, cols]
+``int8/chan``        ``codes`` i8 [rows, cols]; ``scales`` f32 [rows]
+``int4/chan``        ``codes`` u8 [rows, ceil(cols/2)] (two's-complement nibbles,
+                     even column in the low nibble); ``scales`` f32 [rows]
+``int4/g{g}``        ``codes`` as int4/chan; ``scales`` f32 [rows, ceil(cols/g)]
+                     (groups along the row, the last one may be short)
+``ternary``          ``codes`` u8 [rows, ceil(cols/4)] (2-bit: 0 -> 0, +1 -> 1,
+                     -1 -> 3); ``alpha`` f32 [1]
+``sparse2:4``        ``values`` f32 [rows, nv]; ``indices`` u8 [rows, ceil(nv/4)]
+                     (2-bit slot inside each group of 4), ``nv = 2*(cols//4) +
+                     min(2, cols%4)``
+``lowrank(r=R)``     ``a`` f32 [rows, R] (= U); ``b`` f32 [R, cols] (= S Vt)
+``monarch``          ``w1``, ``w2`` f32 [m, m, m] (``rows = cols = m*m``)
+``tucker(...)``      ``core`` f32 [r0, r1, r2]; ``u0`` [d0, r0], ``u1`` [d1, r1],
+                     ``u2`` [d2, r2]  (view ``w.reshape(d0, d1, d2)``, d0 = rows)
+``tt(...)``          ``core0`` .. ``core{n-1}`` f32 [r_prev, d_k, r_next]
+                     (view ``w.reshape(*modes)``)
+===================  ==========================================================
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._validation import as_matrix, check_int
+from .kernels._dado import (
+    dequantize_groups,
+    nm_prune,
+    nm_unprune,
+    pack_crumbs,
+    pack_nibbles,
+    quantize_groups_sym,
+    rel_err_f64,
+    ternary_twn,
+    unpack_crumbs,
+    unpack_nibbles,
+)
+
+__all__ = [
+    "Decomp",
+    "DecompOption",
+    "LayerProfile",
+    "QuantStat",
+    "profile_layer",
+    "approximate",
+    "pack",
+    "unpack",
+    "packed_bytes",
+    "quant_stat",
+    "parse_layer_kind",
+    "balanced_factor",
+]
+
+_KINDS = ("dense", "int8", "int4", "int4g", "ternary", "sparse24", "lowrank",
+          "monarch", "tucker", "tt")
+
+
+def _tuple_of_ints(v, name):
+    try:
+        t = tuple(int(x) for x in v)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of ints; got {v!r}.") from None
+    if not t or any(x < 1 for x in t):
+        raise ValueError(f"{name} must be non-empty positive ints; got {v!r}.")
+    return t
+
+
+@dataclass(frozen=True)
+class Decomp:
+    """One compression choice for a weight (frozen, hashable, JSON-able).
+
+    Build it with the class-method constructors: ``Decomp.dense()``,
+    ``Decomp.int8()``, ``Decomp.int4()``, ``Decomp.int4(group=128)``,
+    ``Decomp.ternary()``, ``Decomp.sparse24()``, ``Decomp.lowrank(12)``,
+    ``Decomp.monarch()``, ``Decomp.tucker((1024, 48, 64), (32, 24, 32))``,
+    ``Decomp.tt((32, 32, 48, 64), 16)``; or from ``Decomp.from_label(s)`` /
+    ``Decomp.from_dict(d)``.
+
+    Attributes
+    ----------
+    kind : str
+        One of ``dense, int8, int4, int4g, ternary, sparse24, lowrank,
+        monarch, tucker, tt``.
+    r : int or None
+        Low-rank rank.
+    group : int or None
+        Group length along a row (``int4g``).
+    dims, ranks : tuple of int or None
+        Tucker view ``(rows, c1, c2)`` and multilinear ranks.
+    modes : tuple of int or None
+        TT mode sizes (their product is ``rows * cols``; leading modes
+        multiply to ``rows``).
+    cap : int or None
+        TT bond-rank cap.
+    svd_rank, seed : int
+        How a low-rank option is computed: the leading ``r`` triplets of one
+        ``truncated_svd(w, svd_rank, seed)`` (``svd_rank=None`` means ``r``).
+        Provenance only: not part of equality, hash or label.
+    """
+
+    kind: str
+    r: int | None = None
+    group: int | None = None
+    dims: tuple | None = None
+    ranks: tuple | None = None
+    modes: tuple | None = None
+    cap: int | None = None
+    svd_rank: int | None = field(default=None, compare=False)
+    seed: int = field(default=0, compare=False)
+
+    def __post_init__(self):
+        if self.kind not in _KINDS:
+            raise ValueError(f"Decomp kind must be one of {_KINDS}; got {self.kind!r}.")
+        need = {"lowrank": ("r",), "int4g": ("group",), "tucker": ("dims", "ranks"),
+                "tt": ("modes", "cap")}.get(self.kind, ())
+        for f in ("r", "group", "dims", "ranks", "modes", "cap"):
+            v = getattr(self, f)
+            if f in need and v is None:
+                raise ValueError(f"Decomp kind {self.kind!r} needs {f!r}.")
+            if f not in need and v is not None:
+                raise ValueError(f"Decomp kind {self.kind!r} takes no {f!r}; got {v!r}.")
+        for f in ("r", "group", "cap"):
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, check_int(getattr(self, f), f, 1))
+        for f in ("dims", "ranks", "modes"):
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, _tuple_of_ints(getattr(self, f), f))
+        if self.kind == "tucker":
+            if len(self.dims) != 3 or len(self.ranks) != 3:
+                raise ValueError(f"Tucker needs 3 dims and 3 ranks; got dims={self.dims}, "
+                                 f"ranks={self.ranks}.")
+            if any(r > d for r, d in zip(self.ranks, self.dims)):
+                raise ValueError(f"Tucker ranks must be <= dims; got dims={self.dims}, "
+                                 f"ranks={self.ranks}.")
+        if self.kind == "tt" and len(self.modes) < 2:
+            raise ValueError(f"TT needs at least 2 modes; got {self.modes}.")
+        if self.svd_rank is not None:
+            object.__setattr__(self, "svd_rank", check_int(self.svd_rank, "svd_rank", 1))
+        object.__setattr__(self, "seed", check_int(self.seed, "seed", 0))
+
+    # -- constructors ------------------------------------------------------
+    @classmethod
+    def dense(cls):
+        """Full float32 weights."""
+        return cls("dense")
+
+    @classmethod
+    def int8(cls):
+        """Symmetric int8, one float32 scale per row (output channel)."""
+        return cls("int8")
+
+    @classmethod
+    def int4(cls, group=None):
+        """Symmetric int4, nibble-packed; one scale per row, or per ``group``
+        consecutive values of a row when ``group`` is given."""
+        return cls("int4") if group is None else cls("int4g", group=group)
+
+    @classmethod
+    def ternary(cls):
+        """TWN ternary ``alpha * {-1, 0, +1}``, 2-bit codes, one float32 alpha."""
+        return cls("ternary")
+
+    @classmethod
+    def sparse24(cls):
+        """2:4 structured sparsity along each row (keep 2 of every 4)."""
+        return cls("sparse24")
+
+    @classmethod
+    def lowrank(cls, r, *, svd_rank=None, seed=0):
+        """``W ~ A B`` with ``A = U[:, :r]``, ``B = diag(S[:r]) Vt[:r]``."""
+        return cls("lowrank", r=r, svd_rank=svd_rank, seed=seed)
+
+    @classmethod
+    def monarch(cls):
+        """Monarch factors (square weights with a perfect-square side)."""
+        return cls("monarch")
+
+    @classmethod
+    def tucker(cls, dims, ranks):
+        """3-way HOSVD Tucker of the view ``w.reshape(dims)``."""
+        return cls("tucker", dims=dims, ranks=ranks)
+
+    @classmethod
+    def tt(cls, modes, cap):
+        """TT-SVD of the view ``w.reshape(modes)`` with bond ranks ``<= cap``."""
+        return cls("tt", modes=modes, cap=cap)
+
+    # -- naming ------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        """Stable short name, e.g. ``int4/g128``, ``lowrank(r=12)``,
+        ``tucker(1024x48x64->32,24,32)``, ``tt(32x32x48x64,cap=16)``."""
+        k = self.kind
+        if k == "dense":
+            return "dense"
+        if k == "int8":
+            return "int8/chan"
+        if k == "int4":
+            return "int4/chan"
+        if k == "int4g":
+            return f"int4/g{self.group}"
+        if k == "ternary":
+            return "ternary"
+        if k == "sparse24":
+            return "sparse2:4"
+        if k == "lowrank":
+            return f"lowrank(r={self.r})"
+        if k == "monarch":
+            return "monarch"
+        if k == "tucker":
+            return ("tucker(" + "x".join(map(str, self.dims)) + "->"
+                    + ",".join(map(str, self.ranks)) + ")")
+        return "tt(" + "x".join(map(str, self.modes)) + f",cap={self.cap})"
+
+    def __str__(self):
+        return self.label
+
+    _LABEL_RES = (
+        (re.compile(r"^int4/g(\d+)$"), lambda m: Decomp.int4(int(m[1]))),
+        (re.compile(r"^lowrank\(r=(\d+)\)$"), lambda m: Decomp.lowrank(int(m[1]))),
+        (re.compile(r"^tucker\((\d+)x(\d+)x(\d+)->(\d+),(\d+),(\d+)\)$"),
+         lambda m: Decomp.tucker(tuple(map(int, m.groups()[:3])),
+                                 tuple(map(int, m.groups()[3:])))),
+        (re.compile(r"^tt\((\d+(?:x\d+)+),cap=(\d+)\)$"),
+         lambda m: Decomp.tt(tuple(map(int, m[1].split("x"))), int(m[2]))),
+    )
+
+    @classmethod
+    def from_label(cls, s: str) -> "Decomp":
+        """Inverse of :attr:`label` (provenance fields take their defaults)."""
+        simple = {"dense": "dense", "int8/chan": "int8", "int4/chan": "int4",
+                  "ternary": "ternary", "sparse2:4": "sparse24", "monarch": "monarch"}
+        if not isinstance(s, str):
+            raise TypeError(f"label must be a str; got {type(s).__name__}.")
+        if s in simple:
+            return cls(simple[s])
+        for rx, make in cls._LABEL_RES:
+            m = rx.match(s)
+            if m:
+                return make(m)
+        raise ValueError(f"unknown decomposition label {s!r}; expected e.g. 'dense', "
+                         f"'int8/chan', 'int4/g128', 'lowrank(r=12)', "
+                         f"'tucker(64x8x8->32,4,4)', 'tt(8x8x8x8,cap=16)'.")
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict: ``kind``, ``label`` and the kind's parameters."""
+        d = {"kind": self.kind, "label": self.label}
+        for f in ("r", "group", "cap"):
+            if getattr(self, f) is not None:
+                d[f] = getattr(self, f)
+        for f in ("dims", "ranks", "modes"):
+            if getattr(self, f) is not None:
+                d[f] = list(getattr(self, f))
+        if self.kind == "lowrank":
+            d["svd_rank"] = self.svd_rank
+            d["seed"] = self.seed
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Decomp":
+        """Inverse of :meth:`to_dict` (``label`` is ignored if present)."""
+        if not isinstance(d, dict) or "kind" not in d:
+            raise ValueError(f"Decomp.from_dict needs a dict with a 'kind' key; got {d!r}.")
+        kw = {k: v for k, v in d.items() if k != "label"}
+        for f in ("dims", "ranks", "modes"):
+            if kw.get(f) is not None:
+                kw[f] = tuple(kw[f])
+        if kw.get("seed") is None:
+            kw.pop("seed", None)
+        try:
+            return cls(**kw)
+        except TypeError as exc:
+            raise ValueError(f"bad Decomp dict {d!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class DecompOption:
+    """One measured option: decomposition, true error, honest bytes, MACs/row."""
+
+    decomp: Decomp
+    rel_err: float
+    bytes: int
+    flops: int
+
+    @property
+    def label(self) -> str:
+        return self.decomp.label
+
+    def to_dict(self) -> dict:
+        return {"decomp": self.decomp.to_dict(), "label": self.decomp.label,
+                "rel_err": float(self.rel_err), "bytes": int(self.bytes),
+                "flops": int(self.flops)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecompOption":
+        return cls(Decomp.from_dict(d["decomp"]), float(d["rel_err"]), int(d["bytes"]),
+                   int(d["flops"]))
+
+
+@dataclass
+class LayerProfile:
+    """Every applicable option of one weight.
+
+    Attributes
+    ----------
+    name : str
+    rows, cols : int
+        ``[out_features, in_features]``.
+    dense_bytes : int
+        ``4 * rows * cols``.
+    options : list of DecompOption
+        ``options[0]`` is dense.
+    timings : dict of str -> float
+        Seconds spent per part of :func:`profile_layer` (``quant``,
+        ``ternary``, ``sparse``, ``svd``, ``lowrank``, ``monarch``,
+        ``tucker``, ``tt``).
+    """
+
+    name: str
+    rows: int
+    cols: int
+    dense_bytes: int
+    options: list
+    timings: dict = field(default_factory=dict)
+
+    def dense(self) -> DecompOption:
+        """The dense baseline (``options[0]``)."""
+        return self.options[0]
+
+    def best_within(self, err_budget: float) -> DecompOption:
+        """Fewest bytes among options with ``rel_err <= err_budget`` (first
+        wins ties); the dense option when none qualifies."""
+        best = None
+        for o in self.options:
+            if o.rel_err <= err_budget and (best is None or o.bytes < best.bytes):
+                best = o
+        return self.options[0] if best is None else best
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "rows": int(self.rows), "cols": int(self.cols),
+                "dense_bytes": int(self.dense_bytes),
+                "options": [o.to_dict() for o in self.options],
+                "timings": {k: float(v) for k, v in self.timings.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LayerProfile":
+        return cls(str(d["name"]), int(d["rows"]), int(d["cols"]), int(d["dense_bytes"]),
+                   [DecompOption.from_dict(o) for o in d["options"]],
+                   {k: float(v) for k, v in d.get("timings", {}).items()})
+
+
+# ───────────────────────────── shapes and sizes ─────────────────────────────
+
+def balanced_factor(n: int) -> tuple:
+    """``(a, n // a)`` with ``a`` the largest divisor of ``n`` that is
+    ``<= sqrt(n)`` (``(1, n)`` for primes and 1)."""
+    a = max(math.isqrt(n), 1)
+    while a > 1 and n % a:
+        a -= 1
+    return a, n // a
+
+
+def _tt_ranks(modes, cap):
+    """Bond ranks TT-SVD produces: ``r_k = clamp(cap, 1, min(r_{k-1} d_k,
+    prod(d_{k+1:})))``."""
+    ranks = []
+    rp = 1
+    for k in range(len(modes) - 1):
+        rows = rp * modes[k]
+        cols = int(np.prod(modes[k + 1:]))
+        rk = max(1, min(cap, rows, cols))
+        ranks.append(rk)
+        rp = rk
+    return ranks
+
+
+def _tt_params(modes, cap):
+    bond = [1] + _tt_ranks(modes, cap) + [1]
+    return sum(bond[k] * modes[k] * bond[k + 1] for k in range(len(modes)))
+
+
+def _tt_flops(modes, cap, rows):
+    """MACs to apply the TT operator to one input vector: contract the input
+    modes right to left, then expand the output modes."""
+    bond = [1] + _tt_ranks(modes, cap) + [1]
+    n = len(modes)
+    split = next((k for k in range(1, n) if int(np.prod(modes[:k])) == rows), None)
+    if split is None:
+        return _tt_params(modes, cap)
+    fl = 0
+    for t in range(n - 1, split - 1, -1):  # input cores
+        fl += int(np.prod(modes[split:t + 1])) * bond[t] * bond[t + 1]
+    for t in range(split - 1, -1, -1):      # output cores
+        fl += bond[t] * bond[t + 1] * int(np.prod(modes[t:split]))
+    return fl
+
+
+def _check_applicable(rows, cols, d: Decomp):
+    k = d.kind
+    if k == "lowrank":
+        if d.r > min(rows, cols):
+            raise ValueError(f"lowrank r must be <= min(rows, cols) = {min(rows, cols)}; "
+                             f"got r={d.r}.")
+        if d.svd_rank is not None and not d.r <= d.svd_rank <= min(rows, cols):
+            raise ValueError(f"lowrank svd_rank must lie in [r, min(rows, cols)] = "
+                             f"[{d.r}, {min(rows, cols)}]; got {d.svd_rank}.")
+    elif k == "monarch":
+        m = math.isqrt(rows)
+        if rows != cols or m * m != rows:
+            raise ValueError(f"monarch needs a square weight with a perfect-square side; "
+                             f"got {rows}x{cols}.")
+    elif k == "tucker":
+        if d.dims[0] != rows or d.dims[1] * d.dims[2] != cols:
+            raise ValueError(f"tucker dims must be (rows, c1, c2) with c1*c2 = cols for a "
+                             f"{rows}x{cols} weight; got {d.dims}.")
+    elif k == "tt":
+        if int(np.prod(d.modes)) != rows * cols:
+            raise ValueError(f"tt modes must multiply to rows*cols = {rows * cols}; got "
+                             f"{d.modes}.")
+
+
+def packed_bytes(rows: int, cols: int, d: Decomp) -> int:
+    """Bytes of :func:`pack` for a ``[rows, cols]`` weight, without packing.
+
+    Equals ``sum(a.nbytes for a in pack(w, d).values())``.
+    """
+    _check_applicable(rows, cols, d)
+    n = rows * cols
+    k = d.kind
+    if k == "dense":
+        return 4 * n
+    if k == "int8":
+        return n + 4 * rows
+    if k == "int4":
+        return rows * ((cols + 1) // 2) + 4 * rows
+    if k == "int4g":
+        return rows * ((cols + 1) // 2) + 4 * rows * (-(-cols // d.group))
+    if k == "ternary":
+        return rows * ((cols + 3) // 4) + 4
+    if k == "sparse24":
+        nv = 2 * (cols // 4) + min(2, cols % 4)
+        return rows * (4 * nv + (nv + 3) // 4)
+    if k == "lowrank":
+        return 4 * (rows + cols) * d.r
+    if k == "monarch":
+        m = math.isqrt(rows)
+        return 8 * m ** 3
+    if k == "tucker":
+        r0, r1, r2 = d.ranks
+        return 4 * (r0 * r1 * r2 + sum(a * b for a, b in zip(d.dims, d.ranks)))
+    return 4 * _tt_params(d.modes, d.cap)
+
+
+def _flops(rows, cols, d: Decomp) -> int:
+    n = rows * cols
+    k = d.kind
+    if k in ("dense", "int8", "int4", "int4g"):
+        return n
+    if k == "ternary":
+        return n // 2  # upstream: adds/subtracts only, counted as half a MAC
+    if k == "sparse24":
+        return rows * (2 * (cols // 4) + min(2, cols % 4))
+    if k == "lowrank":
+        return (rows + cols) * d.r
+    if k == "monarch":
+        return 2 * math.isqrt(rows) ** 3
+    if k == "tucker":
+        (d0, d1, d2), (r0, r1, r2) = d.dims, d.ranks
+        return d1 * d2 * r2 + d1 * r1 * r2 + r0 * r1 * r2 + d0 * r0
+    return _tt_flops(d.modes, d.cap, rows)
+
+
+# ───────────────────────────── pack / unpack ─────────────────────────────
+
+def _kern():
+    from . import kernels
+    return kernels
+
+
+def _pack(w, d: Decomp, svd=None):
+    """Pack a validated ``w``; ``svd`` optionally supplies ``(U, S, Vt)``."""
+    rows, cols = w.shape
+    k = d.kind
+    if k == "dense":
+        return {"w": w.copy()}
+    if k in ("int8", "int4", "int4g"):
+        bits = 8 if k == "int8" else 4
+        group = d.group if k == "int4g" else cols
+        codes, scales = quantize_groups_sym(w, bits, group)
+        if k != "int4g":
+            scales = np.ascontiguousarray(scales[:, 0])
+        if bits == 4:
+            codes = pack_nibbles(codes)
+        return {"codes": codes, "scales": scales}
+    if k == "ternary":
+        codes, alpha = ternary_twn(w)
+        crumbs = (codes.view(np.uint8) & np.uint8(3))  # -1 -> 3, 0 -> 0, 1 -> 1
+        return {"codes": pack_crumbs(np.ascontiguousarray(crumbs)),
+                "alpha": np.array([alpha], dtype=np.float32)}
+    if k == "sparse24":
+        values, slots = nm_prune(w, 2, 4)
+        return {"values": values, "indices": pack_crumbs(slots)}
+    if k == "lowrank":
+        if svd is None:
+            rr = d.svd_rank or d.r
+            svd = _kern().truncated_svd(w, rr, d.seed)
+        u, s, vt = svd
+        a = np.ascontiguousarray(u[:, :d.r], dtype=np.float32)
+        b = np.ascontiguousarray(s[:d.r, None] * vt[:d.r], dtype=np.float32)
+        return {"a": a, "b": b}
+    if k == "monarch":
+        w1, w2 = _kern().monarch_project(w)
+        return {"w1": np.ascontiguousarray(w1, dtype=np.float32),
+                "w2": np.ascontiguousarray(w2, dtype=np.float32)}
+    if k == "tucker":
+        x3 = np.ascontiguousarray(w.reshape(d.dims))
+        core, facs = _kern().tucker_hosvd(x3, np.asarray(d.ranks, dtype=np.int64))
+        out = {"core": np.ascontiguousarray(core, dtype=np.float32)}
+        for i, u in enumerate(facs):
+            out[f"u{i}"] = np.ascontiguousarray(u, dtype=np.float32)
+        return out
+    cores = _kern().tt_svd(np.ascontiguousarray(w.reshape(-1)),
+                           np.asarray(d.modes, dtype=np.int64), d.cap)
+    return {f"core{i}": np.ascontiguousarray(c, dtype=np.float32)
+            for i, c in enumerate(cores)}
+
+
+def unpack(packed: dict, d: Decomp, shape) -> np.ndarray:
+    """Dense ``[rows, cols]`` float32 reconstruction from :func:`pack` arrays.
+
+    Parameters
+    ----------
+    packed : dict of str -> ndarray
+        As returned by :func:`pack` for the same ``d``.
+    d : Decomp
+    shape : tuple of int
+        ``(rows, cols)`` of the original weight.
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), float32, C-contiguous
+    """
+    rows, cols = (int(shape[0]), int(shape[1]))
+    k = d.kind
+    if k == "dense":
+        out = packed["w"]
+    elif k == "int8":
+        out = dequantize_groups(packed["codes"], packed["scales"].reshape(rows, 1), cols)
+    elif k in ("int4", "int4g"):
+        codes = unpack_nibbles(packed["codes"], cols)
+        group = d.group if k == "int4g" else cols
+        out = dequantize_groups(codes, packed["scales"].reshape(rows, -1), group)
+    elif k == "ternary":
+        c = unpack_crumbs(packed["codes"], cols).astype(np.int8)
+        c[c == 3] = -1
+        out = c.astype(np.float32) * packed["alpha"][0]
+    elif k == "sparse24":
+        nv = packed["values"].shape[1]
+        out = nm_unprune(packed["values"], unpack_crumbs(packed["indices"], nv), cols, 2, 4)
+    elif k == "lowrank":
+        out = packed["a"] @ packed["b"]
+    elif k == "monarch":
+        out = _kern().monarch_reconstruct(packed["w1"], packed["w2"])
+    elif k == "tucker":
+        facs = (packed["u0"], packed["u1"], packed["u2"])
+        out = _kern().tucker_reconstruct(packed["core"], facs).reshape(rows, cols)
+    else:
+        cores = [packed[f"core{i}"] for i in range(len(d.modes))]
+        out = _kern().tt_reconstruct(_as_core_list(cores)).reshape(rows, cols)
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def _as_core_list(cores):
+    try:
+        from numba.typed import List
+        lst = List()
+        for c in cores:
+            lst.append(c)
+        return lst
+    except Exception:  # pragma: no cover - plain list accepted by the core
+        return list(cores)
+
+
+def pack(w, decomp: Decomp) -> dict:
+    """The arrays a kernel would hold for ``decomp`` of ``w`` (see the module
+    docstring for every layout).
+
+    Parameters
+    ----------
+    w : array_like of shape (rows, cols)
+        ``[out_features, in_features]``; converted to float32, must be finite.
+    decomp : Decomp
+
+    Returns
+    -------
+    dict of str -> ndarray
+        Their total ``nbytes`` is the option's ``bytes``.
+    """
+    w = as_matrix(w, "w")
+    if not isinstance(decomp, Decomp):
+        raise TypeError(f"decomp must be a Decomp; got {type(decomp).__name__}. "
+                        f"Use e.g. Decomp.int8() or Decomp.from_label('int8/chan').")
+    _check_applicable(*w.shape, decomp)
+    return _pack(w, decomp)
+
+
+def approximate(w, decomp: Decomp) -> np.ndarray:
+    """``unpack(pack(w, decomp))``: the weight the compressed kernel computes with.
+
+    Parameters
+    ----------
+    w : array_like of shape (rows, cols)
+        ``[out_features, in_features]``.
+    decomp : Decomp
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), float32
+    """
+    w = as_matrix(w, "w")
+    return unpack(pack(w, decomp), decomp, w.shape)
+
+
+# ───────────────────────────── profiling ─────────────────────────────
+
+def _nbytes(packed):
+    return int(sum(a.nbytes for a in packed.values()))
+
+
+def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0) -> LayerProfile:
+    """Measure every applicable compression option of one weight.
+
+    Options, in order: dense; int8/chan; int4/chan; int4/g{g} for each ``g``
+    in ``groups`` with ``cols > g`` (at least two groups; a short last group
+    is packed with its own scale); ternary; sparse2:4; low-rank at the
+    smallest ranks holding 90 / 99 / 99.9 % of the energy of the top
+    ``min(rank_cap, rows, cols)`` singular values (one truncated SVD serves
+    all; deduplicated; only when ``(rows + cols) r < rows cols``); Monarch when
+    square with a perfect-square side; Tucker of the view ``[rows, c1, c2]``
+    (``c1 * c2 = cols`` balanced) with ranks ``(min(rows // 2, 32, cols),
+    c1 // 2, c2 // 2)`` clamped to ``>= 1``, when it compresses; TT over
+    ``[r1, r2, c1, c2]`` (balanced factors of rows and cols, all ``> 1``), bond
+    cap 16, when it compresses.
+
+    Parameters
+    ----------
+    name : str
+    w : array_like of shape (rows, cols)
+        ``[out_features, in_features]`` (PyTorch Linear layout); float16/64
+        are computed in float32; must be finite.
+    rank_cap : int
+        Rank of the one truncated SVD (``>= 1``).
+    groups : sequence of int
+        Group lengths for group-wise int4.
+    seed : int
+        Seed of the truncated SVD sketch.
+
+    Returns
+    -------
+    LayerProfile
+        ``timings`` holds seconds per part.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str; got {type(name).__name__}.")
+    w = as_matrix(w, "w")
+    rank_cap = check_int(rank_cap, "rank_cap", 1)
+    seed = check_int(seed, "seed", 0)
+    gs = []
+    for g in groups:
+        g = check_int(g, "groups[i]", 1)
+        if g not in gs:
+            gs.append(g)
+    rows, cols = w.shape
+    numel = rows * cols
+    opts = []
+    tim = {k: 0.0 for k in ("quant", "ternary", "sparse", "svd", "lowrank", "monarch",
+                            "tucker", "tt")}
+
+    def add(d, part, svd=None):
+        t0 = time.perf_counter()
+        packed = _pack(w, d, svd)
+        recon = unpack(packed, d, w.shape)
+        err = float(rel_err_f64(w, recon))
+        nb = _nbytes(packed)
+        opts.append(DecompOption(d, err, nb, _flops(rows, cols, d)))
+        if part:
+            tim[part] += time.perf_counter() - t0
+
+    add(Decomp.dense(), None)
+    add(Decomp.int8(), "quant")
+    add(Decomp.int4(), "quant")
+    for g in gs:
+        if cols > g:
+            add(Decomp.int4(g), "quant")
+    add(Decomp.ternary(), "ternary")
+    add(Decomp.sparse24(), "sparse")
+
+    rcap = min(rows, cols, rank_cap)
+    ranks = []
+    if (rows + cols) < numel:  # some rank >= 1 can compress
+        t0 = time.perf_counter()
+        u, s, vt = _kern().truncated_svd(w, rcap, seed)
+        tim["svd"] += time.perf_counter() - t0
+        e = np.asarray(s, dtype=np.float64) ** 2
+        cum = np.cumsum(e)
+        energy = max(float(cum[-1]), 1e-30)
+        for frac in (0.90, 0.99, 0.999):
+            hit = np.flatnonzero(cum >= frac * energy)
+            r = int(hit[0]) + 1 if hit.size else rcap
+            r = min(max(r, 1), rcap)
+            if r in ranks or (rows + cols) * r >= numel:
+                continue
+            ranks.append(r)
+            add(Decomp.lowrank(r, svd_rank=rcap, seed=seed), "lowrank", (u, s, vt))
+
+    m = math.isqrt(rows)
+    if rows == cols and m * m == rows and rows > 1:
+        add(Decomp.monarch(), "monarch")
+
+    c1, c2 = balanced_factor(cols)
+    if c1 > 1 and c2 > 1:
+        tr = (max(min(rows // 2, 32, cols), 1), max(c1 // 2, 1), max(c2 // 2, 1))
+        d = Decomp.tucker((rows, c1, c2), tr)
+        if packed_bytes(rows, cols, d) < 4 * numel:
+            add(d, "tucker")
+
+    r1, r2 = balanced_factor(rows)
+    if r1 > 1 and r2 > 1 and c1 > 1 and c2 > 1:
+        d = Decomp.tt((r1, r2, c1, c2), 16)
+        if packed_bytes(rows, cols, d) < 4 * numel:
+            add(d, "tt")
+
+    return LayerProfile(name, rows, cols, 4 * numel, opts, tim)
+
+
+# ───────────────────────────── quant sweep ─────────────────────────────
+
+@dataclass(frozen=True)
+class QuantStat:
+    """Cheap per-weight quantisation metrics (no SVD).
+
+    Attributes
+    ----------
+    name : str
+    layer : int or None
+        Block index parsed by :func:`parse_layer_kind`.
+    kind : str
+        Projection kind parsed by :func:`parse_layer_kind`.
+    numel : int
+    int8_pt : float
+        Per-tensor int8 relative error.
+    int8_pc, int4_pc, int3_pc : float
+        Per-channel (per-row) relative errors.
+    outlier : float
+        Max / upper-median of the column max-abs (``outlier_channels(w, 5.0)``).
+    outlier_count : int
+        Columns whose max-abs exceeds 5x the median.
+    best_bits : int or None
+        First of 3, 4, 6, 8 whose per-channel error is ``< budget``.
+    """
+
+    name: str
+    layer: int | None
+    kind: str
+    numel: int
+    int8_pt: float
+    int8_pc: float
+    int4_pc: float
+    int3_pc: float
+    outlier: float
+    outlier_count: int
+    best_bits: int | None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def quant_stat(name, w, budget) -> QuantStat:
+    """The upstream quant sweep for one weight ``[out, in]``.
+
+    Parameters
+    ----------
+    name : str
+    w : array_like of shape (rows, cols)
+    budget : float
+        Per-channel error ceiling for ``best_bits`` (``> 0``).
+
+    Returns
+    -------
+    QuantStat
+    """
+    from . import probe
+
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str; got {type(name).__name__}.")
+    w = as_matrix(w, "w")
+    b = float(budget)
+    if not math.isfinite(b) or b <= 0:
+        raise ValueError(f"budget must be a finite positive error ceiling; got {budget!r}.")
+    layer, kind = parse_layer_kind(name)
+    cnt, ratio = probe.outlier_channels(w, 5.0)
+    bb = probe.best_bitwidth(w, b)
+    return QuantStat(name=name, layer=layer, kind=kind, numel=int(w.size),
+                     int8_pt=float(probe.quant_error(w, 8)),
+                     int8_pc=float(probe.per_channel_quant_error(w, 8)),
+                     int4_pc=float(probe.per_channel_quant_error(w, 4)),
+                     int3_pc=float(probe.per_channel_quant_error(w, 3)),
+                     outlier=float(ratio), outlier_count=int(cnt),
+                     best_bits=None if bb is None else int(bb))
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blk|blocks|block)\.(\d+)\.(.+)$")
+
+
+def parse_layer_kind(name: str) -> tuple:
+    """Split a checkpoint tensor name into ``(block index or None, kind)``.
+
+    ``kind`` is the dotted path *after* the block index with a trailing
+    ``.weight`` removed, so kinds stay distinct across a block (BERT has three
+    ``...dense`` weights):
+
+    ===============================================  ==================================
+    name                                             result
+    ===============================================  ==================================
+    ``model.layers.3.self_attn.q_proj.weight``       ``(3, "self_attn.q_proj")``
+    ``encoder.layer.0.attention.self.query.weight``  ``(0, "attention.self.query")``
+    ``h.5.attn.c_attn.weight`` (or ``transformer.``)  ``(5, "attn.c_attn")``
+    ``blk.2.attn_q.weight`` (GGUF)                   ``(2, "attn_q")``
+    ``lm_head.weight``                               ``(None, "lm_head")``
+    ===============================================  ==================================
+
+    Block containers recognised: ``layers``, ``layer``, ``h``, ``blk``,
+    ``blocks``, ``block`` followed by an integer.  Without one the index is
+    ``None`` and the kind is the whole name minus ``.weight``.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str; got {type(name).__name__}.")
+    m = _LAYER_RE.search(name)
+    if m:
+        idx, rest = int(m.group(1)), m.group(2)
+    else:
+        idx, rest = None, name
+    if rest.endswith(".weight"):
+        rest = rest[: -len(".weight")]
+    return idx, rest
