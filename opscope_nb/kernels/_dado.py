@@ -311,6 +311,35 @@ def mckp_lp_bound(cost, nbytes, nopt, budget):
 # ───────────────────────────── packing cores ─────────────────────────────
 
 @njit
+def _div_f32(a, b):
+    """Correctly rounded float32 ``a / b`` whatever LLVM does with ``arcp``.
+
+    The package's fastmath set allows ``x / y -> x * (1/y)``, and LLVM may even
+    narrow a float64 quotient back to a float32 one, so a plain division can be
+    one ulp off the IEEE quotient (and move a rounding decision).  We take the
+    fast quotient and pick, among it and its two float32 neighbours, the one
+    with the smallest residual ``|a - q b|``, evaluated exactly in float64
+    (``q b`` of two float32 fits in 53 bits).  A float32 quotient is never an
+    exact midpoint unless exact, so the choice is unique.
+    """
+    a64 = np.float64(a)
+    b64 = np.float64(b)
+    q = np.float32(a64 / b64)
+    best = q
+    res = abs(a64 - np.float64(q) * b64)
+    lo = np.nextafter(q, np.float32(-np.inf))
+    r = abs(a64 - np.float64(lo) * b64)
+    if r < res:
+        best = lo
+        res = r
+    hi = np.nextafter(q, np.float32(np.inf))
+    r = abs(a64 - np.float64(hi) * b64)
+    if r < res:
+        best = hi
+    return best
+
+
+@njit
 def quantize_groups_sym(x, bits, group):
     """Symmetric quantisation with one scale per ``group`` values of a row.
 
@@ -347,10 +376,10 @@ def quantize_groups_sym(x, bits, group):
                 a = abs(x[i, j])
                 if a > amax:
                     amax = a
-            sc = amax / flev if amax >= np.float32(1e-20) else np.float32(1.0)
+            sc = _div_f32(amax, flev) if amax >= np.float32(1e-20) else np.float32(1.0)
             scales[i, g] = sc
             for j in range(lo, hi):
-                v = x[i, j] / sc
+                v = _div_f32(x[i, j], sc)
                 r = np.floor(abs(v) + np.float32(0.5))
                 if v < 0:
                     r = -r
