@@ -201,20 +201,22 @@ class _Problem:
             kmax = max(kmax, len(opts))
         cost = np.zeros((nl, kmax))
         nbytes = np.zeros((nl, kmax), dtype=np.int64)
-        nopt = np.zeros(nl, dtype=np.int64)
-        for i, lp in enumerate(layers):
-            nopt[i] = len(lp.options)
-            for j, o in enumerate(lp.options):
-                e = float(o.rel_err)
-                b = o.bytes
-                if not math.isfinite(e) or e < 0:
-                    raise ValueError(f"layers[{i}].options[{j}].rel_err must be finite "
-                                     f"and >= 0; got {e}.")
-                if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 0:
-                    raise ValueError(f"layers[{i}].options[{j}].bytes must be an int "
-                                     f">= 0; got {b!r}.")
-                cost[i, j] = wts[i] * e
-                nbytes[i, j] = int(b)
+        nopt = np.fromiter((len(lp.options) for lp in layers), dtype=np.int64, count=nl)
+        errs = [o.rel_err for lp in layers for o in lp.options]
+        sizes = [o.bytes for lp in layers for o in lp.options]
+        flat_e = np.asarray(errs, dtype=np.float64)
+        flat_b = np.asarray(sizes)
+        if flat_b.dtype.kind not in "iu" or (flat_b < 0).any():
+            bad = next(v for v in sizes if isinstance(v, bool) or not isinstance(
+                v, numbers.Integral) or v < 0)
+            raise ValueError(f"option bytes must be ints >= 0; got {bad!r}.")
+        if not np.isfinite(flat_e).all() or (flat_e < 0).any():
+            bad = flat_e[~(np.isfinite(flat_e) & (flat_e >= 0))][0]
+            raise ValueError(f"option rel_err must be finite and >= 0; got {bad}.")
+        col = np.concatenate([np.arange(k) for k in nopt])
+        row = np.repeat(np.arange(nl), nopt)
+        cost[row, col] = wts[row] * flat_e
+        nbytes[row, col] = flat_b
         self.layers = layers
         self.weights = wts
         self.cost = cost

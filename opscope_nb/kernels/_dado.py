@@ -183,13 +183,16 @@ def dado_core(cost, nbytes, nopt, budget, init_choice, iters, pop, n_elite,
             tb = np.int64(0)
             for i in range(nl):
                 s = xorshift64_step(s)
-                u = float(s >> np.uint64(11)) * inv53
+                # (s >> 11) < 2**53 fits int64: a single signed conversion
+                u = float(np.int64(s >> np.uint64(11))) * inv53
                 k = nopt[i]
-                c = k - 1
+                # first j with cum >= u == number of cum entries below u
+                # (cum is non-decreasing); branch-free, so no mispredictions
+                c = 0
                 for j in range(k):
-                    if u <= cum[i, j]:
-                        c = j
-                        break
+                    c += cum[i, j] < u
+                if c > k - 1:
+                    c = k - 1
                 samples[q, i] = c
                 err += cost[i, c]
                 tb += nbytes[i, c]
