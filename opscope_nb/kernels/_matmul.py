@@ -1,1 +1,623 @@
-__all__ = []
+"""Matmul ``@njit`` cores: dense reference, sparse-skip, factored, int8.
+
+Layouts (every array C-contiguous):
+
+* activations ``x[m, k]`` (float32) or ``xq[m, k]`` (int8);
+* reference weights ``w[k, n]`` (``y = x @ w``);
+* output-major, weight-stationary weights ``wt[n, k]`` (float32) or
+  ``wtq[n, k]`` (int8) with one float32 scale per output ``scale[n]``;
+* outputs ``y[m, n]`` float32 (int32 for :func:`matmul_i8i8_i32`).
+
+Quantisation (weights per output column, activations per row or per tensor)
+is symmetric: ``scale = amax / 127``, ``code = clamp(round_half_away(v /
+scale), -127, 127)``, and ``scale = 1`` when ``amax < 1e-20``.
+
+Parallelism: decode (``m == 1``) splits the outputs into blocks of four; larger
+``m`` splits the outputs into column blocks and walks the rows of each block
+two at a time, so a weight block is loaded into L1 once and reused by every
+row (register tile 2 rows x 4 outputs).
+
+These cores assume valid input (see each docstring); they only check shape
+agreement, in O(1), with constant messages.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from .._config import njit, njit_parallel
+from ._simd import (F32_CHUNK, I8_CHUNK, f32dot_tile_1x1, f32dot_tile_1x4,
+                    f32dot_tile_2x4, fdiv_strict, i8dot_tile_1x1, i8dot_tile_1x4,
+                    i8dot_tile_2x1, i8dot_tile_2x4, w8dot_tile_1x1,
+                    w8dot_tile_1x4)
+
+__all__ = [
+    "dense_matmul",
+    "sparse_skip_matmul",
+    "factored_matmul",
+    "quant_matmul",
+    "transpose",
+    "quantize_cols_t",
+    "quantize_rows_i8",
+    "quantize_row_i8",
+    "matmul_f32",
+    "matmul_w8a16",
+    "matmul_w8a8",
+    "matmul_i8i8_i32",
+]
+
+#: Outputs per column block (the C of the register tiles).
+_NB = 4
+#: Largest k for which int8 x int8 sums are exact in int32 (k * 127^2 < 2^31).
+I8_MAX_K = 133143
+
+
+# --------------------------------------------------------------------------
+# reference / structured float kernels
+# --------------------------------------------------------------------------
+@njit_parallel
+def dense_matmul(x, w):
+    """Reference dense product ``y[m, n] = x[m, k] @ w[k, n]``.
+
+    Each output accumulates over ``p = 0..k-1`` in order (``y[i, :] +=
+    x[i, p] * w[p, :]``, vectorised along ``n``); rows run in parallel, so the
+    result does not depend on the thread count.
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, k), C-contiguous
+    w : ndarray of float32, shape (k, n), C-contiguous
+
+    Returns
+    -------
+    ndarray of float32, shape (m, n)
+
+    Notes
+    -----
+    No input validation beyond the shape agreement.
+    """
+    m, k = x.shape
+    if w.shape[0] != k:
+        raise ValueError("dense_matmul: x.shape[1] must equal w.shape[0]")
+    n = w.shape[1]
+    y = np.zeros((m, n), dtype=np.float32)
+    for i in prange(m):
+        yi = y[i]
+        for p in range(k):
+            a = x[i, p]
+            wp = w[p]
+            for j in range(n):
+                yi[j] += a * wp[j]
+    return y
+
+
+@njit_parallel
+def sparse_skip_matmul(x, w):
+    """``y[m, n] = x[m, k] @ w[k, n]`` touching only rows ``p`` of ``w`` with
+    ``x[i, p] != 0``.
+
+    Per row, the non-zero positions are gathered first, then each selected
+    weight row is added (``y[i, :] += x[i, p] * w[p, :]``, vectorised along
+    ``n``).  The sums are those of :func:`dense_matmul` in the same order with
+    the zero terms left out, so the result equals the dense one (a skipped
+    term only ever adds ``+-0``).
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, k), C-contiguous
+        Activations, mostly zero for a speed-up (cost ~ nnz(x) * n).
+    w : ndarray of float32, shape (k, n), C-contiguous
+
+    Returns
+    -------
+    ndarray of float32, shape (m, n)
+
+    Notes
+    -----
+    No input validation beyond the shape agreement.
+    """
+    m, k = x.shape
+    if w.shape[0] != k:
+        raise ValueError("sparse_skip_matmul: x.shape[1] must equal w.shape[0]")
+    n = w.shape[1]
+    y = np.zeros((m, n), dtype=np.float32)
+    for i in prange(m):
+        idx = np.empty(k, dtype=np.intp)
+        nnz = 0
+        xi = x[i]
+        for p in range(k):
+            if xi[p] != 0.0:
+                idx[nnz] = p
+                nnz += 1
+        yi = y[i]
+        for t in range(nnz):
+            p = idx[t]
+            a = xi[p]
+            wp = w[p]
+            for j in range(n):
+                yi[j] += a * wp[j]
+    return y
+
+
+@njit
+def factored_matmul(x, u, v):
+    """Low-rank product ``y[m, n] = (x[m, k] @ u[k, r]) @ v[r, n]``.
+
+    Cost ``m * r * (k + n)`` instead of ``m * k * n``; both products use
+    :func:`dense_matmul`.
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, k), C-contiguous
+    u : ndarray of float32, shape (k, r), C-contiguous
+    v : ndarray of float32, shape (r, n), C-contiguous
+
+    Returns
+    -------
+    ndarray of float32, shape (m, n)
+    """
+    if u.shape[0] != x.shape[1] or v.shape[0] != u.shape[1]:
+        raise ValueError("factored_matmul: shapes must chain x[m,k] @ u[k,r] @ v[r,n]")
+    return dense_matmul(dense_matmul(x, u), v)
+
+
+# --------------------------------------------------------------------------
+# quantisers
+# --------------------------------------------------------------------------
+@njit
+def _round_half_away(t):
+    """``sign(t) * floor(|t| + 0.5)`` in the dtype of ``t``."""
+    r = np.floor(np.abs(t) + np.float32(0.5))
+    return -r if t < 0 else r
+
+
+@njit
+def _code(v, scale):
+    """int8 code of ``v``: ``clamp(round_half_away(v / scale), -127, 127)``."""
+    r = _round_half_away(fdiv_strict(v, scale))
+    if r > 127.0:
+        r = np.float32(127.0)
+    elif r < -127.0:
+        r = np.float32(-127.0)
+    return np.int8(r)
+
+
+@njit
+def _scale_of(amax):
+    """``amax / 127`` (exact IEEE division), or 1 for an all-zero block."""
+    if amax < 1e-20:
+        return np.float32(1.0)
+    return np.float32(fdiv_strict(np.float32(amax), np.float32(127.0)))
+
+
+@njit_parallel
+def transpose(w):
+    """``wt[n, k] = w[k, n].T`` as a new C-contiguous array (blocked copy).
+
+    Parameters
+    ----------
+    w : ndarray, shape (k, n), C-contiguous
+
+    Returns
+    -------
+    ndarray, shape (n, k), same dtype, C-contiguous
+    """
+    k, n = w.shape
+    wt = np.empty((n, k), dtype=w.dtype)
+    bs = 64
+    nb = (n + bs - 1) // bs
+    for jb in prange(nb):
+        j0 = jb * bs
+        j1 = min(j0 + bs, n)
+        for p0 in range(0, k, bs):
+            p1 = min(p0 + bs, k)
+            for j in range(j0, j1):
+                for p in range(p0, p1):
+                    wt[j, p] = w[p, j]
+    return wt
+
+
+@njit_parallel
+def quantize_cols_t(w):
+    """Per-output-column int8 quantisation of ``w[k, n]``, stored transposed.
+
+    Parameters
+    ----------
+    w : ndarray of float32, shape (k, n), C-contiguous, finite
+
+    Returns
+    -------
+    wtq : ndarray of int8, shape (n, k)
+        Output-major codes: ``wtq[j, p] = code(w[p, j] / scale[j])``.
+    scale : ndarray of float32, shape (n,)
+        ``amax_j / 127`` over column ``j`` (1 for an all-zero column).
+    """
+    wt = transpose(w)
+    n, k = wt.shape
+    wtq = np.empty((n, k), dtype=np.int8)
+    scale = np.empty(n, dtype=np.float32)
+    for j in prange(n):
+        amax = np.float32(0.0)
+        for p in range(k):
+            a = np.abs(wt[j, p])
+            if a > amax:
+                amax = a
+        s = _scale_of(amax)
+        scale[j] = s
+        for p in range(k):
+            wtq[j, p] = _code(wt[j, p], s)
+    return wtq, scale
+
+
+@njit_parallel
+def quantize_rows_i8(x):
+    """Per-row int8 quantisation (the W8A8 activations).
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, k), C-contiguous, finite
+
+    Returns
+    -------
+    xq : ndarray of int8, shape (m, k)
+    sx : ndarray of float32, shape (m,)
+        ``amax_i / 127`` over row ``i`` (1 for an all-zero row).
+    """
+    m, k = x.shape
+    xq = np.empty((m, k), dtype=np.int8)
+    sx = np.empty(m, dtype=np.float32)
+    for i in prange(m):
+        amax = np.float32(0.0)
+        for p in range(k):
+            a = np.abs(x[i, p])
+            if a > amax:
+                amax = a
+        s = _scale_of(amax)
+        sx[i] = s
+        for p in range(k):
+            xq[i, p] = _code(x[i, p], s)
+    return xq, sx
+
+
+@njit
+def quantize_row_i8(x):
+    """Per-tensor int8 quantisation (one scale for the whole array).
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, k), C-contiguous, finite
+
+    Returns
+    -------
+    xq : ndarray of int8, shape (m, k)
+    s : float32
+        ``amax / 127`` over all of ``x`` (1 for an all-zero array).
+    """
+    m, k = x.shape
+    amax = np.float32(0.0)
+    for i in range(m):
+        for p in range(k):
+            a = np.abs(x[i, p])
+            if a > amax:
+                amax = a
+    s = _scale_of(amax)
+    xq = np.empty((m, k), dtype=np.int8)
+    for i in range(m):
+        for p in range(k):
+            xq[i, p] = _code(x[i, p], s)
+    return xq, s
+
+
+# --------------------------------------------------------------------------
+# float32 and W8A16 weight-stationary kernels
+# --------------------------------------------------------------------------
+@njit
+def _tail_dot(xf, xo, wf, wo, p0, k):
+    """Scalar float32 dot over elements ``p0..k-1`` (a tile's tail); int8
+    codes in ``wf`` are widened exactly."""
+    a = np.float32(0.0)
+    for p in range(p0, k):
+        a += xf[xo + p] * np.float32(wf[wo + p])
+    return a
+
+
+@njit
+def _float_block(xf, m, k, wf, wo, j0, j1, y, scale, use_scale):
+    """Outputs ``j0..j1-1`` (at most 4) of every row of flat ``xf[m, k]``.
+
+    ``wf`` is a flat output-major float32 array whose row ``j`` starts at
+    ``wo + (j - j0) * k``; results are multiplied by ``scale[j]`` when
+    ``use_scale``.  2 x 4 register tiles, a 1 x 4 tile for an odd last row.
+    """
+    nch = k // F32_CHUNK
+    kv = nch * F32_CHUNK
+    c = j1 - j0
+    if c == 4:
+        i = 0
+        while i + 2 <= m:
+            xo = i * k
+            t = f32dot_tile_2x4(xf, xo, k, wf, wo, k, nch)
+            for r in range(2):
+                for q in range(4):
+                    v = t[r * 4 + q]
+                    if kv < k:
+                        v += _tail_dot(xf, xo + r * k, wf, wo + q * k, kv, k)
+                    if use_scale:
+                        v = v * scale[j0 + q]
+                    y[i + r, j0 + q] = v
+            i += 2
+        if i < m:
+            xo = i * k
+            t4 = f32dot_tile_1x4(xf, xo, k, wf, wo, k, nch)
+            for q in range(4):
+                v = t4[q]
+                if kv < k:
+                    v += _tail_dot(xf, xo, wf, wo + q * k, kv, k)
+                if use_scale:
+                    v = v * scale[j0 + q]
+                y[i, j0 + q] = v
+    else:
+        for i in range(m):
+            xo = i * k
+            for q in range(c):
+                v = f32dot_tile_1x1(xf, xo, k, wf, wo + q * k, k, nch)[0]
+                if kv < k:
+                    v += _tail_dot(xf, xo, wf, wo + q * k, kv, k)
+                if use_scale:
+                    v = v * scale[j0 + q]
+                y[i, j0 + q] = v
+
+
+@njit_parallel
+def matmul_f32(x, wt):
+    """``y[m, n] = x[m, k] @ wt[n, k].T`` (weight-stationary float32).
+
+    Decode (``m == 1``) runs output blocks of four in parallel (one pass over
+    ``x`` per block); larger ``m`` runs column blocks in parallel with a
+    2-row x 4-output register tile, reusing each weight block from L1.
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, k), C-contiguous
+    wt : ndarray of float32, shape (n, k), C-contiguous (output-major)
+
+    Returns
+    -------
+    ndarray of float32, shape (m, n)
+    """
+    m, k = x.shape
+    if wt.shape[1] != k:
+        raise ValueError("matmul_f32: x.shape[1] must equal wt.shape[1]")
+    n = wt.shape[0]
+    y = np.empty((m, n), dtype=np.float32)
+    xf = x.ravel()
+    nb = (n + _NB - 1) // _NB
+    dummy = np.empty(0, dtype=np.float32)
+    wf = wt.ravel()
+    for b in prange(nb):
+        j0 = b * _NB
+        _float_block(xf, m, k, wf, j0 * k, j0, min(j0 + _NB, n), y, dummy, False)
+    return y
+
+
+@njit_parallel
+def matmul_w8a16(x, wtq, scale):
+    """W8A16: ``y[i, j] = (sum_p x[i, p] * wtq[j, p]) * scale[j]``.
+
+    int8 weights (4x fewer bytes than float32), float activations,
+    dequantised after accumulation.  For ``m <= 2`` the int8 codes are
+    widened on the fly (the weight stream is the bottleneck); for larger
+    ``m`` each 4-output weight block is widened once into a float32 scratch
+    block and shared by all rows through the float32 register tile.
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, k), C-contiguous
+    wtq : ndarray of int8, shape (n, k), C-contiguous (output-major codes)
+    scale : ndarray of float32, shape (n,)
+
+    Returns
+    -------
+    ndarray of float32, shape (m, n)
+    """
+    m, k = x.shape
+    if wtq.shape[1] != k or scale.shape[0] != wtq.shape[0]:
+        raise ValueError("matmul_w8a16: need x[m,k], wtq[n,k], scale[n]")
+    n = wtq.shape[0]
+    y = np.empty((m, n), dtype=np.float32)
+    xf = x.ravel()
+    nb = (n + _NB - 1) // _NB
+    if m <= 2:
+        wf = wtq.ravel()
+        nch = k // F32_CHUNK
+        kv = nch * F32_CHUNK
+        for b in prange(nb):
+            j0 = b * _NB
+            j1 = min(j0 + _NB, n)
+            for i in range(m):
+                xo = i * k
+                if j1 - j0 == 4:
+                    t = w8dot_tile_1x4(xf, xo, k, wf, j0 * k, k, nch)
+                    for q in range(4):
+                        v = t[q]
+                        if kv < k:
+                            v += _tail_dot(xf, xo, wf, (j0 + q) * k, kv, k)
+                        y[i, j0 + q] = v * scale[j0 + q]
+                else:
+                    for j in range(j0, j1):
+                        v = w8dot_tile_1x1(xf, xo, k, wf, j * k, k, nch)[0]
+                        if kv < k:
+                            v += _tail_dot(xf, xo, wf, j * k, kv, k)
+                        y[i, j] = v * scale[j]
+        return y
+    # Prefill: contiguous chunks of column blocks (a fixed count, so the
+    # work split never depends on the thread count), one float32 scratch
+    # block per chunk.
+    nchunks = min(nb, 16)
+    for c in prange(nchunks):
+        b0 = c * nb // nchunks
+        b1 = (c + 1) * nb // nchunks
+        buf = np.empty(_NB * k, dtype=np.float32)
+        for b in range(b0, b1):
+            j0 = b * _NB
+            j1 = min(j0 + _NB, n)
+            for q in range(j1 - j0):
+                for p in range(k):
+                    buf[q * k + p] = np.float32(wtq[j0 + q, p])
+            _float_block(xf, m, k, buf, 0, j0, j1, y, scale, True)
+    return y
+
+
+# --------------------------------------------------------------------------
+# int8 x int8 (W8A8)
+# --------------------------------------------------------------------------
+@njit
+def _i8_tail(xf, xo, wf, wo, p0, k):
+    """Scalar int32 dot over elements ``p0..k-1`` (the tile's tail)."""
+    a = np.int32(0)
+    for p in range(p0, k):
+        a += np.int32(xf[xo + p]) * np.int32(wf[wo + p])
+    return a
+
+
+@njit
+def _i8_block(xf, m, k, wf, j0, j1, acc):
+    """int32 dot products of every row of ``xf[m, k]`` with weight rows
+    ``j0..j1-1`` (``j1 - j0 <= 4``) of the flat output-major ``wf``, into
+    ``acc[m, n]``."""
+    nch = k // I8_CHUNK
+    kv = nch * I8_CHUNK
+    c = j1 - j0
+    wo = j0 * k
+    if c == 4:
+        i = 0
+        while i + 2 <= m:
+            xo = i * k
+            t = i8dot_tile_2x4(xf, xo, k, wf, wo, k, nch)
+            for r in range(2):
+                for q in range(4):
+                    v = t[r * 4 + q]
+                    if kv < k:
+                        v += _i8_tail(xf, xo + r * k, wf, wo + q * k, kv, k)
+                    acc[i + r, j0 + q] = v
+            i += 2
+        if i < m:
+            xo = i * k
+            t4 = i8dot_tile_1x4(xf, xo, k, wf, wo, k, nch)
+            for q in range(4):
+                v = t4[q]
+                if kv < k:
+                    v += _i8_tail(xf, xo, wf, wo + q * k, kv, k)
+                acc[i, j0 + q] = v
+    else:
+        for q in range(c):
+            woq = wo + q * k
+            i = 0
+            while i + 2 <= m:
+                xo = i * k
+                t2 = i8dot_tile_2x1(xf, xo, k, wf, woq, k, nch)
+                for r in range(2):
+                    v = t2[r]
+                    if kv < k:
+                        v += _i8_tail(xf, xo + r * k, wf, woq, kv, k)
+                    acc[i + r, j0 + q] = v
+                i += 2
+            if i < m:
+                xo = i * k
+                v = i8dot_tile_1x1(xf, xo, k, wf, woq, k, nch)[0]
+                if kv < k:
+                    v += _i8_tail(xf, xo, wf, woq, kv, k)
+                acc[i, j0 + q] = v
+
+
+@njit_parallel
+def matmul_i8i8_i32(xq, wtq):
+    """Exact integer core of W8A8: ``acc[m, n] = xq[m, k] @ wtq[n, k].T`` in int32.
+
+    Lowered through the ``i8dot_tile_*`` intrinsics (``vpmaddwd`` on AVX2).
+    Equals ``xq.astype(np.int32) @ wtq.astype(np.int32).T`` bit for bit while
+    ``k * 127**2 < 2**31`` (codes in [-127, 127], ``k <= 133143``).
+
+    Parameters
+    ----------
+    xq : ndarray of int8, shape (m, k), C-contiguous
+    wtq : ndarray of int8, shape (n, k), C-contiguous (output-major)
+
+    Returns
+    -------
+    ndarray of int32, shape (m, n)
+    """
+    m, k = xq.shape
+    if wtq.shape[1] != k:
+        raise ValueError("matmul_i8i8_i32: xq.shape[1] must equal wtq.shape[1]")
+    n = wtq.shape[0]
+    acc = np.empty((m, n), dtype=np.int32)
+    xf = xq.ravel()
+    wf = wtq.ravel()
+    nb = (n + _NB - 1) // _NB
+    for b in prange(nb):
+        j0 = b * _NB
+        _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc)
+    return acc
+
+
+@njit_parallel
+def matmul_w8a8(xq, sx, wtq, scale):
+    """W8A8: ``y[i, j] = float(sum_p xq[i, p] * wtq[j, p]) * sx[i] * scale[j]``.
+
+    The integer sums are exact int32 (see :func:`matmul_i8i8_i32`); the
+    dequantisation happens once per output.
+
+    Parameters
+    ----------
+    xq : ndarray of int8, shape (m, k), C-contiguous
+        Per-row quantised activations (:func:`quantize_rows_i8`).
+    sx : ndarray of float32, shape (m,)
+    wtq : ndarray of int8, shape (n, k), C-contiguous (output-major codes)
+    scale : ndarray of float32, shape (n,)
+
+    Returns
+    -------
+    ndarray of float32, shape (m, n)
+    """
+    m, k = xq.shape
+    if wtq.shape[1] != k or sx.shape[0] != m or scale.shape[0] != wtq.shape[0]:
+        raise ValueError("matmul_w8a8: need xq[m,k], sx[m], wtq[n,k], scale[n]")
+    n = wtq.shape[0]
+    acc = np.empty((m, n), dtype=np.int32)
+    y = np.empty((m, n), dtype=np.float32)
+    xf = xq.ravel()
+    wf = wtq.ravel()
+    nb = (n + _NB - 1) // _NB
+    for b in prange(nb):
+        j0 = b * _NB
+        j1 = min(j0 + _NB, n)
+        _i8_block(xf, m, k, wf, j0, j1, acc)
+        for i in range(m):
+            for j in range(j0, j1):
+                y[i, j] = np.float32(acc[i, j]) * sx[i] * scale[j]
+    return y
+
+
+@njit
+def quant_matmul(x, w):
+    """``x[m, k] @ w[k, n]`` with ``w`` quantised per output column to int8.
+
+    ``scale_j = amax_j / 127``; activations stay float32 and the result is
+    dequantised after accumulation: ``y[i, j] = (sum_p x[i, p] * q[p, j]) *
+    scale_j`` (quantise with :func:`quantize_cols_t`, multiply with
+    :func:`matmul_w8a16`).
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, k), C-contiguous
+    w : ndarray of float32, shape (k, n), C-contiguous, finite
+
+    Returns
+    -------
+    ndarray of float32, shape (m, n)
+    """
+    if w.shape[0] != x.shape[1]:
+        raise ValueError("quant_matmul: x.shape[1] must equal w.shape[0]")
+    wtq, scale = quantize_cols_t(w)
+    return matmul_w8a16(x, wtq, scale)

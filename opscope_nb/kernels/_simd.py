@@ -1,1 +1,320 @@
-__all__ = []
+"""Explicit SIMD building blocks lowered through llvmlite (numba ``@intrinsic``).
+
+Why hand-written IR: numba widens integer arithmetic to int64, so a plain
+``acc += a[p] * b[p]`` over int8 vectorises into 64-bit lanes
+(``vpmovsxbq``/``vpmuldq``) and loses to float32.  The int8 dot tiles below
+emit the vector loop themselves, keeping int32 accumulators:
+
+* on x86 with AVX2 each 16-element step loads ``<16 x i8>``, sign-extends to
+  ``<16 x i16>`` (``vpmovsxbw``) and multiplies-and-pairwise-adds with
+  ``llvm.x86.avx2.pmadd.wd`` (``vpmaddwd``: 16 int8 MACs per instruction into
+  eight int32 lanes), then ``vpaddd`` into the accumulator;
+* elsewhere (Arm NEON, SSE-only x86, ...) the same step is written as portable
+  vector IR (sign-extend to ``<16 x i32>``, ``mul``, add even and odd lanes)
+  which LLVM lowers to the target's widening multiply-accumulate.
+
+The int32 sums are exact as long as ``k * 127 * 127 < 2**31`` (``k <= 133143``).
+
+A tile ``R x C`` computes ``R`` activation rows against ``C`` weight rows
+(output-major ``wt[n, k]`` layout) in one pass over ``k``, so each loaded
+vector is reused ``C`` (resp. ``R``) times from registers -- the register
+blocking that turns the kernel from load-bound into multiply-bound.
+
+Also here: :func:`fdiv_strict`, a float division that is never rewritten into
+a multiplication by the reciprocal (the package's fast-math flags include
+``arcp``), so quantisers reproduce ``x / scale`` exactly.
+"""
+from __future__ import annotations
+
+import platform
+
+import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = [
+    "I8_CHUNK",
+    "fdiv_strict",
+    "i8dot_tile_1x1",
+    "i8dot_tile_1x4",
+    "i8dot_tile_2x1",
+    "i8dot_tile_2x4",
+    "f32dot_tile_1x1",
+    "f32dot_tile_1x4",
+    "f32dot_tile_2x4",
+    "w8dot_tile_1x1",
+    "w8dot_tile_1x4",
+    "F32_CHUNK",
+    "simd_path",
+]
+
+#: int8 elements consumed per step of an ``i8dot_tile_*``: 32 (one 256-bit
+#: load) on AVX2, 16 on the portable path.  Set below, once the target is known.
+I8_CHUNK = 16
+#: float32 elements consumed per step of an ``f32dot_tile_*`` / ``w8dot_tile_*``.
+F32_CHUNK = 8
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+
+
+def _target_features() -> str:
+    """Feature string numba compiles for (``NUMBA_CPU_FEATURES`` or the host's)."""
+    feats = numba.config.CPU_FEATURES
+    if feats:
+        return feats
+    if numba.config.CPU_NAME:  # e.g. NUMBA_CPU_NAME=generic for portable caches
+        return ""
+    try:
+        import llvmlite.binding as llb
+        return llb.get_host_cpu_features().flatten()
+    except Exception:  # pragma: no cover - exotic hosts
+        return ""
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+#: Whether the int8 tiles use the AVX2 ``vpmaddwd`` intrinsic (decided once, at
+#: import, from the features numba targets; the on-disk cache is keyed on the
+#: same CPU name and features, so a cached kernel always matches this choice).
+USE_AVX2_PMADDWD = _X86 and "+avx2" in _target_features().split(",")
+
+
+if USE_AVX2_PMADDWD:
+    I8_CHUNK = 32
+
+
+def simd_path() -> str:
+    """Describe the int8 dot path compiled on this machine (plain Python)."""
+    if USE_AVX2_PMADDWD:
+        return "avx2: vpabsb/vpsignb + vpmaddubsw + vpmaddwd(ones) (int32 accumulators)"
+    return "portable vector IR: sext i8->i32, mul, pairwise add (int32 accumulators)"
+
+
+def _const_vec(n, idx):
+    return ir.Constant(ir.VectorType(_I32, n), [ir.Constant(_I32, i) for i in idx])
+
+
+def _shuffle(builder, v, idx):
+    return builder.shuffle_vector(v, v, _const_vec(len(idx), idx))
+
+
+def _madd16(builder, a16, b16):
+    """``<16 x i16> x <16 x i16> -> <8 x i32>``: lane i = a[2i]b[2i] + a[2i+1]b[2i+1]."""
+    v8i32 = ir.VectorType(_I32, 8)
+    v16i16 = ir.VectorType(_I16, 16)
+    if USE_AVX2_PMADDWD:
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v8i32, [v16i16, v16i16]),
+            "llvm.x86.avx2.pmadd.wd")
+        return builder.call(fn, [a16, b16])
+    even, odd = list(range(0, 16, 2)), list(range(1, 16, 2))
+    ae = builder.sext(_shuffle(builder, a16, even), v8i32)
+    ao = builder.sext(_shuffle(builder, a16, odd), v8i32)
+    be = builder.sext(_shuffle(builder, b16, even), v8i32)
+    bo = builder.sext(_shuffle(builder, b16, odd), v8i32)
+    return builder.add(builder.mul(ae, be), builder.mul(ao, bo))
+
+
+def _abs_i8x32(builder, v):
+    """``|v|`` lane-wise for ``<32 x i8>`` (``vpabsb``)."""
+    v32 = ir.VectorType(_I8, 32)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(v32, [v32, ir.IntType(1)]), "llvm.abs.v32i8")
+    return builder.call(fn, [v, ir.Constant(ir.IntType(1), 0)])
+
+
+def _madd_sign32(builder, xabs, x, w):
+    """AVX2 ``vpmaddubsw`` idiom: 32 int8 products summed into ``<8 x i32>``.
+
+    ``vpmaddubsw`` multiplies unsigned by signed bytes, so the activation's
+    sign moves onto the weight: ``|x| * (w * sign(x))`` (``vpsignb``).  The
+    adjacent-pair i16 sums are at most ``2 * 127 * 127 = 32258``, so they
+    never saturate for codes in [-127, 127]; ``vpmaddwd`` by ones widens the
+    pairs to int32.
+    """
+    v32 = ir.VectorType(_I8, 32)
+    v16 = ir.VectorType(_I16, 16)
+    v8 = ir.VectorType(_I32, 8)
+    mod = builder.module
+    psign = cgutils.get_or_insert_function(
+        mod, ir.FunctionType(v32, [v32, v32]), "llvm.x86.avx2.psign.b")
+    maddubs = cgutils.get_or_insert_function(
+        mod, ir.FunctionType(v16, [v32, v32]), "llvm.x86.avx2.pmadd.ub.sw")
+    maddwd = cgutils.get_or_insert_function(
+        mod, ir.FunctionType(v8, [v16, v16]), "llvm.x86.avx2.pmadd.wd")
+    ws = builder.call(psign, [w, x])
+    p16 = builder.call(maddubs, [xabs, ws])
+    ones = ir.Constant(v16, [ir.Constant(_I16, 1)] * 16)
+    return builder.call(maddwd, [p16, ones])
+
+
+def _hsum(builder, v, n, add):
+    """Horizontal sum of an ``n``-lane vector by halving (tree order)."""
+    while n > 1:
+        n //= 2
+        v = add(_shuffle(builder, v, list(range(n))),
+                _shuffle(builder, v, list(range(n, 2 * n))))
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+#: Per tile kind: (x dtype, w dtype, lanes per step, elements per step).
+_KINDS = {
+    "i8": (types.int8, types.int8, 8, 32 if USE_AVX2_PMADDWD else 16),
+    "f32": (types.float32, types.float32, 8, 8),
+    "w8": (types.float32, types.int8, 8, 8),
+}
+
+
+def _make_tile(R: int, C: int, kind: str):
+    """Build the intrinsic for an ``R x C`` dot tile of the given kind."""
+    xdt, wdt, lanes, step = _KINDS[kind]
+    is_int = kind == "i8"
+    rdt = types.int32 if is_int else types.float32
+
+    @intrinsic
+    def tile(typingctx, xq, xoff, xstride, wq, woff, wstride, nchunk):
+        if not (isinstance(xq, types.Array) and xq.dtype == xdt
+                and isinstance(wq, types.Array) and wq.dtype == wdt):
+            return None
+        sig = types.UniTuple(rdt, R * C)(
+            xq, types.intp, types.intp, wq, types.intp, types.intp, types.intp)
+
+        def codegen(context, builder, sig, args):
+            xa = context.make_array(sig.args[0])(context, builder, args[0])
+            wa = context.make_array(sig.args[3])(context, builder, args[3])
+            xoff, xstride, woff, wstride, nch = [
+                context.cast(builder, args[i], sig.args[i], types.intp)
+                for i in (1, 2, 4, 5, 6)]
+            intp = context.get_value_type(types.intp)
+            f32 = ir.FloatType()
+            accty = ir.VectorType(_I32 if is_int else f32, lanes)
+            fvec = ir.VectorType(f32, step)
+            fmuladd = None
+            if not is_int:
+                fmuladd = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(fvec, [fvec, fvec, fvec]),
+                    "llvm.fmuladd.v8f32")
+            # Accumulators live in allocas in the entry block; mem2reg/SROA
+            # promote them to vector registers across the loop.
+            accs = []
+            for _ in range(R * C):
+                a = cgutils.alloca_once(builder, accty)
+                builder.store(ir.Constant(accty, None), a)
+                accs.append(a)
+            xrow = [builder.gep(xa.data, [builder.add(
+                xoff, builder.mul(xstride, ir.Constant(intp, r)))], inbounds=True)
+                for r in range(R)]
+            wrow = [builder.gep(wa.data, [builder.add(
+                woff, builder.mul(wstride, ir.Constant(intp, c)))], inbounds=True)
+                for c in range(C)]
+            with cgutils.for_range(builder, nch) as loop:
+                off = builder.mul(loop.index, ir.Constant(intp, step))
+
+                def load(base, elty, widen):
+                    vty = ir.VectorType(elty, step)
+                    p = builder.gep(base, [off], inbounds=True)
+                    v = builder.load(builder.bitcast(p, vty.as_pointer()), align=1)
+                    return widen(v) if widen else v
+
+                if kind == "i8" and USE_AVX2_PMADDWD:
+                    xv = [load(b, _I8, None) for b in xrow]
+                    wv = [load(b, _I8, None) for b in wrow]
+                    xabs = [_abs_i8x32(builder, v) for v in xv]
+                elif kind == "i8":
+                    v16 = ir.VectorType(_I16, 16)
+                    xv = [load(b, _I8, lambda v: builder.sext(v, v16)) for b in xrow]
+                    wv = [load(b, _I8, lambda v: builder.sext(v, v16)) for b in wrow]
+                elif kind == "f32":
+                    xv = [load(b, f32, None) for b in xrow]
+                    wv = [load(b, f32, None) for b in wrow]
+                else:  # int8 codes widened to float32 (exact)
+                    xv = [load(b, f32, None) for b in xrow]
+                    wv = [load(b, _I8, lambda v: builder.sitofp(v, fvec)) for b in wrow]
+                for r in range(R):
+                    for c in range(C):
+                        acc = accs[r * C + c]
+                        old = builder.load(acc)
+                        if is_int and USE_AVX2_PMADDWD:
+                            new = builder.add(old, _madd_sign32(
+                                builder, xabs[r], xv[r], wv[c]))
+                        elif is_int:
+                            new = builder.add(old, _madd16(builder, xv[r], wv[c]))
+                        else:
+                            new = builder.call(fmuladd, [xv[r], wv[c], old])
+                        builder.store(new, acc)
+            add = builder.add if is_int else builder.fadd
+            sums = [_hsum(builder, builder.load(a), lanes, add) for a in accs]
+            return context.make_tuple(builder, sig.return_type, sums)
+
+        return sig, codegen
+
+    what = {"i8": "int8 x int8 -> exact int32 sums",
+            "f32": "float32 x float32 -> float32 sums (8 lanes, fused multiply-add)",
+            "w8": "float32 activations x int8 weight codes -> float32 sums"}[kind]
+    tile.__doc__ = f"""Dot tile ({what}): {R} activation row(s) x {C} weight row(s).
+
+    Call from ``@njit`` code as
+    ``t = tile(x, xoff, xstride, w, woff, wstride, nchunk)``.
+
+    Parameters
+    ----------
+    x : ndarray of {xdt}, C-contiguous (any ndim; addressed flat)
+        Activations ``x[m, k]``.
+    xoff, xstride : int
+        Flat element offset of the tile's first activation row, and the
+        distance between rows (``k`` for a C-contiguous ``[m, k]``).
+    w : ndarray of {wdt}, C-contiguous (addressed flat)
+        Output-major weights ``wt[n, k]``.
+    woff, wstride : int
+        As for ``x``, for the tile's first weight row.
+    nchunk : int
+        Number of {step}-element steps; the tile covers elements
+        ``[0, nchunk * {step})`` of every row. The caller adds the tail.
+
+    Returns
+    -------
+    tuple of {R * C} {rdt}
+        ``t[r * {C} + c] = sum_p x[row r, p] * w[row c, p]`` over the covered
+        elements{" (exact for k <= 133143)" if is_int else ""}.
+
+    Notes
+    -----
+    No bounds or input validation.
+    """
+    return tile
+
+
+i8dot_tile_1x1 = _make_tile(1, 1, "i8")
+i8dot_tile_1x4 = _make_tile(1, 4, "i8")
+i8dot_tile_2x1 = _make_tile(2, 1, "i8")
+i8dot_tile_2x4 = _make_tile(2, 4, "i8")
+f32dot_tile_1x1 = _make_tile(1, 1, "f32")
+f32dot_tile_1x4 = _make_tile(1, 4, "f32")
+f32dot_tile_2x4 = _make_tile(2, 4, "f32")
+w8dot_tile_1x1 = _make_tile(1, 1, "w8")
+w8dot_tile_1x4 = _make_tile(1, 4, "w8")
+
+
+@intrinsic
+def fdiv_strict(typingctx, a, b):
+    """``a / b`` as one IEEE division, never turned into ``a * (1/b)``.
+
+    The package compiles with fast-math ``arcp``; quantisers must reproduce
+    ``x / scale`` bit for bit, so this emits an ``fdiv`` whose only flag is
+    ``nsz`` (numba then leaves its flags alone). Both operands are cast to the wider float type.
+    """
+    if not (isinstance(a, types.Float) and isinstance(b, types.Float)):
+        return None
+    rty = a if a.bitwidth >= b.bitwidth else b
+    sig = rty(a, b)
+
+    def codegen(context, builder, sig, args):
+        x = context.cast(builder, args[0], sig.args[0], sig.return_type)
+        y = context.cast(builder, args[1], sig.args[1], sig.return_type)
+        # numba's fast-math pass only flags float ops that carry no flags;
+        # "nsz" (sign of zero) cannot change a quotient's rounding, and its
+        # presence keeps "arcp"/"afn" off this division.
+        return builder.fdiv(x, y, flags=("nsz",))
+
+    return sig, codegen

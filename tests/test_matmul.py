@@ -1,0 +1,195 @@
+"""Matmul kernels vs their NumPy twins (tests/naive_matmul.py)."""
+import numba
+import numpy as np
+import pytest
+
+from naive_matmul import (naive_codes, naive_dense_matmul, naive_factored_matmul,
+                          naive_i8i8_i32, naive_matmul_f32, naive_matmul_w8a8,
+                          naive_matmul_w8a16, naive_quant_matmul,
+                          naive_quantize_cols_t, naive_quantize_row_i8,
+                          naive_quantize_rows_i8, naive_rel_l2,
+                          naive_sparse_skip_matmul)
+from opscope_nb import kernels as K
+
+# (m, k, n): 1x1, decode rows, k = 1, k not a multiple of any SIMD width
+# (8 floats, 16/32 int8), n not a multiple of the 4-output blocks, odd m.
+SHAPES = [(1, 1, 1), (1, 7, 3), (1, 33, 9), (2, 1, 5), (3, 16, 4), (5, 31, 6),
+          (4, 32, 8), (7, 65, 13), (1, 100, 37), (6, 257, 11), (33, 96, 20)]
+
+
+def _data(m, k, n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    return x, w
+
+
+def _close(ref, got, tol=2e-6):
+    assert got.shape == ref.shape
+    assert np.isfinite(got).all()
+    assert naive_rel_l2(ref, got) <= tol, naive_rel_l2(ref, got)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_dense_matmul_matches_naive(m, k, n):
+    x, w = _data(m, k, n)
+    y = K.dense_matmul(x, w)
+    assert y.dtype == np.float32
+    _close(naive_dense_matmul(x, w), y)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_sparse_skip_exact_vs_dense(m, k, n):
+    x, w = _data(m, k, n, seed=1)
+    rng = np.random.default_rng(2)
+    x[rng.random((m, k)) < 0.9] = 0.0
+    y = K.sparse_skip_matmul(x, w)
+    # Same sums in the same order with the zero terms left out: identical.
+    np.testing.assert_array_equal(y, K.dense_matmul(x, w))
+    _close(naive_sparse_skip_matmul(x, w), y)
+
+
+def test_sparse_skip_all_zero_and_dense_rows():
+    x, w = _data(4, 40, 9, seed=3)
+    x[1] = 0.0
+    y = K.sparse_skip_matmul(x, w)
+    assert (y[1] == 0).all()
+    np.testing.assert_array_equal(y, K.dense_matmul(x, w))
+
+
+@pytest.mark.parametrize("m,k,r,n", [(1, 1, 1, 1), (3, 17, 2, 5), (8, 64, 8, 33)])
+def test_factored_matmul(m, k, r, n):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    u = rng.standard_normal((k, r)).astype(np.float32)
+    v = rng.standard_normal((r, n)).astype(np.float32)
+    _close(naive_factored_matmul(x, u, v), K.factored_matmul(x, u, v), 1e-5)
+
+
+@pytest.mark.parametrize("k,n", [(1, 1), (3, 70), (130, 5)])
+def test_transpose(k, n):
+    w = np.arange(k * n, dtype=np.float32).reshape(k, n)
+    np.testing.assert_array_equal(K.transpose(w), w.T)
+
+
+def test_quantisers_round_half_away_and_clamp():
+    # amax = 127 gives scale exactly 1, so x / scale hits exact .5 ties.
+    row = np.array([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 0.25,
+                    -127.0, 0.0], np.float32)
+    x = np.stack([row, row[::-1].copy()])
+    xq, sx = K.quantize_rows_i8(x)
+    np.testing.assert_array_equal(sx, [1.0, 1.0])
+    expect = np.array([127, 1, 2, 3, -1, -2, -3, 127, -127, 0, -127, 0], np.int8)
+    np.testing.assert_array_equal(xq[0], expect)
+    np.testing.assert_array_equal(xq[1], expect[::-1])
+    # np.round would give 0, 2, 2: the kernel must not round half to even.
+    assert xq[0, 1] == 1 and xq[0, 3] == 3
+
+
+@pytest.mark.parametrize("m,k", [(1, 1), (3, 7), (5, 33), (16, 100)])
+def test_quantisers_exact_vs_naive(m, k):
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 100)).astype(np.float32)
+    x[0, 0] = 0.0
+    if m > 2:
+        x[2] = 0.0                      # all-zero row -> scale 1, codes 0
+    xq, sx = K.quantize_rows_i8(x)
+    nq, ns = naive_quantize_rows_i8(x)
+    np.testing.assert_array_equal(sx, ns)
+    np.testing.assert_array_equal(xq, nq)
+    if m > 2:
+        assert sx[2] == 1.0 and (xq[2] == 0).all()
+    tq, ts = K.quantize_row_i8(x)
+    nq, ns = naive_quantize_row_i8(x)
+    assert np.float32(ts) == ns
+    np.testing.assert_array_equal(tq, nq)
+    wq, ws = K.quantize_cols_t(x)        # x as a [k=m, n=k] weight
+    nq, ns = naive_quantize_cols_t(x)
+    assert wq.shape == (k, m) and wq.dtype == np.int8
+    np.testing.assert_array_equal(ws, ns)
+    np.testing.assert_array_equal(wq, nq)
+
+
+def test_quantize_row_all_zero_and_tiny():
+    z = np.zeros((2, 5), np.float32)
+    q, s = K.quantize_row_i8(z)
+    assert s == 1.0 and (q == 0).all()
+    tiny = np.full((1, 3), 1e-21, np.float32)
+    q, s = K.quantize_rows_i8(tiny)
+    assert s[0] == 1.0 and (q == 0).all()
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_matmul_f32_and_w8a16(m, k, n):
+    x, w = _data(m, k, n, seed=6)
+    wt = K.transpose(w)
+    _close(naive_matmul_f32(x, wt), K.matmul_f32(x, wt))
+    wtq, sc = K.quantize_cols_t(w)
+    _close(naive_matmul_w8a16(x, wtq, sc), K.matmul_w8a16(x, wtq, sc))
+    _close(naive_quant_matmul(x, w), K.quant_matmul(x, w))
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES + [(2, 4099, 6), (9, 1000, 5)])
+def test_w8a8_integer_core_bit_exact(m, k, n):
+    rng = np.random.default_rng(7)
+    xq = rng.integers(-127, 128, (m, k)).astype(np.int8)
+    wtq = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    xq[0, :] = 127                       # extreme values: no i16 saturation
+    wtq[0, :] = -127
+    acc = K.matmul_i8i8_i32(xq, wtq)
+    assert acc.dtype == np.int32
+    np.testing.assert_array_equal(acc, naive_i8i8_i32(xq, wtq))
+    sx = rng.uniform(0.001, 0.1, m).astype(np.float32)
+    sc = rng.uniform(0.001, 0.1, n).astype(np.float32)
+    _close(naive_matmul_w8a8(xq, sx, wtq, sc), K.matmul_w8a8(xq, sx, wtq, sc))
+
+
+def test_int8_error_bounds_gaussian():
+    x, w = _data(32, 1024, 256, seed=8)
+    ref = naive_dense_matmul(x, w)
+    wtq, sc = K.quantize_cols_t(w)
+    xq, sx = K.quantize_rows_i8(x)
+    assert naive_rel_l2(ref, K.matmul_w8a16(x, wtq, sc)) <= 0.01
+    assert naive_rel_l2(ref, K.matmul_w8a8(xq, sx, wtq, sc)) <= 0.015
+    assert naive_rel_l2(ref, K.quant_matmul(x, w)) <= 0.01
+    # Negative control: a coarser quantiser must exceed the bound.
+    coarse = naive_codes(w, (np.abs(w).max(0) / 3)[None, :]).astype(np.float32)
+    assert naive_rel_l2(ref, x @ (coarse * (np.abs(w).max(0) / 3))) > 0.01
+
+
+def test_shape_mismatch_raises():
+    x, w = _data(2, 5, 3)
+    with pytest.raises(ValueError, match="dense_matmul"):
+        K.dense_matmul(x, w[:4])
+    with pytest.raises(ValueError, match="matmul_f32"):
+        K.matmul_f32(x, np.zeros((3, 4), np.float32))
+    with pytest.raises(ValueError, match="matmul_w8a8"):
+        K.matmul_w8a8(np.zeros((2, 5), np.int8), np.ones(3, np.float32),
+                      np.zeros((3, 5), np.int8), np.ones(3, np.float32))
+
+
+@numba.njit
+def _user_pipeline(x, w):
+    # A user's own numba code composing the exported cores.
+    wtq, sc = K.quantize_cols_t(w)
+    xq, sx = K.quantize_rows_i8(x)
+    y8 = K.matmul_w8a8(xq, sx, wtq, sc)
+    y16 = K.matmul_w8a16(x, wtq, sc)
+    t = K.i8dot_tile_1x1(xq, 0, xq.shape[1], wtq, 0, wtq.shape[1], 1)
+    return y8, y16, K.dense_matmul(x, w), t[0]
+
+
+def test_kernels_callable_from_user_njit():
+    x, w = _data(3, 64, 10, seed=9)
+    y8, y16, yd, t = _user_pipeline(x, w)
+    ref = naive_dense_matmul(x, w)
+    _close(ref, yd)
+    assert naive_rel_l2(ref, y16) < 0.02 and naive_rel_l2(ref, y8) < 0.03
+    xq, _ = naive_quantize_rows_i8(x)
+    wtq, _ = naive_quantize_cols_t(w)
+    c = K.I8_CHUNK
+    assert t == int(xq[0, :c].astype(np.int32) @ wtq[0, :c].astype(np.int32))
+
+
+def test_simd_path_named():
+    assert "int32" in K.simd_path()
