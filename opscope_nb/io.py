@@ -143,8 +143,12 @@ class TensorEntry:
         SourceError
             The file changed or is unreadable.
         """
-        arr = self._loader()
-        return np.ascontiguousarray(arr, dtype=np.float32).reshape(self.shape)
+        arr = np.ascontiguousarray(self._loader(), dtype=np.float32)
+        if not arr.flags.writeable:
+            # never hand out a view of a read-only map: numba would compile a
+            # separate read-only specialisation of every kernel for it
+            arr = arr.copy()
+        return arr.reshape(self.shape)
 
 
 @dataclass
@@ -367,7 +371,7 @@ def _gguf_loader(gguf, path, name, data, qtype, shape):
     def load() -> np.ndarray:
         tname = qtype.name
         if tname == "F64":
-            return np.array(data, dtype=np.float32).reshape(shape)
+            return np.array(data, dtype=np.float32, copy=True).reshape(shape)
         if tname.startswith(("I", "U")) and tname[1:].isdigit():
             raise UnsupportedDtypeError(
                 f"{path}: tensor {name!r} has integer type {tname}; only float and "
@@ -378,7 +382,8 @@ def _gguf_loader(gguf, path, name, data, qtype, shape):
             raise UnsupportedDtypeError(
                 f"{path}: tensor {name!r} has type {tname}, which this gguf package "
                 f"cannot dequantise. Upgrade gguf or exclude it with --exclude.") from None
-        return np.asarray(out, dtype=np.float32).reshape(shape)
+        # F32 "dequantisation" is a view of the reader's read-only map: copy it
+        return np.array(out, dtype=np.float32, copy=True).reshape(shape)
     return load
 
 

@@ -109,7 +109,14 @@ def bf16_exact(rng, shape):
 
 
 def load_all(src):
-    return {e.name: e.load() for e in src.entries}
+    out = {}
+    for e in src.entries:
+        a = e.load()
+        # owned, writable float32: never a view of a (read-only) file map
+        assert a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
+        assert a.shape == e.shape
+        out[e.name] = a
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -364,6 +371,8 @@ def test_gguf_dims_and_dequant(tmp_path):
     assert e["blk.0.ffn_up.weight"].dtype == "Q8_0"
     assert e["blk.0.attn_norm.weight"].shape == (5,)
     np.testing.assert_array_equal(e["blk.0.attn_q.weight"].load(), f32)
+    for x in e.values():
+        assert x.load().flags.writeable
     np.testing.assert_array_equal(e["blk.0.attn_k.weight"].load(), f16.astype(np.float32))
     got = e["blk.0.ffn_up.weight"].load()
     assert got.dtype == np.float32 and got.shape == (4, 64)
