@@ -52,15 +52,16 @@ import numpy as np
 from ._validation import as_matrix, check_int
 from .kernels._dado import (
     dequantize_groups,
+    dequantize_nibbles,
     nm_prune,
     nm_unprune,
     pack_crumbs,
     pack_nibbles,
     quantize_groups_sym,
     rel_err_f64,
+    ternary_decode,
     ternary_twn,
     unpack_crumbs,
-    unpack_nibbles,
 )
 
 __all__ = [
@@ -574,13 +575,11 @@ def unpack(packed: dict, d: Decomp, shape) -> np.ndarray:
     elif k == "int8":
         out = dequantize_groups(packed["codes"], packed["scales"].reshape(rows, 1), cols)
     elif k in ("int4", "int4g"):
-        codes = unpack_nibbles(packed["codes"], cols)
         group = d.group if k == "int4g" else cols
-        out = dequantize_groups(codes, packed["scales"].reshape(rows, -1), group)
+        out = dequantize_nibbles(packed["codes"], packed["scales"].reshape(rows, -1),
+                                 group, cols)
     elif k == "ternary":
-        c = unpack_crumbs(packed["codes"], cols).astype(np.int8)
-        c[c == 3] = -1
-        out = c.astype(np.float32) * packed["alpha"][0]
+        out = ternary_decode(packed["codes"], packed["alpha"][0], cols)
     elif k == "sparse24":
         nv = packed["values"].shape[1]
         out = nm_unprune(packed["values"], unpack_crumbs(packed["indices"], nv), cols, 2, 4)

@@ -26,6 +26,8 @@ __all__ = [
     "mckp_lp_bound",
     "quantize_groups_sym",
     "dequantize_groups",
+    "dequantize_nibbles",
+    "ternary_decode",
     "pack_nibbles",
     "unpack_nibbles",
     "pack_crumbs",
@@ -317,29 +319,21 @@ def mckp_lp_bound(cost, nbytes, nopt, budget):
 def _div_f32(a, b):
     """Correctly rounded float32 ``a / b`` whatever LLVM does with ``arcp``.
 
-    The package's fastmath set allows ``x / y -> x * (1/y)``, and LLVM may even
-    narrow a float64 quotient back to a float32 one, so a plain division can be
-    one ulp off the IEEE quotient (and move a rounding decision).  We take the
-    fast quotient and pick, among it and its two float32 neighbours, the one
-    with the smallest residual ``|a - q b|``, evaluated exactly in float64
-    (``q b`` of two float32 fits in 53 bits).  A float32 quotient is never an
-    exact midpoint unless exact, so the choice is unique.
+    The package's fastmath set allows ``x / y -> x * (1/y)``, and LLVM may
+    narrow a float64 quotient of two widened float32 back to a float32 one,
+    so a plain division can land one ulp off the IEEE quotient (and move a
+    round-half-away decision).  We take that fast quotient ``q`` and correct
+    it with its residual ``a - q b``, which is exact in float64 (``q b`` of
+    two float32 fits in 53 bits): ``q + (a - q b) / b`` is the true quotient
+    to ~2^-52 relative, and a float32 quotient of float32 numbers is never
+    that close to a rounding midpoint unless it is exact, so the final
+    float32 rounding is the IEEE one.
     """
     a64 = np.float64(a)
     b64 = np.float64(b)
-    q = np.float32(a64 / b64)
-    best = q
-    res = abs(a64 - np.float64(q) * b64)
-    lo = np.nextafter(q, np.float32(-np.inf))
-    r = abs(a64 - np.float64(lo) * b64)
-    if r < res:
-        best = lo
-        res = r
-    hi = np.nextafter(q, np.float32(np.inf))
-    r = abs(a64 - np.float64(hi) * b64)
-    if r < res:
-        best = hi
-    return best
+    q = np.float64(np.float32(a64 / b64))
+    r = a64 - q * b64
+    return np.float32(q + r / b64)
 
 
 @njit
@@ -410,9 +404,63 @@ def dequantize_groups(codes, scales, group):
     """
     rows, cols = codes.shape
     out = np.empty((rows, cols), dtype=np.float32)
+    ng = (cols + group - 1) // group
+    for i in range(rows):
+        for g in range(ng):
+            sc = scales[i, g]
+            for j in range(g * group, min(g * group + group, cols)):
+                out[i, j] = np.float32(codes[i, j]) * sc
+    return out
+
+
+@njit
+def dequantize_nibbles(packed, scales, group, cols):
+    """Fused :func:`unpack_nibbles` + :func:`dequantize_groups` for int4.
+
+    Parameters
+    ----------
+    packed : ndarray of shape (rows, ceil(cols / 2)), uint8
+    scales : ndarray of shape (rows, ceil(cols / group)), float32
+    group, cols : int
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), float32
+    """
+    rows = packed.shape[0]
+    out = np.empty((rows, cols), dtype=np.float32)
+    ng = (cols + group - 1) // group
+    for i in range(rows):
+        for g in range(ng):
+            sc = scales[i, g]
+            for j in range(g * group, min(g * group + group, cols)):
+                v = (np.int32(packed[i, j >> 1]) >> (4 * (j & 1))) & 0xF
+                v -= (v & 8) << 1  # sign-extend the nibble
+                out[i, j] = np.float32(v) * sc
+    return out
+
+
+@njit
+def ternary_decode(packed, alpha, cols):
+    """Dense float32 ``alpha * code`` from 2-bit ternary codes (0 -> 0,
+    1 -> +1, 3 -> -1), packed as in :func:`pack_crumbs`.
+
+    Parameters
+    ----------
+    packed : ndarray of shape (rows, ceil(cols / 4)), uint8
+    alpha : float32
+    cols : int
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), float32
+    """
+    rows = packed.shape[0]
+    out = np.empty((rows, cols), dtype=np.float32)
+    lut = np.array([0.0, 1.0, 0.0, -1.0], dtype=np.float32) * alpha
     for i in range(rows):
         for j in range(cols):
-            out[i, j] = np.float32(codes[i, j]) * scales[i, j // group]
+            out[i, j] = lut[(np.int32(packed[i, j >> 2]) >> (2 * (j & 3))) & 3]
     return out
 
 
