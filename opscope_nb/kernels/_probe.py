@@ -1,1 +1,975 @@
-__all__ = []
+"""``@njit`` cores of the probes (:mod:`opscope_nb.probe`) and of the synthetic
+data generator (:mod:`opscope_nb.synth`).
+
+**No input validation**: every core assumes C-contiguous, finite ``float32``
+arrays of the documented shape and in-range integers.  The validating public
+twins live in :mod:`opscope_nb.probe` / :mod:`opscope_nb.synth`.
+
+Layout
+------
+Matrices are 2-D ``[rows, cols]`` row-major.  For a PyTorch ``nn.Linear``
+weight ``[out_features, in_features]`` a row is an *output* channel: the
+per-channel quantiser has one scale per row, while :func:`outlier_channels`
+looks at *columns* (input channels), as upstream does.  Tensor-wise probes
+(:func:`frob`, :func:`rel_err`, :func:`quant_error`, :func:`ternary_error`,
+:func:`cardinality`) only see the values, so any tensor can be passed as a 2-D
+C-contiguous view (the public wrappers use ``x.reshape(-1, x.shape[-1])``).
+
+Numerics
+--------
+* Values stay ``float32`` where upstream computes them in ``float32``
+  (quantisation codes, scales, dequantised values are exact functions of
+  float32 inputs); **sums are accumulated in float64**, one partial per row
+  then a serial reduction in row order.  The result is deterministic and does
+  not depend on the thread count; it is more accurate than upstream's
+  sequential float32 sums (they agree to ~1e-5 relative on 1024x3072).
+* The package's fastmath set includes ``arcp``, which lets LLVM turn ``a / b``
+  into ``a * (1/b)`` and hoist ``1/b`` out of loops (not correctly rounded:
+  1 ulp off for ~30 % of quotients).  Where a float32 quotient feeds a
+  rounding decision (``x / scale`` before round-half-away, ``amax / levels``)
+  :func:`div_f32` emits a plain IEEE ``fdiv`` through a numba intrinsic that
+  carries only the harmless ``nsz`` flag (numba's fastmath pass only flags
+  instructions that have none), so codes and scales equal Rust's / NumPy's
+  float32 division bit for bit.  Float64 detours do not help: LLVM narrows
+  ``fptrunc(fpext a / fpext b)`` back to a float32 ``fdiv`` and then applies
+  ``arcp`` to it.
+* Rounding is half away from zero (Rust ``f32::round``), never NumPy's
+  half-to-even: :func:`round_half_away`.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+from numba.core import types as _nbtypes
+from numba.extending import intrinsic
+
+from .._config import njit, njit_parallel
+
+__all__ = [
+    # shared primitives
+    "round_half_away",
+    "quant_levels",
+    "div_f32",
+    "row_absmax",
+    "quantize_rows_sym",
+    "quantize_tensor_sym",
+    # probes
+    "frob",
+    "rel_err",
+    "sigma_max",
+    "stable_rank",
+    "quant_error",
+    "per_channel_quant_error",
+    "best_bitwidth",
+    "nm_sparsity_error",
+    "ternary_error",
+    "outlier_channels",
+    "cardinality",
+    # synthetic data (Philox4x32-10 variant of rlx_ir)
+    "philox4x32_block",
+    "philox_words",
+    "box_muller",
+]
+
+# Column-block width for the column max-abs (a reduction down the rows): wide
+# enough for contiguous SIMD loads, small enough to give both cores work on
+# 1024-column matrices.
+_COL_BLOCK = 128
+
+
+# --------------------------------------------------------------------------
+# shared primitives
+# --------------------------------------------------------------------------
+
+@njit
+def round_half_away(v):
+    """Round to the nearest integer, ties away from zero (Rust ``f32::round``).
+
+    Parameters
+    ----------
+    v : float32 or float64 scalar
+
+    Returns
+    -------
+    Same type as ``v``; an integral value.
+
+    Notes
+    -----
+    ``floor(|v| + 0.5)`` is wrong for 0.49999997 (the add rounds up to 1) and
+    for odd integers >= 2^23; comparing the exact fraction ``|v| - floor(|v|)``
+    with 0.5 has neither problem.  No input validation.
+    """
+    a = abs(v)
+    t = np.floor(a)
+    if a - t >= 0.5:
+        t = np.ceil(a)     # == t + 1 here (a is not integral), same dtype
+    return t if v >= 0 else -t
+
+
+@njit
+def quant_levels(bits):
+    """Symmetric quantisation levels ``max(2^(bits-1) - 1, 1)`` (int).
+
+    8 -> 127, 6 -> 31, 4 -> 7, 3 -> 3, 2 -> 1.  No input validation.
+    """
+    lv = (1 << (bits - 1)) - 1
+    return lv if lv > 1 else 1
+
+
+@intrinsic
+def _ieee_div(typingctx, a, b):
+    """``a / b`` as an IEEE ``fdiv`` without ``arcp`` (see module notes)."""
+    if isinstance(a, _nbtypes.Float) and a == b:
+        def codegen(context, builder, signature, args):
+            # A non-empty flag list stops numba's fastmath pass from adding
+            # arcp/reassoc; nsz cannot change a quotient's magnitude.
+            return builder.fdiv(args[0], args[1], flags=("nsz",))
+        return a(a, b), codegen
+    return None
+
+
+@njit
+def div_f32(a, b):
+    """Correctly rounded float32 quotient ``a / b`` even under ``arcp``.
+
+    Parameters
+    ----------
+    a, b : float32 scalars (``b != 0``)
+
+    Returns
+    -------
+    float32
+        Identical to IEEE float32 division (Rust ``a / b``, NumPy float32
+        ``a / b``); see the module notes.
+    """
+    return _ieee_div(np.float32(a), np.float32(b))
+
+
+@njit_parallel
+def row_absmax(x):
+    """Per-row ``max |x|``.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+
+    Returns
+    -------
+    ndarray of shape (rows,), float32
+    """
+    rows, cols = x.shape
+    out = np.zeros(rows, dtype=np.float32)
+    for i in prange(rows):
+        m = np.float32(0.0)
+        for j in range(cols):
+            a = abs(x[i, j])
+            if a > m:
+                m = a
+        out[i] = m
+    return out
+
+
+@njit
+def _tensor_absmax(x):
+    """``max |x|`` over a 2-D array (serial reduction of :func:`row_absmax`)."""
+    ra = row_absmax(x)
+    m = np.float32(0.0)
+    for i in range(ra.shape[0]):
+        if ra[i] > m:
+            m = ra[i]
+    return m
+
+
+@njit
+def _scale_for(amax, levels):
+    """Symmetric scale ``amax / levels`` (float32), 1 when ``amax < 1e-20``."""
+    if amax < 1e-20:
+        return np.float32(1.0)
+    return div_f32(amax, np.float32(levels))
+
+
+@njit
+def _code(v, scale, levels):
+    """``clamp(round_half_away(v / scale), -levels, levels)`` as float32."""
+    q = round_half_away(div_f32(v, scale))
+    fl = np.float32(levels)
+    if q > fl:
+        q = fl
+    elif q < -fl:
+        q = -fl
+    return q
+
+
+@njit_parallel
+def quantize_rows_sym(x, bits):
+    """Per-row (per output channel) symmetric quantiser with int8 codes.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+        ``[out_features, in_features]``: one scale per row.
+    bits : int
+        2..8 (codes must fit int8).
+
+    Returns
+    -------
+    codes : ndarray of shape (rows, cols), int8
+        ``clamp(round_half_away(x / scale), -levels, levels)``.
+    scales : ndarray of shape (rows,), float32
+        ``amax_row / levels``; 1.0 for a row with ``amax < 1e-20``.
+
+    Notes
+    -----
+    ``x ≈ codes * scales[:, None]``.  Raises ``ValueError`` (constant message)
+    when ``bits`` is outside 2..8; no other validation.
+    """
+    if bits < 2 or bits > 8:
+        raise ValueError("quantize_rows_sym: bits must be in 2..8 for int8 codes")
+    rows, cols = x.shape
+    levels = quant_levels(bits)
+    amax = row_absmax(x)
+    codes = np.empty((rows, cols), dtype=np.int8)
+    scales = np.empty(rows, dtype=np.float32)
+    for i in prange(rows):
+        s = _scale_for(amax[i], levels)
+        scales[i] = s
+        for j in range(cols):
+            codes[i, j] = np.int8(_code(x[i, j], s, levels))
+    return codes, scales
+
+
+@njit_parallel
+def quantize_tensor_sym(x, bits):
+    """Per-tensor symmetric quantiser with int8 codes.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+    bits : int
+        2..8.
+
+    Returns
+    -------
+    codes : ndarray of shape (rows, cols), int8
+    scale : float32
+        ``amax / levels`` over the whole tensor; 1.0 when ``amax < 1e-20``.
+    """
+    if bits < 2 or bits > 8:
+        raise ValueError("quantize_tensor_sym: bits must be in 2..8 for int8 codes")
+    rows, cols = x.shape
+    levels = quant_levels(bits)
+    s = _scale_for(_tensor_absmax(x), levels)
+    codes = np.empty((rows, cols), dtype=np.int8)
+    for i in prange(rows):
+        for j in range(cols):
+            codes[i, j] = np.int8(_code(x[i, j], s, levels))
+    return codes, s
+
+
+@njit
+def _ratio(num, den):
+    """``sqrt(num / den)``, 0 when ``den < 1e-20`` (upstream's guard)."""
+    if den < 1e-20:
+        return 0.0
+    return np.sqrt(num / den)
+
+
+# --------------------------------------------------------------------------
+# norms and spectra
+# --------------------------------------------------------------------------
+
+@njit_parallel
+def frob(x):
+    """Frobenius norm ``sqrt(sum x^2)``.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+
+    Returns
+    -------
+    float64
+        Accumulated in float64 (per-row partials, serial reduction).
+    """
+    rows, cols = x.shape
+    part = np.zeros(rows, dtype=np.float64)
+    for i in prange(rows):
+        s = 0.0
+        for j in range(cols):
+            v = np.float64(x[i, j])
+            s += v * v
+        part[i] = s
+    tot = 0.0
+    for i in range(rows):
+        tot += part[i]
+    return np.sqrt(tot)
+
+
+@njit_parallel
+def rel_err(ref, approx):
+    """Relative Frobenius error ``||ref - approx||_F / ||ref||_F``.
+
+    Parameters
+    ----------
+    ref, approx : ndarray of shape (rows, cols), float32, C-contiguous
+        Same shape; ``ref`` is the reference.
+
+    Returns
+    -------
+    float64
+        0 when ``sum ref^2 < 1e-20`` (an all-zero reference), whatever
+        ``approx`` is (upstream convention).
+    """
+    rows, cols = ref.shape
+    pn = np.zeros(rows, dtype=np.float64)
+    pd = np.zeros(rows, dtype=np.float64)
+    for i in prange(rows):
+        n = 0.0
+        d = 0.0
+        for j in range(cols):
+            a = np.float64(ref[i, j])
+            e = a - np.float64(approx[i, j])
+            n += e * e
+            d += a * a
+        pn[i] = n
+        pd[i] = d
+    num = 0.0
+    den = 0.0
+    for i in range(rows):
+        num += pn[i]
+        den += pd[i]
+    return _ratio(num, den)
+
+
+@njit_parallel
+def _matvec(x, v, out):
+    """``out = x @ v`` (float64), parallel over rows."""
+    rows, cols = x.shape
+    for i in prange(rows):
+        s = 0.0
+        for j in range(cols):
+            s += np.float64(x[i, j]) * v[j]
+        out[i] = s
+
+
+@njit_parallel
+def _gram_matvec(x, v, part, out):
+    """``out = x.T @ (x @ v)`` in one pass over ``x`` (float64).
+
+    Rows are cut into ``part.shape[0]`` fixed chunks (a function of ``rows``
+    only); chunk c accumulates ``sum_i (x_i . v) x_i`` over its rows into
+    ``part[c]`` while each row is still in L1, then the chunks are summed in
+    order.  Deterministic and independent of the thread count.
+    """
+    rows, cols = x.shape
+    nchunk = part.shape[0]
+    step = (rows + nchunk - 1) // nchunk
+    for c in prange(nchunk):
+        for j in range(cols):
+            part[c, j] = 0.0
+        for i in range(c * step, min((c + 1) * step, rows)):
+            ui = 0.0
+            for j in range(cols):
+                ui += np.float64(x[i, j]) * v[j]
+            for j in range(cols):
+                part[c, j] += np.float64(x[i, j]) * ui
+    for j in range(cols):
+        out[j] = 0.0
+    for c in range(nchunk):
+        for j in range(cols):
+            out[j] += part[c, j]
+
+
+@njit
+def _norm64(v):
+    s = 0.0
+    for i in range(v.shape[0]):
+        s += v[i] * v[i]
+    return np.sqrt(s)
+
+
+@njit
+def sigma_max(x, iters):
+    """Largest singular value by power iteration on ``x^T x`` (upstream method).
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+    iters : int
+        Number of power steps (upstream default 30).
+
+    Returns
+    -------
+    float64
+        ``||x v||`` for the final unit vector ``v``.  0 for an empty matrix.
+
+    Notes
+    -----
+    Start ``v = 1/sqrt(cols)`` everywhere (deterministic, not random); each
+    step ``w = x^T (x v)`` (one pass over ``x``), stop when ``||w|| < 1e-20``
+    else ``v = w / ||w||``.  Vectors and sums in float64.  Like any power method it
+    converges slowly when ``sigma_1 ≈ sigma_2`` and returns a lower bound.
+    """
+    rows, cols = x.shape
+    if rows == 0 or cols == 0:
+        return 0.0
+    v = np.full(cols, 1.0 / np.sqrt(np.float64(cols)))
+    u = np.empty(rows, dtype=np.float64)
+    w = np.empty(cols, dtype=np.float64)
+    # <= 64 row chunks of >= 16 rows: bounded scratch, enough parallel slack
+    nchunk = min(64, (rows + 15) // 16)
+    part = np.empty((nchunk, cols), dtype=np.float64)
+    for _ in range(iters):
+        _gram_matvec(x, v, part, w)
+        n = _norm64(w)
+        if n < 1e-20:
+            break
+        for j in range(cols):
+            v[j] = w[j] / n
+    _matvec(x, v, u)
+    return _norm64(u)
+
+
+@njit
+def stable_rank(x):
+    """Stable rank ``||x||_F^2 / sigma_max^2`` (sigma_max with 30 iterations).
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+
+    Returns
+    -------
+    float64
+        0 when ``sigma_max < 1e-20``.
+    """
+    s = sigma_max(x, 30)
+    if s < 1e-20:
+        return 0.0
+    f = frob(x)
+    return (f * f) / (s * s)
+
+
+# --------------------------------------------------------------------------
+# quantisation probes
+# --------------------------------------------------------------------------
+
+@njit_parallel
+def _quant_err_sums(x, scales, per_row, levels):
+    """Whole-matrix ``(sum (x - q)^2, sum x^2)`` in float64.
+
+    ``scales[i]`` is row i's scale when ``per_row`` else ``scales[0]`` is used
+    for every row.  The dequantised value ``code * scale`` is formed exactly in
+    float64.
+    """
+    rows, cols = x.shape
+    pn = np.zeros(rows, dtype=np.float64)
+    pd = np.zeros(rows, dtype=np.float64)
+    for i in prange(rows):
+        s = scales[i] if per_row else scales[0]
+        s64 = np.float64(s)
+        n = 0.0
+        d = 0.0
+        for j in range(cols):
+            v = x[i, j]
+            v64 = np.float64(v)
+            e = v64 - np.float64(_code(v, s, levels)) * s64
+            n += e * e
+            d += v64 * v64
+        pn[i] = n
+        pd[i] = d
+    num = 0.0
+    den = 0.0
+    for i in range(rows):
+        num += pn[i]
+        den += pd[i]
+    return num, den
+
+
+@njit
+def quant_error(x, bits):
+    """Relative error of per-tensor symmetric ``bits``-bit quantisation.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+    bits : int
+        2..16 (``levels = max(2^(bits-1) - 1, 1)``).
+
+    Returns
+    -------
+    float64
+        ``||x - q||_F / ||x||_F`` with ``q = clamp(round_half_away(x/scale),
+        -levels, levels) * scale`` and ``scale = max|x| / levels``; 0 when
+        ``max|x| < 1e-20``.
+    """
+    amax = _tensor_absmax(x)
+    if amax < 1e-20:
+        return 0.0
+    levels = quant_levels(bits)
+    sc = np.empty(1, dtype=np.float32)
+    sc[0] = div_f32(amax, np.float32(levels))
+    num, den = _quant_err_sums(x, sc, False, levels)
+    return _ratio(num, den)
+
+
+@njit
+def _per_channel_err_from_amax(x, amax, bits):
+    levels = quant_levels(bits)
+    rows = x.shape[0]
+    sc = np.empty(rows, dtype=np.float32)
+    for i in range(rows):
+        sc[i] = _scale_for(amax[i], levels)
+    num, den = _quant_err_sums(x, sc, True, levels)
+    return _ratio(num, den)
+
+
+@njit
+def per_channel_quant_error(x, bits):
+    """Relative error of per-row (per output channel) symmetric quantisation.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+        ``[out_features, in_features]``; one scale per row (1.0 for a row
+        with ``amax < 1e-20``).
+    bits : int
+        2..16.
+
+    Returns
+    -------
+    float64
+        ``sqrt(sum (x - q)^2 / sum x^2)`` with numerator and denominator summed
+        over the whole matrix (not a mean of per-row errors); 0 when
+        ``sum x^2 < 1e-20``.
+    """
+    return _per_channel_err_from_amax(x, row_absmax(x), bits)
+
+
+@njit
+def best_bitwidth(x, budget):
+    """First bit-width of (3, 4, 6, 8) whose per-channel error is ``< budget``.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+    budget : float
+        Strict upper bound on :func:`per_channel_quant_error`.
+
+    Returns
+    -------
+    int
+        3, 4, 6 or 8; **-1 when none qualifies** (the public
+        :func:`opscope_nb.probe.best_bitwidth` returns ``None`` instead).
+    """
+    amax = row_absmax(x)   # shared by the four candidate widths
+    for b in (3, 4, 6, 8):
+        if _per_channel_err_from_amax(x, amax, b) < budget:
+            return b
+    return -1
+
+
+@njit_parallel
+def nm_sparsity_error(x, n, m):
+    """Relative error of N:M structured sparsity along each row.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+    n, m : int
+        ``1 <= n``, ``1 <= m``; keep the ``n`` largest ``|v|`` of every ``m``
+        consecutive values of a row (the last group may be shorter).
+
+    Returns
+    -------
+    float64
+        ``sqrt(sum dropped^2 / sum x^2)``; 0 when ``sum x^2 < 1e-20``.
+
+    Notes
+    -----
+    Ties keep the lower index (upstream's stable sort).  Instead of sorting
+    each group, an element is kept when fewer than ``n`` group members beat
+    it (larger ``|v|``, or equal ``|v|`` at a lower index): O(m) work per
+    element, no allocation in the loop.
+    """
+    rows, cols = x.shape
+    pn = np.zeros(rows, dtype=np.float64)
+    pd = np.zeros(rows, dtype=np.float64)
+    for i in prange(rows):
+        dropped = 0.0
+        tot = 0.0
+        for g0 in range(0, cols, m):
+            g1 = min(g0 + m, cols)
+            short = g1 - g0 <= n          # the whole group is kept
+            for a in range(g0, g1):
+                va = abs(x[i, a])
+                v64 = np.float64(x[i, a])
+                sq = v64 * v64
+                tot += sq
+                if short:
+                    continue
+                # branch-free rank count: |v| in random data makes every
+                # comparison a coin flip for the branch predictor
+                beat = 0
+                for b in range(g0, a):
+                    beat += abs(x[i, b]) >= va
+                for b in range(a + 1, g1):
+                    beat += abs(x[i, b]) > va
+                dropped += sq if beat >= n else 0.0
+        pn[i] = dropped
+        pd[i] = tot
+    num = 0.0
+    den = 0.0
+    for i in range(rows):
+        num += pn[i]
+        den += pd[i]
+    return _ratio(num, den)
+
+
+@njit_parallel
+def ternary_error(x):
+    """Relative error of TWN ternary quantisation (Li & Liu, 2016), per tensor.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+
+    Returns
+    -------
+    float64
+        ``||x - t||_F / ||x||_F`` with ``delta = 0.7 * mean|x|``,
+        ``alpha = mean |x| over |x| > delta`` (strict; 0 if none) and
+        ``t = +alpha`` where ``x > delta``, ``-alpha`` where ``x < -delta``,
+        else 0.  ``delta``, ``alpha`` and all sums are float64.
+    """
+    rows, cols = x.shape
+    size = rows * cols
+    p1 = np.zeros(rows, dtype=np.float64)
+    for i in prange(rows):
+        s = 0.0
+        for j in range(cols):
+            s += abs(np.float64(x[i, j]))
+        p1[i] = s
+    tot = 0.0
+    for i in range(rows):
+        tot += p1[i]
+    delta = 0.7 * (tot / max(size, 1))
+    pk = np.zeros(rows, dtype=np.float64)
+    pc = np.zeros(rows, dtype=np.int64)
+    for i in prange(rows):
+        s = 0.0
+        c = 0
+        for j in range(cols):
+            a = abs(np.float64(x[i, j]))
+            keep = a > delta
+            s += a if keep else 0.0     # selects, not branches (vectorises)
+            c += keep
+        pk[i] = s
+        pc[i] = c
+    kept = 0.0
+    cnt = 0
+    for i in range(rows):
+        kept += pk[i]
+        cnt += pc[i]
+    alpha = kept / cnt if cnt > 0 else 0.0
+    pn = np.zeros(rows, dtype=np.float64)
+    pd = np.zeros(rows, dtype=np.float64)
+    for i in prange(rows):
+        n = 0.0
+        d = 0.0
+        for j in range(cols):
+            v = np.float64(x[i, j])
+            t = alpha if v > delta else 0.0
+            t = -alpha if v < -delta else t
+            e = v - t
+            n += e * e
+            d += v * v
+        pn[i] = n
+        pd[i] = d
+    num = 0.0
+    den = 0.0
+    for i in range(rows):
+        num += pn[i]
+        den += pd[i]
+    return _ratio(num, den)
+
+
+# --------------------------------------------------------------------------
+# outliers and cardinality
+# --------------------------------------------------------------------------
+
+@njit_parallel
+def _col_absmax(x):
+    """Per-column ``max |x|`` (float32), parallel over column blocks."""
+    rows, cols = x.shape
+    out = np.zeros(cols, dtype=np.float32)
+    nblk = (cols + _COL_BLOCK - 1) // _COL_BLOCK
+    for b in prange(nblk):
+        c0 = b * _COL_BLOCK
+        c1 = min(c0 + _COL_BLOCK, cols)
+        for i in range(rows):
+            for j in range(c0, c1):
+                a = abs(x[i, j])
+                if a > out[j]:
+                    out[j] = a
+    return out
+
+
+@njit
+def outlier_channels(x, ratio):
+    """Outlier input channels (columns) by column max-abs.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+        ``[out_features, in_features]``: a column is an input channel.
+    ratio : float
+        A column is an outlier when ``cmax > float32(ratio) * median``
+        (product rounded to float32, as upstream).
+
+    Returns
+    -------
+    count : int
+        Number of outlier columns.
+    max_over_median : float64
+        ``max(cmax) / median``.
+
+    Notes
+    -----
+    ``cmax[c] = max_r |x[r, c]|``; ``median = sorted(cmax)[cols // 2]`` (the
+    upper median) floored at 1e-20.  For an empty matrix returns ``(0, 0.0)``.
+    """
+    cols = x.shape[1]
+    if cols == 0:
+        return 0, 0.0
+    cmax = _col_absmax(x)
+    srt = np.sort(cmax)
+    med = srt[cols // 2]
+    if med < np.float32(1e-20):
+        med = np.float32(1e-20)
+    # float32 product, correctly rounded (exact in float64, then one rounding)
+    thr = np.float32(np.float64(np.float32(ratio)) * np.float64(med))
+    count = 0
+    for j in range(cols):
+        if cmax[j] > thr:
+            count += 1
+    return count, np.float64(srt[cols - 1]) / np.float64(med)
+
+
+_I64_MAX_F = 9.223372036854775807e18   # 2^63 as float64
+
+
+@njit_parallel
+def _card_keys(x, rt):
+    """``round_half_away(float32(v * rt))`` saturated to int64 (Rust ``as i64``)."""
+    rows, cols = x.shape
+    keys = np.empty(rows * cols, dtype=np.int64)
+    for i in prange(rows):
+        for j in range(cols):
+            p = np.float32(np.float64(x[i, j]) * np.float64(rt))
+            r = np.float64(round_half_away(p))
+            if r >= _I64_MAX_F:
+                k = np.int64(9223372036854775807)
+            elif r <= -_I64_MAX_F:
+                k = np.int64(-9223372036854775807 - 1)
+            elif r != r:
+                k = np.int64(0)          # NaN -> 0, as Rust's `as i64`
+            else:
+                k = np.int64(r)
+            keys[i * cols + j] = k
+    return keys
+
+
+@njit
+def cardinality(x, round_to):
+    """Number of distinct ``round_half_away(v * round_to)`` values, capped.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+    round_to : float
+        Grid density: values are snapped to multiples of ``1 / round_to``
+        (``v * round_to`` is formed in float32, as upstream).
+
+    Returns
+    -------
+    int
+        The distinct count, **capped at 100_001**: upstream stops as soon as
+        its set holds more than 100 000 values, so any count above 100 000 is
+        reported as 100 001.
+
+    Notes
+    -----
+    Keys are int64 (saturating like Rust's ``as i64``).  When the key range is
+    small (<= 2^24 or <= 4 x size) a bitmap counts them in O(size); otherwise
+    the keys are sorted and runs counted.  The result is order-independent.
+    """
+    size = x.shape[0] * x.shape[1]
+    if size == 0:
+        return 0
+    keys = _card_keys(x, np.float32(round_to))
+    kmin = keys[0]
+    kmax = keys[0]
+    for k in keys:
+        if k < kmin:
+            kmin = k
+        if k > kmax:
+            kmax = k
+    cap = 100_001
+    # kmax - kmin may overflow int64: compare as float64 first
+    span = np.float64(kmax) - np.float64(kmin)
+    if span < max(16777216.0, 4.0 * size):
+        seen = np.zeros(kmax - kmin + 1, dtype=np.uint8)
+        cnt = 0
+        for k in keys:
+            idx = k - kmin
+            if seen[idx] == 0:
+                seen[idx] = 1
+                cnt += 1
+        return min(cnt, cap)
+    srt = np.sort(keys)
+    cnt = 1
+    for t in range(1, size):
+        if srt[t] != srt[t - 1]:
+            cnt += 1
+            if cnt >= cap:
+                return cap
+    return cnt
+
+
+# --------------------------------------------------------------------------
+# synthetic data: rlx_ir's Philox4x32-10 variant
+# --------------------------------------------------------------------------
+
+@njit
+def philox4x32_block(c0, c1, k0, k1):
+    """One Philox4x32-10 block of rlx_ir's variant.
+
+    Parameters
+    ----------
+    c0, c1 : uint32-valued ints
+        Low two words of the 128-bit counter (the high two are 0 for any
+        stream shorter than 2^66 words).
+    k0, k1 : uint32-valued ints
+        Key = (seed low 32 bits, seed high 32 bits).
+
+    Returns
+    -------
+    (uint64, uint64, uint64, uint64)
+        The four output words (each < 2^32), consumed in this order.
+
+    Notes
+    -----
+    Round: ``p0 = s0 * 0xD2561A75``, ``p1 = s2 * 0xCD9E8D57`` (64-bit),
+    ``s = (hi(p1)^s1^k0, lo(p1), hi(p0)^s3^k1, lo(p0))``, then the key is
+    bumped by ``(0x9E3779B9, 0xBB67AE85)``; 10 rounds.  The first multiplier
+    is **not** Random123's 0xD2511F53, so Random123/JAX streams differ.
+    """
+    mask = np.uint64(0xFFFFFFFF)
+    s0 = np.uint64(c0)
+    s1 = np.uint64(c1)
+    s2 = np.uint64(0)
+    s3 = np.uint64(0)
+    a = np.uint64(k0)
+    b = np.uint64(k1)
+    m0 = np.uint64(0xD2561A75)
+    m1 = np.uint64(0xCD9E8D57)
+    w0 = np.uint64(0x9E3779B9)
+    w1 = np.uint64(0xBB67AE85)
+    sh = np.uint64(32)
+    for _ in range(10):
+        p0 = s0 * m0
+        p1 = s2 * m1
+        n0 = (p1 >> sh) ^ s1 ^ a
+        n1 = p1 & mask
+        n2 = (p0 >> sh) ^ s3 ^ b
+        n3 = p0 & mask
+        s0 = n0
+        s1 = n1
+        s2 = n2
+        s3 = n3
+        a = (a + w0) & mask
+        b = (b + w1) & mask
+    return s0, s1, s2, s3
+
+
+@njit_parallel
+def philox_words(k0, k1, start, count):
+    """Words ``start .. start+count`` of a Philox4x32 stream.
+
+    Parameters
+    ----------
+    k0, k1 : int
+        Key words (seed low / high 32 bits).
+    start : int
+        Index of the first word (word ``w`` is lane ``w % 4`` of block
+        ``w // 4``; the stream's counter starts at block 0).
+    count : int
+        Number of words.
+
+    Returns
+    -------
+    ndarray of shape (count,), uint32
+
+    Notes
+    -----
+    Counter-based, so blocks are computed in parallel and the result does not
+    depend on the thread count.  Block indices must stay below 2^64.
+    """
+    out = np.empty(count, dtype=np.uint32)
+    if count == 0:
+        return out
+    b0 = start // 4
+    b1 = (start + count - 1) // 4
+    for b in prange(b0, b1 + 1):
+        bb = np.uint64(b)
+        r0, r1, r2, r3 = philox4x32_block(bb & np.uint64(0xFFFFFFFF),
+                                          bb >> np.uint64(32), k0, k1)
+        base = b * 4 - start
+        for lane in range(4):
+            t = base + lane
+            if t >= 0 and t < count:
+                if lane == 0:
+                    out[t] = np.uint32(r0)
+                elif lane == 1:
+                    out[t] = np.uint32(r1)
+                elif lane == 2:
+                    out[t] = np.uint32(r2)
+                else:
+                    out[t] = np.uint32(r3)
+    return out
+
+
+@njit_parallel
+def box_muller(words):
+    """Standard normals from consecutive word pairs, rlx_ir's ``normal()``.
+
+    Parameters
+    ----------
+    words : ndarray of shape (2*n,), uint32
+
+    Returns
+    -------
+    ndarray of shape (n,), float32
+
+    Notes
+    -----
+    All float32: ``u = (w >> 8) / 2^24``; ``u1 = max(u(words[2i]),
+    FLT_MIN)``, ``u2 = u(words[2i+1])``; ``sqrt(-2 ln u1) * cos(2pi * u2)``
+    with ``2pi`` the float32 product ``2 * float32(pi)``.  The sine half is
+    discarded (two words per normal).
+    """
+    n = words.shape[0] // 2
+    out = np.empty(n, dtype=np.float32)
+    inv24 = np.float32(1.0 / 16777216.0)
+    tiny = np.float32(1.1754943508222875e-38)
+    two_pi = np.float32(2.0) * np.float32(np.pi)
+    m2 = np.float32(-2.0)
+    for i in prange(n):
+        u1 = np.float32(words[2 * i] >> np.uint32(8)) * inv24
+        u2 = np.float32(words[2 * i + 1] >> np.uint32(8)) * inv24
+        if u1 < tiny:
+            u1 = tiny
+        r = np.sqrt(m2 * np.log(u1))
+        out[i] = r * np.cos(two_pi * u2)
+    return out
