@@ -256,6 +256,7 @@ class _Problem:
             lb, gap = math.inf, math.nan
         else:
             lb = self.lp_bound() if lower_bound is None else float(lower_bound)
+            lb = max(lb, 0.0)  # every cost is >= 0; clears -1e-17 round-off
             gap = (err - lb) / max(err, 1e-12)
         return Allocation(choice=choice, total_err=err, total_bytes=tb,
                           dense_bytes=self.dense, feasible=feasible,
@@ -410,7 +411,11 @@ def exact_allocate(layers, budget_frac, *, weights=None, time_limit=60.0) -> All
                              (pb.budget + 0.25) / scale)]
     best, dual, status = greedy, -math.inf, "greedy-fallback"
     best_err = g_err
-    res = milp(c, constraints=cons, integrality=np.ones(nv), bounds=Bounds(0, 1),
+    # HiGHS keeps an absolute MIP gap of 1e-6 that scipy does not expose;
+    # scaling the objective to a max of 1e4 makes it 1e-10 relative.
+    cmax = float(c.max()) if nv else 0.0
+    cscale = 1e4 / cmax if cmax > 0 else 1.0
+    res = milp(c * cscale, constraints=cons, integrality=np.ones(nv), bounds=Bounds(0, 1),
                options={"mip_rel_gap": 0.0, "time_limit": float(time_limit),
                         "disp": False})
     if res.x is not None:
@@ -430,7 +435,7 @@ def exact_allocate(layers, budget_frac, *, weights=None, time_limit=60.0) -> All
                 status = "optimal" if res.status == 0 else f"highs-status-{res.status}"
     db = getattr(res, "mip_dual_bound", None)
     if db is not None and math.isfinite(db):
-        dual = float(db)
+        dual = float(db) / cscale
     # Both bounds are valid; a bound above a plan we hold can only come from
     # solver tolerances, and when HiGHS proved optimality (gap 0) the optimum
     # is that plan's value.
