@@ -48,6 +48,11 @@ __all__ = [
 
 #: Outputs per column block (the C of the register tiles).
 _NB = 4
+#: Default work size (``m * k * n`` multiply-adds) below which a kernel runs on
+#: the calling thread: a parallel launch costs microseconds and, on a busy
+#: machine, a time slice.  Every kernel takes it as the ``min_parallel``
+#: argument, so callers can change it without recompiling.
+PAR_MIN = 1 << 17
 #: Largest k for which int8 x int8 sums are exact in int32 (k * 127^2 < 2^31).
 I8_MAX_K = 133143
 
@@ -55,8 +60,22 @@ I8_MAX_K = 133143
 # --------------------------------------------------------------------------
 # reference / structured float kernels
 # --------------------------------------------------------------------------
+@njit
+def _dense_rows(x, w, y, i0, i1):
+    """Rows ``i0..i1-1`` of ``y = x @ w`` (``y`` zeroed by the caller)."""
+    k = x.shape[1]
+    n = w.shape[1]
+    for i in range(i0, i1):
+        yi = y[i]
+        for p in range(k):
+            a = x[i, p]
+            wp = w[p]
+            for j in range(n):
+                yi[j] += a * wp[j]
+
+
 @njit_parallel
-def dense_matmul(x, w):
+def dense_matmul(x, w, min_parallel=PAR_MIN):
     """Reference dense product ``y[m, n] = x[m, k] @ w[k, n]``.
 
     Each output accumulates over ``p = 0..k-1`` in order (``y[i, :] +=
@@ -67,6 +86,9 @@ def dense_matmul(x, w):
     ----------
     x : ndarray of float32, shape (m, k), C-contiguous
     w : ndarray of float32, shape (k, n), C-contiguous
+    min_parallel : int, optional
+        Below ``m * k * n`` multiply-adds of this size the call stays on the
+        calling thread (a parallel launch costs more than it saves).
 
     Returns
     -------
@@ -81,18 +103,38 @@ def dense_matmul(x, w):
         raise ValueError("dense_matmul: x.shape[1] must equal w.shape[0]")
     n = w.shape[1]
     y = np.zeros((m, n), dtype=np.float32)
-    for i in prange(m):
-        yi = y[i]
-        for p in range(k):
-            a = x[i, p]
-            wp = w[p]
-            for j in range(n):
-                yi[j] += a * wp[j]
+    if m < 2 or m * k * n < min_parallel:
+        _dense_rows(x, w, y, 0, m)
+    else:
+        for i in prange(m):
+            _dense_rows(x, w, y, i, i + 1)
     return y
 
 
+@njit
+def _sparse_rows(x, w, y, i0, i1):
+    """Rows ``i0..i1-1`` of the zero-skipping product (``y`` zeroed)."""
+    k = x.shape[1]
+    n = w.shape[1]
+    idx = np.empty(k, dtype=np.intp)
+    for i in range(i0, i1):
+        nnz = 0
+        xi = x[i]
+        for p in range(k):
+            if xi[p] != 0.0:
+                idx[nnz] = p
+                nnz += 1
+        yi = y[i]
+        for t in range(nnz):
+            p = idx[t]
+            a = xi[p]
+            wp = w[p]
+            for j in range(n):
+                yi[j] += a * wp[j]
+
+
 @njit_parallel
-def sparse_skip_matmul(x, w):
+def sparse_skip_matmul(x, w, min_parallel=PAR_MIN):
     """``y[m, n] = x[m, k] @ w[k, n]`` touching only rows ``p`` of ``w`` with
     ``x[i, p] != 0``.
 
@@ -107,6 +149,8 @@ def sparse_skip_matmul(x, w):
     x : ndarray of float32, shape (m, k), C-contiguous
         Activations, mostly zero for a speed-up (cost ~ nnz(x) * n).
     w : ndarray of float32, shape (k, n), C-contiguous
+    min_parallel : int, optional
+        Below ``m * k * n`` of this size the call stays on the calling thread.
 
     Returns
     -------
@@ -121,21 +165,12 @@ def sparse_skip_matmul(x, w):
         raise ValueError("sparse_skip_matmul: x.shape[1] must equal w.shape[0]")
     n = w.shape[1]
     y = np.zeros((m, n), dtype=np.float32)
-    for i in prange(m):
-        idx = np.empty(k, dtype=np.intp)
-        nnz = 0
-        xi = x[i]
-        for p in range(k):
-            if xi[p] != 0.0:
-                idx[nnz] = p
-                nnz += 1
-        yi = y[i]
-        for t in range(nnz):
-            p = idx[t]
-            a = xi[p]
-            wp = w[p]
-            for j in range(n):
-                yi[j] += a * wp[j]
+    if m < 2 or m * k * n < min_parallel:
+        _sparse_rows(x, w, y, 0, m)
+    else:
+        nch = min(m, 16)
+        for c in prange(nch):
+            _sparse_rows(x, w, y, c * m // nch, (c + 1) * m // nch)
     return y
 
 
@@ -368,18 +403,29 @@ def _float_block(xf, m, k, wf, wo, j0, j1, y, scale, use_scale):
                 y[i, j0 + q] = v
 
 
+@njit
+def _f32_blocks(xf, m, k, wf, n, y, b0, b1):
+    dummy = np.empty(0, dtype=np.float32)
+    for b in range(b0, b1):
+        j0 = b * _NB
+        _float_block(xf, m, k, wf, j0 * k, j0, min(j0 + _NB, n), y, dummy, False)
+
+
 @njit_parallel
-def matmul_f32(x, wt):
+def matmul_f32(x, wt, min_parallel=PAR_MIN):
     """``y[m, n] = x[m, k] @ wt[n, k].T`` (weight-stationary float32).
 
-    Decode (``m == 1``) runs output blocks of four in parallel (one pass over
-    ``x`` per block); larger ``m`` runs column blocks in parallel with a
-    2-row x 4-output register tile, reusing each weight block from L1.
+    Output blocks of four run in parallel; each block walks the rows two at
+    a time with a 2-row x 4-output register tile (``f32dot_tile_2x4``), so
+    the block's weights are loaded once per pair of rows and stay in cache
+    across all rows.  Decode (``m == 1``) uses the 1 x 4 tile.
 
     Parameters
     ----------
     x : ndarray of float32, shape (m, k), C-contiguous
     wt : ndarray of float32, shape (n, k), C-contiguous (output-major)
+    min_parallel : int, optional
+        Below ``m * k * n`` of this size the call stays on the calling thread.
 
     Returns
     -------
@@ -391,30 +437,73 @@ def matmul_f32(x, wt):
     n = wt.shape[0]
     y = np.empty((m, n), dtype=np.float32)
     xf = x.ravel()
-    nb = (n + _NB - 1) // _NB
-    dummy = np.empty(0, dtype=np.float32)
     wf = wt.ravel()
-    for b in prange(nb):
-        j0 = b * _NB
-        _float_block(xf, m, k, wf, j0 * k, j0, min(j0 + _NB, n), y, dummy, False)
+    nb = (n + _NB - 1) // _NB
+    if m * k * n < min_parallel:
+        _f32_blocks(xf, m, k, wf, n, y, 0, nb)
+    else:
+        for b in prange(nb):
+            _f32_blocks(xf, m, k, wf, n, y, b, b + 1)
     return y
 
 
+@njit
+def _w8a16_decode_blocks(xf, m, k, wf, scale, n, y, b0, b1):
+    """Blocks ``b0..b1-1`` for small ``m``: int8 codes widened on the fly."""
+    nch = k // F32_CHUNK
+    kv = nch * F32_CHUNK
+    for b in range(b0, b1):
+        j0 = b * _NB
+        j1 = min(j0 + _NB, n)
+        for i in range(m):
+            xo = i * k
+            if j1 - j0 == 4:
+                t = w8dot_tile_1x4(xf, xo, k, wf, j0 * k, k, nch)
+                for q in range(4):
+                    v = t[q]
+                    if kv < k:
+                        v += _tail_dot(xf, xo, wf, (j0 + q) * k, kv, k)
+                    y[i, j0 + q] = v * scale[j0 + q]
+            else:
+                for j in range(j0, j1):
+                    v = w8dot_tile_1x1(xf, xo, k, wf, j * k, k, nch)[0]
+                    if kv < k:
+                        v += _tail_dot(xf, xo, wf, j * k, kv, k)
+                    y[i, j] = v * scale[j]
+
+
+@njit
+def _w8a16_prefill_blocks(xf, m, k, wtq, scale, n, y, b0, b1):
+    """Blocks ``b0..b1-1`` for larger ``m``: each 4-output block of codes is
+    widened once into a float32 scratch block shared by all rows."""
+    buf = np.empty(_NB * k, dtype=np.float32)
+    for b in range(b0, b1):
+        j0 = b * _NB
+        j1 = min(j0 + _NB, n)
+        for q in range(j1 - j0):
+            for p in range(k):
+                buf[q * k + p] = np.float32(wtq[j0 + q, p])
+        _float_block(xf, m, k, buf, 0, j0, j1, y, scale, True)
+
+
 @njit_parallel
-def matmul_w8a16(x, wtq, scale):
+def matmul_w8a16(x, wtq, scale, min_parallel=PAR_MIN):
     """W8A16: ``y[i, j] = (sum_p x[i, p] * wtq[j, p]) * scale[j]``.
 
     int8 weights (4x fewer bytes than float32), float activations,
     dequantised after accumulation.  For ``m <= 2`` the int8 codes are
-    widened on the fly (the weight stream is the bottleneck); for larger
-    ``m`` each 4-output weight block is widened once into a float32 scratch
-    block and shared by all rows through the float32 register tile.
+    widened on the fly (``w8dot_tile_1x4``: the weight stream is the
+    bottleneck); for larger ``m`` each 4-output weight block is widened once
+    into a float32 scratch block and shared by all rows through the float32
+    register tile.
 
     Parameters
     ----------
     x : ndarray of float32, shape (m, k), C-contiguous
     wtq : ndarray of int8, shape (n, k), C-contiguous (output-major codes)
     scale : ndarray of float32, shape (n,)
+    min_parallel : int, optional
+        Below ``m * k * n`` of this size the call stays on the calling thread.
 
     Returns
     -------
@@ -427,44 +516,23 @@ def matmul_w8a16(x, wtq, scale):
     y = np.empty((m, n), dtype=np.float32)
     xf = x.ravel()
     nb = (n + _NB - 1) // _NB
+    serial = m * k * n < min_parallel
     if m <= 2:
         wf = wtq.ravel()
-        nch = k // F32_CHUNK
-        kv = nch * F32_CHUNK
-        for b in prange(nb):
-            j0 = b * _NB
-            j1 = min(j0 + _NB, n)
-            for i in range(m):
-                xo = i * k
-                if j1 - j0 == 4:
-                    t = w8dot_tile_1x4(xf, xo, k, wf, j0 * k, k, nch)
-                    for q in range(4):
-                        v = t[q]
-                        if kv < k:
-                            v += _tail_dot(xf, xo, wf, (j0 + q) * k, kv, k)
-                        y[i, j0 + q] = v * scale[j0 + q]
-                else:
-                    for j in range(j0, j1):
-                        v = w8dot_tile_1x1(xf, xo, k, wf, j * k, k, nch)[0]
-                        if kv < k:
-                            v += _tail_dot(xf, xo, wf, j * k, kv, k)
-                        y[i, j] = v * scale[j]
-        return y
-    # Prefill: contiguous chunks of column blocks (a fixed count, so the
-    # work split never depends on the thread count), one float32 scratch
-    # block per chunk.
-    nchunks = min(nb, 16)
-    for c in prange(nchunks):
-        b0 = c * nb // nchunks
-        b1 = (c + 1) * nb // nchunks
-        buf = np.empty(_NB * k, dtype=np.float32)
-        for b in range(b0, b1):
-            j0 = b * _NB
-            j1 = min(j0 + _NB, n)
-            for q in range(j1 - j0):
-                for p in range(k):
-                    buf[q * k + p] = np.float32(wtq[j0 + q, p])
-            _float_block(xf, m, k, buf, 0, j0, j1, y, scale, True)
+        if serial:
+            _w8a16_decode_blocks(xf, m, k, wf, scale, n, y, 0, nb)
+        else:
+            for b in prange(nb):
+                _w8a16_decode_blocks(xf, m, k, wf, scale, n, y, b, b + 1)
+    elif serial:
+        _w8a16_prefill_blocks(xf, m, k, wtq, scale, n, y, 0, nb)
+    else:
+        # A fixed number of contiguous chunks (never thread-count dependent),
+        # one float32 scratch block per chunk.
+        nchunks = min(nb, 16)
+        for c in prange(nchunks):
+            _w8a16_prefill_blocks(xf, m, k, wtq, scale, n, y,
+                                  c * nb // nchunks, (c + 1) * nb // nchunks)
     return y
 
 
@@ -530,18 +598,35 @@ def _i8_block(xf, m, k, wf, j0, j1, acc):
                 acc[i, j0 + q] = v
 
 
+@njit
+def _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
+    """Blocks ``b0..b1-1``: exact int32 sums into ``acc``; when ``want_y``
+    also the dequantised ``y = acc * sx[i] * scale[j]``."""
+    for b in range(b0, b1):
+        j0 = b * _NB
+        j1 = min(j0 + _NB, n)
+        _i8_block(xf, m, k, wf, j0, j1, acc)
+        if want_y:
+            for i in range(m):
+                for j in range(j0, j1):
+                    y[i, j] = np.float32(acc[i, j]) * sx[i] * scale[j]
+
+
 @njit_parallel
-def matmul_i8i8_i32(xq, wtq):
+def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN):
     """Exact integer core of W8A8: ``acc[m, n] = xq[m, k] @ wtq[n, k].T`` in int32.
 
-    Lowered through the ``i8dot_tile_*`` intrinsics (``vpmaddwd`` on AVX2).
-    Equals ``xq.astype(np.int32) @ wtq.astype(np.int32).T`` bit for bit while
-    ``k * 127**2 < 2**31`` (codes in [-127, 127], ``k <= 133143``).
+    Lowered through the ``i8dot_tile_*`` intrinsics (``vpmaddubsw`` +
+    ``vpmaddwd`` on AVX2).  Equals ``xq.astype(np.int32) @
+    wtq.astype(np.int32).T`` bit for bit for codes in [-127, 127] and
+    ``k <= 133143`` (no int32 overflow; -128 is not a valid code).
 
     Parameters
     ----------
-    xq : ndarray of int8, shape (m, k), C-contiguous
+    xq : ndarray of int8, shape (m, k), C-contiguous, values in [-127, 127]
     wtq : ndarray of int8, shape (n, k), C-contiguous (output-major)
+    min_parallel : int, optional
+        Below ``m * k * n`` of this size the call stays on the calling thread.
 
     Returns
     -------
@@ -552,17 +637,22 @@ def matmul_i8i8_i32(xq, wtq):
         raise ValueError("matmul_i8i8_i32: xq.shape[1] must equal wtq.shape[1]")
     n = wtq.shape[0]
     acc = np.empty((m, n), dtype=np.int32)
+    dummy_y = np.empty((0, 0), dtype=np.float32)
+    dummy_s = np.empty(0, dtype=np.float32)
     xf = xq.ravel()
     wf = wtq.ravel()
     nb = (n + _NB - 1) // _NB
-    for b in prange(nb):
-        j0 = b * _NB
-        _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc)
+    if m * k * n < min_parallel:
+        _w8a8_blocks(xf, m, k, wf, n, acc, dummy_y, dummy_s, dummy_s, False, 0, nb)
+    else:
+        for b in prange(nb):
+            _w8a8_blocks(xf, m, k, wf, n, acc, dummy_y, dummy_s, dummy_s, False,
+                         b, b + 1)
     return acc
 
 
 @njit_parallel
-def matmul_w8a8(xq, sx, wtq, scale):
+def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN):
     """W8A8: ``y[i, j] = float(sum_p xq[i, p] * wtq[j, p]) * sx[i] * scale[j]``.
 
     The integer sums are exact int32 (see :func:`matmul_i8i8_i32`); the
@@ -570,11 +660,13 @@ def matmul_w8a8(xq, sx, wtq, scale):
 
     Parameters
     ----------
-    xq : ndarray of int8, shape (m, k), C-contiguous
+    xq : ndarray of int8, shape (m, k), C-contiguous, values in [-127, 127]
         Per-row quantised activations (:func:`quantize_rows_i8`).
     sx : ndarray of float32, shape (m,)
     wtq : ndarray of int8, shape (n, k), C-contiguous (output-major codes)
     scale : ndarray of float32, shape (n,)
+    min_parallel : int, optional
+        Below ``m * k * n`` of this size the call stays on the calling thread.
 
     Returns
     -------
@@ -589,13 +681,11 @@ def matmul_w8a8(xq, sx, wtq, scale):
     xf = xq.ravel()
     wf = wtq.ravel()
     nb = (n + _NB - 1) // _NB
-    for b in prange(nb):
-        j0 = b * _NB
-        j1 = min(j0 + _NB, n)
-        _i8_block(xf, m, k, wf, j0, j1, acc)
-        for i in range(m):
-            for j in range(j0, j1):
-                y[i, j] = np.float32(acc[i, j]) * sx[i] * scale[j]
+    if m * k * n < min_parallel:
+        _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, True, 0, nb)
+    else:
+        for b in prange(nb):
+            _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, True, b, b + 1)
     return y
 
 
