@@ -176,7 +176,8 @@ def naive_outlier_channels(x, ratio):
 
 def naive_cardinality(x, round_to):
     x = np.asarray(x, np.float32).ravel()
-    p = (x * np.float32(round_to)).astype(np.float32)
+    with np.errstate(over="ignore"):          # overflow to inf is part of the spec
+        p = (x * np.float32(round_to)).astype(np.float32)
     r = naive_round_half_away(p).astype(np.float64)
     r = np.clip(r, -2.0 ** 63, 2.0 ** 63)   # saturate like Rust `as i64`
     return min(len(np.unique(r)), 100_001)
