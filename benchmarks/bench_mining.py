@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 
@@ -52,15 +53,18 @@ def synthetic_layers(n_layers, seed=0):
 
 
 def timed(fn, reps):
+    """(result of the fastest warm run, cold seconds, fastest warm seconds)."""
     t0 = time.perf_counter()
     res = fn()
     cold = time.perf_counter() - t0
-    warm = []
+    best, best_res = math.inf, res
     for _ in range(reps):
         t0 = time.perf_counter()
         res = fn()
-        warm.append(time.perf_counter() - t0)
-    return res, cold, min(warm)
+        dt = time.perf_counter() - t0
+        if dt < best:
+            best, best_res = dt, res
+    return best_res, cold, best
 
 
 def main():
@@ -76,7 +80,11 @@ def main():
     from opscope_nb.allocate import dado_allocate, exact_allocate, greedy_allocate
     from opscope_nb.mining import profile_layer
 
-    print(f"threads: numba {numba.get_num_threads()}, cpus {os.cpu_count()}")
+    blas = os.environ.get("OPENBLAS_NUM_THREADS", "default")
+    print(f"threads: numba {numba.get_num_threads()}, OPENBLAS_NUM_THREADS={blas}, "
+          f"cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}")
+    print("  (on a shared, oversubscribed machine multi-threaded BLAS can slow the SVD/"
+          "Tucker/TT parts 10x; OPENBLAS_NUM_THREADS=1 gives stable numbers)")
     w = np.random.default_rng(0).standard_normal((args.rows, args.cols)).astype(np.float32)
     prof, cold, warm = timed(lambda: profile_layer("w", w), 3)
     print(f"\nprofile_layer {args.rows}x{args.cols}: cold {cold:.3f} s, warm {warm:.3f} s "
@@ -84,7 +92,7 @@ def main():
     tot = sum(prof.timings.values())
     for k, v in sorted(prof.timings.items(), key=lambda kv: -kv[1]):
         print(f"  {k:8s} {v * 1e3:8.1f} ms  {v / max(tot, 1e-12):6.1%}")
-    print(f"  {'other':8s} {(warm - tot) * 1e3:8.1f} ms  (dense copy, validation; last run)")
+    print(f"  {'other':8s} {(warm - tot) * 1e3:8.1f} ms  (dense option, validation)")
     for o in prof.options:
         print(f"    {o.label:32s} err {o.rel_err:.4f}  bytes {o.bytes:>10d}")
 

@@ -691,6 +691,9 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0) -> LayerPro
     w = as_matrix(w, "w")
     rank_cap = check_int(rank_cap, "rank_cap", 1)
     seed = check_int(seed, "seed", 0)
+    if isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__"):
+        raise TypeError(f"groups must be a sequence of ints (group lengths along a row); "
+                        f"got {groups!r}. Pass e.g. groups=(32, 128) or groups=().")
     gs = []
     for g in groups:
         g = check_int(g, "groups[i]", 1)

@@ -309,6 +309,10 @@ def test_profile_bad_input():
         profile_layer("x", np.ones((4, 4), np.float32), rank_cap=0)
     with pytest.raises(ValueError):
         profile_layer("x", np.ones((4, 4), np.float32), groups=(0,))
+    with pytest.raises(TypeError, match="groups"):
+        profile_layer("x", np.ones((4, 4), np.float32), groups=32)
+    with pytest.raises(ValueError, match="seed"):
+        profile_layer("x", np.ones((4, 4), np.float32), seed=-1)
     with pytest.raises(TypeError):
         profile_layer(3, np.ones((4, 4), np.float32))
     with pytest.raises(TypeError):
@@ -412,3 +416,15 @@ def test_quant_stat_matches_naive():
     json.dumps(qs.to_dict())
     with pytest.raises(ValueError, match="budget"):
         quant_stat("x", w, 0.0)
+
+
+def test_flops_hand_counted():
+    """MACs per input row, counted by hand for the contraction orders."""
+    from opscope_nb.mining import _flops
+
+    assert _flops(12, 24, Decomp.tt((4, 3, 4, 6), 16)) == 144 + 288 + 144 + 48
+    assert _flops(12, 24, Decomp.tucker((12, 4, 6), (2, 2, 2))) == 48 + 16 + 8 + 24
+    assert _flops(16, 16, Decomp.monarch()) == 2 * 4 ** 3
+    assert _flops(10, 20, Decomp.lowrank(3)) == 90
+    assert _flops(3, 10, Decomp.sparse24()) == 3 * (2 + 2 + 2)
+    assert _flops(3, 10, Decomp.int4(4)) == 30
