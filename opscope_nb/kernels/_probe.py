@@ -743,40 +743,37 @@ def outlier_channels(x, ratio):
     if cols == 0:
         return 0, 0.0
     cmax = _col_absmax(x)
-    srt = np.sort(cmax)
-    med = srt[cols // 2]
+    srt = np.sort(cmax.astype(np.float64))     # float64: shares cardinality's sort
+    med = np.float32(srt[cols // 2])
     if med < np.float32(1e-20):
         med = np.float32(1e-20)
     # float32 product, correctly rounded (exact in float64, then one rounding)
     thr = np.float32(np.float64(np.float32(ratio)) * np.float64(med))
     count = 0
     for j in range(cols):
-        if cmax[j] > thr:
-            count += 1
-    return count, np.float64(srt[cols - 1]) / np.float64(med)
+        count += cmax[j] > thr
+    return count, srt[cols - 1] / np.float64(med)
 
 
-_I64_MAX_F = 9.223372036854775807e18   # 2^63 as float64
+_TWO63 = 9.223372036854775808e18   # 2^63
 
 
 @njit_parallel
 def _card_keys(x, rt):
-    """``round_half_away(float32(v * rt))`` saturated to int64 (Rust ``as i64``)."""
+    """Keys ``round_half_away(float32(v * rt))`` as float64, clamped to +-2^63.
+
+    Every key is an integer-valued float32, hence exact in float64, and the
+    clamp merges exactly the values Rust's saturating ``as i64`` merges, so
+    distinct float64 keys <=> distinct int64 keys.  (Float64 keys also let
+    :func:`outlier_channels` and this function share one compiled sort.)
+    """
     rows, cols = x.shape
-    keys = np.empty(rows * cols, dtype=np.int64)
+    keys = np.empty(rows * cols, dtype=np.float64)
     for i in prange(rows):
         for j in range(cols):
             p = np.float32(np.float64(x[i, j]) * np.float64(rt))
             r = np.float64(round_half_away(p))
-            if r >= _I64_MAX_F:
-                k = np.int64(9223372036854775807)
-            elif r <= -_I64_MAX_F:
-                k = np.int64(-9223372036854775807 - 1)
-            elif r != r:
-                k = np.int64(0)          # NaN -> 0, as Rust's `as i64`
-            else:
-                k = np.int64(r)
-            keys[i * cols + j] = k
+            keys[i * cols + j] = min(max(r, -_TWO63), _TWO63)
     return keys
 
 
@@ -800,9 +797,9 @@ def cardinality(x, round_to):
 
     Notes
     -----
-    Keys are int64 (saturating like Rust's ``as i64``).  When the key range is
-    small (<= 2^24 or <= 4 x size) a bitmap counts them in O(size); otherwise
-    the keys are sorted and runs counted.  The result is order-independent.
+    Keys saturate like Rust's ``v as i64``.  When the key span is small
+    (< max(2^24, 4 x size)) a byte map counts them in O(size); otherwise the
+    keys are sorted and runs counted.  The result is order-independent.
     """
     size = x.shape[0] * x.shape[1]
     if size == 0:
@@ -811,21 +808,16 @@ def cardinality(x, round_to):
     kmin = keys[0]
     kmax = keys[0]
     for k in keys:
-        if k < kmin:
-            kmin = k
-        if k > kmax:
-            kmax = k
+        kmin = min(kmin, k)
+        kmax = max(kmax, k)
     cap = 100_001
-    # kmax - kmin may overflow int64: compare as float64 first
-    span = np.float64(kmax) - np.float64(kmin)
-    if span < max(16777216.0, 4.0 * size):
-        seen = np.zeros(kmax - kmin + 1, dtype=np.uint8)
+    if kmax - kmin < max(16777216.0, 4.0 * size):
+        seen = np.zeros(np.int64(kmax - kmin) + 1, dtype=np.uint8)
         cnt = 0
         for k in keys:
-            idx = k - kmin
-            if seen[idx] == 0:
-                seen[idx] = 1
-                cnt += 1
+            idx = np.int64(k - kmin)     # exact: both are close integers
+            cnt += seen[idx] == 0
+            seen[idx] = 1
         return min(cnt, cap)
     srt = np.sort(keys)
     cnt = 1
