@@ -61,12 +61,23 @@ _HEADER_BYTES = 8          # u32 LE rows, u32 LE cols
 _U32_MAX = 2**32 - 1
 
 
+def _writable(a: np.ndarray) -> np.ndarray:
+    # numba compiles a separate specialisation for read-only arrays (memmaps,
+    # np.frombuffer); a copy is cheaper than that compile.
+    return a if a.flags.writeable else a.copy()
+
+
+def _mat(x, name: str) -> np.ndarray:
+    """2-D float32 C-contiguous, finite, non-empty."""
+    return _writable(as_matrix(x, name))
+
+
 def _as_2d_view(x, name: str) -> np.ndarray:
     """Any-ndim input -> float32 C-contiguous 2-D view for the tensor-wise cores."""
     if np.ndim(x) == 0:
         raise ValueError(f"{name} must have at least 1 dimension; got a 0-D scalar "
                          f"{x!r}. Wrap it, e.g. np.atleast_1d({name}).")
-    a = as_float32(x, name)
+    a = _writable(as_float32(x, name))
     if a.ndim == 1:
         return a.reshape(1, a.shape[0])
     return a.reshape(-1, a.shape[-1])
@@ -139,7 +150,7 @@ def sigma_max(x, iters: int = 30) -> float:
     -------
     float
     """
-    w = as_matrix(x, "x")
+    w = _mat(x, "x")
     it = check_int(iters, "iters", 0, 10**6)
     return float(_k.sigma_max(w, it))
 
@@ -156,7 +167,7 @@ def stable_rank(x) -> float:
     float
         Uses :func:`sigma_max` with 30 iterations; 0 for an all-zero matrix.
     """
-    return float(_k.stable_rank(as_matrix(x, "x")))
+    return float(_k.stable_rank(_mat(x, "x")))
 
 
 def quant_error(x, bits: int) -> float:
@@ -197,7 +208,7 @@ def per_channel_quant_error(x, bits: int) -> float:
         (not a mean of per-row errors).
     """
     b = check_bits(bits)
-    return float(_k.per_channel_quant_error(as_matrix(x, "x"), b))
+    return float(_k.per_channel_quant_error(_mat(x, "x"), b))
 
 
 def nm_sparsity_error(x, n: int = 2, m: int = 4) -> float:
@@ -216,7 +227,7 @@ def nm_sparsity_error(x, n: int = 2, m: int = 4) -> float:
     float
         ``sqrt(sum dropped^2 / sum x^2)``.
     """
-    w = as_matrix(x, "x")
+    w = _mat(x, "x")
     nn = check_int(n, "n", 1)
     mm = check_int(m, "m", 1)
     if nn > mm:
@@ -265,7 +276,7 @@ def outlier_channels(x, ratio: float) -> tuple[int, float]:
     ``median = sorted(cmax)[cols // 2]`` (the upper median), floored at 1e-20.
     """
     r = _check_real(ratio, "ratio", positive=True)
-    count, mom = _k.outlier_channels(as_matrix(x, "x"), r)
+    count, mom = _k.outlier_channels(_mat(x, "x"), r)
     return int(count), float(mom)
 
 
@@ -284,7 +295,7 @@ def best_bitwidth(x, budget: float) -> int | None:
         ``None`` when even 8 bits miss the budget (the kernel returns -1).
     """
     b = _check_real(budget, "budget")
-    r = int(_k.best_bitwidth(as_matrix(x, "x"), b))
+    r = int(_k.best_bitwidth(_mat(x, "x"), b))
     return None if r < 0 else r
 
 

@@ -227,6 +227,10 @@ def test_dtypes_and_layouts_equivalent():
     assert probe.nm_sparsity_error(x.T.copy()) == probe.nm_sparsity_error(x.T)
     h = x.astype(np.float16)
     assert probe.ternary_error(h) == probe.ternary_error(h.astype(np.float32))
+    ro = x.copy()
+    ro.flags.writeable = False                     # e.g. a memmap / np.frombuffer view
+    assert probe.per_channel_quant_error(ro, 4) == want
+    assert probe.frob(ro) == probe.frob(x)
     i = np.arange(-12, 12, dtype=np.int32).reshape(4, 6)
     assert probe.quant_error(i, 3) == probe.quant_error(i.astype(np.float32), 3)
 
