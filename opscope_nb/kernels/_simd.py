@@ -171,6 +171,8 @@ def _make_tile(R: int, C: int, kind: str):
     xdt, wdt, lanes, step = _KINDS[kind]
     is_int = kind == "i8"
     rdt = types.int32 if is_int else types.float32
+    # Independent accumulator sets: enough chains for ~8 in flight.
+    U = max(1, min(4, 8 // (R * C)))
 
     @intrinsic
     def tile(typingctx, xq, xoff, xstride, wq, woff, wstride, nchunk):
@@ -197,8 +199,12 @@ def _make_tile(R: int, C: int, kind: str):
                     "llvm.fmuladd.v8f32")
             # Accumulators live in allocas in the entry block; mem2reg/SROA
             # promote them to vector registers across the loop.
+            # U independent accumulator sets: a 1 x 4 tile has only four
+            # dependency chains, too few to hide the FMA latency; unrolling
+            # by U gives 4U chains.  Accumulators live in entry-block allocas
+            # that mem2reg/SROA promote to vector registers.
             accs = []
-            for _ in range(R * C):
+            for _ in range(U * R * C):
                 a = cgutils.alloca_once(builder, accty)
                 builder.store(ir.Constant(accty, None), a)
                 accs.append(a)
@@ -208,8 +214,10 @@ def _make_tile(R: int, C: int, kind: str):
             wrow = [builder.gep(wa.data, [builder.add(
                 woff, builder.mul(wstride, ir.Constant(intp, c)))], inbounds=True)
                 for c in range(C)]
-            with cgutils.for_range(builder, nch) as loop:
-                off = builder.mul(loop.index, ir.Constant(intp, step))
+
+            def step_at(chunk, aset):
+                """One step over elements [chunk*step, (chunk+1)*step)."""
+                off = builder.mul(chunk, ir.Constant(intp, step))
 
                 def load(base, elty, widen):
                     vty = ir.VectorType(elty, step)
@@ -233,7 +241,7 @@ def _make_tile(R: int, C: int, kind: str):
                     wv = [load(b, _I8, lambda v: builder.sitofp(v, fvec)) for b in wrow]
                 for r in range(R):
                     for c in range(C):
-                        acc = accs[r * C + c]
+                        acc = accs[aset * R * C + r * C + c]
                         old = builder.load(acc)
                         if is_int and USE_AVX2_PMADDWD:
                             new = builder.add(old, _madd_sign32(
@@ -243,6 +251,26 @@ def _make_tile(R: int, C: int, kind: str):
                         else:
                             new = builder.call(fmuladd, [xv[r], wv[c], old])
                         builder.store(new, acc)
+
+            uconst = ir.Constant(intp, U)
+            nmain = builder.udiv(nch, uconst) if U > 1 else nch
+            with cgutils.for_range(builder, nmain) as loop:
+                base = builder.mul(loop.index, uconst) if U > 1 else loop.index
+                for u in range(U):
+                    step_at(builder.add(base, ir.Constant(intp, u)), u)
+            if U > 1:
+                done = builder.mul(nmain, uconst)
+                with cgutils.for_range(builder, builder.sub(nch, done)) as loop:
+                    step_at(builder.add(done, loop.index), 0)
+            # Fold the accumulator sets (exact for int32; a fixed order for
+            # float32) into set 0.
+            opadd = builder.add if is_int else builder.fadd
+            for u in range(1, U):
+                for t in range(R * C):
+                    a0 = accs[t]
+                    builder.store(opadd(builder.load(a0),
+                                        builder.load(accs[u * R * C + t])), a0)
+            accs = accs[:R * C]
             add = builder.add if is_int else builder.fadd
             sums = [_hsum(builder, builder.load(a), lanes, add) for a in accs]
             return context.make_tuple(builder, sig.return_type, sums)
