@@ -427,8 +427,9 @@ def truncated_svd_opts(w, r, seed, oversample, depth, exact_side, zero_tol):
 def truncated_svd(w, r, seed):
     """Rank-``r`` SVD ``w ~= u @ diag(s) @ vt`` (no input validation).
 
-    Randomized block Krylov (block ``r + max(16, r // 3)``, depth 5) for large
-    short sides, exact float64 Gram-eigh otherwise; see the module docstring.
+    Randomized block Krylov (block ``max(r + max(16, r // 3), 64)``, depth 6)
+    for large short sides, exact float64 Gram-eigh otherwise; see the module
+    docstring.
 
     Parameters
     ----------
@@ -444,4 +445,7 @@ def truncated_svd(w, r, seed):
     s : ndarray (r,) float32, descending
     vt : ndarray (r, cols) float32
     """
-    return truncated_svd_opts(w, r, seed, max(16, r // 3), 5, 64, 1e-6)
+    # Block >= 64 even for small r: sigma_1's accuracy depends on the gap
+    # sigma_1 / sigma_{b+1}, which a tiny block leaves small on flat spectra.
+    b = max(r + max(16, r // 3), 64)
+    return truncated_svd_opts(w, r, seed, b - r, 6, 64, 1e-6)
