@@ -31,7 +31,7 @@ def _check_all(x):
         _close(probe.quant_error(x, bits), N.naive_quant_error(x, bits))
         _close(probe.per_channel_quant_error(x, bits),
                N.naive_per_channel_quant_error(x, bits))
-    for n, m in ((2, 4), (1, 3), (4, 8)):
+    for n, m in ((2, 4), (1, 3), (4, 8), (3, 4), (5, 20), (17, 17)):   # m > 16: quickselect path
         _close(probe.nm_sparsity_error(x, n, m), N.naive_nm_sparsity_error(x, n, m))
     _close(probe.ternary_error(x), N.naive_ternary_error(x))
     for ratio in (1.5, 5.0):
@@ -163,6 +163,14 @@ def test_nm_ties_and_short_group():
     _close(probe.nm_sparsity_error(y, 1, 6), np.sqrt(1 - 25 / 43))
     for n, m in ((2, 4), (1, 2), (2, 3)):
         _close(probe.nm_sparsity_error(y, n, m), N.naive_nm_sparsity_error(y, n, m))
+
+
+def test_nm_large_groups_with_ties():
+    # the quantised dist has many equal |v|: the quickselect path (m > 16) must
+    # keep the lowest-index ties exactly like the stable sort
+    x = sample(Dist.QUANTIZED, 9, 130, seed=4)
+    for n, m in ((1, 17), (7, 32), (31, 32), (40, 100), (3, 130)):
+        _close(probe.nm_sparsity_error(x, n, m), N.naive_nm_sparsity_error(x, n, m))
 
 
 def test_ternary_known_value():
@@ -438,7 +446,7 @@ def test_hyp_quant(x, bits):
 @settings(max_examples=25, deadline=None)
 @given(x=_matrices, data=st.data())
 def test_hyp_nm_ternary_card(x, data):
-    m = data.draw(st.integers(1, 9))
+    m = data.draw(st.integers(1, 24))
     n = data.draw(st.integers(1, m))
     _close(probe.nm_sparsity_error(x, n, m), N.naive_nm_sparsity_error(x, n, m))
     _close(probe.ternary_error(x), N.naive_ternary_error(x))

@@ -632,6 +632,80 @@ def _nm_groups_m4(x, i, n):
     return dropped, tot
 
 
+@njit
+def _kth_smallest(buf, length, k):
+    """Value of rank ``k`` (0-based, ascending) among ``buf[:length]``.
+
+    In-place quickselect (Hoare partition, middle pivot): O(length) expected,
+    no allocation.  Reorders ``buf[:length]``.
+    """
+    lo = 0
+    hi = length - 1
+    while lo < hi:
+        pivot = buf[(lo + hi) // 2]
+        a = lo
+        b = hi
+        while a <= b:
+            while buf[a] < pivot:
+                a += 1
+            while buf[b] > pivot:
+                b -= 1
+            if a <= b:
+                t = buf[a]
+                buf[a] = buf[b]
+                buf[b] = t
+                a += 1
+                b -= 1
+        if k <= b:
+            hi = b
+        elif k >= a:
+            lo = a
+        else:
+            return buf[k]
+    return buf[k]
+
+
+@njit
+def _nm_groups_select(x, i, n, m, buf):
+    """(dropped^2, total^2) of row ``i`` for large ``m``: O(m) per group.
+
+    The n-th largest ``|v|`` (``thr``) comes from a quickselect on the scratch
+    ``buf`` (length >= m, reused for every group); values above ``thr`` are
+    kept, and of those equal to ``thr`` the lowest-index ones fill the
+    remaining places (upstream's stable-sort tie rule).
+    """
+    cols = x.shape[1]
+    dropped = 0.0
+    tot = 0.0
+    for g0 in range(0, cols, m):
+        g1 = min(g0 + m, cols)
+        glen = g1 - g0
+        if glen <= n:
+            for a in range(g0, g1):
+                v = np.float64(x[i, a])
+                tot += v * v
+            continue
+        for a in range(g0, g1):
+            buf[a - g0] = abs(x[i, a])
+        thr = _kth_smallest(buf, glen, glen - n)
+        above = 0
+        for a in range(g0, g1):
+            above += abs(x[i, a]) > thr
+        ties_kept = n - above
+        for a in range(g0, g1):
+            va = abs(x[i, a])
+            v = np.float64(x[i, a])
+            sq = v * v
+            tot += sq
+            if va > thr:
+                continue
+            if va == thr and ties_kept > 0:
+                ties_kept -= 1
+                continue
+            dropped += sq
+    return dropped, tot
+
+
 @njit_parallel
 def nm_sparsity_error(x, n, m):
     """Relative error of N:M structured sparsity along each row.
@@ -653,8 +727,10 @@ def nm_sparsity_error(x, n, m):
     Ties keep the lower index (upstream's stable sort).  Instead of sorting
     each group, an element is kept when fewer than ``n`` group members beat
     it (larger ``|v|``, or equal ``|v|`` at a lower index): O(m) work per
-    element, no allocation.  ``m == 4`` (2:4, 1:4, 3:4) takes an unrolled
-    path for the full groups.
+    element, no allocation, for ``m <= 16``; ``m == 4`` (2:4, 1:4, 3:4)
+    takes an unrolled path for the full groups; ``m > 16`` finds each group's
+    n-th largest ``|v|`` by quickselect in one per-row scratch buffer (O(m)
+    per group instead of O(m^2)).
     """
     rows, cols = x.shape
     pn = np.zeros(rows, dtype=np.float64)
@@ -663,7 +739,11 @@ def nm_sparsity_error(x, n, m):
         dropped = 0.0
         tot = 0.0
         start = 0
-        if m == 4:
+        if m > 16:
+            buf = np.empty(m, dtype=np.float32)   # one scratch per row
+            dropped, tot = _nm_groups_select(x, i, n, m, buf)
+            start = cols
+        elif m == 4:
             dropped, tot = _nm_groups_m4(x, i, n)
             start = cols - cols % 4
         d2, t2 = _nm_groups_generic(x, i, start, n, m)
