@@ -83,13 +83,18 @@ def _as_2d_view(x, name: str) -> np.ndarray:
     return a.reshape(-1, a.shape[-1])
 
 
-def _check_real(value, name: str, *, positive: bool = False) -> float:
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_real(value, name: str, *, positive: bool = False, f32: bool = False) -> float:
+    """A finite real (``positive``: > 0; ``f32``: also finite as float32)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number; got {value!r} "
                         f"({type(value).__name__}).")
     v = float(value)
-    if not np.isfinite(v):
-        raise ValueError(f"{name} must be finite; got {value!r}.")
+    if not np.isfinite(v) or (f32 and abs(v) > _F32_MAX):
+        what = "finite as float32 (|v| <= 3.4e38)" if f32 else "finite"
+        raise ValueError(f"{name} must be {what}; got {value!r}.")
     if positive and not v > 0:
         raise ValueError(f"{name} must be > 0; got {value!r}.")
     return v
@@ -275,7 +280,7 @@ def outlier_channels(x, ratio: float) -> tuple[int, float]:
     -----
     ``median = sorted(cmax)[cols // 2]`` (the upper median), floored at 1e-20.
     """
-    r = _check_real(ratio, "ratio", positive=True)
+    r = _check_real(ratio, "ratio", positive=True, f32=True)
     count, mom = _k.outlier_channels(_mat(x, "x"), r)
     return int(count), float(mom)
 
@@ -317,7 +322,7 @@ def cardinality(x, round_to: float) -> int:
         more than 100 000 distinct values are seen, so any larger count is
         reported as **100_001**.
     """
-    rt = _check_real(round_to, "round_to", positive=True)
+    rt = _check_real(round_to, "round_to", positive=True, f32=True)
     return int(_k.cardinality(_as_2d_view(x, "x"), rt))
 
 
