@@ -20,6 +20,9 @@ __all__ = [
     "naive_quant_matmul",
     "naive_matmul_f32",
     "naive_matmul_w8a16",
+    "naive_matmul_w8a16_f32act",
+    "naive_a16_levels",
+    "naive_quantize_rows_i16",
     "naive_matmul_w8a8",
     "naive_i8i8_i32",
     "naive_rel_l2",
@@ -93,9 +96,36 @@ def naive_matmul_f32(x, wt):
     return (np.asarray(x, np.float64) @ np.asarray(wt, np.float64).T).astype(np.float32)
 
 
-def naive_matmul_w8a16(x, wtq, scale):
+def naive_matmul_w8a16_f32act(x, wtq, scale):
+    """Upstream W8A16 formula with float activations: (x @ q.T) * scale."""
     acc = np.asarray(x, np.float64) @ np.asarray(wtq, np.float64).T
     return (acc * np.asarray(scale, np.float64)[None, :]).astype(np.float32)
+
+
+def naive_a16_levels(k):
+    """Largest int16 activation code such that levels * 127 * ceil(k/8) < 2**31."""
+    return int(min(32767, max(1, (2**31 - 1) // (127 * max(-(-k // 8), 1)))))
+
+
+def naive_quantize_rows_i16(x, levels):
+    x = np.asarray(x, np.float32)
+    amax = np.abs(x).max(axis=1)
+    s = np.where(amax < 1e-20, np.float32(1.0),
+                 amax / np.float32(levels)).astype(np.float32)
+    t = x / s[:, None]
+    q = np.clip(naive_round_half_away(t), -levels, levels).astype(np.int16)
+    return q, s
+
+
+def naive_matmul_w8a16(x, wtq, scale):
+    """W8A16 as the kernel defines it: int16 activation codes (per row,
+    ``naive_a16_levels(k)`` levels) times int8 weight codes, exact integer
+    sums, dequantised in float64."""
+    x = np.asarray(x, np.float32)
+    xq, sx = naive_quantize_rows_i16(x, naive_a16_levels(x.shape[1]))
+    acc = (xq.astype(np.int64) @ np.asarray(wtq).astype(np.int64).T).astype(np.float64)
+    return (acc * sx.astype(np.float64)[:, None]
+            * np.asarray(scale, np.float64)[None, :]).astype(np.float32)
 
 
 def naive_i8i8_i32(xq, wtq):

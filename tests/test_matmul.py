@@ -3,7 +3,8 @@ import numba
 import numpy as np
 import pytest
 
-from naive_matmul import (naive_codes, naive_dense_matmul, naive_factored_matmul,
+from naive_matmul import (naive_a16_levels, naive_matmul_w8a16_f32act,
+                          naive_quantize_rows_i16, naive_codes, naive_dense_matmul, naive_factored_matmul,
                           naive_i8i8_i32, naive_matmul_f32, naive_matmul_w8a8,
                           naive_matmul_w8a16, naive_quant_matmul,
                           naive_quantize_cols_t, naive_quantize_row_i8,
@@ -125,8 +126,36 @@ def test_matmul_f32_and_w8a16(m, k, n):
     wt = K.transpose(w)
     _close(naive_matmul_f32(x, wt), K.matmul_f32(x, wt))
     wtq, sc = K.quantize_cols_t(w)
-    _close(naive_matmul_w8a16(x, wtq, sc), K.matmul_w8a16(x, wtq, sc))
-    _close(naive_quant_matmul(x, w), K.quant_matmul(x, w))
+    y16 = K.matmul_w8a16(x, wtq, sc)
+    _close(naive_matmul_w8a16(x, wtq, sc), y16, 1e-7)
+    # The int16 activation codes stay far below the int8 weight error.
+    _close(naive_matmul_w8a16_f32act(x, wtq, sc), y16, 1e-4)
+    _close(naive_quant_matmul(x, w), K.quant_matmul(x, w), 1e-7)
+
+
+@pytest.mark.parametrize("k", [1, 15, 16, 1000, 4128, 4129, 20000])
+def test_a16_levels_and_int16_quantiser(k):
+    assert K.a16_levels(k) == naive_a16_levels(k)
+    assert K.a16_levels(k) * 127 * ((k + 7) // 8) < 2**31
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[1] = 0.0
+    lv = K.a16_levels(k)
+    q, s = K.quantize_rows_i16(x, lv)
+    nq, ns = naive_quantize_rows_i16(x, lv)
+    np.testing.assert_array_equal(s, ns)
+    np.testing.assert_array_equal(q, nq)
+
+
+def test_w8a16_no_int32_overflow_at_large_k():
+    # Extreme codes everywhere: every lane at its bound.
+    k, n = 20000, 5
+    x = np.ones((2, k), np.float32)
+    x[1] = -1.0
+    wtq = np.full((n, k), 127, np.int8)
+    sc = np.ones(n, np.float32)
+    y = K.matmul_w8a16(x, wtq, sc)
+    np.testing.assert_allclose(y, naive_matmul_w8a16_f32act(x, wtq, sc), rtol=1e-6)
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES + [(2, 4099, 6), (9, 1000, 5)])

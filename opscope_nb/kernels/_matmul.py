@@ -28,8 +28,9 @@ from numba import prange
 from .._config import njit, njit_parallel
 from ._simd import (F32_CHUNK, I8_CHUNK, f32dot_tile_1x1, f32dot_tile_1x4,
                     f32dot_tile_2x4, fdiv_strict, i8dot_tile_1x1, i8dot_tile_1x4,
-                    i8dot_tile_2x1, i8dot_tile_2x4, w8dot_tile_1x1,
-                    w8dot_tile_1x4)
+                    i8dot_tile_2x1, i8dot_tile_2x4, W16_CHUNK,
+                    w16dot_tile_1x1, w16dot_tile_1x4, w16dot_tile_2x1,
+                    w16dot_tile_2x4)
 
 __all__ = [
     "dense_matmul",
@@ -40,6 +41,8 @@ __all__ = [
     "quantize_cols_t",
     "quantize_rows_i8",
     "quantize_row_i8",
+    "quantize_rows_i16",
+    "a16_levels",
     "matmul_f32",
     "matmul_w8a16",
     "matmul_w8a8",
@@ -448,58 +451,139 @@ def matmul_f32(x, wt, min_parallel=PAR_MIN):
 
 
 @njit
-def _w8a16_decode_blocks(xf, m, k, wf, scale, n, y, b0, b1):
-    """Blocks ``b0..b1-1`` for small ``m``: int8 codes widened on the fly."""
-    nch = k // F32_CHUNK
-    kv = nch * F32_CHUNK
-    for b in range(b0, b1):
-        j0 = b * _NB
-        j1 = min(j0 + _NB, n)
-        for i in range(m):
-            xo = i * k
-            if j1 - j0 == 4:
-                t = w8dot_tile_1x4(xf, xo, k, wf, j0 * k, k, nch)
-                for q in range(4):
-                    v = t[q]
-                    if kv < k:
-                        v += _tail_dot(xf, xo, wf, (j0 + q) * k, kv, k)
-                    y[i, j0 + q] = v * scale[j0 + q]
-            else:
-                for j in range(j0, j1):
-                    v = w8dot_tile_1x1(xf, xo, k, wf, j * k, k, nch)[0]
-                    if kv < k:
-                        v += _tail_dot(xf, xo, wf, j * k, kv, k)
-                    y[i, j] = v * scale[j]
+def a16_levels(k):
+    """int16 activation levels for W8A16 at depth ``k``.
+
+    32767, or fewer when ``k > 4128`` so that every int32 lane of the
+    ``w16dot`` tiles (which adds ``k / 8`` products ``|x| * 127``) stays exact:
+    ``levels * 127 * ceil(k / 8) < 2**31``.
+    """
+    per_lane = (k + 7) // 8
+    lv = 2147483647 // (127 * max(per_lane, 1))
+    return min(32767, max(lv, 1))
+
+
+@njit_parallel
+def quantize_rows_i16(x, levels):
+    """Per-row symmetric int16 codes of the W8A16 activations.
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, k), C-contiguous, finite
+    levels : int
+        Largest code (``a16_levels(k)``), at most 32767.
+
+    Returns
+    -------
+    xq : ndarray of int16, shape (m, k)
+        ``clamp(round_half_away(x / s), -levels, levels)``.
+    sx : ndarray of float32, shape (m,)
+        ``amax_i / levels`` (1 for an all-zero row).
+    """
+    m, k = x.shape
+    xq = np.empty((m, k), dtype=np.int16)
+    sx = np.empty(m, dtype=np.float32)
+    lv = np.float32(levels)
+    for i in prange(m):
+        amax = np.float32(0.0)
+        for p in range(k):
+            a = np.abs(x[i, p])
+            if a > amax:
+                amax = a
+        s = np.float32(1.0)
+        if amax >= 1e-20:
+            s = np.float32(fdiv_strict(amax, lv))
+        sx[i] = s
+        for p in range(k):
+            r = _round_half_away(fdiv_strict(x[i, p], s))
+            if r > lv:
+                r = lv
+            elif r < -lv:
+                r = -lv
+            xq[i, p] = np.int16(r)
+    return xq, sx
 
 
 @njit
-def _w8a16_prefill_blocks(xf, m, k, wtq, scale, n, y, b0, b1):
-    """Blocks ``b0..b1-1`` for larger ``m``: each 4-output block of codes is
-    widened once into a float32 scratch block shared by all rows."""
-    buf = np.empty(_NB * k, dtype=np.float32)
+def _w16_tail(xf, xo, wf, wo, p0, k):
+    a = np.int64(0)
+    for p in range(p0, k):
+        a += np.int64(xf[xo + p]) * np.int64(wf[wo + p])
+    return np.float64(a)
+
+
+@njit
+def _w16_block(xf, m, k, wf, j0, j1, sx, scale, y):
+    """W8A16 outputs ``j0..j1-1`` (at most 4) of every row: exact integer
+    sums of int16 activation codes ``xf`` and int8 weight codes ``wf``
+    (flat, output-major), dequantised with ``sx[i] * scale[j]``."""
+    nch = k // W16_CHUNK
+    kv = nch * W16_CHUNK
+    c = j1 - j0
+    wo = j0 * k
+    if c == 4:
+        i = 0
+        while i + 2 <= m:
+            xo = i * k
+            t = w16dot_tile_2x4(xf, xo, k, wf, wo, k, nch)
+            for r in range(2):
+                for q in range(4):
+                    v = t[r * 4 + q]
+                    if kv < k:
+                        v += _w16_tail(xf, xo + r * k, wf, wo + q * k, kv, k)
+                    y[i + r, j0 + q] = np.float32(v * sx[i + r] * scale[j0 + q])
+            i += 2
+        if i < m:
+            xo = i * k
+            t4 = w16dot_tile_1x4(xf, xo, k, wf, wo, k, nch)
+            for q in range(4):
+                v = t4[q]
+                if kv < k:
+                    v += _w16_tail(xf, xo, wf, wo + q * k, kv, k)
+                y[i, j0 + q] = np.float32(v * sx[i] * scale[j0 + q])
+    else:
+        for q in range(c):
+            woq = wo + q * k
+            i = 0
+            while i + 2 <= m:
+                xo = i * k
+                t2 = w16dot_tile_2x1(xf, xo, k, wf, woq, k, nch)
+                for r in range(2):
+                    v = t2[r]
+                    if kv < k:
+                        v += _w16_tail(xf, xo + r * k, wf, woq, kv, k)
+                    y[i + r, j0 + q] = np.float32(v * sx[i + r] * scale[j0 + q])
+                i += 2
+            if i < m:
+                xo = i * k
+                v = w16dot_tile_1x1(xf, xo, k, wf, woq, k, nch)[0]
+                if kv < k:
+                    v += _w16_tail(xf, xo, wf, woq, kv, k)
+                y[i, j0 + q] = np.float32(v * sx[i] * scale[j0 + q])
+
+
+@njit
+def _w16_blocks(xf, m, k, wf, n, sx, scale, y, b0, b1):
     for b in range(b0, b1):
         j0 = b * _NB
-        j1 = min(j0 + _NB, n)
-        for q in range(j1 - j0):
-            for p in range(k):
-                buf[q * k + p] = np.float32(wtq[j0 + q, p])
-        _float_block(xf, m, k, buf, 0, j0, j1, y, scale, True)
+        _w16_block(xf, m, k, wf, j0, min(j0 + _NB, n), sx, scale, y)
 
 
 @njit_parallel
 def matmul_w8a16(x, wtq, scale, min_parallel=PAR_MIN):
-    """W8A16: ``y[i, j] = (sum_p x[i, p] * wtq[j, p]) * scale[j]``.
+    """W8A16: int8 weights, 16-bit activations, float32 in and out.
 
-    int8 weights (4x fewer bytes than float32), float activations,
-    dequantised after accumulation.  For ``m <= 2`` the int8 codes are
-    widened on the fly (``w8dot_tile_1x4``: the weight stream is the
-    bottleneck); for larger ``m`` each 4-output weight block is widened once
-    into a float32 scratch block and shared by all rows through the float32
-    register tile.
+    ``y[i, j] ~= (sum_p x[i, p] * wtq[j, p]) * scale[j]``, computed as
+    ``(sum_p xq[i, p] * wtq[j, p]) * sx[i] * scale[j]`` where ``xq, sx =
+    quantize_rows_i16(x, a16_levels(k))``: the activations are carried as
+    per-row int16 codes (relative rounding ~1.5e-5 of the row's max, far
+    below the int8 weight error) so the dot products run on the integer
+    ``vpmaddwd`` path, exact in int32 lanes and reduced in float64.  Weights
+    are 4x fewer bytes than float32.
 
     Parameters
     ----------
-    x : ndarray of float32, shape (m, k), C-contiguous
+    x : ndarray of float32, shape (m, k), C-contiguous, finite
     wtq : ndarray of int8, shape (n, k), C-contiguous (output-major codes)
     scale : ndarray of float32, shape (n,)
     min_parallel : int, optional
@@ -513,26 +597,16 @@ def matmul_w8a16(x, wtq, scale, min_parallel=PAR_MIN):
     if wtq.shape[1] != k or scale.shape[0] != wtq.shape[0]:
         raise ValueError("matmul_w8a16: need x[m,k], wtq[n,k], scale[n]")
     n = wtq.shape[0]
+    xq, sx = quantize_rows_i16(x, a16_levels(k))
     y = np.empty((m, n), dtype=np.float32)
-    xf = x.ravel()
+    xf = xq.ravel()
+    wf = wtq.ravel()
     nb = (n + _NB - 1) // _NB
-    serial = m * k * n < min_parallel
-    if m <= 2:
-        wf = wtq.ravel()
-        if serial:
-            _w8a16_decode_blocks(xf, m, k, wf, scale, n, y, 0, nb)
-        else:
-            for b in prange(nb):
-                _w8a16_decode_blocks(xf, m, k, wf, scale, n, y, b, b + 1)
-    elif serial:
-        _w8a16_prefill_blocks(xf, m, k, wtq, scale, n, y, 0, nb)
+    if m * k * n < min_parallel:
+        _w16_blocks(xf, m, k, wf, n, sx, scale, y, 0, nb)
     else:
-        # A fixed number of contiguous chunks (never thread-count dependent),
-        # one float32 scratch block per chunk.
-        nchunks = min(nb, 16)
-        for c in prange(nchunks):
-            _w8a16_prefill_blocks(xf, m, k, wtq, scale, n, y,
-                                  c * nb // nchunks, (c + 1) * nb // nchunks)
+        for b in prange(nb):
+            _w16_blocks(xf, m, k, wf, n, sx, scale, y, b, b + 1)
     return y
 
 

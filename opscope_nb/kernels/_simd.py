@@ -15,6 +15,16 @@ emit the vector loop themselves, keeping int32 accumulators:
 
 The int32 sums are exact as long as ``k * 127 * 127 < 2**31`` (``k <= 133143``).
 
+Tile kinds (``<kind>dot_tile_<R>x<C>``):
+
+* ``i8``  -- int8 x int8 (W8A8), 32 elements per step on AVX2 through the
+  ``vpmaddubsw`` idiom (``|x|`` as unsigned times ``w * sign(x)``
+  via ``vpsignb``; the i16 pair sums, at most 2 * 127 * 127, never saturate),
+  then ``vpmaddwd`` by ones into int32; 16 per step on the portable path;
+* ``w16`` -- int16 activation codes x int8 weights (W8A16): ``vpmovsxbw`` +
+  ``vpmaddwd``, int32 lanes, final reduction in float64;
+* ``f32`` -- float32 x float32 with ``llvm.fmuladd`` (``vfmadd`` on FMA hosts).
+
 A tile ``R x C`` computes ``R`` activation rows against ``C`` weight rows
 (output-major ``wt[n, k]`` layout) in one pass over ``k``, so each loaded
 vector is reused ``C`` (resp. ``R``) times from registers -- the register
@@ -46,6 +56,11 @@ __all__ = [
     "f32dot_tile_2x4",
     "w8dot_tile_1x1",
     "w8dot_tile_1x4",
+    "w16dot_tile_1x1",
+    "w16dot_tile_1x4",
+    "w16dot_tile_2x1",
+    "w16dot_tile_2x4",
+    "W16_CHUNK",
     "F32_CHUNK",
     "simd_path",
 ]
@@ -53,6 +68,8 @@ __all__ = [
 #: int8 elements consumed per step of an ``i8dot_tile_*``: 32 (one 256-bit
 #: load) on AVX2, 16 on the portable path.  Set below, once the target is known.
 I8_CHUNK = 16
+#: int16 x int8 elements consumed per step of a ``w16dot_tile_*``.
+W16_CHUNK = 16
 #: float32 elements consumed per step of an ``f32dot_tile_*`` / ``w8dot_tile_*``.
 F32_CHUNK = 8
 
@@ -163,14 +180,16 @@ _KINDS = {
     "i8": (types.int8, types.int8, 8, 32 if USE_AVX2_PMADDWD else 16),
     "f32": (types.float32, types.float32, 8, 8),
     "w8": (types.float32, types.int8, 8, 8),
+    "w16": (types.int16, types.int8, 8, 16),
 }
 
 
 def _make_tile(R: int, C: int, kind: str):
     """Build the intrinsic for an ``R x C`` dot tile of the given kind."""
     xdt, wdt, lanes, step = _KINDS[kind]
-    is_int = kind == "i8"
-    rdt = types.int32 if is_int else types.float32
+    is_int = kind in ("i8", "w16")
+    # w16 sums can exceed int32 across lanes: the final reduction is in f64.
+    rdt = {"i8": types.int32, "w16": types.float64}.get(kind, types.float32)
     # Independent accumulator sets: enough chains for ~8 in flight.
     U = max(1, min(4, 8 // (R * C)))
 
@@ -233,6 +252,10 @@ def _make_tile(R: int, C: int, kind: str):
                     v16 = ir.VectorType(_I16, 16)
                     xv = [load(b, _I8, lambda v: builder.sext(v, v16)) for b in xrow]
                     wv = [load(b, _I8, lambda v: builder.sext(v, v16)) for b in wrow]
+                elif kind == "w16":
+                    v16 = ir.VectorType(_I16, 16)
+                    xv = [load(b, _I16, None) for b in xrow]
+                    wv = [load(b, _I8, lambda v: builder.sext(v, v16)) for b in wrow]
                 elif kind == "f32":
                     xv = [load(b, f32, None) for b in xrow]
                     wv = [load(b, f32, None) for b in wrow]
@@ -243,7 +266,7 @@ def _make_tile(R: int, C: int, kind: str):
                     for c in range(C):
                         acc = accs[aset * R * C + r * C + c]
                         old = builder.load(acc)
-                        if is_int and USE_AVX2_PMADDWD:
+                        if kind == "i8" and USE_AVX2_PMADDWD:
                             new = builder.add(old, _madd_sign32(
                                 builder, xabs[r], xv[r], wv[c]))
                         elif is_int:
@@ -271,15 +294,22 @@ def _make_tile(R: int, C: int, kind: str):
                     builder.store(opadd(builder.load(a0),
                                         builder.load(accs[u * R * C + t])), a0)
             accs = accs[:R * C]
-            add = builder.add if is_int else builder.fadd
-            sums = [_hsum(builder, builder.load(a), lanes, add) for a in accs]
+            if kind == "w16":
+                f64v = ir.VectorType(ir.DoubleType(), lanes)
+                sums = [_hsum(builder, builder.sitofp(builder.load(a), f64v), lanes,
+                              builder.fadd) for a in accs]
+            else:
+                add = builder.add if is_int else builder.fadd
+                sums = [_hsum(builder, builder.load(a), lanes, add) for a in accs]
             return context.make_tuple(builder, sig.return_type, sums)
 
         return sig, codegen
 
     what = {"i8": "int8 x int8 -> exact int32 sums",
             "f32": "float32 x float32 -> float32 sums (8 lanes, fused multiply-add)",
-            "w8": "float32 activations x int8 weight codes -> float32 sums"}[kind]
+            "w8": "float32 activations x int8 weight codes -> float32 sums",
+            "w16": "int16 activation codes x int8 weight codes -> exact sums "
+                   "(int32 lanes, reduced in float64)"}[kind]
     tile.__doc__ = f"""Dot tile ({what}): {R} activation row(s) x {C} weight row(s).
 
     Call from ``@njit`` code as
@@ -304,7 +334,9 @@ def _make_tile(R: int, C: int, kind: str):
     -------
     tuple of {R * C} {rdt}
         ``t[r * {C} + c] = sum_p x[row r, p] * w[row c, p]`` over the covered
-        elements{" (exact for k <= 133143)" if is_int else ""}.
+        elements{" (exact for k <= 133143)" if kind == "i8" else ""}{
+        " (exact while every int32 lane stays in range: |x| * 127 * k / 8 < 2**31)"
+        if kind == "w16" else ""}.
 
     Notes
     -----
@@ -322,6 +354,10 @@ f32dot_tile_1x4 = _make_tile(1, 4, "f32")
 f32dot_tile_2x4 = _make_tile(2, 4, "f32")
 w8dot_tile_1x1 = _make_tile(1, 1, "w8")
 w8dot_tile_1x4 = _make_tile(1, 4, "w8")
+w16dot_tile_1x1 = _make_tile(1, 1, "w16")
+w16dot_tile_1x4 = _make_tile(1, 4, "w16")
+w16dot_tile_2x1 = _make_tile(2, 1, "w16")
+w16dot_tile_2x4 = _make_tile(2, 4, "w16")
 
 
 @intrinsic
