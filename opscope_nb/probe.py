@@ -266,7 +266,7 @@ def outlier_channels(x, ratio: float) -> tuple[int, float]:
     x : array_like of shape (rows, cols)
         ``[out_features, in_features]``: column c is input channel c.
     ratio : float
-        Finite, > 0.  A column is an outlier when its max-abs exceeds
+        Finite as float32, > 0.  A column is an outlier when its max-abs exceeds
         ``ratio * median`` (product rounded to float32).
 
     Returns
@@ -311,7 +311,7 @@ def cardinality(x, round_to: float) -> int:
     ----------
     x : array_like, any shape with ndim >= 1
     round_to : float
-        Finite, > 0.  Counts distinct ``round_half_away(float32(v *
+        Finite as float32, > 0.  Counts distinct ``round_half_away(float32(v *
         round_to))`` as int64 (saturating), e.g. ``round_to=1000`` for a
         1e-3 grid.
 
