@@ -207,8 +207,13 @@ def test_cardinality_cap_and_saturation():
     assert probe.cardinality(x[:100_001], 1.0) == 100_001
     huge = np.array([1e38, 3e38, -3e38, 1.0], np.float32)  # v*round_to overflows
     assert probe.cardinality(huge, 1e6) == N.naive_cardinality(huge, 1e6) == 3
-    wide = np.array([0.0, 1e15, -1e15, 5.0], np.float32)    # sort path (huge key span)
-    assert probe.cardinality(wide, 1.0) == 4
+    # a huge key span takes the hash-set path instead of the byte map
+    wide = np.array([0.0, 1e15, -1e15, 5.0, -0.4, 0.3], np.float32)
+    assert probe.cardinality(wide, 1.0) == 4                 # -0.4 and 0.3 -> 0
+    many = np.concatenate([[1e15, -1e15], np.arange(-500, 1000), np.arange(150_000)])
+    many = many.astype(np.float32)
+    assert probe.cardinality(many[:1502], 1.0) == N.naive_cardinality(many[:1502], 1.0) == 1502
+    assert probe.cardinality(many, 1.0) == 100_001
 
 
 def test_best_bitwidth_order():

@@ -876,16 +876,18 @@ def outlier_channels(x, ratio):
     if cols == 0:
         return 0, 0.0
     cmax = _col_absmax(x)
-    srt = np.sort(cmax.astype(np.float64))     # float64: shares cardinality's sort
-    med = np.float32(srt[cols // 2])
+    # upper median by quickselect on a copy (np.sort would cost seconds of
+    # compile time for one order statistic)
+    med = _kth_smallest(cmax.copy(), cols, cols // 2)
     if med < np.float32(1e-20):
         med = np.float32(1e-20)
+    top = cmax.max()
     # float32 product, correctly rounded (exact in float64, then one rounding)
     thr = np.float32(np.float64(np.float32(ratio)) * np.float64(med))
     count = 0
     for j in range(cols):
         count += cmax[j] > thr
-    return count, srt[cols - 1] / np.float64(med)
+    return count, np.float64(top) / np.float64(med)
 
 
 _TWO63 = 9.223372036854775808e18   # 2^63
@@ -893,21 +895,49 @@ _TWO63 = 9.223372036854775808e18   # 2^63
 
 @njit_parallel
 def _card_keys(x, rt):
-    """Keys ``round_half_away(float32(v * rt))`` as float64, clamped to +-2^63.
-
-    Every key is an integer-valued float32, hence exact in float64, and the
-    clamp merges exactly the values Rust's saturating ``as i64`` merges, so
-    distinct float64 keys <=> distinct int64 keys.  (Float64 keys also let
-    :func:`outlier_channels` and this function share one compiled sort.)
-    """
+    """``round_half_away(float32(v * rt))`` as int64, saturating like Rust ``as i64``."""
     rows, cols = x.shape
-    keys = np.empty(rows * cols, dtype=np.float64)
+    keys = np.empty(rows * cols, dtype=np.int64)
     for i in prange(rows):
         for j in range(cols):
             p = np.float32(np.float64(x[i, j]) * np.float64(rt))
-            r = np.float64(round_half_away(p))
-            keys[i * cols + j] = min(max(r, -_TWO63), _TWO63)
+            r = max(np.float64(round_half_away(p)), -_TWO63)   # -2^63 converts exactly
+            k = np.int64(9223372036854775807)
+            if r < _TWO63:
+                k = np.int64(r)
+            keys[i * cols + j] = k
     return keys
+
+
+@njit
+def _count_distinct_hashed(keys, cap):
+    """Distinct int64 values in ``keys``, stopping once the count reaches ``cap``.
+
+    Open addressing (multiplicative hash, linear probing) in a table of at
+    least twice ``min(len(keys), cap)`` slots: O(len) expected, no sort.
+    """
+    need = min(keys.shape[0], cap)
+    bits = 1
+    while (1 << bits) < 2 * need:
+        bits += 1
+    size = 1 << bits
+    mask = size - 1
+    table = np.empty(size, dtype=np.int64)
+    used = np.zeros(size, dtype=np.uint8)
+    mult = np.uint64(0x9E3779B97F4A7C15)
+    shift = np.uint64(64 - bits)
+    cnt = 0
+    for k in keys:
+        h = np.int64((np.uint64(k) * mult) >> shift)
+        while used[h] and table[h] != k:
+            h = (h + 1) & mask
+        if not used[h]:
+            used[h] = 1
+            table[h] = k
+            cnt += 1
+            if cnt >= cap:
+                return cap
+    return cnt
 
 
 @njit
@@ -930,9 +960,10 @@ def cardinality(x, round_to):
 
     Notes
     -----
-    Keys saturate like Rust's ``v as i64``.  When the key span is small
-    (< max(2^24, 4 x size)) a byte map counts them in O(size); otherwise the
-    keys are sorted and runs counted.  The result is order-independent.
+    Keys are int64, saturating like Rust's ``v as i64``.  When the key span
+    is small (< max(2^24, 4 x size)) a byte map counts them in O(size);
+    otherwise an open-addressing hash set does.  The result is
+    order-independent.
     """
     size = x.shape[0] * x.shape[1]
     if size == 0:
@@ -944,22 +975,16 @@ def cardinality(x, round_to):
         kmin = min(kmin, k)
         kmax = max(kmax, k)
     cap = 100_001
-    if kmax - kmin < max(16777216.0, 4.0 * size):
-        seen = np.zeros(np.int64(kmax - kmin) + 1, dtype=np.uint8)
+    # the span is compared in float64: kmax - kmin may overflow int64
+    if np.float64(kmax) - np.float64(kmin) < max(16777216.0, 4.0 * size):
+        seen = np.zeros(kmax - kmin + 1, dtype=np.uint8)
         cnt = 0
         for k in keys:
-            idx = np.int64(k - kmin)     # exact: both are close integers
+            idx = k - kmin
             cnt += seen[idx] == 0
             seen[idx] = 1
         return min(cnt, cap)
-    srt = np.sort(keys)
-    cnt = 1
-    for t in range(1, size):
-        if srt[t] != srt[t - 1]:
-            cnt += 1
-            if cnt >= cap:
-                return cap
-    return cnt
+    return _count_distinct_hashed(keys, cap)
 
 
 # --------------------------------------------------------------------------
