@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -36,16 +37,19 @@ def minilm():
 def run_once(src, out, env, method, rank_cap):
     cmd = [sys.executable, "-m", "opscope_nb", "profile", src, "--method", method,
            "--rank-cap", str(rank_cap), "--out", out, "--quiet"]
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     if r.returncode != 0:
         sys.exit(f"profile failed ({r.returncode}):\n{r.stderr}")
     with open(os.path.join(out, "profile.json"), encoding="utf-8") as f:
         doc = json.load(f)
     with open(os.path.join(out, "plan.json"), encoding="utf-8") as f:
         plan = json.load(f)
-    return wall, doc, plan
+    return wall, cpu, doc, plan
 
 
 def main():
@@ -62,19 +66,21 @@ def main():
         rows = []
         for label in ("cold (empty numba cache)", "warm (cache filled)", "warm again"):
             out = os.path.join(tmp, label.split()[0] + str(len(rows)))
-            wall, doc, plan = run_once(src, out, env, a.method, a.rank_cap)
-            rows.append((label, wall, doc, plan))
+            wall, cpu, doc, plan = run_once(src, out, env, a.method, a.rank_cap)
+            rows.append((label, wall, cpu, doc, plan))
         print(f"source: {src}")
         print(f"threads: NUMBA_NUM_THREADS={os.environ.get('NUMBA_NUM_THREADS', 'default')}"
               f", cpus={os.cpu_count()}")
-        print(f"{'run':28s} {'process s':>9s} {'in-run s':>9s} {'profile s':>9s} "
-              f"{'load s':>7s} {'peak RSS MiB':>12s}")
-        for label, wall, doc, _ in rows:
+        print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
+              f"(other processes share the cores; CPU s is this process's user+sys)")
+        print(f"{'run':28s} {'process s':>9s} {'CPU s':>7s} {'in-run s':>9s} "
+              f"{'profile s':>9s} {'load s':>7s} {'peak RSS MiB':>12s}")
+        for label, wall, cpu, doc, _ in rows:
             t = doc["timings"]
-            print(f"{label:28s} {wall:9.2f} {t['wall_seconds']:9.2f} "
+            print(f"{label:28s} {wall:9.2f} {cpu:7.2f} {t['wall_seconds']:9.2f} "
                   f"{t['profile_seconds']:9.2f} {t['load_seconds']:7.2f} "
                   f"{doc['peak_rss_mb']:12.0f}")
-        _, _, doc, plan = rows[-1]
+        _, _, _, doc, plan = rows[-1]
         n = doc["n_layers"]
         ph = doc["timings"]["phases"]
         tot = sum(ph.values()) or 1.0

@@ -575,3 +575,24 @@ def test_interrupt_during_resume_keeps_saved_later_layers(small_st, tmp_path, mo
     got = {r["name"]: r["shape"] for r in doc["layers"]}
     assert got == {"model.layers.0.mlp.up_proj.weight": [6, 16],          # new
                    "model.layers.2.mlp.down_proj.weight": [16, 32]}      # saved, kept
+
+
+def test_profile_upstream_tensor_dumps(tmp_path):
+    """The upstream real-model path: a directory of <key>.tensor dumps."""
+    from test_io import write_dump
+    rng = np.random.default_rng(6)
+    d = tmp_path / "dump"
+    d.mkdir()
+    for i in (0, 1, 10):
+        write_dump(d / f"model.layers.{i}.self_attn.q_proj.weight.tensor",
+                   rng.standard_normal((16, 16)).astype(np.float32))
+    write_dump(d / "model.norm.weight.tensor", rng.standard_normal((1, 16)))  # rows < 2
+    rc, out, err = run(["profile", d, "--out", tmp_path / "o", "--rank-cap", "4",
+                        "--budget", "0.5"])
+    assert rc == 0, err
+    prof, plan, _ = check_outputs(tmp_path / "o", 0.5, cli.METHODS)
+    assert [r["name"] for r in prof["layers"]] == [
+        f"model.layers.{i}.self_attn.q_proj.weight" for i in (0, 1, 10)]
+    assert prof["source"]["kind"] == "tensor-dir"
+    rc, out, err = run(["quant", d])
+    assert rc == 0 and "depth trend: int4/chan early third" in out
