@@ -390,10 +390,23 @@ def _layers_from_doc(doc: dict, path: str) -> list:
     out = []
     for i, rec in enumerate(doc["layers"]):
         try:
-            out.append(LayerProfile.from_dict(rec["profile"]))
+            lp = LayerProfile.from_dict(rec["profile"])
+            if not lp.options:
+                raise ValueError("no options")
         except (KeyError, TypeError, ValueError) as exc:
             raise CliError(f"{path}: layer {i} is malformed ({type(exc).__name__}: {exc}).")
+        out.append(lp)
+    if not out:
+        raise CliError(f"{path}: the profile holds no layers.")
     return out
+
+
+def _allocate_saved(layers, budget, methods, path) -> dict:
+    """run_allocators on layers read from a user's file: bad numbers are user errors."""
+    try:
+        return run_allocators(layers, budget, methods)
+    except (ValueError, TypeError) as exc:
+        raise CliError(f"{path}: cannot allocate this profile ({exc}).")
 
 
 def _profile_doc(source, settings, records, skipped, t_start, complete) -> dict:
@@ -557,9 +570,7 @@ def cmd_profile(args) -> int:
 def cmd_allocate(args) -> int:
     doc = _load_profile_doc(args.profile)
     layers = _layers_from_doc(doc, args.profile)
-    if not layers:
-        raise CliError(f"{args.profile}: the profile holds no layers.")
-    allocs = run_allocators(layers, args.budget, _methods(args.method))
+    allocs = _allocate_saved(layers, args.budget, _methods(args.method), args.profile)
     print(plan_table(layers, allocs))
     print()
     print(totals_table(allocs, len(layers)))
@@ -723,8 +734,6 @@ def cmd_plot(args) -> int:
                        "pip install 'opscope-nb[plot]' (or pip install matplotlib).")
     doc = _load_profile_doc(args.profile)
     layers = _layers_from_doc(doc, args.profile)
-    if not layers:
-        raise CliError(f"{args.profile}: the profile holds no layers.")
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         raise CliError(f"{args.output}: directory {out_dir} does not exist.")
@@ -753,7 +762,7 @@ def cmd_plot(args) -> int:
     for m in METHODS:
         xs, ys = [], []
         for b in budgets:
-            a = run_allocators(layers, b, (m,))[m][0]
+            a = _allocate_saved(layers, b, (m,), args.profile)[m][0]
             if a.feasible:
                 xs.append(b)
                 ys.append(a.total_err / n)

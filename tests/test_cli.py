@@ -457,7 +457,23 @@ def _err_cases(tmp_path):
     badjson.write_text("{")
     ok = tmp_path / "ok.safetensors"
     write_st(ok, {"w.weight": np.ones((4, 4), np.float32)})
+    empty_layers = tmp_path / "empty.json"
+    empty_layers.write_text(json.dumps({"tool": "opscope-nb", "layers": []}))
+    bad_layer = tmp_path / "badlayer.json"
+    bad_layer.write_text(json.dumps({"tool": "opscope-nb", "layers": [
+        {"name": "x", "profile": {"name": "x", "rows": 2, "cols": 2, "dense_bytes": 16,
+                                  "options": []}}]}))
+    neg = tmp_path / "neg.json"
+    neg.write_text(json.dumps({"tool": "opscope-nb", "layers": [
+        {"name": "x", "profile": {"name": "x", "rows": 2, "cols": 2, "dense_bytes": 16,
+                                  "options": [{"decomp": {"kind": "dense"}, "rel_err": -1,
+                                               "bytes": 16, "flops": 4}]}}]}))
     return {
+        "out_is_file": ["profile", ok, "--out", ok],
+        "plot_no_dir": ["plot", neg, "-o", tmp_path / "nodir" / "x.png"],
+        "empty_profile": ["allocate", empty_layers],
+        "layer_no_options": ["allocate", bad_layer],
+        "bad_numbers": ["allocate", neg],
         "missing": ["profile", tmp_path / "nope.safetensors"],
         "truncated": ["profile", trunc],
         "unreadable": ["quant", garbage],
@@ -480,7 +496,8 @@ def _err_cases(tmp_path):
     }
 
 
-ERR_KEYS = ["missing", "truncated", "unreadable", "dtype", "regex", "regex_ex",
+ERR_KEYS = ["out_is_file", "plot_no_dir", "empty_profile", "layer_no_options",
+            "bad_numbers", "missing", "truncated", "unreadable", "dtype", "regex", "regex_ex",
             "budget_hi", "budget_zero", "budget_nan", "budget_text", "rank_cap",
             "no_command", "bad_method", "not_profile", "bad_json", "missing_profile",
             "resume_no_out", "nothing_selected", "unknown_type"]
