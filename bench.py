@@ -20,8 +20,9 @@ Sections::
 Options: ``--quick`` (small sizes, seconds; CI smoke), ``--json FILE`` (every
 figure, machine-readable), ``--sections 4,5`` (a subset; 7 is always added
 when any of 4-6 runs).  Timing: warm-up calls first (compile / cache-load time
-reported apart), then the candidates of one comparison are timed
-round-robin (so a noisy neighbour hits them alike) and the median is kept.
+reported apart), then the candidates of one comparison are timed in
+alternating blocks of back-to-back calls (a short pause before each block
+lets the other library's spinning threads go idle) and the median is kept.
 """
 from __future__ import annotations
 
@@ -63,17 +64,31 @@ def truth(x, w):
     return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
 
 
-def time_group(fns: dict, reps: int) -> dict:
-    """Median wall time (ms) of each zero-argument callable, timed round-robin.
+#: Pause before each timed block (s): lets the other thread pool's spinning
+#: workers (OpenBLAS spins ~0.1 s after a call, OpenMP briefly) go idle, so
+#: one library's threads never steal the cores the other is timed on.
+GAP = {"full": 0.15, "quick": 0.005}
+_gap = GAP["full"]
 
-    Every callable has already been warmed up by the caller.
+
+def time_group(fns: dict, reps: int, rounds: int = 2) -> dict:
+    """Median wall time (ms) of each zero-argument callable.
+
+    Each candidate runs in consecutive blocks (one untimed call, then
+    ``reps`` timed calls), the candidates alternating block by block for
+    ``rounds`` rounds so a noisy neighbour hits them alike.  Interleaving
+    single calls instead would make the numba and OpenBLAS thread pools
+    fight over the cores.
     """
     samples = {name: [] for name in fns}
-    for _ in range(reps):
+    for _ in range(rounds):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            time.sleep(_gap)
             fn()
-            samples[name].append(time.perf_counter() - t0)
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
     return {name: 1e3 * float(np.median(v)) for name, v in samples.items()}
 
 
@@ -504,7 +519,7 @@ FULL = {
     "s5_kn": 1024,
     "s5_m": (1, 32, 128),
     "s6": (2048, 6144),
-    "reps_fast": 60, "reps_mid": 25, "reps_slow": 12, "reps_dram": 12,
+    "reps_fast": 100, "reps_mid": 20, "reps_slow": 10, "reps_dram": 8,
 }
 QUICK = {
     "s1": (16, 96, 72),
@@ -540,6 +555,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     secs = parse_sections(args.sections)
     cfg = QUICK if args.quick else FULL
+    global _gap
+    _gap = GAP["quick" if args.quick else "full"]
 
     t_start = time.perf_counter()
     res = {"config": {"quick": args.quick, "sections": secs},
@@ -566,8 +583,8 @@ def main(argv=None):
         busy = mi["load_avg_1m"] > 0.5
         print(f"load average (1 min) at start: {mi['load_avg_1m']:.2f}"
               + (" -- the machine is busy: parallel timings will be noisy" if busy else ""))
-    print("Times: median ms of round-robin repetitions after warm-up; compile / "
-          "cache-load time reported apart.")
+    print("Times: median ms over alternating blocks of back-to-back calls after "
+          "warm-up; compile / cache-load time reported apart.")
 
     comp = Compile()
     funcs = {1: section1, 2: section2, 3: section3, 4: section4, 5: section5, 6: section6}

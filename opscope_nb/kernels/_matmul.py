@@ -287,13 +287,30 @@ def quantize_cols_t(w):
     return wtq, scale
 
 
+@njit
+def _q8_rows(x, xq, sx, i0, i1):
+    k = x.shape[1]
+    for i in range(i0, i1):
+        amax = np.float32(0.0)
+        for p in range(k):
+            a = np.abs(x[i, p])
+            if a > amax:
+                amax = a
+        s = _scale_of(amax)
+        sx[i] = s
+        for p in range(k):
+            xq[i, p] = _code(x[i, p], s)
+
+
 @njit_parallel
-def quantize_rows_i8(x):
+def quantize_rows_i8(x, min_parallel=PAR_MIN):
     """Per-row int8 quantisation (the W8A8 activations).
 
     Parameters
     ----------
     x : ndarray of float32, shape (m, k), C-contiguous, finite
+    min_parallel : int, optional
+        Below ``m * k * 16`` of this size the call stays on the calling thread.
 
     Returns
     -------
@@ -304,16 +321,11 @@ def quantize_rows_i8(x):
     m, k = x.shape
     xq = np.empty((m, k), dtype=np.int8)
     sx = np.empty(m, dtype=np.float32)
-    for i in prange(m):
-        amax = np.float32(0.0)
-        for p in range(k):
-            a = np.abs(x[i, p])
-            if a > amax:
-                amax = a
-        s = _scale_of(amax)
-        sx[i] = s
-        for p in range(k):
-            xq[i, p] = _code(x[i, p], s)
+    if m < 2 or m * k * 16 < min_parallel:
+        _q8_rows(x, xq, sx, 0, m)
+    else:
+        for i in prange(m):
+            _q8_rows(x, xq, sx, i, i + 1)
     return xq, sx
 
 
@@ -463,28 +475,10 @@ def a16_levels(k):
     return min(32767, max(lv, 1))
 
 
-@njit_parallel
-def quantize_rows_i16(x, levels):
-    """Per-row symmetric int16 codes of the W8A16 activations.
-
-    Parameters
-    ----------
-    x : ndarray of float32, shape (m, k), C-contiguous, finite
-    levels : int
-        Largest code (``a16_levels(k)``), at most 32767.
-
-    Returns
-    -------
-    xq : ndarray of int16, shape (m, k)
-        ``clamp(round_half_away(x / s), -levels, levels)``.
-    sx : ndarray of float32, shape (m,)
-        ``amax_i / levels`` (1 for an all-zero row).
-    """
-    m, k = x.shape
-    xq = np.empty((m, k), dtype=np.int16)
-    sx = np.empty(m, dtype=np.float32)
-    lv = np.float32(levels)
-    for i in prange(m):
+@njit
+def _q16_rows(x, lv, xq, sx, i0, i1):
+    k = x.shape[1]
+    for i in range(i0, i1):
         amax = np.float32(0.0)
         for p in range(k):
             a = np.abs(x[i, p])
@@ -501,6 +495,36 @@ def quantize_rows_i16(x, levels):
             elif r < -lv:
                 r = -lv
             xq[i, p] = np.int16(r)
+
+
+@njit_parallel
+def quantize_rows_i16(x, levels, min_parallel=PAR_MIN):
+    """Per-row symmetric int16 codes of the W8A16 activations.
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, k), C-contiguous, finite
+    levels : int
+        Largest code (``a16_levels(k)``), at most 32767.
+    min_parallel : int, optional
+        Below ``m * k * 16`` of this size the call stays on the calling thread.
+
+    Returns
+    -------
+    xq : ndarray of int16, shape (m, k)
+        ``clamp(round_half_away(x / s), -levels, levels)``.
+    sx : ndarray of float32, shape (m,)
+        ``amax_i / levels`` (1 for an all-zero row).
+    """
+    m, k = x.shape
+    xq = np.empty((m, k), dtype=np.int16)
+    sx = np.empty(m, dtype=np.float32)
+    lv = np.float32(levels)
+    if m < 2 or m * k * 16 < min_parallel:
+        _q16_rows(x, lv, xq, sx, 0, m)
+    else:
+        for i in prange(m):
+            _q16_rows(x, lv, xq, sx, i, i + 1)
     return xq, sx
 
 
