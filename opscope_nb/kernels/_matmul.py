@@ -64,17 +64,50 @@ I8_MAX_K = 133143
 # reference / structured float kernels
 # --------------------------------------------------------------------------
 @njit
+def _axpy_chain(yi, xi, idx, cnt, w):
+    """``yi[:] += sum_t xi[idx[t]] * w[idx[t], :]`` for ``t < cnt``, in order.
+
+    Four selected weight rows per sweep over ``yi`` (a quarter of its
+    loads/stores); the chain ``((y + a0 w0) + a1 w1) + ...`` keeps the order
+    of the sums, so the dense and zero-skipping products stay bit-identical.
+    """
+    n = w.shape[1]
+    t = 0
+    while t + 4 <= cnt:
+        p0 = idx[t]
+        p1 = idx[t + 1]
+        p2 = idx[t + 2]
+        p3 = idx[t + 3]
+        a0 = xi[p0]
+        a1 = xi[p1]
+        a2 = xi[p2]
+        a3 = xi[p3]
+        w0 = w[p0]
+        w1 = w[p1]
+        w2 = w[p2]
+        w3 = w[p3]
+        for j in range(n):
+            v = yi[j] + a0 * w0[j]
+            v = v + a1 * w1[j]
+            v = v + a2 * w2[j]
+            yi[j] = v + a3 * w3[j]
+        t += 4
+    while t < cnt:
+        p = idx[t]
+        a = xi[p]
+        wp = w[p]
+        for j in range(n):
+            yi[j] += a * wp[j]
+        t += 1
+
+
+@njit
 def _dense_rows(x, w, y, i0, i1):
     """Rows ``i0..i1-1`` of ``y = x @ w`` (``y`` zeroed by the caller)."""
     k = x.shape[1]
-    n = w.shape[1]
+    idx = np.arange(k)
     for i in range(i0, i1):
-        yi = y[i]
-        for p in range(k):
-            a = x[i, p]
-            wp = w[p]
-            for j in range(n):
-                yi[j] += a * wp[j]
+        _axpy_chain(y[i], x[i], idx, k, w)
 
 
 @njit_parallel
@@ -82,8 +115,8 @@ def dense_matmul(x, w, min_parallel=PAR_MIN):
     """Reference dense product ``y[m, n] = x[m, k] @ w[k, n]``.
 
     Each output accumulates over ``p = 0..k-1`` in order (``y[i, :] +=
-    x[i, p] * w[p, :]``, vectorised along ``n``); rows run in parallel, so the
-    result does not depend on the thread count.
+    x[i, p] * w[p, :]``, four ``p`` per sweep, vectorised along ``n``); rows
+    run in parallel, so the result does not depend on the thread count.
 
     Parameters
     ----------
@@ -118,7 +151,6 @@ def dense_matmul(x, w, min_parallel=PAR_MIN):
 def _sparse_rows(x, w, y, i0, i1):
     """Rows ``i0..i1-1`` of the zero-skipping product (``y`` zeroed)."""
     k = x.shape[1]
-    n = w.shape[1]
     idx = np.empty(k, dtype=np.intp)
     for i in range(i0, i1):
         nnz = 0
@@ -127,13 +159,7 @@ def _sparse_rows(x, w, y, i0, i1):
             if xi[p] != 0.0:
                 idx[nnz] = p
                 nnz += 1
-        yi = y[i]
-        for t in range(nnz):
-            p = idx[t]
-            a = xi[p]
-            wp = w[p]
-            for j in range(n):
-                yi[j] += a * wp[j]
+        _axpy_chain(y[i], xi, idx, nnz, w)
 
 
 @njit_parallel
