@@ -49,6 +49,7 @@ __all__ = [
     "SYNTHETIC_LAYERS",
     "read_safetensors_header",
     "natural_key",
+    "bf16_to_float32",
 ]
 
 #: Largest safetensors JSON header accepted (the format itself caps it at 100 MB).
