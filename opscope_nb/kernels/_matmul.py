@@ -10,15 +10,32 @@ Layouts (every array C-contiguous):
 
 Quantisation (weights per output column, activations per row or per tensor)
 is symmetric: ``scale = amax / 127``, ``code = clamp(round_half_away(v /
-scale), -127, 127)``, and ``scale = 1`` when ``amax < 1e-20``.
+scale), -127, 127)``, and ``scale = 1`` when ``amax < 1e-20``.  The division
+is a real IEEE division (:func:`~opscope_nb.kernels.fdiv_strict`), never a
+multiplication by a reciprocal, so codes match NumPy's ``x / scale``.
 
-Parallelism: decode (``m == 1``) splits the outputs into blocks of four; larger
-``m`` splits the outputs into column blocks and walks the rows of each block
-two at a time, so a weight block is loaded into L1 once and reused by every
-row (register tile 2 rows x 4 outputs).
+Numerics of the weight-stationary kernels:
+
+* ``matmul_f32``: float32 dot products, 8-lane fused multiply-add, tree
+  reduction at the end of each dot product;
+* ``matmul_w8a16``: int8 weights, activations carried as per-row int16 codes
+  (:func:`quantize_rows_i16`; relative rounding ~1.5e-5 of the row maximum),
+  exact integer sums (int32 lanes, reduced in float64), dequantised once;
+* ``matmul_w8a8``: int8 x int8, exact int32 sums (:func:`matmul_i8i8_i32`),
+  dequantised once with ``sx[i] * scale[j]``.
+
+Parallelism: output blocks of four run in parallel (``prange``); each block
+walks the rows two at a time with a 2-row x 4-output register tile from
+:mod:`._simd`, so the block's weights are loaded once per pair of rows and
+stay in L1/L2 across all rows (decode, ``m == 1``, uses the 1 x 4 tile).  A
+call whose work ``m * k * n`` is below ``min_parallel`` runs on the calling
+thread.  The work split never depends on the thread count, and every output
+is computed by one thread in a fixed order, so results are reproducible.
 
 These cores assume valid input (see each docstring); they only check shape
-agreement, in O(1), with constant messages.
+agreement, in O(1), with constant messages.  Note for developers: numba's
+on-disk cache is keyed on this file's timestamp, so after editing
+``_simd.py`` touch this file (or clear ``__pycache__``).
 """
 from __future__ import annotations
 
