@@ -71,7 +71,8 @@ def as_float32(x, name: str = "x", *, ndim: int | None = None,
     if arr.size == 0 and not allow_empty:
         raise ValueError(f"{name} must not be empty; got shape {arr.shape}. "
                          f"Pass at least one element along every axis.")
-    out = np.ascontiguousarray(arr, dtype=np.float32)
+    with np.errstate(over="ignore"):  # overflow is reported just below, as an error
+        out = np.ascontiguousarray(arr, dtype=np.float32)
     if check_finite and out.size and not np.isfinite(out).all():
         bad = int(out.size - np.count_nonzero(np.isfinite(out)))
         what = "NaN/Inf"
