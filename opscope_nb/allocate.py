@@ -331,7 +331,7 @@ def dado_allocate(layers, budget_frac, cfg: DadoConfig = DadoConfig(), *,
         return pb.result(pb.smallest(), "dado")
     g = greedy_core(pb.cost, pb.nbytes, pb.nopt, np.int64(pb.budget))
     n_elite = min(max(int(math.floor(pop * ef)), 1), pop)
-    ch, _ = dado_core(pb.cost, pb.nbytes, pb.nopt, np.int64(max(pb.budget, 1)), g,
+    ch, _ = dado_core(pb.cost, pb.nbytes, pb.nopt, np.int64(pb.budget), g,
                       iters, pop, n_elite, pen, np.uint64(seed))
     return pb.result(ch, "dado")
 
@@ -414,7 +414,7 @@ def exact_allocate(layers, budget_frac, *, weights=None, time_limit=60.0) -> All
     # HiGHS keeps an absolute MIP gap of 1e-6 that scipy does not expose;
     # scaling the objective to a max of 1e4 makes it 1e-10 relative.
     cmax = float(c.max()) if nv else 0.0
-    cscale = 1e4 / cmax if cmax > 0 else 1.0
+    cscale = 1e4 / cmax if cmax > 1e-8 else 1e12  # (tiny costs: any plan is ~optimal)
     res = milp(c * cscale, constraints=cons, integrality=np.ones(nv), bounds=Bounds(0, 1),
                options={"mip_rel_gap": 0.0, "time_limit": float(time_limit),
                         "disp": False})

@@ -264,3 +264,44 @@ def test_kernels_callable_from_user_njit():
     g, lb = solve(cost, nb, np.array([3, 3], dtype=np.int64), 100)
     assert list(g) == [1, 1]
     assert lb <= 0.3 + 1e-12
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@st.composite
+def instances(draw):
+    nl = draw(st.integers(1, 5))
+    layers = []
+    for i in range(nl):
+        dense = draw(st.integers(1, 400))
+        k = draw(st.integers(1, 5))
+        opts = [DecompOption(Decomp.dense(), 0.0, dense, 1)]
+        for j in range(k - 1):
+            e = draw(st.floats(0.0, 2.0, allow_nan=False))
+            b = draw(st.integers(0, dense + 10))
+            opts.append(DecompOption(KINDS[j], e, b, 1))
+        layers.append(LayerProfile(f"l{i}", 1, 1, dense, opts))
+    frac = draw(st.floats(0.01, 1.0))
+    weights = draw(st.one_of(st.none(), st.lists(st.floats(0.0, 5.0), min_size=nl,
+                                                  max_size=nl)))
+    return layers, frac, weights
+
+
+@settings(max_examples=25, deadline=None)
+@given(instances())
+def test_hypothesis_exact_is_optimal_and_plans_fit(inst):
+    layers, frac, weights = inst
+    budget = naive_budget([lp.dense_bytes for lp in layers], frac)
+    costs, sizes = tables(layers, weights)
+    best, _ = naive_brute_force(costs, sizes, budget)
+    res = [f(layers, frac, weights=weights) for f in (greedy_allocate, exact_allocate)]
+    res.append(dado_allocate(layers, frac, DadoConfig(iters=5, pop=20), weights=weights))
+    for a in res:
+        check_alloc(a, layers, budget, weights)
+        assert a.feasible == (best is not None)
+    if best is not None:
+        g, x, d = res
+        assert x.total_err == pytest.approx(best, abs=1e-9)
+        assert x.total_err <= d.total_err + 1e-9 and d.total_err <= g.total_err + 1e-12
+        assert x.lower_bound <= best + 1e-9 and g.lower_bound <= best + 1e-9

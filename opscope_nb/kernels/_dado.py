@@ -137,7 +137,8 @@ def dado_core(cost, nbytes, nopt, budget, init_choice, iters, pop, n_elite,
     cost, nbytes, nopt
         Padded option tables, see the module docstring.
     budget : int
-        Byte budget (``>= 1``).
+        Byte budget (feasible means ``bytes <= budget``; the loss divides by
+        ``max(budget, 1)``).
     init_choice : ndarray of shape (L,), int64
         Warm start and initial incumbent (must be feasible).
     iters, pop, n_elite : int
@@ -166,7 +167,7 @@ def dado_core(cost, nbytes, nopt, budget, init_choice, iters, pop, n_elite,
     best_err = 0.0
     for i in range(nl):
         best_err += cost[i, init_choice[i]]
-    fbudget = float(budget)
+    fbudget = float(max(budget, 1))  # loss denominator only
 
     s = seed | np.uint64(1)
     inv53 = 1.0 / 9007199254740992.0
