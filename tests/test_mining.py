@@ -428,3 +428,24 @@ def test_flops_hand_counted():
     assert _flops(10, 20, Decomp.lowrank(3)) == 90
     assert _flops(3, 10, Decomp.sparse24()) == 3 * (2 + 2 + 2)
     assert _flops(3, 10, Decomp.int4(4)) == 30
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis.extra.numpy import arrays  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 9).flatmap(lambda r: st.integers(1, 17).flatmap(
+    lambda c: arrays(np.float32, (r, c), elements=st.floats(
+        -1e3, 1e3, width=32, allow_nan=False)))))
+def test_hypothesis_packing_honest_and_exact(w):
+    rows, cols = w.shape
+    for d in _applicable(w.shape):
+        p = pack(w, d)
+        assert sum(a.nbytes for a in p.values()) == packed_bytes(rows, cols, d)
+        a = approximate(w, d)
+        assert a.shape == w.shape and np.isfinite(a).all()
+    for bits, d in ((8, Decomp.int8()), (4, Decomp.int4()), (4, Decomp.int4(4))):
+        g = 4 if d.kind == "int4g" else cols
+        np.testing.assert_array_equal(approximate(w, d), naive_group_quant(w, bits, g))
+    np.testing.assert_array_equal(approximate(w, Decomp.sparse24()), naive_nm_prune(w))
