@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ._validation import as_matrix, check_int
+from .kernels._probe import rel_err as _rel_err
 from .kernels._dado import (
     dequantize_groups,
     dequantize_nibbles,
@@ -58,7 +59,6 @@ from .kernels._dado import (
     pack_crumbs,
     pack_nibbles,
     quantize_groups_sym,
-    rel_err_f64,
     ternary_decode,
     ternary_twn,
     unpack_crumbs,
@@ -709,7 +709,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0) -> LayerPro
         t0 = time.perf_counter()
         packed = _pack(w, d, svd)
         recon = unpack(packed, d, w.shape)
-        err = float(rel_err_f64(w, recon))
+        err = float(_rel_err(w, recon))
         nb = _nbytes(packed)
         opts.append(DecompOption(d, err, nb, _flops(rows, cols, d)))
         if part:

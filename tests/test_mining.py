@@ -7,7 +7,7 @@ import pytest
 
 from naive_alloc import (naive_group_quant, naive_lowrank, naive_nm_prune, naive_rel_err,
                          naive_ternary)
-from opscope_nb.kernels import rel_err_f64
+from opscope_nb.kernels import rel_err as kernel_rel_err
 from opscope_nb.mining import (Decomp, DecompOption, LayerProfile, approximate,
                                balanced_factor, pack, packed_bytes, parse_layer_kind,
                                profile_layer, quant_stat)
@@ -181,7 +181,7 @@ def test_bytes_equal_packed_size_every_kind(shape):
             assert a.flags.c_contiguous
         approx = approximate(w, d)
         assert approx.shape == w.shape and approx.dtype == np.float32
-        assert rel_err_f64(w, approx) == pytest.approx(naive_rel_err(w, approx), rel=1e-6,
+        assert kernel_rel_err(w, approx) == pytest.approx(naive_rel_err(w, approx), rel=1e-6,
                                                        abs=1e-12)
 
 

@@ -35,7 +35,6 @@ __all__ = [
     "nm_prune",
     "nm_unprune",
     "ternary_twn",
-    "rel_err_f64",
 ]
 
 
@@ -679,31 +678,3 @@ def ternary_twn(x):
     alpha = np.float32(s / cnt) if cnt > 0 else np.float32(0.0)
     return codes, alpha
 
-
-@njit
-def rel_err_f64(ref, approx):
-    """Relative Frobenius error ``||ref - approx||_F / ||ref||_F`` in float64.
-
-    Sums run in float64 (so the value does not depend on summation order at
-    float32 precision); 0 when ``sum ref**2 < 1e-20`` (the upstream guard).
-
-    Parameters
-    ----------
-    ref, approx : ndarray of shape (rows, cols), float32, C-contiguous
-
-    Returns
-    -------
-    float
-    """
-    num = 0.0
-    den = 0.0
-    rows, cols = ref.shape
-    for i in range(rows):
-        for j in range(cols):
-            a = float(ref[i, j])
-            d = a - float(approx[i, j])
-            num += d * d
-            den += a * a
-    if den < 1e-20:
-        return 0.0
-    return np.sqrt(num / den)
