@@ -84,14 +84,15 @@ def naive_hosvd(x, ranks):
     rs = [max(1, min(r, d)) for r, d in zip(ranks, x.shape)]
     us = [np.linalg.svd(naive_unfold(x, k), full_matrices=False)[0][:, :rs[k]]
           for k in range(3)]
-    core = np.einsum("ijk,ia,jb,kc->abc", np.asarray(x, dtype=np.float64), *us)
+    core = np.einsum("ijk,ia,jb,kc->abc", np.asarray(x, dtype=np.float64), *us,
+                     optimize=True)
     return core, us
 
 
 def naive_tucker_reconstruct(core, factors):
     """``G x0 U0 x1 U1 x2 U2`` by einsum."""
     return np.einsum("abc,ia,jb,kc->ijk", np.asarray(core, dtype=np.float64),
-                     *[np.asarray(f, dtype=np.float64) for f in factors])
+                     *[np.asarray(f, dtype=np.float64) for f in factors], optimize=True)
 
 
 def naive_tucker_params(dims, ranks):

