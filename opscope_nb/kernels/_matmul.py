@@ -415,58 +415,69 @@ def _tail_dot(xf, xo, wf, wo, p0, k):
 
 
 @njit
-def _float_block(xf, m, k, wf, wo, j0, j1, y, scale, use_scale):
-    """Outputs ``j0..j1-1`` (at most 4) of every row of flat ``xf[m, k]``.
-
-    ``wf`` is a flat output-major float32 array whose row ``j`` starts at
-    ``wo + (j - j0) * k``; results are multiplied by ``scale[j]`` when
-    ``use_scale``.  2 x 4 register tiles, a 1 x 4 tile for an odd last row.
-    """
+def _float_block(xf, m, k, wf, wo, j0, j1, y):
+    """float32 outputs ``j0..j1-1`` (at most 4) of every row of flat
+    ``xf[m, k]``; ``wf`` is a flat output-major float32 array whose row ``j``
+    starts at ``wo + (j - j0) * k``.  2 x 4 register tiles, a 1 x 4 tile for
+    an odd last row."""
     nch = k // F32_CHUNK
     kv = nch * F32_CHUNK
+    tail = kv < k
     c = j1 - j0
+    w1 = wo + k
+    w2 = w1 + k
+    w3 = w2 + k
     if c == 4:
         i = 0
         while i + 2 <= m:
             xo = i * k
-            t = f32dot_tile_2x4(xf, xo, k, wf, wo, k, nch)
-            for r in range(2):
-                for q in range(4):
-                    v = t[r * 4 + q]
-                    if kv < k:
-                        v += _tail_dot(xf, xo + r * k, wf, wo + q * k, kv, k)
-                    if use_scale:
-                        v = v * scale[j0 + q]
-                    y[i + r, j0 + q] = v
+            x1 = xo + k
+            a0, a1, a2, a3, b0, b1, b2, b3 = f32dot_tile_2x4(xf, xo, k, wf, wo, k, nch)
+            if tail:
+                a0 += _tail_dot(xf, xo, wf, wo, kv, k)
+                a1 += _tail_dot(xf, xo, wf, w1, kv, k)
+                a2 += _tail_dot(xf, xo, wf, w2, kv, k)
+                a3 += _tail_dot(xf, xo, wf, w3, kv, k)
+                b0 += _tail_dot(xf, x1, wf, wo, kv, k)
+                b1 += _tail_dot(xf, x1, wf, w1, kv, k)
+                b2 += _tail_dot(xf, x1, wf, w2, kv, k)
+                b3 += _tail_dot(xf, x1, wf, w3, kv, k)
+            y[i, j0] = a0
+            y[i, j0 + 1] = a1
+            y[i, j0 + 2] = a2
+            y[i, j0 + 3] = a3
+            y[i + 1, j0] = b0
+            y[i + 1, j0 + 1] = b1
+            y[i + 1, j0 + 2] = b2
+            y[i + 1, j0 + 3] = b3
             i += 2
         if i < m:
             xo = i * k
-            t4 = f32dot_tile_1x4(xf, xo, k, wf, wo, k, nch)
-            for q in range(4):
-                v = t4[q]
-                if kv < k:
-                    v += _tail_dot(xf, xo, wf, wo + q * k, kv, k)
-                if use_scale:
-                    v = v * scale[j0 + q]
-                y[i, j0 + q] = v
+            a0, a1, a2, a3 = f32dot_tile_1x4(xf, xo, k, wf, wo, k, nch)
+            if tail:
+                a0 += _tail_dot(xf, xo, wf, wo, kv, k)
+                a1 += _tail_dot(xf, xo, wf, w1, kv, k)
+                a2 += _tail_dot(xf, xo, wf, w2, kv, k)
+                a3 += _tail_dot(xf, xo, wf, w3, kv, k)
+            y[i, j0] = a0
+            y[i, j0 + 1] = a1
+            y[i, j0 + 2] = a2
+            y[i, j0 + 3] = a3
     else:
         for i in range(m):
             xo = i * k
             for q in range(c):
                 v = f32dot_tile_1x1(xf, xo, k, wf, wo + q * k, k, nch)[0]
-                if kv < k:
+                if tail:
                     v += _tail_dot(xf, xo, wf, wo + q * k, kv, k)
-                if use_scale:
-                    v = v * scale[j0 + q]
                 y[i, j0 + q] = v
 
 
 @njit
 def _f32_blocks(xf, m, k, wf, n, y, b0, b1):
-    dummy = np.empty(0, dtype=np.float32)
     for b in range(b0, b1):
         j0 = b * _NB
-        _float_block(xf, m, k, wf, j0 * k, j0, min(j0 + _NB, n), y, dummy, False)
+        _float_block(xf, m, k, wf, j0 * k, j0, min(j0 + _NB, n), y)
 
 
 @njit_parallel
@@ -586,47 +597,75 @@ def _w16_block(xf, m, k, wf, j0, j1, sx, scale, y):
     (flat, output-major), dequantised with ``sx[i] * scale[j]``."""
     nch = k // W16_CHUNK
     kv = nch * W16_CHUNK
+    tail = kv < k
     c = j1 - j0
     wo = j0 * k
+    w1 = wo + k
+    w2 = w1 + k
+    w3 = w2 + k
     if c == 4:
+        s0 = np.float64(scale[j0])
+        s1 = np.float64(scale[j0 + 1])
+        s2 = np.float64(scale[j0 + 2])
+        s3 = np.float64(scale[j0 + 3])
         i = 0
         while i + 2 <= m:
             xo = i * k
-            t = w16dot_tile_2x4(xf, xo, k, wf, wo, k, nch)
-            for r in range(2):
-                for q in range(4):
-                    v = t[r * 4 + q]
-                    if kv < k:
-                        v += _w16_tail(xf, xo + r * k, wf, wo + q * k, kv, k)
-                    y[i + r, j0 + q] = np.float32(v * sx[i + r] * scale[j0 + q])
+            x1 = xo + k
+            a0, a1, a2, a3, b0, b1, b2, b3 = w16dot_tile_2x4(xf, xo, k, wf, wo, k, nch)
+            if tail:
+                a0 += _w16_tail(xf, xo, wf, wo, kv, k)
+                a1 += _w16_tail(xf, xo, wf, w1, kv, k)
+                a2 += _w16_tail(xf, xo, wf, w2, kv, k)
+                a3 += _w16_tail(xf, xo, wf, w3, kv, k)
+                b0 += _w16_tail(xf, x1, wf, wo, kv, k)
+                b1 += _w16_tail(xf, x1, wf, w1, kv, k)
+                b2 += _w16_tail(xf, x1, wf, w2, kv, k)
+                b3 += _w16_tail(xf, x1, wf, w3, kv, k)
+            ra = np.float64(sx[i])
+            rb = np.float64(sx[i + 1])
+            y[i, j0] = np.float32(a0 * ra * s0)
+            y[i, j0 + 1] = np.float32(a1 * ra * s1)
+            y[i, j0 + 2] = np.float32(a2 * ra * s2)
+            y[i, j0 + 3] = np.float32(a3 * ra * s3)
+            y[i + 1, j0] = np.float32(b0 * rb * s0)
+            y[i + 1, j0 + 1] = np.float32(b1 * rb * s1)
+            y[i + 1, j0 + 2] = np.float32(b2 * rb * s2)
+            y[i + 1, j0 + 3] = np.float32(b3 * rb * s3)
             i += 2
         if i < m:
             xo = i * k
-            t4 = w16dot_tile_1x4(xf, xo, k, wf, wo, k, nch)
-            for q in range(4):
-                v = t4[q]
-                if kv < k:
-                    v += _w16_tail(xf, xo, wf, wo + q * k, kv, k)
-                y[i, j0 + q] = np.float32(v * sx[i] * scale[j0 + q])
+            a0, a1, a2, a3 = w16dot_tile_1x4(xf, xo, k, wf, wo, k, nch)
+            if tail:
+                a0 += _w16_tail(xf, xo, wf, wo, kv, k)
+                a1 += _w16_tail(xf, xo, wf, w1, kv, k)
+                a2 += _w16_tail(xf, xo, wf, w2, kv, k)
+                a3 += _w16_tail(xf, xo, wf, w3, kv, k)
+            ra = np.float64(sx[i])
+            y[i, j0] = np.float32(a0 * ra * s0)
+            y[i, j0 + 1] = np.float32(a1 * ra * s1)
+            y[i, j0 + 2] = np.float32(a2 * ra * s2)
+            y[i, j0 + 3] = np.float32(a3 * ra * s3)
     else:
         for q in range(c):
             woq = wo + q * k
+            sq = np.float64(scale[j0 + q])
             i = 0
             while i + 2 <= m:
                 xo = i * k
-                t2 = w16dot_tile_2x1(xf, xo, k, wf, woq, k, nch)
-                for r in range(2):
-                    v = t2[r]
-                    if kv < k:
-                        v += _w16_tail(xf, xo + r * k, wf, woq, kv, k)
-                    y[i + r, j0 + q] = np.float32(v * sx[i + r] * scale[j0 + q])
+                a0, b0 = w16dot_tile_2x1(xf, xo, k, wf, woq, k, nch)
+                if tail:
+                    a0 += _w16_tail(xf, xo, wf, woq, kv, k)
+                    b0 += _w16_tail(xf, xo + k, wf, woq, kv, k)
+                y[i, j0 + q] = np.float32(a0 * np.float64(sx[i]) * sq)
+                y[i + 1, j0 + q] = np.float32(b0 * np.float64(sx[i + 1]) * sq)
                 i += 2
             if i < m:
                 xo = i * k
-                v = w16dot_tile_1x1(xf, xo, k, wf, woq, k, nch)[0]
-                if kv < k:
-                    v += _w16_tail(xf, xo, wf, woq, kv, k)
-                y[i, j0 + q] = np.float32(v * sx[i] * scale[j0 + q])
+                a0 = w16dot_tile_1x1(xf, xo, k, wf, woq, k, nch)[0]
+                if tail:
+                    a0 += _w16_tail(xf, xo, wf, woq, kv, k)
+                y[i, j0 + q] = np.float32(a0 * np.float64(sx[i]) * sq)
 
 
 @njit
@@ -690,67 +729,94 @@ def _i8_tail(xf, xo, wf, wo, p0, k):
 
 
 @njit
-def _i8_block(xf, m, k, wf, j0, j1, acc):
-    """int32 dot products of every row of ``xf[m, k]`` with weight rows
-    ``j0..j1-1`` (``j1 - j0 <= 4``) of the flat output-major ``wf``, into
-    ``acc[m, n]``."""
+def _put(acc, y, sx, scale, want_y, i, j, v):
+    """Store one W8A8 result: dequantised into ``y`` or exact into ``acc``."""
+    if want_y:
+        y[i, j] = np.float32(v) * sx[i] * scale[j]
+    else:
+        acc[i, j] = v
+
+
+@njit
+def _i8_block(xf, m, k, wf, j0, j1, acc, y, sx, scale, want_y):
+    """W8A8 outputs ``j0..j1-1`` (``j1 - j0 <= 4``) of every row of the flat
+    ``xf[m, k]`` against the flat output-major ``wf``; see :func:`_put`.
+
+    Tuple results are unpacked with constant indices (kept in registers) and
+    the k-tail is only visited when ``k`` is not a multiple of the step.
+    """
     nch = k // I8_CHUNK
     kv = nch * I8_CHUNK
+    tail = kv < k
     c = j1 - j0
     wo = j0 * k
+    w1 = wo + k
+    w2 = w1 + k
+    w3 = w2 + k
     if c == 4:
         i = 0
         while i + 2 <= m:
             xo = i * k
-            t = i8dot_tile_2x4(xf, xo, k, wf, wo, k, nch)
-            for r in range(2):
-                for q in range(4):
-                    v = t[r * 4 + q]
-                    if kv < k:
-                        v += _i8_tail(xf, xo + r * k, wf, wo + q * k, kv, k)
-                    acc[i + r, j0 + q] = v
+            x1 = xo + k
+            a0, a1, a2, a3, b0, b1, b2, b3 = i8dot_tile_2x4(xf, xo, k, wf, wo, k, nch)
+            if tail:
+                a0 += _i8_tail(xf, xo, wf, wo, kv, k)
+                a1 += _i8_tail(xf, xo, wf, w1, kv, k)
+                a2 += _i8_tail(xf, xo, wf, w2, kv, k)
+                a3 += _i8_tail(xf, xo, wf, w3, kv, k)
+                b0 += _i8_tail(xf, x1, wf, wo, kv, k)
+                b1 += _i8_tail(xf, x1, wf, w1, kv, k)
+                b2 += _i8_tail(xf, x1, wf, w2, kv, k)
+                b3 += _i8_tail(xf, x1, wf, w3, kv, k)
+            _put(acc, y, sx, scale, want_y, i, j0, a0)
+            _put(acc, y, sx, scale, want_y, i, j0 + 1, a1)
+            _put(acc, y, sx, scale, want_y, i, j0 + 2, a2)
+            _put(acc, y, sx, scale, want_y, i, j0 + 3, a3)
+            _put(acc, y, sx, scale, want_y, i + 1, j0, b0)
+            _put(acc, y, sx, scale, want_y, i + 1, j0 + 1, b1)
+            _put(acc, y, sx, scale, want_y, i + 1, j0 + 2, b2)
+            _put(acc, y, sx, scale, want_y, i + 1, j0 + 3, b3)
             i += 2
         if i < m:
             xo = i * k
-            t4 = i8dot_tile_1x4(xf, xo, k, wf, wo, k, nch)
-            for q in range(4):
-                v = t4[q]
-                if kv < k:
-                    v += _i8_tail(xf, xo, wf, wo + q * k, kv, k)
-                acc[i, j0 + q] = v
+            a0, a1, a2, a3 = i8dot_tile_1x4(xf, xo, k, wf, wo, k, nch)
+            if tail:
+                a0 += _i8_tail(xf, xo, wf, wo, kv, k)
+                a1 += _i8_tail(xf, xo, wf, w1, kv, k)
+                a2 += _i8_tail(xf, xo, wf, w2, kv, k)
+                a3 += _i8_tail(xf, xo, wf, w3, kv, k)
+            _put(acc, y, sx, scale, want_y, i, j0, a0)
+            _put(acc, y, sx, scale, want_y, i, j0 + 1, a1)
+            _put(acc, y, sx, scale, want_y, i, j0 + 2, a2)
+            _put(acc, y, sx, scale, want_y, i, j0 + 3, a3)
     else:
         for q in range(c):
             woq = wo + q * k
             i = 0
             while i + 2 <= m:
                 xo = i * k
-                t2 = i8dot_tile_2x1(xf, xo, k, wf, woq, k, nch)
-                for r in range(2):
-                    v = t2[r]
-                    if kv < k:
-                        v += _i8_tail(xf, xo + r * k, wf, woq, kv, k)
-                    acc[i + r, j0 + q] = v
+                a0, b0 = i8dot_tile_2x1(xf, xo, k, wf, woq, k, nch)
+                if tail:
+                    a0 += _i8_tail(xf, xo, wf, woq, kv, k)
+                    b0 += _i8_tail(xf, xo + k, wf, woq, kv, k)
+                _put(acc, y, sx, scale, want_y, i, j0 + q, a0)
+                _put(acc, y, sx, scale, want_y, i + 1, j0 + q, b0)
                 i += 2
             if i < m:
                 xo = i * k
-                v = i8dot_tile_1x1(xf, xo, k, wf, woq, k, nch)[0]
-                if kv < k:
-                    v += _i8_tail(xf, xo, wf, woq, kv, k)
-                acc[i, j0 + q] = v
+                a0 = i8dot_tile_1x1(xf, xo, k, wf, woq, k, nch)[0]
+                if tail:
+                    a0 += _i8_tail(xf, xo, wf, woq, kv, k)
+                _put(acc, y, sx, scale, want_y, i, j0 + q, a0)
 
 
 @njit
 def _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
-    """Blocks ``b0..b1-1``: exact int32 sums into ``acc``; when ``want_y``
-    also the dequantised ``y = acc * sx[i] * scale[j]``."""
+    """Blocks ``b0..b1-1``: exact int32 sums into ``acc``, or (``want_y``)
+    the dequantised ``y = sum * sx[i] * scale[j]``."""
     for b in range(b0, b1):
         j0 = b * _NB
-        j1 = min(j0 + _NB, n)
-        _i8_block(xf, m, k, wf, j0, j1, acc)
-        if want_y:
-            for i in range(m):
-                for j in range(j0, j1):
-                    y[i, j] = np.float32(acc[i, j]) * sx[i] * scale[j]
+        _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y)
 
 
 @njit_parallel
@@ -817,7 +883,7 @@ def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN):
     if wtq.shape[1] != k or sx.shape[0] != m or scale.shape[0] != wtq.shape[0]:
         raise ValueError("matmul_w8a8: need xq[m,k], sx[m], wtq[n,k], scale[n]")
     n = wtq.shape[0]
-    acc = np.empty((m, n), dtype=np.int32)
+    acc = np.empty((0, 0), dtype=np.int32)
     y = np.empty((m, n), dtype=np.float32)
     xf = xq.ravel()
     wf = wtq.ravel()
