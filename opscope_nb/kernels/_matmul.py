@@ -73,6 +73,17 @@ _NB = 4
 #: machine, a time slice.  Every kernel takes it as the ``min_parallel``
 #: argument, so callers can change it without recompiling.
 PAR_MIN = 1 << 17
+#: Number of contiguous column-block chunks a parallel kernel splits into:
+#: a fixed count (never the thread count, so the split -- and every result --
+#: is the same on any machine), enough to balance 2-16 threads.
+_NCHUNK = 16
+
+
+@njit
+def _chunks(nb):
+    return min(nb, _NCHUNK)
+
+
 #: Largest k for which int8 x int8 sums are exact in int32 (k * 127^2 < 2^31).
 I8_MAX_K = 133143
 
@@ -511,8 +522,9 @@ def matmul_f32(x, wt, min_parallel=PAR_MIN):
     if m * k * n < min_parallel:
         _f32_blocks(xf, m, k, wf, n, y, 0, nb)
     else:
-        for b in prange(nb):
-            _f32_blocks(xf, m, k, wf, n, y, b, b + 1)
+        nc = _chunks(nb)
+        for c in prange(nc):
+            _f32_blocks(xf, m, k, wf, n, y, c * nb // nc, (c + 1) * nb // nc)
     return y
 
 
@@ -711,8 +723,9 @@ def matmul_w8a16(x, wtq, scale, min_parallel=PAR_MIN):
     if m * k * n < min_parallel:
         _w16_blocks(xf, m, k, wf, n, sx, scale, y, 0, nb)
     else:
-        for b in prange(nb):
-            _w16_blocks(xf, m, k, wf, n, sx, scale, y, b, b + 1)
+        nc = _chunks(nb)
+        for c in prange(nc):
+            _w16_blocks(xf, m, k, wf, n, sx, scale, y, c * nb // nc, (c + 1) * nb // nc)
     return y
 
 
@@ -852,9 +865,10 @@ def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN):
     if m * k * n < min_parallel:
         _w8a8_blocks(xf, m, k, wf, n, acc, dummy_y, dummy_s, dummy_s, False, 0, nb)
     else:
-        for b in prange(nb):
+        nc = _chunks(nb)
+        for c in prange(nc):
             _w8a8_blocks(xf, m, k, wf, n, acc, dummy_y, dummy_s, dummy_s, False,
-                         b, b + 1)
+                         c * nb // nc, (c + 1) * nb // nc)
     return acc
 
 
@@ -891,8 +905,10 @@ def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN):
     if m * k * n < min_parallel:
         _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, True, 0, nb)
     else:
-        for b in prange(nb):
-            _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, True, b, b + 1)
+        nc = _chunks(nb)
+        for c in prange(nc):
+            _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, True,
+                         c * nb // nc, (c + 1) * nb // nc)
     return y
 
 
