@@ -59,15 +59,31 @@ def test_matches_lapack_on_shapes(shape):
 
 @pytest.mark.parametrize("dist", list(Dist))
 def test_randomized_path_every_dist(dist):
-    # 300x420 at r = 12: short side 300 > max(64, 4r) and the Krylov space
-    # (6 blocks of 28) is smaller, so this exercises the randomized path.
-    w = sample(dist, 300, 420, seed=3)
+    # 520x700 at r = 12: the short side 520 exceeds the Krylov space (7 blocks
+    # of 64 = 448 columns), so this exercises the randomized path.
+    w = sample(dist, 520, 700, seed=3)
     _check(w, 12)
+
+
+def test_randomized_machinery_small_blocks():
+    # The same machinery with a small block and depth (kernel knobs), on a
+    # matrix small enough for the exact path by default.
+    rng = np.random.default_rng(8)
+    w = (rng.standard_normal((150, 150)) * np.linspace(3, 0.01, 150)).astype(np.float32)
+    w = (w @ rng.standard_normal((150, 260))).astype(np.float32)
+    s_all = np.linalg.svd(w.astype(np.float64), compute_uv=False)
+    for r in (1, 6):
+        u, s, vt = kernels.truncated_svd_opts(w, r, 0, 10, 4, 8, 1e-6)
+        np.testing.assert_allclose(s, s_all[:r], rtol=1e-3)
+        err = np.linalg.norm(w - (u * s) @ vt)
+        assert err <= 1.01 * np.sqrt(np.sum(s_all[r:] ** 2))
+        np.testing.assert_allclose(u.T @ u, np.eye(r), atol=2e-5)
 
 
 def test_rank_deficient_is_exact():
     rng = np.random.default_rng(7)
-    w = (rng.standard_normal((400, 5)) @ rng.standard_normal((5, 900))).astype(np.float32)
+    # 500x900: short side > 448, randomized path
+    w = (rng.standard_normal((500, 5)) @ rng.standard_normal((5, 900))).astype(np.float32)
     for r in (5, 8, 30):
         u, s, vt = truncated_svd(w, r)
         assert np.linalg.norm(w - (u * s) @ vt) <= 1e-4 * np.linalg.norm(w)
@@ -121,14 +137,20 @@ def test_trained_minilm_weights():
     names = ["encoder.layer.0.attention.self.query.weight",
              "encoder.layer.3.intermediate.dense.weight",
              "encoder.layer.5.output.dense.weight"]
-    for name in names:
+    for name in names:                    # short side 384: the exact path
         w = np.ascontiguousarray(tensors[name], dtype=np.float32)
-        for r in (16, 48):      # r = 16: randomized path; r = 48: exact path
-            _check(w, r)
+        _check(w, 48)
+    # Six trained FFN weights side by side, 1536x2304: the randomized path.
+    w = np.ascontiguousarray(np.concatenate(
+        [tensors[f"encoder.layer.{i}.intermediate.dense.weight"] for i in range(6)],
+        axis=1), dtype=np.float32)
+    s_all = np.linalg.svd(w.astype(np.float64), compute_uv=False)
+    for r in (16, 48):
+        _check(w, r, s_all=s_all)
 
 
 def test_determinism_and_seed():
-    w = sample(Dist.COHERENT, 300, 420, seed=1)
+    w = sample(Dist.COHERENT, 500, 600, seed=1)      # randomized path
     a = truncated_svd(w, 10, seed=5)
     b = truncated_svd(w, 10, seed=5)
     for x, y in zip(a, b):

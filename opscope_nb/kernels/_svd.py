@@ -359,9 +359,11 @@ def _krylov_basis(w, trans, b, depth, seed, r):
 def _krylov_finish(w, trans, qt, yt, r, zero_tol):
     """Rayleigh-Ritz on the Krylov basis: ``G = Q^T M M^T Q``, ``eigh``,
     ``U = Q E``, ``C^T = U^T M`` (one pass of width ``r``), ``S_i = ||C_i||``."""
-    # float32 product: yt already carries float32 round-off of M M^T Q.
-    g = np.dot(qt, yt.T).astype(np.float64)
-    g = 0.5 * (g + g.T)
+    # float32 product and float32 eigh: yt already carries float32 round-off
+    # of M M^T Q, so float64 here would buy nothing but time (ssyevd is ~2x
+    # faster than dsyevd); S and Vt are recomputed from U^T M below.
+    g = np.dot(qt, yt.T)
+    g = np.float32(0.5) * (g + g.T)
     _, e = top_eigvecs(g, r)
     ut = np.dot(e.T.astype(np.float32), qt)        # (r, m') = (Q E)^T
     ct = _times_m(np.ascontiguousarray(ut), w, trans)   # (r, n') = U^T M
