@@ -5,8 +5,9 @@ the remainder is a ``(r_prev * d_k) x rest`` matrix; its rank-``r_k``
 truncated SVD (``r_k = clamp(max_rank, 1, min(rows, cols))``; zero singular
 values do not shrink it) gives the core ``U.reshape(r_prev, d_k, r_k)`` and the
 new remainder ``diag(S) Vt``.  The last core is the remainder itself,
-``(r_prev, d_last, 1)``.  Each step uses :func:`truncated_svd`, which picks the
-exact Gram path for a short side and block Krylov otherwise.
+``(r_prev, d_last, 1)``.  Each step uses the truncated-SVD core (exact Gram
+path for a short side, block Krylov with block ``r_k + 16`` and depth 4
+otherwise).
 No input validation here; see :mod:`opscope_nb.decompose`.
 
 References
@@ -21,7 +22,7 @@ from numba import types
 from numba.typed import List
 
 from .._config import njit
-from ._svd import truncated_svd
+from ._svd import truncated_svd_opts
 
 __all__ = ["tt_svd", "tt_reconstruct", "tt_params"]
 
@@ -52,7 +53,9 @@ def tt_svd(x, dims, max_rank):
         rows = r_prev * dims[k]
         cols = c.size // rows
         rk = max(1, min(max_rank, min(rows, cols)))
-        u, s, vt = truncated_svd(c.reshape(rows, cols), rk, 0)
+        # block rk + 16, depth 4: cheaper than truncated_svd's defaults, and
+        # the sweep only needs a good subspace (exact path for short sides).
+        u, s, vt = truncated_svd_opts(c.reshape(rows, cols), rk, 0, 16, 4, 64, 1e-6)
         cores.append(np.ascontiguousarray(u).reshape(r_prev, dims[k], rk))
         rem = np.empty((rk, cols), dtype=np.float32)
         for i in range(rk):
