@@ -7,20 +7,24 @@ public twin is :func:`opscope_nb.svd.truncated_svd`.
 
 Algorithm (for ``M`` = the short-fat orientation of ``w``, ``m' <= n'``)
 -----------------------------------------------------------------------
-* **Exact path** when ``m'`` is small (``m' <= max(64, 4 r)``) or the Krylov
-  space would not be smaller than ``m'``: ``G = M M^T`` in float64, LAPACK
-  ``eigh``, then a Rayleigh-Ritz finish (below).  Exact to float32 round-off.
-* **Randomized block Krylov** otherwise: a Gaussian sketch ``Omega [n', b]``
-  (``b = r + oversample``) drawn from a splitmix64 stream seeded by ``seed``
-  (serial, so thread-count independent), blocks ``K_0 = orth(M Omega)``,
-  ``K_{j+1} = orth(M M^T K_j)`` (QR between steps keeps float32 stable), one QR
-  of ``[K_0 .. K_q]`` -> ``Q``, then the Ritz finish on ``B = Q^T M``.  Block
-  Krylov converges like a Chebyshev polynomial of the spectrum, so a flat
-  (Gaussian) spectrum still gives sigma_1 to ~1e-5 and sigma_r to ~1e-3.
-* **Ritz finish**: ``G = B B^T`` (float64), ``eigh`` -> ``E``; ``U = Q E``,
-  ``C = B^T E``, ``S_i = ||C_i||``, ``Vt_i = C_i / S_i``.  Rows whose ``S_i``
-  is numerically zero (rank-deficient input) are completed to an orthonormal
-  set, so ``U`` and ``Vt`` are always orthonormal.
+* **Exact path** when ``m' <= max(64, 4 r)`` or the Krylov space would not be
+  smaller than ``m'``: ``G = M M^T`` in float64, LAPACK ``eigh``,
+  ``C = M^T E`` in float64.  Exact to float32 round-off.
+* **Randomized block Krylov** otherwise: a uniform sketch ``Omega [n', b]``
+  (``b = r + oversample``) from a serial splitmix64 stream seeded by ``seed``
+  (thread-count independent); blocks ``Q_0 = orth(M Omega)``,
+  ``Q_{j+1} = orth(M M^T Q_j)``, each orthogonalised twice against all earlier
+  blocks and whitened by a float64 Gram-eigh (block Lanczos with full
+  re-orthogonalisation; directions that are only round-off are dropped, so a
+  rank-deficient ``M`` ends the space early).  No matrix passes are wasted:
+  the products ``M M^T Q_j`` give the projected Gram ``G = Q^T M M^T Q``
+  directly.  Block Krylov converges like a Chebyshev polynomial of the
+  spectrum, so even a flat (Gaussian) spectrum gives sigma_1 to ~3e-5.
+* **Ritz finish**: ``eigh(G)`` -> ``E``; ``U = Q E``; ``C^T = U^T M`` (one pass
+  of width ``r``); ``S_i = ||C_i||`` (recomputed, so accurate to float32);
+  ``Vt_i = C_i / S_i``.  Singular values ``<= zero_tol * S_0`` are set to 0 and
+  their ``Vt`` rows completed to an orthonormal set, so ``U`` and ``Vt`` are
+  always orthonormal.
 * Signs follow sklearn's ``svd_flip``: the largest-magnitude entry of each
   column of ``U`` is positive.
 
