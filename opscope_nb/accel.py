@@ -33,6 +33,7 @@ __all__ = [
     "why_unavailable",
     "available",
     "sgemm",
+    "sgemm_prepared",
     "set_threads",
     "get_threads",
     "int8_fc",
