@@ -21,7 +21,8 @@ Algorithm (for ``M`` = the short-fat orientation of ``w``, ``m' <= n'``)
   directly.  Block Krylov converges like a Chebyshev polynomial of the
   spectrum, so even a flat (Gaussian) spectrum gives sigma_1 to ~3e-5.
 * **Ritz finish**: ``eigh(G)`` -> ``E``; ``U = Q E``; ``C^T = U^T M`` (one pass
-  of width ``r``); ``S_i = ||C_i||`` (recomputed, so accurate to float32);
+  of width ``r``), then the exact SVD of the small ``C^T`` (float64 ``r x r``
+  Gram) rotates ``U`` so ``Vt`` is orthogonal; ``S_i = ||C_i||`` (recomputed);
   ``Vt_i = C_i / S_i``.  Singular values ``<= zero_tol * S_0`` are set to 0 and
   their ``Vt`` rows completed to an orthonormal set, so ``U`` and ``Vt`` are
   always orthonormal.
@@ -362,7 +363,10 @@ def _krylov_basis(w, trans, b, depth, seed, r):
 @njit
 def _krylov_finish(w, trans, qt, yt, r, zero_tol):
     """Rayleigh-Ritz on the Krylov basis: ``G = Q^T M M^T Q``, ``eigh``,
-    ``U = Q E``, ``C^T = U^T M`` (one pass of width ``r``), ``S_i = ||C_i||``."""
+    ``U = Q E``, ``C^T = U^T M`` (one pass of width ``r``), then an exact
+    float64 SVD of the small ``C^T`` (its ``r x r`` Gram) so the rows of
+    ``Vt`` are orthogonal to float32 round-off even when ``U`` is only a
+    float32-accurate Ritz basis."""
     # float32 product and float32 eigh: yt already carries float32 round-off
     # of M M^T Q, so float64 here would buy nothing but time (ssyevd is ~2x
     # faster than dsyevd); S and Vt are recomputed from U^T M below.
@@ -371,14 +375,18 @@ def _krylov_finish(w, trans, qt, yt, r, zero_tol):
     _, e = top_eigvecs(g, r)
     ut = np.dot(e.T.astype(np.float32), qt)        # (r, m') = (Q E)^T
     ct = _times_m(np.ascontiguousarray(ut), w, trans)   # (r, n') = U^T M
-    n = ct.shape[1]
+    cd = ct.astype(np.float64)
+    lam, rot = top_eigvecs(np.dot(cd, cd.T), r)    # C^T = R diag(s) V^T
+    ct2 = np.dot(rot.T, cd)                        # (r, n') = diag(s) V^T
+    ut2 = np.dot(rot.T.astype(np.float32), ut)     # (r, m') = (U R)^T
+    n = ct2.shape[1]
     s = np.empty(r, dtype=np.float64)
     for k in range(r):
         acc = 0.0
         for j in range(n):
-            acc += np.float64(ct[k, j]) * ct[k, j]
+            acc += ct2[k, j] * ct2[k, j]
         s[k] = np.sqrt(acc)
-    return _sort_normalise(np.ascontiguousarray(ut.T), ct, s, r, zero_tol)
+    return _sort_normalise(np.ascontiguousarray(ut2.T), ct2, s, r, zero_tol)
 
 
 @njit
