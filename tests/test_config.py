@@ -1,0 +1,84 @@
+"""The njit policy: one place owns the flags, and a second process does not recompile."""
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from opscope_nb import _config
+
+PKG = pathlib.Path(__file__).resolve().parents[1] / "opscope_nb"
+
+
+def test_fastmath_keeps_nan_and_inf_semantics():
+    assert "nnan" not in _config.FASTMATH and "ninf" not in _config.FASTMATH
+    assert {"reassoc", "contract"} <= _config.FASTMATH
+    assert _config.JIT["cache"] is True
+    assert _config.JIT_PARALLEL["parallel"] is True
+
+
+def test_no_literal_jit_flags_outside_config():
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        if path.name == "_config.py":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\b(fastmath|cache)\s*=", line) and "jit" in line:
+                offenders.append(f"{path.name}:{i}: {line.strip()}")
+    assert not offenders, "jit flags must come from opscope_nb._config:\n" + "\n".join(offenders)
+
+
+_WORKLOAD = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from opscope_nb.synth import Dist, sample
+    from opscope_nb import probe, svd, kernels
+    from opscope_nb.mining import profile_layer
+    from opscope_nb.allocate import greedy_allocate, dado_allocate
+
+    w = sample(Dist.LOWRANK, 64, 96, seed=1)
+    probe.per_channel_quant_error(w, 4); probe.nm_sparsity_error(w, 2, 4)
+    probe.ternary_error(w); probe.stable_rank(w)
+    svd.truncated_svd(w, 8)
+    layers = [profile_layer("a", w), profile_layer("b", sample(Dist.GAUSSIAN, 36, 36, seed=2))]
+    greedy_allocate(layers, 0.4); dado_allocate(layers, 0.4)
+    x = sample(Dist.GAUSSIAN, 4, 96, seed=3)
+    wt = kernels.transpose(np.ascontiguousarray(w.T))
+    wtq, sc = kernels.quantize_cols_t(np.ascontiguousarray(w.T))
+    xq, sx = kernels.quantize_rows_i8(x)
+    kernels.matmul_f32(x, wt); kernels.matmul_w8a16(x, wtq, sc); kernels.matmul_w8a8(xq, sx, wtq, sc)
+
+    hits = misses = 0
+    compiled, recompiled = [], []
+    for name in dir(kernels):
+        obj = getattr(kernels, name)
+        st = getattr(obj, "stats", None)
+        if st is None or not getattr(obj, "signatures", None):
+            continue
+        h, m = sum(st.cache_hits.values()), sum(st.cache_misses.values())
+        hits += h; misses += m
+        compiled.append(name)
+        if m:
+            recompiled.append(name)
+    json.dump({"hits": hits, "misses": misses, "compiled": compiled,
+               "recompiled": recompiled}, sys.stdout)
+""")
+
+
+@pytest.mark.slow
+def test_second_process_loads_from_cache(tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _WORKLOAD], env=env, check=True,
+                             capture_output=True, text=True, timeout=900)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["misses"] > 0, "the first process should have compiled (empty cache)"
+    assert second["compiled"], "the workload touched no kernel"
+    assert second["misses"] == 0, f"second process recompiled: {second['recompiled']}"
+    assert second["hits"] >= len(second["compiled"])
