@@ -47,7 +47,7 @@ def tt_svd(x, dims, max_rank):
     """
     nd = dims.shape[0]
     cores = List.empty_list(_CORE)
-    c = x.copy()
+    c = x                       # never written: each step makes a new remainder
     r_prev = 1
     for k in range(nd - 1):
         rows = r_prev * dims[k]
