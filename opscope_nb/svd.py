@@ -7,7 +7,6 @@ Krylov with an exact Gram-eigh path for short sides; see
 """
 from __future__ import annotations
 
-
 from ._validation import as_matrix, check_int
 from .kernels import _svd
 
