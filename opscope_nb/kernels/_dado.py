@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._config import njit
+from ._probe import div_f32
 
 __all__ = [
     "xorshift64_step",
@@ -316,27 +317,6 @@ def mckp_lp_bound(cost, nbytes, nopt, budget):
 # ───────────────────────────── packing cores ─────────────────────────────
 
 @njit
-def _div_f32(a, b):
-    """Correctly rounded float32 ``a / b`` whatever LLVM does with ``arcp``.
-
-    The package's fastmath set allows ``x / y -> x * (1/y)``, and LLVM may
-    narrow a float64 quotient of two widened float32 back to a float32 one,
-    so a plain division can land one ulp off the IEEE quotient (and move a
-    round-half-away decision).  We take that fast quotient ``q`` and correct
-    it with its residual ``a - q b``, which is exact in float64 (``q b`` of
-    two float32 fits in 53 bits): ``q + (a - q b) / b`` is the true quotient
-    to ~2^-52 relative, and a float32 quotient of float32 numbers is never
-    that close to a rounding midpoint unless it is exact, so the final
-    float32 rounding is the IEEE one.
-    """
-    a64 = np.float64(a)
-    b64 = np.float64(b)
-    q = np.float64(np.float32(a64 / b64))
-    r = a64 - q * b64
-    return np.float32(q + r / b64)
-
-
-@njit
 def quantize_groups_sym(x, bits, group):
     """Symmetric quantisation with one scale per ``group`` values of a row.
 
@@ -373,10 +353,10 @@ def quantize_groups_sym(x, bits, group):
                 a = abs(x[i, j])
                 if a > amax:
                     amax = a
-            sc = _div_f32(amax, flev) if amax >= np.float32(1e-20) else np.float32(1.0)
+            sc = div_f32(amax, flev) if amax >= np.float32(1e-20) else np.float32(1.0)
             scales[i, g] = sc
             for j in range(lo, hi):
-                v = _div_f32(x[i, j], sc)
+                v = div_f32(x[i, j], sc)
                 r = np.floor(abs(v) + np.float32(0.5))
                 if v < 0:
                     r = -r

@@ -11,8 +11,8 @@ Layouts (every array C-contiguous):
 Quantisation (weights per output column, activations per row or per tensor)
 is symmetric: ``scale = amax / 127``, ``code = clamp(round_half_away(v /
 scale), -127, 127)``, and ``scale = 1`` when ``amax < 1e-20``.  The division
-is a real IEEE division (:func:`~opscope_nb.kernels.fdiv_strict`), never a
-multiplication by a reciprocal, so codes match NumPy's ``x / scale``.
+is a correctly rounded float32 division (the package compiles without
+``arcp``), so codes match NumPy's ``x / scale`` bit for bit.
 
 Numerics of the weight-stationary kernels:
 
@@ -43,8 +43,9 @@ import numpy as np
 from numba import prange
 
 from .._config import njit, njit_parallel
+from ._probe import div_f32, round_half_away
 from ._simd import (F32_CHUNK, I8_CHUNK, f32dot_tile_1x1, f32dot_tile_1x4,
-                    f32dot_tile_2x4, fdiv_strict, i8dot_tile_1x1, i8dot_tile_1x4,
+                    f32dot_tile_2x4, i8dot_tile_1x1, i8dot_tile_1x4,
                     i8dot_tile_2x1, i8dot_tile_2x4, W16_CHUNK,
                     w16dot_tile_1x1, w16dot_tile_1x4, w16dot_tile_2x1,
                     w16dot_tile_2x4)
@@ -257,16 +258,9 @@ def factored_matmul(x, u, v):
 # quantisers
 # --------------------------------------------------------------------------
 @njit
-def _round_half_away(t):
-    """``sign(t) * floor(|t| + 0.5)`` in the dtype of ``t``."""
-    r = np.floor(np.abs(t) + np.float32(0.5))
-    return -r if t < 0 else r
-
-
-@njit
 def _code(v, scale):
     """int8 code of ``v``: ``clamp(round_half_away(v / scale), -127, 127)``."""
-    r = _round_half_away(fdiv_strict(v, scale))
+    r = round_half_away(div_f32(v, scale))
     if r > 127.0:
         r = np.float32(127.0)
     elif r < -127.0:
@@ -279,7 +273,7 @@ def _scale_of(amax):
     """``amax / 127`` (exact IEEE division), or 1 for an all-zero block."""
     if amax < 1e-20:
         return np.float32(1.0)
-    return np.float32(fdiv_strict(np.float32(amax), np.float32(127.0)))
+    return np.float32(div_f32(np.float32(amax), np.float32(127.0)))
 
 
 @njit_parallel
@@ -552,10 +546,10 @@ def _q16_rows(x, lv, xq, sx, i0, i1):
                 amax = a
         s = np.float32(1.0)
         if amax >= 1e-20:
-            s = np.float32(fdiv_strict(amax, lv))
+            s = np.float32(div_f32(amax, lv))
         sx[i] = s
         for p in range(k):
-            r = _round_half_away(fdiv_strict(x[i, p], s))
+            r = round_half_away(div_f32(x[i, p], s))
             if r > lv:
                 r = lv
             elif r < -lv:

@@ -25,16 +25,11 @@ Numerics
   which drifts: on a 1024x3072 Gaussian its sum of squares is 0.3 % low, so
   the Rust tool's errors differ from these (accurate) ones at the 1e-3 level
   on big matrices.
-* The package's fastmath set includes ``arcp``, which lets LLVM turn ``a / b``
-  into ``a * (1/b)`` and hoist ``1/b`` out of loops (not correctly rounded:
-  1 ulp off for ~30 % of quotients).  Where a float32 quotient feeds a
-  rounding decision (``x / scale`` before round-half-away, ``amax / levels``)
-  :func:`div_f32` emits a plain IEEE ``fdiv`` through a numba intrinsic that
-  carries only the harmless ``nsz`` flag (numba's fastmath pass only flags
-  instructions that have none), so codes and scales equal Rust's / NumPy's
-  float32 division bit for bit.  Float64 detours do not help: LLVM narrows
-  ``fptrunc(fpext a / fpext b)`` back to a float32 ``fdiv`` and then applies
-  ``arcp`` to it.
+* Quotients that feed a rounding decision (``x / scale`` before
+  round-half-away, ``amax / levels``) are float32 IEEE divisions
+  (:func:`div_f32`), so codes and scales equal Rust's / NumPy's float32
+  division bit for bit.  This holds because the package's fastmath set has no
+  ``arcp`` (see :mod:`opscope_nb._config`).
 * Rounding is half away from zero (Rust ``f32::round``), never NumPy's
   half-to-even: :func:`round_half_away`.
 """
@@ -42,8 +37,6 @@ from __future__ import annotations
 
 import numpy as np
 from numba import prange
-from numba.core import types as _nbtypes
-from numba.extending import intrinsic
 
 from .._config import njit, njit_parallel
 
@@ -126,21 +119,9 @@ def quant_levels(bits):
     return lv if lv > 1 else 1
 
 
-@intrinsic
-def _ieee_div(typingctx, a, b):
-    """``a / b`` as an IEEE ``fdiv`` without ``arcp`` (see module notes)."""
-    if isinstance(a, _nbtypes.Float) and a == b:
-        def codegen(context, builder, signature, args):
-            # A non-empty flag list stops numba's fastmath pass from adding
-            # arcp/reassoc; nsz cannot change a quotient's magnitude.
-            return builder.fdiv(args[0], args[1], flags=("nsz",))
-        return a(a, b), codegen
-    return None
-
-
 @njit
 def div_f32(a, b):
-    """Correctly rounded float32 quotient ``a / b`` even under ``arcp``.
+    """Correctly rounded float32 quotient ``a / b``.
 
     Parameters
     ----------
@@ -150,9 +131,9 @@ def div_f32(a, b):
     -------
     float32
         Identical to IEEE float32 division (Rust ``a / b``, NumPy float32
-        ``a / b``); see the module notes.
+        ``a / b``): the package compiles without ``arcp``.
     """
-    return _ieee_div(np.float32(a), np.float32(b))
+    return np.float32(a) / np.float32(b)
 
 
 @njit

@@ -29,10 +29,6 @@ A tile ``R x C`` computes ``R`` activation rows against ``C`` weight rows
 (output-major ``wt[n, k]`` layout) in one pass over ``k``, so each loaded
 vector is reused ``C`` (resp. ``R``) times from registers -- the register
 blocking that turns the kernel from load-bound into multiply-bound.
-
-Also here: :func:`fdiv_strict`, a float division that is never rewritten into
-a multiplication by the reciprocal (the package's fast-math flags include
-``arcp``), so quantisers reproduce ``x / scale`` exactly.
 """
 from __future__ import annotations
 
@@ -46,7 +42,6 @@ from numba.extending import intrinsic
 
 __all__ = [
     "I8_CHUNK",
-    "fdiv_strict",
     "i8dot_tile_1x1",
     "i8dot_tile_1x4",
     "i8dot_tile_2x1",
@@ -358,27 +353,3 @@ w16dot_tile_1x1 = _make_tile(1, 1, "w16")
 w16dot_tile_1x4 = _make_tile(1, 4, "w16")
 w16dot_tile_2x1 = _make_tile(2, 1, "w16")
 w16dot_tile_2x4 = _make_tile(2, 4, "w16")
-
-
-@intrinsic
-def fdiv_strict(typingctx, a, b):
-    """``a / b`` as one IEEE division, never turned into ``a * (1/b)``.
-
-    The package compiles with fast-math ``arcp``; quantisers must reproduce
-    ``x / scale`` bit for bit, so this emits an ``fdiv`` whose only flag is
-    ``nsz`` (numba then leaves its flags alone). Both operands are cast to the wider float type.
-    """
-    if not (isinstance(a, types.Float) and isinstance(b, types.Float)):
-        return None
-    rty = a if a.bitwidth >= b.bitwidth else b
-    sig = rty(a, b)
-
-    def codegen(context, builder, sig, args):
-        x = context.cast(builder, args[0], sig.args[0], sig.return_type)
-        y = context.cast(builder, args[1], sig.args[1], sig.return_type)
-        # numba's fast-math pass only flags float ops that carry no flags;
-        # "nsz" (sign of zero) cannot change a quotient's rounding, and its
-        # presence keeps "arcp"/"afn" off this division.
-        return builder.fdiv(x, y, flags=("nsz",))
-
-    return sig, codegen
