@@ -265,6 +265,18 @@ def _ratio(num, den):
     return np.sqrt(num / den)
 
 
+@njit
+def _partials_ratio(pn, pd):
+    """:func:`_ratio` of per-row partial sums, added serially in row order so
+    the result does not depend on the thread count."""
+    num = 0.0
+    den = 0.0
+    for i in range(pn.shape[0]):
+        num += pn[i]
+        den += pd[i]
+    return _ratio(num, den)
+
+
 # --------------------------------------------------------------------------
 # norms and spectra
 # --------------------------------------------------------------------------
@@ -324,12 +336,7 @@ def rel_err(ref, approx):
             d += a * a
         pn[i] = n
         pd[i] = d
-    num = 0.0
-    den = 0.0
-    for i in range(rows):
-        num += pn[i]
-        den += pd[i]
-    return _ratio(num, den)
+    return _partials_ratio(pn, pd)
 
 
 @njit
@@ -740,12 +747,7 @@ def nm_sparsity_error(x, n, m):
         d2, t2 = _nm_groups_generic(x, i, start, n, m)
         pn[i] = dropped + d2
         pd[i] = tot + t2
-    num = 0.0
-    den = 0.0
-    for i in range(rows):
-        num += pn[i]
-        den += pd[i]
-    return _ratio(num, den)
+    return _partials_ratio(pn, pd)
 
 
 @njit_parallel
@@ -808,12 +810,7 @@ def ternary_error(x):
             d += v * v
         pn[i] = n
         pd[i] = d
-    num = 0.0
-    den = 0.0
-    for i in range(rows):
-        num += pn[i]
-        den += pd[i]
-    return _ratio(num, den)
+    return _partials_ratio(pn, pd)
 
 
 # --------------------------------------------------------------------------
