@@ -14,6 +14,7 @@ Example
 ...     u, v = factorize(w, 4, 0)
 ...     return quant_error(w, 8), u.shape[1]
 """
+from ._coerce import *     # noqa: F401,F403
 from ._probe import *      # noqa: F401,F403
 from ._svd import *        # noqa: F401,F403
 from ._lowrank import *    # noqa: F401,F403
@@ -24,7 +25,7 @@ from ._matmul import *     # noqa: F401,F403
 from ._simd import *       # noqa: F401,F403
 from ._dado import *       # noqa: F401,F403
 
-from . import _probe, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd, _dado
+from . import _coerce, _probe, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd, _dado
 
 __all__ = sorted(set().union(*(m.__all__ for m in (
-    _probe, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd, _dado))))
+    _coerce, _probe, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd, _dado))))

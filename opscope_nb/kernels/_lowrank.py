@@ -8,13 +8,14 @@ from __future__ import annotations
 import numpy as np
 
 from .._config import njit
+from ._coerce import as_f32c
 from ._svd import _append_block, _complete_rows, uniform_sketch
 
 __all__ = ["factorize"]
 
 
 @njit
-def factorize(w, r, seed):
+def factorize(w, r, seed=0):
     """Randomized range finder ``w ~= u @ v`` in matmul layout ``w[k, n]``.
 
     ``Omega [n, r]`` comes from a seeded splitmix64 stream (uniform in
@@ -29,17 +30,24 @@ def factorize(w, r, seed):
 
     Parameters
     ----------
-    w : ndarray of shape (k, n), float32, C-contiguous, finite
+    w : ndarray of shape (k, n), finite; float32 C-contiguous is used as is,
+        any other real dtype / layout is converted to it first
     r : int
         Rank, clamped to ``[1, min(k, n)]``.
-    seed : int
-        Non-negative sketch seed.
+    seed : int, optional
+        Non-negative sketch seed (default 0).
 
     Returns
     -------
     u : ndarray of shape (k, r), float32, orthonormal columns
     v : ndarray of shape (r, n), float32
     """
+    return _factorize(as_f32c(w), r, seed)
+
+
+@njit
+def _factorize(w, r, seed):
+    """:func:`factorize` on a float32 C-contiguous ``w``."""
     k, n = w.shape
     r = max(1, min(r, min(k, n)))
     basis = np.zeros((r, k), dtype=np.float32)

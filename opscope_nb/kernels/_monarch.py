@@ -23,6 +23,7 @@ import numpy as np
 from numba import prange
 
 from .._config import njit, njit_parallel
+from ._coerce import as_f32c
 
 __all__ = ["monarch_blocks", "monarch_params", "monarch_project",
            "monarch_reconstruct", "monarch_matmul"]
@@ -60,7 +61,7 @@ def monarch_params(m):
 
 
 @njit_parallel
-def monarch_project(w):
+def _monarch_project(w):
     """Best Monarch approximation of a square ``w [n, n]``, ``n = m**2``.
 
     Each of the ``m**2`` blocks gets its exact best rank-1 approximation: the
@@ -109,7 +110,7 @@ def monarch_project(w):
 
 
 @njit_parallel
-def monarch_reconstruct(w1, w2):
+def _monarch_reconstruct(w1, w2):
     """Dense ``W[ri*m + j, l*m + s] = w1[ri, j, l] * w2[l, s, ri]``.
 
     Parameters
@@ -134,7 +135,7 @@ def monarch_reconstruct(w1, w2):
 
 
 @njit_parallel
-def monarch_matmul(x, w1, w2):
+def _monarch_matmul(x, w1, w2):
     """``y = x @ M`` for the Monarch matrix ``M`` of ``(w1, w2)``.
 
     ``t[ri, l] = sum_j x[ri*m + j] w1[ri, j, l]``, then
@@ -168,3 +169,58 @@ def monarch_matmul(x, w1, w2):
                     acc += t[ri, l] * w2[l, s, ri]
                 y[b, l * m + s] = acc
     return y
+
+
+# Public entry points: any real dtype / layout in, float32 C-contiguous inside
+# (a no-op for input that already is), so Python callers and numba callers
+# alike can pass what they have.
+
+@njit
+def monarch_project(w):
+    """Best Monarch approximation ``(w1, w2)`` of a square ``w [n, n]``, ``n = m**2``.
+
+    Parameters
+    ----------
+    w : ndarray of shape (n, n), real dtype (computed in float32), finite;
+        ``n`` a perfect square (matmul layout: the implied operator is ``x @ W``)
+
+    Returns
+    -------
+    w1 : ndarray of shape (m, m, m), float32, ``w1[ri, j, l]``
+    w2 : ndarray of shape (m, m, m), float32, ``w2[l, s, ri]``
+
+    See ``_monarch_project`` for the block convention and the method.
+    """
+    return _monarch_project(as_f32c(w))
+
+
+@njit
+def monarch_reconstruct(w1, w2):
+    """Dense ``W[ri*m + j, l*m + s] = w1[ri, j, l] * w2[l, s, ri]``.
+
+    Parameters
+    ----------
+    w1, w2 : ndarray of shape (m, m, m), real dtype (computed in float32)
+
+    Returns
+    -------
+    ndarray of shape (m*m, m*m), float32
+    """
+    return _monarch_reconstruct(as_f32c(w1), as_f32c(w2))
+
+
+@njit
+def monarch_matmul(x, w1, w2):
+    """``y[batch, n] = x[batch, n] @ monarch_reconstruct(w1, w2)`` in ``2 * batch * m**3``
+    multiply-adds.
+
+    Parameters
+    ----------
+    x : ndarray of shape (batch, m*m), real dtype (computed in float32)
+    w1, w2 : ndarray of shape (m, m, m), real dtype
+
+    Returns
+    -------
+    ndarray of shape (batch, m*m), float32
+    """
+    return _monarch_matmul(as_f32c(x), as_f32c(w1), as_f32c(w2))

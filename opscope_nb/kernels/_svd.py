@@ -41,6 +41,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._config import njit
+from ._coerce import as_f32c
 
 __all__ = ["truncated_svd", "truncated_svd_opts", "uniform_sketch",
            "top_eigvecs", "svd_flip"]
@@ -438,7 +439,7 @@ def truncated_svd_opts(w, r, seed, oversample, depth, exact_side, zero_tol):
 
 
 @njit
-def truncated_svd(w, r, seed):
+def truncated_svd(w, r, seed=0):
     """Rank-``r`` SVD ``w ~= u @ diag(s) @ vt`` (no input validation).
 
     Randomized block Krylov (block ``max(r + max(16, r // 3), 64)``, depth 6)
@@ -447,11 +448,12 @@ def truncated_svd(w, r, seed):
 
     Parameters
     ----------
-    w : ndarray of shape (rows, cols), float32, C-contiguous, finite
+    w : ndarray of shape (rows, cols), finite; float32 C-contiguous is used
+        as is, any other real dtype / layout is converted to it first
     r : int
         ``1 <= r <= min(rows, cols)`` (clamped into that range).
-    seed : int
-        Non-negative sketch seed; same seed -> same result.
+    seed : int, optional
+        Non-negative sketch seed (default 0); same seed -> same result.
 
     Returns
     -------
@@ -462,4 +464,4 @@ def truncated_svd(w, r, seed):
     # Block >= 64 even for small r: sigma_1's accuracy depends on the gap
     # sigma_1 / sigma_{b+1}, which a tiny block leaves small on flat spectra.
     b = max(r + max(16, r // 3), 64)
-    return truncated_svd_opts(w, r, seed, b - r, 6, 64, 1e-6)
+    return truncated_svd_opts(as_f32c(w), r, seed, b - r, 6, 64, 1e-6)

@@ -22,6 +22,7 @@ from numba import types
 from numba.typed import List
 
 from .._config import njit
+from ._coerce import as_f32c, as_i64_vector
 from ._svd import truncated_svd_opts
 
 __all__ = ["tt_svd", "tt_reconstruct", "tt_params"]
@@ -30,7 +31,7 @@ _CORE = types.Array(types.float32, 3, "C")
 
 
 @njit
-def tt_svd(x, dims, max_rank):
+def _tt_svd(x, dims, max_rank):
     """TT-SVD of a row-major tensor.
 
     Parameters
@@ -98,3 +99,23 @@ def tt_params(cores):
         g = cores[k]
         total += g.shape[0] * g.shape[1] * g.shape[2]
     return total
+
+
+@njit
+def tt_svd(x, dims, max_rank):
+    """TT-SVD (Oseledets 2011) of a row-major tensor into cores ``(r_prev, d_k, r_next)``.
+
+    Parameters
+    ----------
+    x : ndarray of any shape with ``x.size == prod(dims)``, real dtype
+        (computed in float32), read in row-major order
+    dims : tuple, list or 1-D int array, every entry >= 1
+    max_rank : int
+        Bond-rank cap, >= 1.
+
+    Returns
+    -------
+    numba.typed.List of ndarray, each (r_prev, d_k, r_next) float32
+        ``r_0 = r_ndim = 1``.
+    """
+    return _tt_svd(as_f32c(x).ravel(), as_i64_vector(dims), max_rank)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._config import njit
+from ._coerce import as_f32c
 from ._svd import top_eigvecs, truncated_svd_opts
 
 __all__ = ["tucker_hosvd", "tucker_reconstruct", "tucker_params"]
@@ -48,7 +49,7 @@ def _factor_from_gram(g, r):
 
 
 @njit
-def tucker_hosvd(x3, ranks):
+def _tucker_hosvd(x3, ranks):
     """Truncated HOSVD of a 3-way tensor.
 
     Parameters
@@ -94,7 +95,7 @@ def tucker_hosvd(x3, ranks):
 
 
 @njit
-def tucker_reconstruct(core, factors):
+def _tucker_reconstruct(core, factors):
     """``G x0 U0 x1 U1 x2 U2``: the dense ``[d0, d1, d2]`` tensor.
 
     Parameters
@@ -127,3 +128,41 @@ def tucker_params(dims, ranks):
     not clamped, as in the upstream)."""
     return (ranks[0] * ranks[1] * ranks[2] + dims[0] * ranks[0]
             + dims[1] * ranks[1] + dims[2] * ranks[2])
+
+
+# Public entry points: any real dtype / layout in, float32 C-contiguous inside.
+
+@njit
+def tucker_hosvd(x3, ranks):
+    """Truncated HOSVD ``x3 ~= core x0 U0 x1 U1 x2 U2`` of a 3-way tensor.
+
+    Parameters
+    ----------
+    x3 : ndarray of shape (d0, d1, d2), real dtype (computed in float32), finite
+    ranks : tuple, list or ndarray of 3 ints
+        Multilinear ranks; each is clamped to ``[1, d_i]``.
+
+    Returns
+    -------
+    core : ndarray of shape (r0, r1, r2), float32
+    factors : tuple (U0 [d0, r0], U1 [d1, r1], U2 [d2, r2]), float32,
+        orthonormal columns
+    """
+    return _tucker_hosvd(as_f32c(x3), ranks)
+
+
+@njit
+def tucker_reconstruct(core, factors):
+    """``core x0 U0 x1 U1 x2 U2``: the dense ``[d0, d1, d2]`` tensor.
+
+    Parameters
+    ----------
+    core : ndarray of shape (r0, r1, r2), real dtype (computed in float32)
+    factors : tuple or list of 3 ndarrays (U0 [d0, r0], U1 [d1, r1], U2 [d2, r2])
+
+    Returns
+    -------
+    ndarray of shape (d0, d1, d2), float32
+    """
+    return _tucker_reconstruct(as_f32c(core), (as_f32c(factors[0]), as_f32c(factors[1]),
+                                               as_f32c(factors[2])))
