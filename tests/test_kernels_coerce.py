@@ -83,3 +83,22 @@ def test_tt_svd_any_shape_any_dims(dims):
     assert [c.shape[1] for c in cores] == [4, 5, 3, 4]
     rec = K.tt_reconstruct(cores).reshape(x.shape)
     assert np.linalg.norm(rec - x) / np.linalg.norm(x) < 1e-3
+
+
+def test_entries_from_user_njit_with_float64_and_tuples():
+    @numba.njit
+    def user(w, x4):
+        u, v = K.factorize(w, 2)                    # default seed inside numba too
+        uu, s, vt = K.truncated_svd(w, 2, 0)
+        cores = K.tt_svd(x4, (4, 5, 3, 4), 3)
+        g, facs = K.tucker_hosvd(x4[0], (2, 2, 2))
+        return u @ v, (uu * s) @ vt, len(cores), K.as_i64_vector((3, 4)), g.shape
+
+    w64 = _rank2(20, 16, seed=4)
+    x4 = np.random.default_rng(5).standard_normal((4, 5, 3, 4))
+    uv, usv, ncores, vec, gshape = user(w64, x4)
+    for rec in (uv, usv):
+        assert rec.dtype == np.float32
+        assert np.linalg.norm(w64 - rec) / np.linalg.norm(w64) < 1e-3
+    assert ncores == 4 and gshape == (2, 2, 2)
+    np.testing.assert_array_equal(vec, [3, 4])

@@ -8,13 +8,32 @@ that already is one they compile to nothing (no copy).
 """
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 from numba import types
 from numba.extending import overload
 
-from .._config import njit
+from .._config import JIT
 
 __all__ = ["as_f32c", "as_i64_vector"]
+
+
+def njit_entry(impl):
+    """Make the Python function ``impl`` also callable from ``@njit`` code.
+
+    ``impl`` coerces its inputs with :func:`as_f32c` and calls a jitted core.
+    From Python it runs as plain Python (the coercion is NumPy's, nothing extra
+    to compile); inside numba code the same body is compiled through
+    ``numba.extending.overload``, where :func:`as_f32c` costs nothing for
+    float32 C-contiguous input.  An njit wrapper would instead re-optimise the
+    core's whole call graph once more on every first call.
+    """
+    def typer(*args, **kwargs):
+        return impl
+    typer.__signature__ = inspect.signature(impl)
+    overload(impl, jit_options=dict(JIT))(typer)
+    return impl
 
 
 def as_f32c(a):
@@ -42,7 +61,6 @@ def _as_f32c_overload(a):
     return lambda a: np.ascontiguousarray(a.astype(np.float32))
 
 
-@njit
 def as_i64_vector(seq):
     """A tuple, list or 1-D integer array as a new int64 vector.
 
@@ -54,7 +72,14 @@ def as_i64_vector(seq):
     -------
     ndarray of shape (len(seq),), int64
     """
-    out = np.empty(len(seq), dtype=np.int64)
-    for i in range(len(seq)):
-        out[i] = seq[i]
-    return out
+    return np.array(seq, dtype=np.int64).reshape(-1)
+
+
+@overload(as_i64_vector)
+def _as_i64_vector_overload(seq):
+    def impl(seq):
+        out = np.empty(len(seq), dtype=np.int64)
+        for i in range(len(seq)):
+            out[i] = seq[i]
+        return out
+    return impl

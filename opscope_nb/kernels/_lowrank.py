@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 
 from .._config import njit
-from ._coerce import as_f32c
+from ._coerce import as_f32c, njit_entry
 from ._svd import _append_block, _complete_rows, uniform_sketch
 
 __all__ = ["factorize"]
 
 
-@njit
+@njit_entry
 def factorize(w, r, seed=0):
     """Randomized range finder ``w ~= u @ v`` in matmul layout ``w[k, n]``.
 

@@ -23,7 +23,7 @@ import numpy as np
 from numba import prange
 
 from .._config import njit, njit_parallel
-from ._coerce import as_f32c
+from ._coerce import as_f32c, njit_entry
 
 __all__ = ["monarch_blocks", "monarch_params", "monarch_project",
            "monarch_reconstruct", "monarch_matmul"]
@@ -175,7 +175,7 @@ def _monarch_matmul(x, w1, w2):
 # (a no-op for input that already is), so Python callers and numba callers
 # alike can pass what they have.
 
-@njit
+@njit_entry
 def monarch_project(w):
     """Best Monarch approximation ``(w1, w2)`` of a square ``w [n, n]``, ``n = m**2``.
 
@@ -194,7 +194,7 @@ def monarch_project(w):
     return _monarch_project(as_f32c(w))
 
 
-@njit
+@njit_entry
 def monarch_reconstruct(w1, w2):
     """Dense ``W[ri*m + j, l*m + s] = w1[ri, j, l] * w2[l, s, ri]``.
 
@@ -209,7 +209,7 @@ def monarch_reconstruct(w1, w2):
     return _monarch_reconstruct(as_f32c(w1), as_f32c(w2))
 
 
-@njit
+@njit_entry
 def monarch_matmul(x, w1, w2):
     """``y[batch, n] = x[batch, n] @ monarch_reconstruct(w1, w2)`` in ``2 * batch * m**3``
     multiply-adds.

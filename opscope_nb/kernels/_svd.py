@@ -41,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._config import njit
-from ._coerce import as_f32c
+from ._coerce import as_f32c, njit_entry
 
 __all__ = ["truncated_svd", "truncated_svd_opts", "uniform_sketch",
            "top_eigvecs", "svd_flip"]
@@ -438,7 +438,7 @@ def truncated_svd_opts(w, r, seed, oversample, depth, exact_side, zero_tol):
     return u, s, vt
 
 
-@njit
+@njit_entry
 def truncated_svd(w, r, seed=0):
     """Rank-``r`` SVD ``w ~= u @ diag(s) @ vt`` (no input validation).
 

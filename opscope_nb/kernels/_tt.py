@@ -22,7 +22,7 @@ from numba import types
 from numba.typed import List
 
 from .._config import njit
-from ._coerce import as_f32c, as_i64_vector
+from ._coerce import as_f32c, as_i64_vector, njit_entry
 from ._svd import truncated_svd_opts
 
 __all__ = ["tt_svd", "tt_reconstruct", "tt_params"]
@@ -101,7 +101,7 @@ def tt_params(cores):
     return total
 
 
-@njit
+@njit_entry
 def tt_svd(x, dims, max_rank):
     """TT-SVD (Oseledets 2011) of a row-major tensor into cores ``(r_prev, d_k, r_next)``.
 

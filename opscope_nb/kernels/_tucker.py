@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._config import njit
-from ._coerce import as_f32c
+from ._coerce import as_f32c, as_i64_vector, njit_entry
 from ._svd import top_eigvecs, truncated_svd_opts
 
 __all__ = ["tucker_hosvd", "tucker_reconstruct", "tucker_params"]
@@ -132,7 +132,7 @@ def tucker_params(dims, ranks):
 
 # Public entry points: any real dtype / layout in, float32 C-contiguous inside.
 
-@njit
+@njit_entry
 def tucker_hosvd(x3, ranks):
     """Truncated HOSVD ``x3 ~= core x0 U0 x1 U1 x2 U2`` of a 3-way tensor.
 
@@ -148,10 +148,10 @@ def tucker_hosvd(x3, ranks):
     factors : tuple (U0 [d0, r0], U1 [d1, r1], U2 [d2, r2]), float32,
         orthonormal columns
     """
-    return _tucker_hosvd(as_f32c(x3), ranks)
+    return _tucker_hosvd(as_f32c(x3), as_i64_vector(ranks))
 
 
-@njit
+@njit_entry
 def tucker_reconstruct(core, factors):
     """``core x0 U0 x1 U1 x2 U2``: the dense ``[d0, d1, d2]`` tensor.
 
