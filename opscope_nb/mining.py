@@ -51,7 +51,7 @@ import numpy as np
 
 from ._validation import as_matrix, check_int
 from .kernels._probe import rel_err as _rel_err
-from .kernels._dado import (
+from .kernels._pack import (
     dequantize_groups,
     dequantize_nibbles,
     nm_prune,

@@ -29,7 +29,7 @@ import enum
 import numpy as np
 
 from ._validation import check_int
-from .kernels._probe import box_muller, philox_words
+from .kernels._rng import box_muller, philox_words
 
 __all__ = ["Dist", "sample"]
 

@@ -16,6 +16,8 @@ Example
 """
 from ._coerce import *     # noqa: F401,F403
 from ._probe import *      # noqa: F401,F403
+from ._rng import *        # noqa: F401,F403
+from ._pack import *       # noqa: F401,F403
 from ._svd import *        # noqa: F401,F403
 from ._lowrank import *    # noqa: F401,F403
 from ._monarch import *    # noqa: F401,F403
@@ -25,7 +27,7 @@ from ._matmul import *     # noqa: F401,F403
 from ._simd import *       # noqa: F401,F403
 from ._dado import *       # noqa: F401,F403
 
-from . import _coerce, _probe, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd, _dado
+from . import _coerce, _probe, _rng, _pack, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd, _dado
 
 __all__ = sorted(set().union(*(m.__all__ for m in (
-    _coerce, _probe, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd, _dado))))
+    _coerce, _probe, _rng, _pack, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd, _dado))))

@@ -1,0 +1,378 @@
+"""``@njit`` packing and quantisation cores of the menu options (no input validation).
+
+Symmetric group-wise quantisation along a row (one rounding core:
+:func:`opscope_nb.kernels.round_half_away` on the correctly rounded float32
+quotient :func:`opscope_nb.kernels.div_f32`), nibble (int4) and 2-bit (crumb)
+packing, N:M pruning and ternary (TWN) codes.
+
+Layout: matrices are ``[rows, cols]`` row-major, a row is an output channel of
+a PyTorch ``nn.Linear`` weight ``[out_features, in_features]``; packing runs
+along a row, and each row starts at a byte boundary.
+
+Every function assumes valid, C-contiguous input of the documented dtype; the
+validating wrapper is :mod:`opscope_nb.mining`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._config import njit
+from ._probe import div_f32
+
+__all__ = [
+    "quantize_groups_sym",
+    "dequantize_groups",
+    "dequantize_nibbles",
+    "ternary_decode",
+    "pack_nibbles",
+    "unpack_nibbles",
+    "pack_crumbs",
+    "unpack_crumbs",
+    "nm_prune",
+    "nm_unprune",
+    "ternary_twn",
+]
+
+
+@njit
+def quantize_groups_sym(x, bits, group):
+    """Symmetric quantisation with one scale per ``group`` values of a row.
+
+    Row ``i`` is cut into ``ceil(cols / group)`` consecutive groups (the last
+    may be short).  ``levels = max(2**(bits-1) - 1, 1)``, ``scale = amax /
+    levels`` (1.0 when ``amax < 1e-20``), ``code = clamp(round_half_away(x /
+    scale), -levels, levels)``.  ``group = cols`` is per-channel (per-row).
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32, C-contiguous
+    bits : int
+        2..8.
+    group : int
+        Group length along a row (``>= 1``).
+
+    Returns
+    -------
+    codes : ndarray of shape (rows, cols), int8
+    scales : ndarray of shape (rows, ceil(cols / group)), float32
+    """
+    rows, cols = x.shape
+    ng = (cols + group - 1) // group
+    levels = max((1 << (bits - 1)) - 1, 1)
+    flev = np.float32(levels)
+    codes = np.empty((rows, cols), dtype=np.int8)
+    scales = np.empty((rows, ng), dtype=np.float32)
+    for i in range(rows):
+        for g in range(ng):
+            lo = g * group
+            hi = min(lo + group, cols)
+            amax = np.float32(0.0)
+            for j in range(lo, hi):
+                a = abs(x[i, j])
+                if a > amax:
+                    amax = a
+            sc = div_f32(amax, flev) if amax >= np.float32(1e-20) else np.float32(1.0)
+            scales[i, g] = sc
+            for j in range(lo, hi):
+                v = div_f32(x[i, j], sc)
+                r = np.floor(abs(v) + np.float32(0.5))
+                if v < 0:
+                    r = -r
+                if r > flev:
+                    r = flev
+                elif r < -flev:
+                    r = -flev
+                codes[i, j] = np.int8(r)
+    return codes, scales
+
+
+@njit
+def dequantize_groups(codes, scales, group):
+    """Inverse of :func:`quantize_groups_sym`: ``codes * scale`` in float32.
+
+    Parameters
+    ----------
+    codes : ndarray of shape (rows, cols), int8
+    scales : ndarray of shape (rows, ceil(cols / group)), float32
+    group : int
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), float32
+    """
+    rows, cols = codes.shape
+    out = np.empty((rows, cols), dtype=np.float32)
+    ng = (cols + group - 1) // group
+    for i in range(rows):
+        for g in range(ng):
+            sc = scales[i, g]
+            for j in range(g * group, min(g * group + group, cols)):
+                out[i, j] = np.float32(codes[i, j]) * sc
+    return out
+
+
+@njit
+def dequantize_nibbles(packed, scales, group, cols):
+    """Fused :func:`unpack_nibbles` + :func:`dequantize_groups` for int4.
+
+    Parameters
+    ----------
+    packed : ndarray of shape (rows, ceil(cols / 2)), uint8
+    scales : ndarray of shape (rows, ceil(cols / group)), float32
+    group, cols : int
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), float32
+    """
+    rows = packed.shape[0]
+    out = np.empty((rows, cols), dtype=np.float32)
+    ng = (cols + group - 1) // group
+    for i in range(rows):
+        for g in range(ng):
+            sc = scales[i, g]
+            for j in range(g * group, min(g * group + group, cols)):
+                v = (np.int32(packed[i, j >> 1]) >> (4 * (j & 1))) & 0xF
+                v -= (v & 8) << 1  # sign-extend the nibble
+                out[i, j] = np.float32(v) * sc
+    return out
+
+
+@njit
+def ternary_decode(packed, alpha, cols):
+    """Dense float32 ``alpha * code`` from 2-bit ternary codes (0 -> 0,
+    1 -> +1, 3 -> -1), packed as in :func:`pack_crumbs`.
+
+    Parameters
+    ----------
+    packed : ndarray of shape (rows, ceil(cols / 4)), uint8
+    alpha : float32
+    cols : int
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), float32
+    """
+    rows = packed.shape[0]
+    out = np.empty((rows, cols), dtype=np.float32)
+    lut = np.array([0.0, 1.0, 0.0, -1.0], dtype=np.float32) * alpha
+    for i in range(rows):
+        for j in range(cols):
+            out[i, j] = lut[(np.int32(packed[i, j >> 2]) >> (2 * (j & 3))) & 3]
+    return out
+
+
+@njit
+def pack_nibbles(codes):
+    """Pack int4 codes (two's complement, in [-8, 7]) two per byte, per row.
+
+    Column ``2t`` goes to the low nibble of byte ``t``, column ``2t+1`` to the
+    high nibble; an odd last column leaves the high nibble zero.
+
+    Parameters
+    ----------
+    codes : ndarray of shape (rows, cols), int8
+
+    Returns
+    -------
+    ndarray of shape (rows, ceil(cols / 2)), uint8
+    """
+    rows, cols = codes.shape
+    nb = (cols + 1) // 2
+    out = np.zeros((rows, nb), dtype=np.uint8)
+    for i in range(rows):
+        for j in range(cols):
+            v = np.int64(codes[i, j]) & 0xF
+            out[i, j >> 1] |= np.uint8(v << (4 * (j & 1)))
+    return out
+
+
+@njit
+def unpack_nibbles(packed, cols):
+    """Inverse of :func:`pack_nibbles`.
+
+    Parameters
+    ----------
+    packed : ndarray of shape (rows, ceil(cols / 2)), uint8
+    cols : int
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), int8
+    """
+    rows = packed.shape[0]
+    out = np.empty((rows, cols), dtype=np.int8)
+    for i in range(rows):
+        for j in range(cols):
+            v = (np.int64(packed[i, j >> 1]) >> (4 * (j & 1))) & 0xF
+            if v >= 8:
+                v -= 16
+            out[i, j] = np.int8(v)
+    return out
+
+
+@njit
+def pack_crumbs(vals):
+    """Pack 2-bit values (0..3) four per byte, per row (value ``4t+q`` in bits
+    ``2q..2q+1`` of byte ``t``).
+
+    Parameters
+    ----------
+    vals : ndarray of shape (rows, n), uint8, each in 0..3
+
+    Returns
+    -------
+    ndarray of shape (rows, ceil(n / 4)), uint8
+    """
+    rows, n = vals.shape
+    nb = (n + 3) // 4
+    out = np.zeros((rows, nb), dtype=np.uint8)
+    for i in range(rows):
+        for j in range(n):
+            v = np.int64(vals[i, j]) & 3
+            out[i, j >> 2] |= np.uint8(v << (2 * (j & 3)))
+    return out
+
+
+@njit
+def unpack_crumbs(packed, n):
+    """Inverse of :func:`pack_crumbs`.
+
+    Parameters
+    ----------
+    packed : ndarray of shape (rows, ceil(n / 4)), uint8
+    n : int
+
+    Returns
+    -------
+    ndarray of shape (rows, n), uint8 in 0..3
+    """
+    rows = packed.shape[0]
+    out = np.empty((rows, n), dtype=np.uint8)
+    for i in range(rows):
+        for j in range(n):
+            out[i, j] = np.uint8((np.int64(packed[i, j >> 2]) >> (2 * (j & 3))) & 3)
+    return out
+
+
+@njit
+def nm_prune(x, n, m):
+    """N:M structured pruning along each row: the kept values and their slots.
+
+    Every row is cut into groups of ``m`` consecutive values (the last may be
+    short); in each group the ``n`` largest ``|v|`` are kept (ties keep the
+    lower index), all of a group shorter than ``n``.  Kept values are stored in
+    increasing column order with their position inside the group.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32
+    n, m : int
+        ``1 <= n <= m <= 256``.
+
+    Returns
+    -------
+    values : ndarray of shape (rows, nv), float32
+    slots : ndarray of shape (rows, nv), uint8
+        Position of each kept value inside its group (``0..m-1``).
+        ``nv = n * (cols // m) + min(n, cols % m)``.
+    """
+    rows, cols = x.shape
+    full = cols // m
+    tail = cols - full * m
+    nv = n * full + min(n, tail)
+    values = np.empty((rows, nv), dtype=np.float32)
+    slots = np.empty((rows, nv), dtype=np.uint8)
+    keep = np.zeros(m, dtype=np.bool_)
+    for i in range(rows):
+        t = 0
+        for lo in range(0, cols, m):
+            ln = min(m, cols - lo)
+            kn = min(n, ln)
+            for q in range(ln):
+                keep[q] = False
+            for _ in range(kn):
+                bq = -1
+                bv = np.float32(0.0)
+                for q in range(ln):
+                    if keep[q]:
+                        continue
+                    a = abs(x[i, lo + q])
+                    if bq < 0 or a > bv:
+                        bq = q
+                        bv = a
+                keep[bq] = True
+            for q in range(ln):
+                if keep[q]:
+                    values[i, t] = x[i, lo + q]
+                    slots[i, t] = np.uint8(q)
+                    t += 1
+    return values, slots
+
+
+@njit
+def nm_unprune(values, slots, cols, n, m):
+    """Scatter :func:`nm_prune` output back to a dense ``[rows, cols]`` float32.
+
+    Parameters
+    ----------
+    values : ndarray of shape (rows, nv), float32
+    slots : ndarray of shape (rows, nv), uint8
+    cols, n, m : int
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), float32
+    """
+    rows = values.shape[0]
+    out = np.zeros((rows, cols), dtype=np.float32)
+    for i in range(rows):
+        t = 0
+        for lo in range(0, cols, m):
+            kn = min(n, cols - lo)
+            for _ in range(kn):
+                out[i, lo + slots[i, t]] = values[i, t]
+                t += 1
+    return out
+
+
+@njit
+def ternary_twn(x):
+    """Ternary weight network codes (Li & Liu 2016), one scale per tensor.
+
+    ``delta = 0.7 * mean|x|``, ``alpha = mean of |x| over |x| > delta``
+    (0 when nothing passes), codes ``+1`` where ``x > delta``, ``-1`` where
+    ``x < -delta``, else 0.  Sums are accumulated in float64.
+
+    Parameters
+    ----------
+    x : ndarray of shape (rows, cols), float32
+
+    Returns
+    -------
+    codes : ndarray of shape (rows, cols), int8 in {-1, 0, 1}
+    alpha : float32
+    """
+    rows, cols = x.shape
+    tot = 0.0
+    for i in range(rows):
+        for j in range(cols):
+            tot += abs(x[i, j])
+    delta = np.float32(0.7 * tot / (rows * cols))
+    s = 0.0
+    cnt = 0
+    codes = np.zeros((rows, cols), dtype=np.int8)
+    for i in range(rows):
+        for j in range(cols):
+            v = x[i, j]
+            if v > delta:
+                codes[i, j] = 1
+                s += v
+                cnt += 1
+            elif v < -delta:
+                codes[i, j] = -1
+                s -= v
+                cnt += 1
+    alpha = np.float32(s / cnt) if cnt > 0 else np.float32(0.0)
+    return codes, alpha
+
