@@ -17,10 +17,12 @@ The int32 sums are exact as long as ``k * 127 * 127 < 2**31`` (``k <= 133143``).
 
 Tile kinds (``<kind>dot_tile_<R>x<C>``):
 
-* ``i8``  -- int8 x int8 (W8A8), 32 elements per step on AVX2 through the
-  ``vpmaddubsw`` idiom (``|x|`` as unsigned times ``w * sign(x)``
-  via ``vpsignb``; the i16 pair sums, at most 2 * 127 * 127, never saturate),
-  then ``vpmaddwd`` by ones into int32; 16 per step on the portable path;
+* ``i8``  -- int8 x int8 (W8A8) through :func:`i8_dot_accumulate`, on the
+  int8 path chosen from the host at import (:data:`HOST_I8_PATH`, one of
+  :data:`I8_PATHS`): ``vpdpbusd`` (AVX-512 VNNI at 256 or 512 bits, or
+  AVX-VNNI), the AVX2 ``vpmaddubsw`` idiom (``|x|`` as unsigned times ``w *
+  sign(x)`` via ``vpsignb``; the i16 pair sums, at most 2 * 128 * 127, never
+  saturate, then ``vpmaddwd`` by ones into int32), or portable IR;
 * ``w16`` -- int16 activation codes x int8 weights (W8A16): ``vpmovsxbw`` +
   ``vpmaddwd``, int32 lanes, final reduction in float64;
 * ``f32`` -- float32 x float32 with ``llvm.fmuladd`` (``vfmadd`` on FMA hosts).
@@ -46,6 +48,14 @@ __all__ = [
     "i8dot_tile_1x4",
     "i8dot_tile_2x1",
     "i8dot_tile_2x4",
+    "i8_dot_accumulate",
+    "i8_abs",
+    "make_i8_tile",
+    "path_supported",
+    "I8_PATHS",
+    "I8_STEP",
+    "I8_LANES",
+    "HOST_I8_PATH",
     "f32dot_tile_1x1",
     "f32dot_tile_1x4",
     "f32dot_tile_2x4",
@@ -60,9 +70,6 @@ __all__ = [
     "simd_path",
 ]
 
-#: int8 elements consumed per step of an ``i8dot_tile_*``: 32 (one 256-bit
-#: load) on AVX2, 16 on the portable path.  Set below, once the target is known.
-I8_CHUNK = 16
 #: int16 x int8 elements consumed per step of a ``w16dot_tile_*``.
 W16_CHUNK = 16
 #: float32 elements consumed per step of an ``f32dot_tile_*`` / ``w8dot_tile_*``.
@@ -86,21 +93,74 @@ def _target_features() -> str:
 
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
-#: Whether the int8 tiles use the AVX2 ``vpmaddwd`` intrinsic (decided once, at
-#: import, from the features numba targets; the on-disk cache is keyed on the
-#: same CPU name and features, so a cached kernel always matches this choice).
-USE_AVX2_PMADDWD = _X86 and "+avx2" in _target_features().split(",")
+_FEATS = frozenset(f[1:] for f in _target_features().split(",") if f.startswith("+"))
+#: Whether the host has AVX2 (``vpmaddwd`` for the w16 tiles and the AVX2
+#: int8 path).  Decided once, at import, from the features numba targets; the
+#: on-disk cache is keyed on the same CPU name and features, so a cached
+#: kernel always matches this choice.
+USE_AVX2_PMADDWD = _X86 and "avx2" in _FEATS
+
+#: The int8 dot-product paths, fastest first.  ``i8_dot_accumulate`` and the
+#: ``i8dot_tile_*`` intrinsics lower to one of them:
+#:
+#: * ``avx512vnni``    -- ``vpdpbusd`` on 512-bit vectors (AVX-512 VNNI + BW);
+#: * ``avx512vnni256`` -- ``vpdpbusd`` on 256-bit vectors (AVX-512 VNNI + VL);
+#: * ``avxvnni``       -- the VEX ``vpdpbusd`` of AVX-VNNI (Alder Lake, Zen 5),
+#:   same IR as ``avx512vnni256``;
+#: * ``avx2``          -- ``vpmaddubsw`` + ``vpmaddwd`` by ones;
+#: * ``portable``      -- widen to int32, multiply, add lane groups.
+I8_PATHS = ("avx512vnni", "avx512vnni256", "avxvnni", "avx2", "portable")
+
+#: Features each path needs (``portable`` needs none).
+_PATH_NEEDS = {
+    "avx512vnni": ("avx512vnni", "avx512bw", "avx2"),
+    "avx512vnni256": ("avx512vnni", "avx512vl", "avx512bw", "avx2"),
+    "avxvnni": ("avxvnni", "avx2"),
+    "avx2": ("avx2",),
+    "portable": (),
+}
+#: int8 elements per step and int32 accumulator lanes of each path.
+I8_STEP = {"avx512vnni": 64, "avx512vnni256": 32, "avxvnni": 32, "avx2": 32,
+           "portable": 16}
+I8_LANES = {"avx512vnni": 16, "avx512vnni256": 8, "avxvnni": 8, "avx2": 8,
+            "portable": 8}
 
 
-if USE_AVX2_PMADDWD:
-    I8_CHUNK = 32
+def path_supported(path: str) -> bool:
+    """Whether the int8 ``path`` (one of :data:`I8_PATHS`) can be compiled and
+    run on the target numba compiles for (plain Python)."""
+    if path not in _PATH_NEEDS:
+        raise ValueError(f"unknown int8 path {path!r}; expected one of {I8_PATHS}")
+    if path == "portable":
+        return True
+    return _X86 and all(f in _FEATS for f in _PATH_NEEDS[path])
 
 
-def simd_path() -> str:
-    """Describe the int8 dot path compiled on this machine (plain Python)."""
-    if USE_AVX2_PMADDWD:
-        return "avx2: vpabsb/vpsignb + vpmaddubsw + vpmaddwd(ones) (int32 accumulators)"
-    return "portable vector IR: sext i8->i32, mul, pairwise add (int32 accumulators)"
+def _host_i8_path() -> str:
+    # Order of preference where several paths exist (see the module notes).
+    for p in ("avx512vnni256", "avxvnni", "avx512vnni", "avx2"):
+        if path_supported(p):
+            return p
+    return "portable"
+
+
+#: The int8 path the package's kernels use on this machine.
+HOST_I8_PATH = _host_i8_path()
+#: int8 elements consumed per step of an ``i8dot_tile_*`` on the host path.
+I8_CHUNK = I8_STEP[HOST_I8_PATH]
+
+_PATH_TEXT = {
+    "avx512vnni": "avx512vnni: vpabsb + sign-select + vpdpbusd zmm (512-bit, int32 accumulators)",
+    "avx512vnni256": "avx512vnni256: vpabsb/vpsignb + vpdpbusd ymm (256-bit EVEX, int32 accumulators)",
+    "avxvnni": "avxvnni: vpabsb/vpsignb + {vex} vpdpbusd ymm (int32 accumulators)",
+    "avx2": "avx2: vpabsb/vpsignb + vpmaddubsw + vpmaddwd(ones) (int32 accumulators)",
+    "portable": "portable vector IR: sext i8->i32, mul, lane-group add (int32 accumulators)",
+}
+
+
+def simd_path(path: str | None = None) -> str:
+    """Describe an int8 dot path (default: the one compiled on this machine)."""
+    return _PATH_TEXT[path or HOST_I8_PATH]
 
 
 def _const_vec(n, idx):
@@ -161,6 +221,106 @@ def _madd_sign32(builder, xabs, x, w):
     return builder.call(maddwd, [p16, ones])
 
 
+def _vpdpbusd(builder, acc, u8, s8):
+    """``acc + vpdpbusd(u8, s8)`` (unsigned x signed bytes, groups of four
+    products into each int32 lane, no saturation); 256 or 512 bits."""
+    lanes = acc.type.count
+    vi32 = ir.VectorType(_I32, lanes)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vi32, [vi32, vi32, vi32]),
+        f"llvm.x86.avx512.vpdpbusd.{32 * lanes}")
+    return builder.call(fn, [acc, builder.bitcast(u8, vi32), builder.bitcast(s8, vi32)])
+
+
+def _abs_i8(builder, v):
+    """``|v|`` lane-wise for ``<N x i8>`` (``vpabsb``; ``|-128|`` is 0x80 = 128
+    read as unsigned)."""
+    vt = v.type
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vt, [vt, ir.IntType(1)]),
+        f"llvm.abs.v{vt.count}i8")
+    return builder.call(fn, [v, ir.Constant(ir.IntType(1), 0)])
+
+
+def _sign_onto(builder, w, x):
+    """``w * sign(x)`` lane-wise for int8 vectors (``vpsignb`` on 256 bits;
+    compare + masked negate on 512 bits, which have no ``vpsignb``)."""
+    n = w.type.count
+    if n == 32 and USE_AVX2_PMADDWD:
+        v32 = ir.VectorType(_I8, 32)
+        psign = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v32, [v32, v32]), "llvm.x86.avx2.psign.b")
+        return builder.call(psign, [w, x])
+    zero = ir.Constant(w.type, None)
+    neg = builder.icmp_signed("<", x, zero)
+    return builder.select(neg, builder.sub(zero, w), w)
+
+
+def i8_dot_accumulate(builder, acc, xv, wv, path=None, xabs=None):
+    """Add int8 x int8 products into an int32 vector accumulator (llvmlite IR).
+
+    The shared building block of every int8 dot product: lane ``i`` of the
+    result is ``acc[i] + sum_{t < g} xv[g*i + t] * wv[g*i + t]`` with
+    ``g = len(xv) // len(acc)`` (four on every path but ``portable``'s
+    16-element step, where ``g = 2``), computed exactly in int32.
+
+    Parameters
+    ----------
+    builder : llvmlite.ir.IRBuilder
+    acc : llvmlite value ``<L x i32>``
+        ``L`` = ``I8_LANES[path]``: 16 for ``avx512vnni``, else 8.
+    xv, wv : llvmlite values ``<I8_STEP[path] x i8>``
+        Signed int8 codes (activations and weights; the roles are symmetric
+        except that ``xabs`` belongs to ``xv``).
+    path : str, optional
+        One of :data:`I8_PATHS`; default :data:`HOST_I8_PATH`.  The caller
+        must only pick a path :func:`path_supported` accepts.
+    xabs : llvmlite value, optional
+        ``|xv|`` computed once by the caller (:func:`i8_abs`) to share it
+        across several ``wv`` (register tiles); computed here when omitted.
+
+    Returns
+    -------
+    llvmlite value ``<L x i32>``
+
+    Notes
+    -----
+    ``vpdpbusd`` and ``vpmaddubsw`` multiply *unsigned* by signed bytes, so the
+    VNNI and AVX2 paths compute ``|x| * (w * sign(x))``.  Exact for codes in
+    [-127, 127].  A ``-128`` in ``xv`` is still exact unless the paired ``wv``
+    byte is also ``-128`` (``-(-128)`` wraps to ``-128``, so that product comes
+    out as ``-16384`` instead of ``+16384``); a ``-128`` only in ``wv`` is
+    exact.  (The int16 pair sums of ``vpmaddubsw`` never saturate, even
+    then.)  The package's quantisers never
+    emit ``-128`` and :mod:`opscope_nb.matmul` rejects it.  For int4 codes
+    (nibbles unpacked to int8 in [-8, 7]) every path is exact.
+    """
+    path = path or HOST_I8_PATH
+    if path in ("avx512vnni", "avx512vnni256", "avxvnni"):
+        xa = xabs if xabs is not None else _abs_i8(builder, xv)
+        return _vpdpbusd(builder, acc, xa, _sign_onto(builder, wv, xv))
+    if path == "avx2":
+        xa = xabs if xabs is not None else _abs_i8(builder, xv)
+        return builder.add(acc, _madd_sign32(builder, xa, xv, wv))
+    # portable: widen, multiply, add groups of g consecutive products.
+    n, lanes = xv.type.count, acc.type.count
+    g = n // lanes
+    vn = ir.VectorType(_I32, n)
+    prod = builder.mul(builder.sext(xv, vn), builder.sext(wv, vn))
+    out = acc
+    for t in range(g):
+        out = builder.add(out, _shuffle(builder, prod, [g * i + t for i in range(lanes)]))
+    return out
+
+
+def i8_abs(builder, xv, path=None):
+    """``|xv|`` for :func:`i8_dot_accumulate`'s ``xabs`` (``None`` on the
+    portable path, which does not use it)."""
+    if (path or HOST_I8_PATH) == "portable":
+        return None
+    return _abs_i8(builder, xv)
+
+
 def _hsum(builder, v, n, add):
     """Horizontal sum of an ``n``-lane vector by halving (tree order)."""
     while n > 1:
@@ -172,16 +332,20 @@ def _hsum(builder, v, n, add):
 
 #: Per tile kind: (x dtype, w dtype, lanes per step, elements per step).
 _KINDS = {
-    "i8": (types.int8, types.int8, 8, 32 if USE_AVX2_PMADDWD else 16),
+    "i8": (types.int8, types.int8, I8_LANES[HOST_I8_PATH], I8_CHUNK),
     "f32": (types.float32, types.float32, 8, 8),
     "w8": (types.float32, types.int8, 8, 8),
     "w16": (types.int16, types.int8, 8, 16),
 }
 
 
-def _make_tile(R: int, C: int, kind: str):
-    """Build the intrinsic for an ``R x C`` dot tile of the given kind."""
+def _make_tile(R: int, C: int, kind: str, path: str | None = None):
+    """Build the intrinsic for an ``R x C`` dot tile of the given kind
+    (``path``: the int8 path of an ``i8`` tile, default the host's)."""
     xdt, wdt, lanes, step = _KINDS[kind]
+    path = path or HOST_I8_PATH
+    if kind == "i8":
+        lanes, step = I8_LANES[path], I8_STEP[path]
     is_int = kind in ("i8", "w16")
     # w16 sums can exceed int32 across lanes: the final reduction is in f64.
     rdt = {"i8": types.int32, "w16": types.float64}.get(kind, types.float32)
@@ -239,14 +403,10 @@ def _make_tile(R: int, C: int, kind: str):
                     v = builder.load(builder.bitcast(p, vty.as_pointer()), align=1)
                     return widen(v) if widen else v
 
-                if kind == "i8" and USE_AVX2_PMADDWD:
+                if kind == "i8":
                     xv = [load(b, _I8, None) for b in xrow]
                     wv = [load(b, _I8, None) for b in wrow]
-                    xabs = [_abs_i8x32(builder, v) for v in xv]
-                elif kind == "i8":
-                    v16 = ir.VectorType(_I16, 16)
-                    xv = [load(b, _I8, lambda v: builder.sext(v, v16)) for b in xrow]
-                    wv = [load(b, _I8, lambda v: builder.sext(v, v16)) for b in wrow]
+                    xabs = [i8_abs(builder, v, path) for v in xv]
                 elif kind == "w16":
                     v16 = ir.VectorType(_I16, 16)
                     xv = [load(b, _I16, None) for b in xrow]
@@ -261,9 +421,9 @@ def _make_tile(R: int, C: int, kind: str):
                     for c in range(C):
                         acc = accs[aset * R * C + r * C + c]
                         old = builder.load(acc)
-                        if kind == "i8" and USE_AVX2_PMADDWD:
-                            new = builder.add(old, _madd_sign32(
-                                builder, xabs[r], xv[r], wv[c]))
+                        if kind == "i8":
+                            new = i8_dot_accumulate(builder, old, xv[r], wv[c],
+                                                    path, xabs[r])
                         elif is_int:
                             new = builder.add(old, _madd16(builder, xv[r], wv[c]))
                         else:
@@ -338,6 +498,19 @@ def _make_tile(R: int, C: int, kind: str):
     No bounds or input validation.
     """
     return tile
+
+
+def make_i8_tile(R: int, C: int, path: str):
+    """An ``i8dot_tile_{R}x{C}`` intrinsic lowered on an explicit int8 ``path``
+    (one of :data:`I8_PATHS`; each step covers ``I8_STEP[path]`` elements).
+
+    For tests and benchmarks that compare the paths; the package's kernels
+    use the host path.  Running a path :func:`path_supported` rejects fails
+    at compile time or raises SIGILL.
+    """
+    if path not in I8_PATHS:
+        raise ValueError(f"unknown int8 path {path!r}; expected one of {I8_PATHS}")
+    return _make_tile(R, C, "i8", path)
 
 
 i8dot_tile_1x1 = _make_tile(1, 1, "i8")

@@ -1,0 +1,87 @@
+"""int8 dot-product paths of kernels/_simd.py, each compared bit for bit with
+NumPy's int32 product (tests/naive_matmul.py), on every path this CPU runs."""
+import numba
+import numpy as np
+import pytest
+
+from naive_matmul import naive_i8i8_i32
+from opscope_nb.kernels import _simd as S
+
+
+def _runner(path):
+    """An @njit function computing a 2 x 4 block of int32 dot products with the
+    ``path``'s 2x4 tile plus a scalar tail (no cache: built per test run)."""
+    tile = S.make_i8_tile(2, 4, path)
+    step = S.I8_STEP[path]
+
+    @numba.njit
+    def run(xq, wtq):
+        k = xq.shape[1]
+        nch = k // step
+        xf = xq.ravel()
+        wf = wtq.ravel()
+        t = tile(xf, 0, k, wf, 0, k, nch)
+        out = np.empty((2, 4), dtype=np.int32)
+        for r in range(2):
+            for c in range(4):
+                a = t[r * 4 + c]
+                for p in range(nch * step, k):
+                    a += np.int32(xq[r, p]) * np.int32(wtq[c, p])
+                out[r, c] = a
+        return out
+
+    return run
+
+
+def _skip_unless(path):
+    if not S.path_supported(path):
+        pytest.skip(f"host CPU lacks {S._PATH_NEEDS[path]} for the {path} path")
+
+
+@pytest.mark.parametrize("path", S.I8_PATHS)
+def test_i8_path_bit_exact(path):
+    _skip_unless(path)
+    run = _runner(path)
+    rng = np.random.default_rng(7)
+    for k in (1, 63, 64 * 3 + 5, 512):
+        xq = rng.integers(-127, 128, (2, k)).astype(np.int8)
+        wtq = rng.integers(-127, 128, (4, k)).astype(np.int8)
+        np.testing.assert_array_equal(run(xq, wtq), naive_i8i8_i32(xq, wtq))
+    # extremes: every product +-127*127, the largest sums the lanes see
+    for sx, sw in ((127, 127), (-127, 127), (-127, -127)):
+        xq = np.full((2, 256), sx, np.int8)
+        wtq = np.full((4, 256), sw, np.int8)
+        np.testing.assert_array_equal(run(xq, wtq), naive_i8i8_i32(xq, wtq))
+
+
+@pytest.mark.parametrize("path", S.I8_PATHS)
+def test_i8_path_minus128(path):
+    """Documented behaviour of -128: exact unless both factors are -128."""
+    _skip_unless(path)
+    run = _runner(path)
+    k = 128
+    xq = np.full((2, k), -128, np.int8)
+    wtq = np.full((4, k), 127, np.int8)
+    wtq[1] = -127
+    wtq[2] = 0
+    wtq[3, :] = -128
+    got = run(xq, wtq)
+    ref = naive_i8i8_i32(xq, wtq)
+    np.testing.assert_array_equal(got[:, :3], ref[:, :3])
+    if path == "portable":
+        np.testing.assert_array_equal(got, ref)
+    else:  # -(-128) wraps: each -128 x -128 product comes out negated
+        np.testing.assert_array_equal(got[:, 3], -ref[:, 3])
+
+
+def test_host_path_and_text():
+    assert S.HOST_I8_PATH in S.I8_PATHS
+    assert S.path_supported(S.HOST_I8_PATH)
+    assert S.I8_CHUNK == S.I8_STEP[S.HOST_I8_PATH]
+    assert S.simd_path().startswith(S.HOST_I8_PATH)
+    for p in S.I8_PATHS:
+        assert S.simd_path(p).startswith(p)
+    with pytest.raises(ValueError, match="unknown int8 path"):
+        S.make_i8_tile(1, 1, "sse9")
+    with pytest.raises(ValueError, match="unknown int8 path"):
+        S.path_supported("sse9")
