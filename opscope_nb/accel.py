@@ -3,7 +3,12 @@
 * **Linux / Windows / other**: the CBLAS shipped by the ``scipy-openblas32``
   wheel (``scipy_cblas_sgemm``; ``scipy_cblas_sgemv`` for ``m == 1``, which a
   GEMM call handles badly), loaded with ``ffi.dlopen`` from
-  ``scipy_openblas32.get_lib_dir()``.  OpenBLAS has no int8 GEMM here, so
+  ``scipy_openblas32.get_lib_dir()`` (:func:`openblas_path`).  On Windows
+  ``get_library(fullname=True)`` names the *import library* (``.lib``), which
+  cannot be loaded: the shim opens the wheel's ``libscipy_openblas*.dll``
+  from its ``lib`` directory (or a sibling ``bin``) instead.  Only the Linux
+  path is exercised here (CI runs Linux); the Windows file lookup is unit
+  tested on a fake wheel layout.  OpenBLAS has no int8 GEMM, so
   :data:`int8_fc` is ``None``.
 * **macOS**: Accelerate's ``cblas_sgemm`` (on AMX where present),
   ``BNNSMatMul`` (float32) as an ABI probe, and the BNNS int8 fully-connected
@@ -39,6 +44,7 @@ __all__ = [
     "int8_fc",
     "bnns_matmul_f32",
     "core_info",
+    "openblas_path",
 ]
 
 _ROW_MAJOR, _NO_TRANS = 101, 111
@@ -113,15 +119,62 @@ class _State:
 _lock = threading.Lock()
 
 
+def openblas_path(libdir: str, platform: str | None = None) -> str:
+    """Path of the loadable OpenBLAS library inside the ``scipy-openblas32`` wheel.
+
+    Parameters
+    ----------
+    libdir : str
+        ``scipy_openblas32.get_lib_dir()`` (the wheel's ``lib`` directory).
+    platform : str, optional
+        ``sys.platform`` by default (a parameter so tests can check the
+        Windows rule on any OS).
+
+    Returns
+    -------
+    str : on POSIX the ``libscipy_openblas*`` shared object in ``libdir``
+    (``.so`` / ``.dylib``, never a static ``.a``); on Windows the
+    ``libscipy_openblas*.dll`` in ``libdir`` or in a sibling ``bin``
+    directory -- not the ``.lib`` import library that
+    ``get_library(fullname=True)`` names there.
+
+    Raises
+    ------
+    FileNotFoundError
+        When no such file exists (the message lists the directories searched).
+    """
+    platform = sys.platform if platform is None else platform
+    if platform == "win32":
+        dirs = [libdir, os.path.join(os.path.dirname(libdir), "bin")]
+        ok = lambda f: f.lower().endswith(".dll")  # noqa: E731
+    else:
+        dirs = [libdir]
+        ok = lambda f: ".so" in f or f.endswith(".dylib")  # noqa: E731
+    for d in dirs:
+        try:
+            names = sorted(os.listdir(d))
+        except OSError:
+            continue
+        hits = [f for f in names if f.startswith("libscipy_openblas") and ok(f)]
+        if hits:
+            return os.path.join(d, hits[0])
+    raise FileNotFoundError(f"no loadable libscipy_openblas library in "
+                            f"{' or '.join(dirs)} (platform {platform}); reinstall "
+                            f"the wheel: pip install --force-reinstall scipy-openblas32")
+
+
 def _load_openblas():
     import cffi
     import scipy_openblas32 as so
 
     libdir = so.get_lib_dir()
-    fname = so.get_library(fullname=True)
+    path = openblas_path(libdir)
+    if sys.platform == "win32" and hasattr(os, "add_dll_directory"):
+        # the DLL's own dependencies (libgfortran etc.) sit next to it
+        os.add_dll_directory(os.path.dirname(path))
     ffi = cffi.FFI()
     ffi.cdef(_CDEF_OPENBLAS)
-    lib = ffi.dlopen(os.path.join(libdir, fname))
+    lib = ffi.dlopen(path)
     lib.scipy_cblas_sgemm  # resolve now: a missing symbol fails here, not later
     core = ffi.string(lib.scipy_openblas_get_corename()).decode()
     config = ffi.string(lib.scipy_openblas_get_config()).decode()
