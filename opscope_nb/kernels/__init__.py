@@ -26,8 +26,12 @@ from ._tt import *         # noqa: F401,F403
 from ._matmul import *     # noqa: F401,F403
 from ._simd import *       # noqa: F401,F403
 from ._dado import *       # noqa: F401,F403
+from ._packed_float import *  # noqa: F401,F403
 
 from . import _coerce, _probe, _rng, _pack, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd, _dado
 
 __all__ = sorted(set().union(*(m.__all__ for m in (
     _coerce, _probe, _rng, _pack, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd, _dado))))
+
+from . import _packed_float  # noqa: E402
+__all__ = sorted(set(__all__) | set(_packed_float.__all__))

@@ -1,0 +1,547 @@
+"""``@njit`` layer kernels for the float-weight packed formats of
+:func:`opscope_nb.mining.pack`: dense, 2:4 sparse, low-rank, Monarch, Tucker
+and Tensor-Train.
+
+Every kernel computes ``y[m, rows] = x[m, cols] @ W_hat.T`` where ``W_hat`` is
+the ``[rows, cols]`` (``[out, in]``, PyTorch Linear layout) weight that
+``mining.unpack`` would rebuild from the same arrays -- but **from the packed
+arrays themselves**: the dense ``W_hat`` is never materialised.  Inputs are
+float32, C-contiguous, finite, and shaped as the docstrings say (the
+validating public entry point is :class:`opscope_nb.runtime.PackedLinear`);
+outputs are new float32 C-contiguous ``[m, rows]`` arrays.
+
+Work per input row (multiply-adds), i.e. the order each kernel uses:
+
+=============  =====================================================  ==================
+kernel         order                                                  MACs per row
+=============  =====================================================  ==================
+dense          ``matmul_f32(x, w)`` (``w`` is output-major already)   ``rows * cols``
+sparse 2:4     kept values only; slots decoded from the 2-bit crumbs  ``rows * nv``
+low-rank       ``(x @ b.T) @ a.T`` through the rank                   ``(rows + cols) r``
+Monarch        block-diagonal ``w2`` then block-diagonal ``w1``       ``2 m**3``
+Tucker         ``u2`` then ``u1`` (or ``u1`` then ``u2`` when that    see ``tucker_linear``
+               is cheaper), then the core, then ``u0``
+TT             input cores right to left, then output cores right     see ``tt_linear``
+               to left
+=============  =====================================================  ==================
+
+Parallelism: a call whose work is below ``min_parallel`` multiply-adds runs
+on the calling thread; above it, independent outputs (row blocks, Monarch
+blocks, samples) run in ``prange``.  The split never depends on the thread
+count and each output is summed by one thread in a fixed order, so results
+are reproducible.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from .._config import njit, njit_parallel
+from ._matmul import matmul_f32
+
+__all__ = [
+    "dense_linear",
+    "sparse24_linear",
+    "lowrank_linear",
+    "monarch_linear",
+    "tucker_linear",
+    "tucker_order",
+    "tt_linear",
+    "tt_split",
+]
+
+#: Default work (multiply-adds per call) below which a kernel stays serial.
+PAR_MIN = 1 << 17
+#: Fixed number of row chunks a parallel kernel splits its outputs into.
+_NCHUNK = 16
+
+
+# --------------------------------------------------------------------------
+# dense
+# --------------------------------------------------------------------------
+@njit
+def dense_linear(x, w, min_parallel=PAR_MIN):
+    """``y[m, rows] = x[m, cols] @ w.T`` for the ``dense`` pack (``w`` f32
+    ``[rows, cols]`` is already the output-major ``wt[n, k]`` that
+    :func:`matmul_f32` takes).
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, cols), C-contiguous
+    w : ndarray of float32, shape (rows, cols), C-contiguous
+    min_parallel : int
+        Serial below ``m * rows * cols`` multiply-adds.
+
+    Returns
+    -------
+    ndarray of float32, shape (m, rows)
+    """
+    return matmul_f32(x, w, min_parallel)
+
+
+# --------------------------------------------------------------------------
+# sparse 2:4
+# --------------------------------------------------------------------------
+@njit
+def _sparse_cols(ind, nv, col):
+    """Decode one row's 2-bit slots into input columns: value ``t`` lives in
+    group ``t // 2`` at slot ``(ind[t // 4] >> 2 (t % 4)) & 3``, i.e. column
+    ``4 (t // 2) + slot`` (the last group may be short)."""
+    for t in range(nv):
+        b = np.int32(ind[t >> 2])
+        col[t] = np.int32(4 * (t >> 1)) + ((b >> np.int32(2 * (t & 3))) & np.int32(3))
+
+
+@njit
+def _sparse_rows(x, values, indices, y, r0, r1, col):
+    m = x.shape[0]
+    nv = values.shape[1]
+    for r in range(r0, r1):
+        _sparse_cols(indices[r], nv, col)
+        v = values[r]
+        for i in range(m):
+            xi = x[i]
+            acc = np.float32(0.0)
+            for t in range(nv):
+                acc += v[t] * xi[col[t]]
+            y[i, r] = acc
+
+
+@njit_parallel
+def sparse24_linear(x, values, indices, min_parallel=PAR_MIN):
+    """``y = x @ W_hat.T`` for the ``sparse2:4`` pack, using only the kept
+    values.
+
+    Layout (``mining``): ``values`` f32 ``[rows, nv]`` (the two kept values of
+    each group of four consecutive columns, in column order; a short last group
+    keeps ``min(2, cols % 4)``), ``indices`` u8 ``[rows, ceil(nv / 4)]`` (value
+    ``t``'s 2-bit slot inside its group in bits ``2 (t % 4)`` of byte
+    ``t // 4``), ``nv = 2 (cols // 4) + min(2, cols % 4)``.  Per weight row the
+    slots are decoded once into column numbers (a ``nv``-int scratch in L1),
+    then every sample takes a gathered dot product of ``nv`` terms: ``rows *
+    nv`` multiply-adds per sample, half of dense.
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, cols), C-contiguous (``cols >= nv``)
+    values : ndarray of float32, shape (rows, nv), C-contiguous
+    indices : ndarray of uint8, shape (rows, ceil(nv / 4)), C-contiguous
+    min_parallel : int
+        Serial below ``m * rows * nv`` multiply-adds; above, 16 fixed row
+        chunks run in ``prange``.
+
+    Returns
+    -------
+    ndarray of float32, shape (m, rows)
+    """
+    m = x.shape[0]
+    rows, nv = values.shape
+    y = np.empty((m, rows), dtype=np.float32)
+    if m * rows * nv < min_parallel or rows < 2:
+        col = np.empty(nv, dtype=np.int32)
+        _sparse_rows(x, values, indices, y, 0, rows, col)
+    else:
+        nc = min(rows, _NCHUNK)
+        for c in prange(nc):
+            col = np.empty(nv, dtype=np.int32)
+            _sparse_rows(x, values, indices, y, c * rows // nc, (c + 1) * rows // nc, col)
+    return y
+
+
+# --------------------------------------------------------------------------
+# low-rank
+# --------------------------------------------------------------------------
+@njit
+def lowrank_linear(x, a, b, min_parallel=PAR_MIN):
+    """``y = (x @ b.T) @ a.T`` for the ``lowrank`` pack ``W_hat = a @ b``.
+
+    Two weight-stationary products through the rank (``b`` f32 ``[r, cols]``
+    and ``a`` f32 ``[rows, r]`` are both output-major already):
+    ``(rows + cols) r`` multiply-adds per sample instead of ``rows * cols``.
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, cols), C-contiguous
+    a : ndarray of float32, shape (rows, r), C-contiguous
+    b : ndarray of float32, shape (r, cols), C-contiguous
+    min_parallel : int
+        Passed to each :func:`matmul_f32`.
+
+    Returns
+    -------
+    ndarray of float32, shape (m, rows)
+    """
+    t = matmul_f32(x, b, min_parallel)
+    return matmul_f32(t, a, min_parallel)
+
+
+# --------------------------------------------------------------------------
+# Monarch
+# --------------------------------------------------------------------------
+@njit
+def _monarch_stage1(x, w2, t, i, l):
+    """``t[i, l, :] = sum_s x[i, l m + s] w2[l, s, :]`` (block ``l`` of the
+    first block-diagonal product)."""
+    m = w2.shape[0]
+    tl = t[i, l]
+    for ri in range(m):
+        tl[ri] = np.float32(0.0)
+    for s in range(m):
+        xv = x[i, l * m + s]
+        ws = w2[l, s]
+        for ri in range(m):
+            tl[ri] += xv * ws[ri]
+
+
+@njit
+def _monarch_stage2(t, w1, y, i, ri):
+    """``y[i, ri m + j] = sum_l w1[ri, j, l] t[i, l, ri]`` (block ``ri`` of
+    the second block-diagonal product)."""
+    m = w1.shape[0]
+    tc = np.empty(m, dtype=np.float32)
+    for l in range(m):
+        tc[l] = t[i, l, ri]
+    for j in range(m):
+        wj = w1[ri, j]
+        acc = np.float32(0.0)
+        for l in range(m):
+            acc += wj[l] * tc[l]
+        y[i, ri * m + j] = acc
+
+
+@njit_parallel
+def monarch_linear(x, w1, w2, min_parallel=PAR_MIN):
+    """``y = x @ W_hat.T`` for the ``monarch`` pack, in ``2 m**3``
+    multiply-adds per sample.
+
+    ``W_hat[ri m + j, l m + s] = w1[ri, j, l] * w2[l, s, ri]``
+    (``mining.unpack`` / ``monarch_reconstruct``; row = output ``ri m + j``,
+    column = input ``l m + s``), so
+
+    1. ``t[l, ri] = sum_s w2[l, s, ri] x[l m + s]`` -- ``m`` independent
+       ``m x m`` blocks, each an axpy sweep over contiguous ``w2[l, s, :]``;
+    2. ``y[ri m + j] = sum_l w1[ri, j, l] t[l, ri]`` -- ``m`` blocks, each
+       ``m`` contiguous dot products over ``w1[ri, j, :]``.
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (batch, m*m), C-contiguous
+    w1 : ndarray of float32, shape (m, m, m), C-contiguous, ``w1[ri, j, l]``
+    w2 : ndarray of float32, shape (m, m, m), C-contiguous, ``w2[l, s, ri]``
+    min_parallel : int
+        Serial below ``2 batch m**3`` multiply-adds; above, the blocks of each
+        stage run in ``prange``.
+
+    Returns
+    -------
+    ndarray of float32, shape (batch, m*m)
+    """
+    batch = x.shape[0]
+    m = w1.shape[0]
+    y = np.empty((batch, m * m), dtype=np.float32)
+    t = np.empty((batch, m, m), dtype=np.float32)
+    if 2 * batch * m * m * m < min_parallel:
+        for i in range(batch):
+            for l in range(m):
+                _monarch_stage1(x, w2, t, i, l)
+            for ri in range(m):
+                _monarch_stage2(t, w1, y, i, ri)
+    else:
+        for q in prange(batch * m):
+            _monarch_stage1(x, w2, t, q // m, q % m)
+        for q in prange(batch * m):
+            _monarch_stage2(t, w1, y, q // m, q % m)
+    return y
+
+
+# --------------------------------------------------------------------------
+# Tucker
+# --------------------------------------------------------------------------
+@njit
+def tucker_order(dims, ranks):
+    """Which inner mode a Tucker layer contracts first, and the MACs per
+    sample: ``(0, macs)`` = ``u2`` then ``u1``, ``(1, macs)`` = ``u1`` then
+    ``u2`` (whichever is cheaper; ties take ``u2`` first).
+
+    ``macs = first two mode products + r0 r1 r2 (core) + d0 r0 (u0)``.
+    """
+    d0, d1, d2 = dims[0], dims[1], dims[2]
+    r0, r1, r2 = ranks[0], ranks[1], ranks[2]
+    a = d1 * d2 * r2 + d1 * r1 * r2
+    b = d1 * d2 * r1 + d2 * r1 * r2
+    rest = r0 * r1 * r2 + d0 * r0
+    if a <= b:
+        return 0, a + rest
+    return 1, b + rest
+
+
+@njit
+def _tucker_one(x, i, core, u0, u1, u2, order, z1, z2, z3, y):
+    d0, r0 = u0.shape
+    d1, r1 = u1.shape
+    d2, r2 = u2.shape
+    xo = 0
+    if order == 0:
+        # z1[a, r] = sum_b x[a, b] u2[b, r]                (d1 d2 r2)
+        for a in range(d1):
+            za = z1[a]
+            for r in range(r2):
+                za[r] = np.float32(0.0)
+            xo = a * d2
+            for b in range(d2):
+                xv = x[i, xo + b]
+                ub = u2[b]
+                for r in range(r2):
+                    za[r] += xv * ub[r]
+        # z2[q, r] = sum_a u1[a, q] z1[a, r]                (d1 r1 r2)
+        for q in range(r1):
+            for r in range(r2):
+                z2[q, r] = np.float32(0.0)
+        for a in range(d1):
+            za = z1[a]
+            ua = u1[a]
+            for q in range(r1):
+                c = ua[q]
+                zq = z2[q]
+                for r in range(r2):
+                    zq[r] += c * za[r]
+    else:
+        # z1[q, b] = sum_a u1[a, q] x[a, b]                 (d1 r1 d2)
+        for q in range(r1):
+            for b in range(d2):
+                z1[q, b] = np.float32(0.0)
+        for a in range(d1):
+            xo = a * d2
+            ua = u1[a]
+            for q in range(r1):
+                c = ua[q]
+                zq = z1[q]
+                for b in range(d2):
+                    zq[b] += c * x[i, xo + b]
+        # z2[q, r] = sum_b z1[q, b] u2[b, r]                (r1 d2 r2)
+        for q in range(r1):
+            zq = z2[q]
+            for r in range(r2):
+                zq[r] = np.float32(0.0)
+            z1q = z1[q]
+            for b in range(d2):
+                c = z1q[b]
+                ub = u2[b]
+                for r in range(r2):
+                    zq[r] += c * ub[r]
+    # z3[p] = sum_{q, r} core[p, q, r] z2[q, r]             (r0 r1 r2)
+    zf = z2.ravel()
+    n12 = r1 * r2
+    for p in range(r0):
+        cp = core[p].ravel()
+        acc = np.float32(0.0)
+        for t in range(n12):
+            acc += cp[t] * zf[t]
+        z3[p] = acc
+    # y[i, row] = sum_p u0[row, p] z3[p]                    (d0 r0)
+    for row in range(d0):
+        ur = u0[row]
+        acc = np.float32(0.0)
+        for p in range(r0):
+            acc += ur[p] * z3[p]
+        y[i, row] = acc
+
+
+@njit_parallel
+def tucker_linear(x, core, u0, u1, u2, min_parallel=PAR_MIN):
+    """``y = x @ W_hat.T`` for the ``tucker`` pack: ``W_hat.reshape(d0, d1,
+    d2) = core x0 u0 x1 u1 x2 u2`` (``d0 = rows``, ``d1 d2 = cols``).
+
+    Each sample ``x[i]`` is viewed as ``X[d1, d2]`` and contracted with the
+    input factors first (``u2`` then ``u1``, or ``u1`` then ``u2`` when
+    :func:`tucker_order` says that is cheaper), then with the core, then
+    expanded by ``u0``: ``min(d1 d2 r2 + d1 r1 r2, d1 d2 r1 + d2 r1 r2) +
+    r0 r1 r2 + d0 r0`` multiply-adds per sample.
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, d1*d2), C-contiguous
+    core : ndarray of float32, shape (r0, r1, r2), C-contiguous
+    u0, u1, u2 : ndarray of float32, shapes (d0, r0), (d1, r1), (d2, r2),
+        C-contiguous
+    min_parallel : int
+        Serial below this many multiply-adds per call; above, samples run in
+        ``prange``.
+
+    Returns
+    -------
+    ndarray of float32, shape (m, d0)
+    """
+    m = x.shape[0]
+    d0, r0 = u0.shape
+    d1, r1 = u1.shape
+    d2, r2 = u2.shape
+    order, macs = tucker_order((d0, d1, d2), (r0, r1, r2))
+    y = np.empty((m, d0), dtype=np.float32)
+    n1 = r2 if order == 0 else d2
+    m1 = d1 if order == 0 else r1
+    if m < 2 or m * macs < min_parallel:
+        z1 = np.empty((m1, n1), dtype=np.float32)
+        z2 = np.empty((r1, r2), dtype=np.float32)
+        z3 = np.empty(r0, dtype=np.float32)
+        for i in range(m):
+            _tucker_one(x, i, core, u0, u1, u2, order, z1, z2, z3, y)
+    else:
+        for i in prange(m):
+            z1 = np.empty((m1, n1), dtype=np.float32)
+            z2 = np.empty((r1, r2), dtype=np.float32)
+            z3 = np.empty(r0, dtype=np.float32)
+            _tucker_one(x, i, core, u0, u1, u2, order, z1, z2, z3, y)
+    return y
+
+
+# --------------------------------------------------------------------------
+# Tensor-Train
+# --------------------------------------------------------------------------
+@njit
+def tt_split(shapes, rows):
+    """Number of leading TT modes whose product is ``rows`` (the output
+    modes), or ``-1`` when no prefix multiplies to ``rows``.
+
+    Parameters
+    ----------
+    shapes : ndarray of int64, shape (n, 3)
+        ``(r_prev, d_k, r_next)`` of each core.
+    rows : int
+    """
+    n = shapes.shape[0]
+    p = 1
+    for k in range(n + 1):
+        if p == rows and 0 < k < n:
+            return k
+        if k < n:
+            p *= shapes[k, 1]
+    return -1
+
+
+@njit
+def _tt_one(x, i, flat, shapes, offs, split, bufa, bufb, y):
+    n = shapes.shape[0]
+    # Input side: v[(P, d), b] -> v'[P, a] with core t (a, d, b), t = n-1 .. split.
+    cur = bufa
+    nxt = bufb
+    ln = x.shape[1]
+    for p in range(ln):
+        cur[p] = x[i, p]
+    rb = 1              # trailing bond of cur
+    pp = ln             # number of (prefix, d) * rb entries / rb
+    for t in range(n - 1, split - 1, -1):
+        ra = shapes[t, 0]
+        d = shapes[t, 1]
+        rn = shapes[t, 2]
+        g = flat[offs[t]: offs[t] + ra * d * rn]
+        npre = pp // d
+        inner = d * rn
+        for q in range(npre):
+            base = q * inner
+            for a in range(ra):
+                go = a * inner
+                acc = np.float32(0.0)
+                for e in range(inner):
+                    acc += g[go + e] * cur[base + e]
+                nxt[q * ra + a] = acc
+        cur, nxt = nxt, cur
+        pp = npre
+        rb = ra
+    # cur holds u[b] (length rb = bond at split).  Output side, t = split-1 .. 0:
+    # u_t[a, (i_t, rest)] = sum_b G_t[a, i_t, b] u_{t+1}[b, rest].
+    qlen = 1
+    for t in range(split - 1, -1, -1):
+        ra = shapes[t, 0]
+        d = shapes[t, 1]
+        rn = shapes[t, 2]
+        g = flat[offs[t]: offs[t] + ra * d * rn]
+        span = d * qlen
+        for e in range(ra * span):
+            nxt[e] = np.float32(0.0)
+        for a in range(ra):
+            for it in range(d):
+                o = a * span + it * qlen
+                go = (a * d + it) * rn
+                for b in range(rn):
+                    c = g[go + b]
+                    ob = b * qlen
+                    for e in range(qlen):
+                        nxt[o + e] += c * cur[ob + e]
+        cur, nxt = nxt, cur
+        qlen = span
+    for e in range(qlen):
+        y[i, e] = cur[e]
+
+
+@njit
+def _tt_buffer(shapes, split, cols, rows):
+    """Scratch length for one sample: the largest intermediate vector."""
+    n = shapes.shape[0]
+    big = max(cols, rows)
+    pp = cols
+    for t in range(n - 1, split - 1, -1):
+        pp = pp // shapes[t, 1]
+        big = max(big, pp * shapes[t, 0])
+    q = 1
+    for t in range(split - 1, -1, -1):
+        q *= shapes[t, 1]
+        big = max(big, q * shapes[t, 0])
+    return big
+
+
+@njit_parallel
+def tt_linear(x, flat, shapes, split, min_parallel=PAR_MIN):
+    """``y = x @ W_hat.T`` for the ``tt`` pack, whose dense view is
+    ``W_hat.reshape(modes) = core0 x core1 x ... x core{n-1}`` with the first
+    ``split`` modes multiplying to ``rows`` (outputs) and the rest to ``cols``
+    (inputs).
+
+    Contraction order (no dense ``W_hat``): the sample, viewed as a tensor over
+    the input modes, is contracted with the input cores **right to left**
+    (``core{n-1}`` first, each step a batch of contiguous dot products of
+    length ``d_k r_next``), leaving a bond vector; the output cores then expand
+    it, again right to left (axpy sweeps).  Multiply-adds per sample:
+    ``sum_{t >= split} prod(d[split..t]) r_t r_{t+1} + sum_{t < split}
+    r_t r_{t+1} prod(d[t..split-1])`` (``mining``'s ``flops``).
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (m, cols), C-contiguous
+    flat : ndarray of float32, 1-D
+        The cores' elements concatenated in order (core ``k`` is
+        ``flat[off_k : off_k + r_prev d_k r_next]`` in ``(r_prev, d_k,
+        r_next)`` row-major order).
+    shapes : ndarray of int64, shape (n, 3)
+        ``(r_prev, d_k, r_next)`` per core, ``r_0 = r_n = 1``.
+    split : int
+        Output modes (see :func:`tt_split`), ``1 <= split < n``.
+    min_parallel : int
+        Serial below ``m * cols`` multiply-adds... per call of this size;
+        above, samples run in ``prange``.
+
+    Returns
+    -------
+    ndarray of float32, shape (m, rows)
+    """
+    m, cols = x.shape
+    n = shapes.shape[0]
+    offs = np.zeros(n + 1, dtype=np.int64)
+    rows = 1
+    for k in range(n):
+        offs[k + 1] = offs[k] + shapes[k, 0] * shapes[k, 1] * shapes[k, 2]
+        if k < split:
+            rows *= shapes[k, 1]
+    y = np.empty((m, rows), dtype=np.float32)
+    nb = _tt_buffer(shapes, split, cols, rows)
+    if m < 2 or m * (offs[n] + cols + rows) < min_parallel:
+        bufa = np.empty(nb, dtype=np.float32)
+        bufb = np.empty(nb, dtype=np.float32)
+        for i in range(m):
+            _tt_one(x, i, flat, shapes, offs, split, bufa, bufb, y)
+    else:
+        for i in prange(m):
+            bufa = np.empty(nb, dtype=np.float32)
+            bufb = np.empty(nb, dtype=np.float32)
+            _tt_one(x, i, flat, shapes, offs, split, bufa, bufb, y)
+    return y

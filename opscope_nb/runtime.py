@@ -1,0 +1,365 @@
+"""Run a packed compression option as a linear layer: :class:`PackedLinear`.
+
+``PackedLinear`` holds the arrays :func:`opscope_nb.mining.pack` returns for
+one weight ``w`` (PyTorch Linear layout ``[out, in]`` = ``[rows, cols]``) and
+one :class:`~opscope_nb.mining.Decomp`, and computes ``y = x @ W_hat.T``
+(``W_hat = unpack(...)``) **from those arrays** with the njit kernel of its
+kind (nibbles, crumbs, 2:4 values + slots, factors and cores are read inside
+the kernel; ``__call__`` never builds the dense ``W_hat``).
+
+>>> import numpy as np
+>>> from opscope_nb.mining import Decomp
+>>> from opscope_nb.runtime import PackedLinear
+>>> w = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
+>>> lin = PackedLinear.pack(w, Decomp.lowrank(8))
+>>> y = lin(np.ones((3, 48), np.float32))          # [3, 64] float32
+>>> lin.nbytes == 4 * (64 + 48) * 8
+True
+
+Kernels per kind (``act`` choices)
+----------------------------------
+Each kind's forward function is an entry of :data:`_FORWARD` (``kind ->
+fn(lin, x2d, act) -> y``, ``x2d`` float32 C-contiguous ``[m, cols]``
+already validated, ``act`` in ``{"auto", "f32", "int8"}``, ``y`` float32
+``[m, rows]``).  Float-weight kinds (dense, sparse2:4, low-rank, Monarch,
+Tucker, TT) have no integer-activation path: every ``act`` computes in
+float32 (``"auto"`` = ``"f32"``).  The quantised kinds register their own
+entries (see their module).  A kind without a registered kernel raises
+``NotImplementedError`` on call (never a silent densification).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import mining
+from .mining import Decomp
+from . import kernels as _k
+
+__all__ = ["PackedLinear", "expected_arrays", "ACTS"]
+
+#: Accepted ``act`` values of :meth:`PackedLinear.__call__`.
+ACTS = ("auto", "f32", "int8")
+
+
+# ─────────────────────────── packed-array layouts ───────────────────────────
+
+def _tt_bonds(modes, cap):
+    return [1] + list(mining._tt_ranks(tuple(modes), cap)) + [1]
+
+
+def expected_arrays(rows: int, cols: int, decomp: Decomp) -> dict:
+    """The arrays a ``[rows, cols]`` weight packed as ``decomp`` must have:
+    ``{name: (dtype, shape)}`` (``mining``'s layout table, in code).
+
+    Parameters
+    ----------
+    rows, cols : int
+        ``[out_features, in_features]``.
+    decomp : Decomp
+
+    Returns
+    -------
+    dict of str -> (numpy.dtype, tuple of int)
+    """
+    f32, u8, i8 = np.dtype(np.float32), np.dtype(np.uint8), np.dtype(np.int8)
+    d = decomp
+    k = d.kind
+    if k == "dense":
+        return {"w": (f32, (rows, cols))}
+    if k == "int8":
+        return {"codes": (i8, (rows, cols)), "scales": (f32, (rows,))}
+    if k == "int4":
+        return {"codes": (u8, (rows, (cols + 1) // 2)), "scales": (f32, (rows,))}
+    if k == "int4g":
+        return {"codes": (u8, (rows, (cols + 1) // 2)),
+                "scales": (f32, (rows, -(-cols // d.group)))}
+    if k == "ternary":
+        return {"codes": (u8, (rows, (cols + 3) // 4)), "alpha": (f32, (1,))}
+    if k == "sparse24":
+        nv = 2 * (cols // 4) + min(2, cols % 4)
+        return {"values": (f32, (rows, nv)), "indices": (u8, (rows, (nv + 3) // 4))}
+    if k == "lowrank":
+        return {"a": (f32, (rows, d.r)), "b": (f32, (d.r, cols))}
+    if k == "monarch":
+        m = math.isqrt(rows)
+        return {"w1": (f32, (m, m, m)), "w2": (f32, (m, m, m))}
+    if k == "tucker":
+        out = {"core": (f32, tuple(d.ranks))}
+        for i, (dd, rr) in enumerate(zip(d.dims, d.ranks)):
+            out[f"u{i}"] = (f32, (dd, rr))
+        return out
+    if k == "tt":
+        b = _tt_bonds(d.modes, d.cap)
+        return {f"core{i}": (f32, (b[i], dm, b[i + 1])) for i, dm in enumerate(d.modes)}
+    return _expected_from_pack(rows, cols, d)
+
+
+def _expected_from_pack(rows, cols, d):
+    """Layout of a kind this table does not spell out (a kind added to mining
+    later): read off ``mining.pack`` of a zero weight of the same shape."""
+    probe = mining.pack(np.zeros((rows, cols), np.float32), d)
+    return {name: (a.dtype, a.shape) for name, a in probe.items()}
+
+
+def _as_decomp(decomp):
+    if isinstance(decomp, Decomp):
+        return decomp
+    if isinstance(decomp, str):
+        return Decomp.from_label(decomp)
+    if isinstance(decomp, dict):
+        return Decomp.from_dict(decomp)
+    raise TypeError(f"decomp must be a Decomp (or its label / to_dict()); got "
+                    f"{type(decomp).__name__}. Use e.g. Decomp.int8().")
+
+
+def _as_shape(shape):
+    try:
+        rows, cols = (int(shape[0]), int(shape[1]))
+        if len(shape) != 2:
+            raise ValueError
+    except (TypeError, ValueError, IndexError):
+        raise ValueError(f"shape must be (rows, cols); got {shape!r}.") from None
+    if rows < 1 or cols < 1:
+        raise ValueError(f"shape must be positive (rows, cols); got {shape!r}.")
+    return rows, cols
+
+
+# ─────────────────────────── the layer ───────────────────────────
+
+class PackedLinear:
+    """A linear layer stored in one packed compression format.
+
+    Parameters
+    ----------
+    decomp : Decomp (or its label str / ``to_dict()`` dict)
+    arrays : dict of str -> ndarray
+        Exactly the arrays of ``mining``'s layout table for ``decomp`` and
+        ``shape`` (see :func:`expected_arrays`), dtype and shape as listed;
+        float arrays finite.  Non-contiguous arrays are copied; others are
+        kept as given (no copy), except TT cores, which are gathered into one
+        buffer the kernel walks (``arrays`` then returns views of it).
+    shape : (int, int)
+        ``(rows, cols)`` = ``[out_features, in_features]`` of the weight.
+
+    Raises
+    ------
+    ValueError
+        A missing, extra, wrongly typed, wrongly shaped or non-finite array
+        (the message names the array, the expected and the received
+        dtype/shape), or a layout this runtime cannot run.
+
+    Attributes
+    ----------
+    decomp : Decomp
+    shape : (int, int)
+    arrays : dict of str -> ndarray
+        Element-for-element equal to ``mining.pack(w, decomp)``.
+    nbytes : int
+        ``sum(a.nbytes)`` == ``mining.packed_bytes(rows, cols, decomp)``.
+    """
+
+    __slots__ = ("_decomp", "_shape", "_arrays", "_kind", "_aux")
+
+    def __init__(self, decomp, arrays, shape):
+        d = _as_decomp(decomp)
+        rows, cols = _as_shape(shape)
+        mining._check_applicable(rows, cols, d)
+        if not isinstance(arrays, dict):
+            raise TypeError(f"arrays must be a dict of name -> ndarray; got "
+                            f"{type(arrays).__name__}.")
+        want = expected_arrays(rows, cols, d)
+        missing = [n for n in want if n not in arrays]
+        extra = [n for n in arrays if n not in want]
+        if missing or extra:
+            raise ValueError(
+                f"{d.label} [{rows}x{cols}] needs arrays {sorted(want)}; missing "
+                f"{missing}, unexpected {extra}.")
+        got = {}
+        for name, (dt, shp) in want.items():
+            a = arrays[name]
+            if not isinstance(a, np.ndarray):
+                raise ValueError(f"array {name!r} of {d.label}: expected ndarray {dt} "
+                                 f"{shp}; got {type(a).__name__}.")
+            if a.dtype != dt or tuple(a.shape) != tuple(shp):
+                raise ValueError(
+                    f"array {name!r} of {d.label} [{rows}x{cols}]: expected dtype {dt} "
+                    f"shape {tuple(shp)}; got dtype {a.dtype} shape {tuple(a.shape)}.")
+            if a.dtype.kind == "f" and a.size and not np.isfinite(a).all():
+                raise ValueError(f"array {name!r} of {d.label} must be finite; it holds "
+                                 f"{int(a.size - np.isfinite(a).sum())} NaN/Inf.")
+            got[name] = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+        self._decomp = d
+        self._shape = (rows, cols)
+        self._kind = d.kind
+        self._aux = None
+        if d.kind == "tt":
+            got, self._aux = _tt_prepare(got, d, rows)
+        self._arrays = got
+
+    @classmethod
+    def pack(cls, w, decomp) -> "PackedLinear":
+        """Pack ``w`` (``[out, in]``, converted to float32, finite) as ``decomp``
+        with :func:`opscope_nb.mining.pack` and wrap the arrays."""
+        d = _as_decomp(decomp)
+        arrays = mining.pack(w, d)
+        w_shape = np.shape(w)
+        return cls(d, arrays, w_shape)
+
+    # -- attributes --------------------------------------------------------
+    @property
+    def decomp(self) -> Decomp:
+        return self._decomp
+
+    @property
+    def shape(self) -> tuple:
+        return self._shape
+
+    @property
+    def arrays(self) -> dict:
+        return dict(self._arrays)
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in self._arrays.values()))
+
+    def dense(self) -> np.ndarray:
+        """float32 ``[rows, cols]`` reconstruction (``mining.unpack``); for
+        inspection only -- calls never use it."""
+        return mining.unpack(self._arrays, self._decomp, self._shape)
+
+    def __repr__(self):
+        return (f"PackedLinear({self._decomp.label}, shape={self._shape}, "
+                f"nbytes={self.nbytes})")
+
+    # -- forward -----------------------------------------------------------
+    def __call__(self, x, act="auto"):
+        """``y = x @ W_hat.T``.
+
+        Parameters
+        ----------
+        x : array_like, shape (m, cols) or (cols,)
+            Real values (float64 / float16 / int converted to float32), finite.
+            A 1-D ``x`` is one row and gives a 1-D ``y`` of length ``rows``;
+            ``m = 0`` gives an empty ``[0, rows]``.
+        act : {"auto", "f32", "int8"}
+            Activation path (see the module docstring per kind).
+
+        Returns
+        -------
+        ndarray of float32, shape (m, rows) (or (rows,) for 1-D ``x``)
+        """
+        if act not in ACTS:
+            raise ValueError(f"act must be one of {ACTS}; got {act!r}.")
+        if (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2
+                and x.flags.c_contiguous):
+            x2 = x
+            one = False
+        else:
+            x2, one = _coerce_x(x)
+        cols = self._shape[1]
+        if x2.shape[1] != cols:
+            raise ValueError(f"x must have {cols} columns (in_features of this "
+                             f"{self._shape[0]}x{cols} layer); got shape {np.shape(x)}.")
+        if not np.isfinite(x2).all():
+            raise ValueError(f"x must be finite; it holds "
+                             f"{int(x2.size - np.isfinite(x2).sum())} NaN/Inf element(s).")
+        if x2.shape[0] == 0:
+            y = np.zeros((0, self._shape[0]), np.float32)
+        else:
+            fn = _FORWARD.get(self._kind)
+            if fn is None:
+                raise NotImplementedError(
+                    f"no kernel registered for {self._decomp.label} yet "
+                    f"(runtime._FORWARD has {sorted(_FORWARD)}).")
+            y = fn(self, x2, act)
+        return y[0] if one else y
+
+
+def _coerce_x(x):
+    if isinstance(x, np.ndarray):
+        a = x
+    else:
+        try:
+            a = np.asarray(x)
+        except Exception as exc:
+            raise TypeError(f"x must be a numeric array; got {type(x).__name__} "
+                            f"({exc}).") from None
+    if a.dtype.kind not in "fiu":
+        raise TypeError(f"x must have a real numeric dtype; got {a.dtype}. Pass float32.")
+    if a.ndim not in (1, 2):
+        raise ValueError(f"x must be 1-D (one row) or 2-D [m, cols]; got {a.ndim}-D with "
+                         f"shape {a.shape}. Reshape it to (-1, cols).")
+    one = a.ndim == 1
+    if one:
+        a = a[None, :]
+    with np.errstate(over="ignore"):
+        x2 = np.ascontiguousarray(a, dtype=np.float32)
+    return x2, one
+
+
+# ─────────────────────────── per-kind forward table ───────────────────────────
+
+def _tt_prepare(arrays, d, rows):
+    n = len(d.modes)
+    shapes = np.array([arrays[f"core{i}"].shape for i in range(n)], dtype=np.int64)
+    split = int(_k.tt_split(shapes, rows))
+    if split < 1:
+        raise ValueError(f"{d.label}: no leading modes multiply to rows={rows}, so the "
+                         f"TT operator has no input/output split and cannot run as a "
+                         f"layer; choose modes whose first ones multiply to rows.")
+    sizes = [int(np.prod(s)) for s in shapes]
+    flat = np.empty(sum(sizes), np.float32)
+    out = {}
+    o = 0
+    for i in range(n):
+        c = arrays[f"core{i}"]
+        flat[o:o + sizes[i]] = c.ravel()
+        out[f"core{i}"] = flat[o:o + sizes[i]].reshape(c.shape)
+        o += sizes[i]
+    return out, (flat, shapes, split)
+
+
+def _fwd_dense(lin, x, act):
+    return _k.dense_linear(x, lin._arrays["w"])
+
+
+def _fwd_sparse24(lin, x, act):
+    a = lin._arrays
+    return _k.sparse24_linear(x, a["values"], a["indices"])
+
+
+def _fwd_lowrank(lin, x, act):
+    a = lin._arrays
+    return _k.lowrank_linear(x, a["a"], a["b"])
+
+
+def _fwd_monarch(lin, x, act):
+    a = lin._arrays
+    return _k.monarch_linear(x, a["w1"], a["w2"])
+
+
+def _fwd_tucker(lin, x, act):
+    a = lin._arrays
+    return _k.tucker_linear(x, a["core"], a["u0"], a["u1"], a["u2"])
+
+
+def _fwd_tt(lin, x, act):
+    flat, shapes, split = lin._aux
+    return _k.tt_linear(x, flat, shapes, split)
+
+
+#: Forward function per ``Decomp.kind``: ``fn(lin, x2d, act) -> y`` with
+#: ``x2d`` float32 C-contiguous finite ``[m >= 1, cols]`` and ``y`` float32
+#: ``[m, rows]``.  Quantised kinds ("int8", "int4", "int4g", "ternary",
+#: "intn", ...) are registered by their kernel module below.
+_FORWARD = {
+    "dense": _fwd_dense,
+    "sparse24": _fwd_sparse24,
+    "lowrank": _fwd_lowrank,
+    "monarch": _fwd_monarch,
+    "tucker": _fwd_tucker,
+    "tt": _fwd_tt,
+    # -- quantised kinds: entries added here (helper D2) --
+}
