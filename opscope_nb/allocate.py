@@ -1,39 +1,65 @@
-"""Choose one decomposition option per layer under a global byte budget.
+"""Choose one decomposition option per layer under a global byte budget (and
+optionally a latency budget).
 
 The problem is a multiple-choice knapsack: layer ``i`` picks option ``j`` with
 error ``e_ij`` and size ``b_ij``; minimise ``sum_i weight_i * e_ij`` subject to
-``sum_i b_ij <= B``.  Three solvers share one contract:
+``sum_i b_ij <= B`` and, when a latency budget is given, ``sum_i t_ij <= T``
+(``t_ij`` = the option's measured latency at ``m = latency_m``,
+``DecompOption.latency_us[m]``).  Three solvers share one contract:
 
-* :func:`greedy_allocate` - the upstream greedy Lagrangian sweep,
+* :func:`greedy_allocate` - the upstream greedy Lagrangian sweep (with two
+  budgets: the greedy descent on the summed relative overshoot,
+  :func:`opscope_nb.kernels.greedy2_core`),
 * :func:`dado_allocate`   - the upstream DADO cross-entropy search (greedy warm
   start, ``@njit`` sampling/elite loop),
 * :func:`exact_allocate`  - the true optimum (HiGHS MILP via
   :func:`scipy.optimize.milp`), certified by its dual bound.
 
-Budget convention (used everywhere, including the feasibility flag):
-``B = floor(budget_frac * sum_i dense_bytes_i)`` bytes, an integer; a plan is
-feasible when its total bytes are ``<= B``.
+Budget convention (used everywhere, including the feasibility flag): exactly
+one of
+
+* ``budget_frac`` - ``B = floor(budget_frac * sum_i dense_bytes_i)``,
+* ``budget_bpw``  - ``B = floor(budget_bpw / 8 * sum_i rows_i * cols_i)``
+  (bits per weight, as llama.cpp users count),
+
+both evaluated in exact rational arithmetic on the number's shortest decimal
+form (``repr``), so ``0.29 * 100`` is 29 bytes and ``budget_frac=0.2`` on
+float32 layers gives the same ``B`` as ``budget_bpw=6.4``.  A plan is
+feasible when its total bytes are ``<= B`` (integers) and, with
+``latency_frac``, its total latency is ``<= T = latency_frac * sum_i t_i0``
+(the all-dense latency) up to a relative ``1e-9`` for float round-off.
 
 When even the smallest configuration (every layer on its fewest-bytes option)
-exceeds ``B``, every solver returns that smallest configuration with
-``feasible=False``, ``lower_bound=inf`` and ``gap=nan`` - never an over-budget
-plan presented as fitting.
+exceeds ``B`` (or every layer on its fastest option exceeds ``T``), every
+solver returns the fewest-bytes configuration with ``feasible=False``,
+``lower_bound=inf`` and ``gap=nan`` - never an over-budget plan presented as
+fitting.  With two budgets greedy and DADO may also fail on a feasible
+problem; they then return ``feasible=False`` with the valid bound and
+``gap=nan``.
 
-Every result carries ``lower_bound``, the Lagrangian dual of the knapsack (= its
-LP relaxation, computed exactly from each layer's lower convex hull), or for
-``exact`` the MILP's own dual bound, and ``gap = (total_err - lower_bound) /
-max(total_err, 1e-12)``.
+Every result carries ``lower_bound`` and names it in ``bound``: ``"lp"`` - the
+LP relaxation (one budget: the Lagrangian dual of the knapsack, computed
+exactly from each layer's lower convex hull; two budgets: the Lagrangian
+evaluated in exact arithmetic at the multipliers HiGHS's LP returns, a valid
+bound for any multipliers), ``"milp-dual"`` - HiGHS's dual bound when it is
+higher, ``"optimum"`` - the exact solver proved its plan optimal.  ``gap =
+(total_err - lower_bound) / max(total_err, 1e-12)``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import os
+import sys
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 
 from ._validation import check_fraction, check_int
-from .kernels._dado import dado_core, greedy_core, mckp_lp_bound
+from .kernels._dado import (dado_core, greedy2_core, greedy_core, lower_hull_core,
+                            mckp_lp_bound)
 
 __all__ = [
     "Allocation",
@@ -42,7 +68,17 @@ __all__ = [
     "dado_allocate",
     "exact_allocate",
     "budget_bytes",
+    "lower_hull",
+    "option_latency",
+    "LATENCY_RTOL",
 ]
+
+#: Relative tolerance of the latency budget (float sums of microseconds).
+LATENCY_RTOL = 1e-9
+#: Largest divisor of the MILP's byte row: HiGHS's MIP feasibility tolerance
+#: (1e-6) times this stays below 0.15 byte, so with the row's +0.25 byte slack
+#: no plan one byte over the budget is ever accepted (see exact_allocate).
+_BYTE_ROW_SCALE_MAX = float(2 ** 17)
 
 
 @dataclass(frozen=True)
@@ -71,6 +107,28 @@ class DadoConfig:
     seed: int = 0xDAD00501
 
 
+def option_latency(opt, m):
+    """``opt.latency_us[m]`` in microseconds, or ``None`` when not measured.
+
+    Accepts integer keys (in memory) and string keys (as JSON writes them).
+    """
+    d = getattr(opt, "latency_us", None) or {}
+    for key in (m, str(m)):
+        if key in d:
+            try:
+                return float(d[key])
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def _fin(v):
+    if v is None:
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
 @dataclass
 class Allocation:
     """One option index per layer, and what it costs.
@@ -86,18 +144,37 @@ class Allocation:
     dense_bytes : int
         Bytes of the all-dense model.
     feasible : bool
-        ``total_bytes <= budget_bytes``.
+        ``total_bytes <= budget_bytes`` (and the latency budget holds).
     lower_bound : float
-        A valid lower bound on the optimal objective (``inf`` if infeasible).
+        A valid lower bound on the optimal objective (``inf`` if the problem
+        is proven infeasible).
     gap : float
-        ``(total_err - lower_bound) / max(total_err, 1e-12)`` (``nan`` if
-        infeasible).
+        ``(total_err - lower_bound) / max(total_err, 1e-12)`` (``nan`` if the
+        plan is infeasible).
     method : str
         ``"greedy"``, ``"dado"`` or ``"exact"``.
     budget_bytes : int
-        ``floor(budget_frac * dense_bytes)``.
-    budget_frac : float
-        The requested fraction.
+        ``B`` (see the module docstring).
+    budget_frac : float or None
+        The requested fraction (``None`` when ``budget_bpw`` was given).
+    extra : dict
+        Solver details (``exact``: ``solver``, ``status``, ``variables``).
+    budget_bpw : float or None
+        The requested bits per weight (``None`` when ``budget_frac`` was given).
+    n_weights : int
+        ``sum_i rows_i * cols_i``.
+    bound : str
+        Which bound ``lower_bound`` is: ``"lp"``, ``"milp-dual"``,
+        ``"optimum"`` or ``"none"`` (infeasible).
+    latency_m : int or None
+        The ``m`` of the latency budget (``None``: no latency budget).
+    latency_frac : float or None
+    latency_budget_us : float or None
+        ``T = latency_frac * dense_latency_us``.
+    total_latency_us : float or None
+        Latency of the chosen options at ``latency_m``.
+    dense_latency_us : float or None
+        All-dense latency at ``latency_m``.
     """
 
     choice: list
@@ -109,12 +186,31 @@ class Allocation:
     gap: float
     method: str = ""
     budget_bytes: int = 0
-    budget_frac: float = 1.0
+    budget_frac: float | None = 1.0
     extra: dict = field(default_factory=dict)
+    budget_bpw: float | None = None
+    n_weights: int = 0
+    bound: str = "lp"
+    latency_m: int | None = None
+    latency_frac: float | None = None
+    latency_budget_us: float | None = None
+    total_latency_us: float | None = None
+    dense_latency_us: float | None = None
 
     def compression(self) -> float:
         """``dense_bytes / total_bytes`` (``total_bytes`` floored at 1)."""
         return self.dense_bytes / max(self.total_bytes, 1)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Achieved ``8 * total_bytes / n_weights`` (``nan`` without weights)."""
+        return 8.0 * self.total_bytes / self.n_weights if self.n_weights else math.nan
+
+    @property
+    def status(self) -> str:
+        """The exact solver's status (``"optimal"``, ``"time limit"``,
+        ``"fallback to greedy (...)"``, ``"infeasible"``); ``""`` for heuristics."""
+        return str(self.extra.get("status", ""))
 
     def to_dict(self, layers=None) -> dict:
         """JSON-ready dict; non-finite floats become ``None``.
@@ -123,43 +219,172 @@ class Allocation:
         ----------
         layers : sequence of LayerProfile, optional
             When given, adds a ``layers`` list with each layer's name and the
-            chosen option's label, rel_err, bytes and flops.
+            chosen option's label, rel_err, bytes, flops and measured
+            ``latency_us`` (``{"m": us}``, empty when not measured), and
+            ``total_latency_us`` / ``dense_latency_us`` (``{"m": us}`` for
+            every ``m`` measured on all layers).
         """
-        def fin(v):
-            v = float(v)
-            return v if math.isfinite(v) else None
-
         d = {
             "method": self.method,
-            "budget_frac": float(self.budget_frac),
+            "budget_frac": _fin(self.budget_frac),
+            "budget_bpw": _fin(self.budget_bpw),
             "budget_bytes": int(self.budget_bytes),
             "choice": [int(c) for c in self.choice],
-            "total_err": fin(self.total_err),
+            "total_err": _fin(self.total_err),
             "total_bytes": int(self.total_bytes),
             "dense_bytes": int(self.dense_bytes),
-            "compression": fin(self.compression()),
+            "n_weights": int(self.n_weights),
+            "bits_per_weight": _fin(self.bits_per_weight),
+            "compression": _fin(self.compression()),
             "feasible": bool(self.feasible),
-            "lower_bound": fin(self.lower_bound),
-            "gap": fin(self.gap),
+            "lower_bound": _fin(self.lower_bound),
+            "bound": self.bound,
+            "gap": _fin(self.gap),
         }
+        if self.latency_m is not None:
+            d.update({"latency_m": int(self.latency_m),
+                      "latency_frac": _fin(self.latency_frac),
+                      "latency_budget_us": _fin(self.latency_budget_us),
+                      "total_latency_us_at_m": _fin(self.total_latency_us),
+                      "dense_latency_us_at_m": _fin(self.dense_latency_us)})
         if self.extra:
             d["extra"] = dict(self.extra)
         if layers is not None:
             rows = []
+            ms = None
             for lp, c in zip(layers, self.choice):
                 o = lp.options[c]
+                lat = {str(k): float(v) for k, v in
+                       (getattr(o, "latency_us", None) or {}).items()}
+                keys = set(lat) & {str(k) for k in
+                                   (getattr(lp.options[0], "latency_us", None) or {})}
+                ms = keys if ms is None else ms & keys
                 rows.append({"name": lp.name, "option": int(c), "label": o.decomp.label,
                              "rel_err": float(o.rel_err), "bytes": int(o.bytes),
-                             "flops": int(o.flops)})
+                             "flops": int(o.flops), "latency_us": lat})
             d["layers"] = rows
+            ms = sorted(ms or (), key=int)
+            d["total_latency_us"] = {m: sum(r["latency_us"][m] for r in rows) for m in ms}
+            d["dense_latency_us"] = {
+                m: sum(option_latency(lp.options[0], m) for lp in layers) for m in ms}
         return d
 
 
-def budget_bytes(layers, budget_frac) -> int:
-    """``floor(budget_frac * sum_i layers[i].dense_bytes)`` (the one budget rule)."""
-    frac = check_fraction(budget_frac, "budget_frac")
+def _decimal(value) -> Fraction:
+    """The exact rational of a float's shortest decimal form (``0.2`` -> 1/5)."""
+    return Fraction(repr(float(value)))
+
+
+def _check_bpw(value) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"budget_bpw must be a real number of bits per weight; got "
+                        f"{value!r}.")
+    v = float(value)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"budget_bpw must be a finite number of bits per weight > 0 "
+                         f"(e.g. 6.4); got {value!r}.")
+    return v
+
+
+def _resolve_budget(budget_frac, budget_bpw, dense, n_weights):
+    """(frac or None, bpw or None, B) under the one budget rule."""
+    if (budget_frac is None) == (budget_bpw is None):
+        which = "both" if budget_frac is not None else "neither"
+        raise ValueError(f"give exactly one byte budget: budget_frac (a fraction of the "
+                         f"dense bytes, e.g. 0.2) or budget_bpw (bits per weight, e.g. "
+                         f"6.4); got {which}.")
+    if budget_frac is not None:
+        f = check_fraction(budget_frac, "budget_frac")
+        return f, None, int(math.floor(_decimal(f) * dense))
+    b = _check_bpw(budget_bpw)
+    return None, b, int(math.floor(_decimal(b) * n_weights / 8))
+
+
+def budget_bytes(layers, budget_frac=None, *, budget_bpw=None) -> int:
+    """The byte budget ``B`` (the one budget rule, see the module docstring).
+
+    Parameters
+    ----------
+    layers : sequence of LayerProfile
+    budget_frac : float, optional
+        Fraction of the dense bytes in (0, 1].
+    budget_bpw : float, optional
+        Bits per weight (> 0).  Exactly one of the two.
+
+    Returns
+    -------
+    int
+    """
     dense = sum(int(lp.dense_bytes) for lp in layers)
-    return int(math.floor(frac * dense))
+    nw = sum(int(lp.rows) * int(lp.cols) for lp in layers)
+    return _resolve_budget(budget_frac, budget_bpw, dense, nw)[2]
+
+
+def lower_hull(x, y):
+    """Vertices of the lower-left convex hull of the points ``(x[j], y[j])``.
+
+    The convex Pareto frontier of a layer's (bytes, error) options: the same
+    routine (:func:`opscope_nb.kernels.lower_hull_core`) the LP bound uses.
+
+    Parameters
+    ----------
+    x, y : array_like of shape (k,), ``k >= 1``
+        Finite coordinates (e.g. bytes and relative error).
+
+    Returns
+    -------
+    ndarray of shape (h,), int64
+        Indices into ``x``/``y`` of the hull vertices, ``x`` increasing and
+        ``y`` strictly decreasing.
+    """
+    xa = np.ascontiguousarray(x, dtype=np.float64)
+    ya = np.ascontiguousarray(y, dtype=np.float64)
+    if xa.ndim != 1 or ya.shape != xa.shape or xa.size == 0:
+        raise ValueError(f"x and y must be 1-D of the same non-zero length; got shapes "
+                         f"{xa.shape} and {ya.shape}.")
+    if not (np.isfinite(xa).all() and np.isfinite(ya).all()):
+        raise ValueError("x and y must be finite; got NaN/Inf. Drop those points first.")
+    return lower_hull_core(xa, ya)
+
+
+@contextlib.contextmanager
+def _quiet_native_output():
+    """Point file descriptors 1 and 2 at ``os.devnull`` around a native solve.
+
+    HiGHS prints some lines from C++ (e.g.
+    ``HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();``)
+    whatever ``disp`` says; Python-level redirection cannot catch them.
+    Our own messages are printed outside this block.
+    """
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    saved = []
+    try:
+        for fd in (1, 2):
+            try:
+                saved.append((fd, os.dup(fd)))
+            except OSError:
+                continue
+            os.dup2(devnull, fd)
+        yield
+    finally:
+        try:  # C stdio buffers written during the solve go to devnull too
+            import ctypes
+            ctypes.CDLL(None).fflush(None)
+        except (OSError, AttributeError, TypeError):
+            pass
+        for fd, copy in saved:
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(devnull)
 
 
 # ─────────────────────────────── internals ───────────────────────────────
@@ -167,7 +392,8 @@ def budget_bytes(layers, budget_frac) -> int:
 class _Problem:
     """Validated, padded option tables shared by the three solvers."""
 
-    def __init__(self, layers, budget_frac, weights):
+    def __init__(self, layers, budget_frac, weights, budget_bpw=None, latency_frac=None,
+                 latency_m=1):
         if isinstance(layers, (str, bytes)) or not hasattr(layers, "__len__"):
             raise TypeError(f"layers must be a sequence of LayerProfile; got "
                             f"{type(layers).__name__}.")
@@ -175,7 +401,6 @@ class _Problem:
         if not layers:
             raise ValueError("layers must not be empty; got 0 layers. Profile at "
                              "least one weight with profile_layer().")
-        self.frac = check_fraction(budget_frac, "budget_frac")
         nl = len(layers)
         if weights is None:
             wts = np.ones(nl)
@@ -223,9 +448,42 @@ class _Problem:
         self.nbytes = nbytes
         self.nopt = nopt
         self.dense = sum(int(lp.dense_bytes) for lp in layers)
-        self.budget = int(math.floor(self.frac * self.dense))
+        self.n_weights = sum(int(lp.rows) * int(lp.cols) for lp in layers)
+        self.frac, self.bpw, self.budget = _resolve_budget(budget_frac, budget_bpw,
+                                                           self.dense, self.n_weights)
         self.min_bytes = int(sum(int(nbytes[i, :nopt[i]].min()) for i in range(nl)))
         self.feasible = self.min_bytes <= self.budget
+        # latency (second resource)
+        self.lat = np.zeros((nl, kmax))
+        self.use_lat = latency_frac is not None
+        self.lat_frac = self.lat_m = None
+        self.lat_cap = self.lat_budget = math.inf
+        self.dense_lat = None
+        if self.use_lat:
+            self.lat_frac = check_fraction(latency_frac, "latency_frac")
+            self.lat_m = check_int(latency_m, "latency_m", 1)
+            for i, lp in enumerate(layers):
+                for j, o in enumerate(lp.options):
+                    t = option_latency(o, self.lat_m)
+                    if t is None:
+                        raise ValueError(
+                            f"layers[{i}] ({lp.name!r}) option {j} ({o.decomp.label}) has "
+                            f"no latency at m={self.lat_m}; profile with "
+                            f"latency=({self.lat_m},) (CLI: --latency {self.lat_m}) or drop "
+                            f"the latency budget.")
+                    if not (math.isfinite(t) and t >= 0):
+                        raise ValueError(f"layers[{i}] ({lp.name!r}) option {j} latency "
+                                         f"must be finite and >= 0 us; got {t}.")
+                    self.lat[i, j] = t
+            self.dense_lat = float(sum(self.lat[i, 0] for i in range(nl)))
+            if not self.dense_lat > 0:
+                raise ValueError(f"the all-dense latency at m={self.lat_m} is "
+                                 f"{self.dense_lat} us; a latency budget needs a positive "
+                                 f"dense latency.")
+            self.lat_cap = self.lat_frac * self.dense_lat
+            self.lat_budget = self.lat_cap * (1.0 + LATENCY_RTOL)
+            min_lat = sum(float(self.lat[i, :nopt[i]].min()) for i in range(nl))
+            self.feasible = self.feasible and min_lat <= self.lat_budget
 
     def smallest(self):
         """Fewest-bytes option per layer; ties: lowest cost, then first index."""
@@ -245,57 +503,140 @@ class _Problem:
             tb += int(self.nbytes[i, c])
         return err, tb
 
-    def lp_bound(self) -> float:
-        return float(mckp_lp_bound(self.cost, self.nbytes, self.nopt, self.budget))
+    def latency(self, choice) -> float:
+        return float(sum(self.lat[i, c] for i, c in enumerate(choice)))
 
-    def result(self, choice, method, lower_bound=None, extra=None):
+    def fits(self, choice) -> bool:
+        _, tb = self.evaluate(choice)
+        return tb <= self.budget and (not self.use_lat
+                                      or self.latency(choice) <= self.lat_budget)
+
+    def greedy(self):
+        if self.use_lat:
+            return [int(c) for c in greedy2_core(self.cost, self.nbytes, self.lat,
+                                                 self.nopt, np.int64(self.budget),
+                                                 float(self.lat_budget))]
+        return [int(c) for c in greedy_core(self.cost, self.nbytes, self.nopt,
+                                            np.int64(self.budget))]
+
+    def lagrangian(self, lam_b, lam_t) -> float:
+        """``sum_i min_j (c_ij + lam_b b_ij + lam_t t_ij) - lam_b B - lam_t T``:
+        a valid lower bound for any ``lam_b, lam_t >= 0``."""
+        val = 0.0
+        for i in range(len(self.layers)):
+            k = self.nopt[i]
+            v = (self.cost[i, :k] + lam_b * self.nbytes[i, :k].astype(np.float64)
+                 + lam_t * self.lat[i, :k])
+            val += float(v.min())
+        val -= lam_b * float(self.budget)
+        if self.use_lat:
+            val -= lam_t * float(self.lat_budget)
+        return val
+
+    def lp_bound(self) -> float:
+        """The LP relaxation's value as a valid bound (``inf``: proven infeasible)."""
+        if not self.use_lat:
+            return float(mckp_lp_bound(self.cost, self.nbytes, self.nopt, self.budget))
+        from scipy.optimize import linprog
+        from scipy.sparse import csr_matrix
+        nl = len(self.layers)
+        li = np.repeat(np.arange(nl), self.nopt)
+        oj = np.concatenate([np.arange(k) for k in self.nopt])
+        nv = li.size
+        sb = min(max(float(self.budget), 1.0), _BYTE_ROW_SCALE_MAX)
+        st = 1e4 / self.lat_budget
+        a_ub = np.vstack([self.nbytes[li, oj] / sb, self.lat[li, oj] * st])
+        b_ub = np.array([self.budget / sb, self.lat_budget * st])
+        a_eq = csr_matrix((np.ones(nv), (li, np.arange(nv))), shape=(nl, nv))
+        with _quiet_native_output():
+            res = linprog(self.cost[li, oj], A_ub=a_ub, b_ub=b_ub, A_eq=a_eq,
+                          b_eq=np.ones(nl), bounds=(0, 1), method="highs")
+        if res.status == 2:
+            return math.inf
+        lam_b = lam_t = 0.0
+        if res.status == 0:
+            marg = np.asarray(res.ineqlin.marginals, dtype=np.float64)
+            lam_b = max(-float(marg[0]), 0.0) / sb
+            lam_t = max(-float(marg[1]), 0.0) * st
+        return self.lagrangian(lam_b, lam_t)
+
+    def result(self, choice, method, lower_bound=None, extra=None, bound="lp"):
         choice = [int(c) for c in choice]
         err, tb = self.evaluate(choice)
-        feasible = tb <= self.budget
+        feasible = self.fits(choice)
         if not self.feasible:
-            lb, gap = math.inf, math.nan
+            lb, gap, bound = math.inf, math.nan, "none"
         else:
             lb = self.lp_bound() if lower_bound is None else float(lower_bound)
-            lb = max(lb, 0.0)  # every cost is >= 0; clears -1e-17 round-off
-            gap = (err - lb) / max(err, 1e-12)
-        return Allocation(choice=choice, total_err=err, total_bytes=tb,
-                          dense_bytes=self.dense, feasible=feasible,
-                          lower_bound=lb, gap=gap, method=method,
-                          budget_bytes=self.budget, budget_frac=self.frac,
-                          extra=dict(extra or {}))
+            if math.isinf(lb):
+                bound = "none"
+            else:
+                lb = max(lb, 0.0)  # every cost is >= 0; clears -1e-17 round-off
+            if feasible and math.isinf(lb):  # LP tolerance said infeasible; a plan fits
+                lb, bound = max(self.lagrangian(0.0, 0.0), 0.0), "lp"
+            gap = (err - lb) / max(err, 1e-12) if feasible else math.nan
+        a = Allocation(choice=choice, total_err=err, total_bytes=tb,
+                       dense_bytes=self.dense, feasible=feasible,
+                       lower_bound=lb, gap=gap, method=method,
+                       budget_bytes=self.budget, budget_frac=self.frac,
+                       extra=dict(extra or {}), budget_bpw=self.bpw,
+                       n_weights=self.n_weights, bound=bound)
+        if self.use_lat:
+            a.latency_m = self.lat_m
+            a.latency_frac = self.lat_frac
+            a.latency_budget_us = self.lat_cap
+            a.total_latency_us = self.latency(choice)
+            a.dense_latency_us = self.dense_lat
+        return a
 
 
 # ─────────────────────────────── solvers ───────────────────────────────
 
-def greedy_allocate(layers, budget_frac, *, weights=None) -> Allocation:
+_COMMON_PARAMS = """budget_frac : float, optional
+        Byte budget as a fraction of the dense bytes, in (0, 1].
+    budget_bpw : float, optional
+        Byte budget in bits per weight (> 0).  Exactly one of ``budget_frac``
+        and ``budget_bpw``.
+    weights : sequence of float, optional
+        Per-layer non-negative weights of the objective (default 1).
+    latency_frac : float, optional
+        Latency budget as a fraction of the all-dense latency at ``latency_m``,
+        in (0, 1]; needs ``DecompOption.latency_us[latency_m]`` on every
+        option (``ValueError`` naming the first one without).
+    latency_m : int
+        Rows of the activation the latency budget is measured at (default 1)."""
+
+
+def greedy_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
+                    latency_frac=None, latency_m=1) -> Allocation:
     """Greedy Lagrangian allocation (the upstream rule).
 
     Start with every layer dense (option 0); while the plan exceeds the
     budget, apply the one swap to a smaller option with the least
     ``max(weight * d_err, 0) / bytes_saved`` (ties: first layer, first option).
+    With a latency budget the swap minimises ``d_err`` per unit of summed
+    relative overshoot removed (:func:`opscope_nb.kernels.greedy2_core`) and
+    may end infeasible (``feasible=False``).
 
     Parameters
     ----------
     layers : sequence of LayerProfile
         Profiled layers; ``options[0]`` is dense.
-    budget_frac : float
-        Budget as a fraction of the dense bytes, in (0, 1].
-    weights : sequence of float, optional
-        Per-layer non-negative weights of the objective (default 1).
+    {params}
 
     Returns
     -------
     Allocation
     """
-    pb = _Problem(layers, budget_frac, weights)
+    pb = _Problem(layers, budget_frac, weights, budget_bpw, latency_frac, latency_m)
     if not pb.feasible:
         return pb.result(pb.smallest(), "greedy")
-    ch = greedy_core(pb.cost, pb.nbytes, pb.nopt, np.int64(pb.budget))
-    return pb.result(ch, "greedy")
+    return pb.result(pb.greedy(), "greedy")
 
 
-def dado_allocate(layers, budget_frac, cfg: DadoConfig = DadoConfig(), *,
-                  weights=None) -> Allocation:
+def dado_allocate(layers, budget_frac=None, cfg: DadoConfig = DadoConfig(), *,
+                  budget_bpw=None, weights=None, latency_frac=None,
+                  latency_m=1) -> Allocation:
     """DADO allocation: greedy warm start refined by cross-entropy search.
 
     Per-layer categorical marginals start at ``0.4/K`` plus ``0.6`` on the
@@ -303,15 +644,13 @@ def dado_allocate(layers, budget_frac, cfg: DadoConfig = DadoConfig(), *,
     plans with xorshift64, keeps the best strictly feasible one, and refits
     the marginals to the elite with Laplace smoothing (see
     :func:`opscope_nb.kernels.dado_core`).  The greedy plan is the initial
-    incumbent, so the result is never worse than greedy.
+    incumbent when it fits, so the result is never worse than greedy.
 
     Parameters
     ----------
     layers : sequence of LayerProfile
-    budget_frac : float
-        In (0, 1].
     cfg : DadoConfig
-    weights : sequence of float, optional
+    {params}
 
     Returns
     -------
@@ -326,69 +665,105 @@ def dado_allocate(layers, budget_frac, cfg: DadoConfig = DadoConfig(), *,
     if not math.isfinite(pen) or pen < 0:
         raise ValueError(f"cfg.penalty must be finite and >= 0; got {cfg.penalty!r}.")
     seed = check_int(cfg.seed, "cfg.seed", 0) & 0xFFFFFFFFFFFFFFFF
-    pb = _Problem(layers, budget_frac, weights)
+    pb = _Problem(layers, budget_frac, weights, budget_bpw, latency_frac, latency_m)
     if not pb.feasible:
         return pb.result(pb.smallest(), "dado")
-    g = greedy_core(pb.cost, pb.nbytes, pb.nopt, np.int64(pb.budget))
+    g = np.asarray(pb.greedy(), dtype=np.int64)
     n_elite = min(max(int(math.floor(pop * ef)), 1), pop)
-    ch, _ = dado_core(pb.cost, pb.nbytes, pb.nopt, np.int64(pb.budget), g,
-                      iters, pop, n_elite, pen, np.uint64(seed))
+    ch, _ = dado_core(pb.cost, pb.nbytes, pb.lat, pb.nopt, np.int64(pb.budget),
+                      float(pb.lat_budget), g, iters, pop, n_elite, pen, np.uint64(seed))
     return pb.result(ch, "dado")
 
 
 def _pareto_reduce(pb):
-    """Per layer, the options not dominated by another (fewer-or-equal bytes and
-    lower-or-equal cost, strictly better in one or earlier on a full tie).
-    Dropping them cannot change the optimum value."""
+    """Per layer, the options not dominated by another (no more bytes, no more
+    cost and - with a latency budget - no more latency; strictly better in one,
+    or earlier on a full tie).  Dropping them cannot change the optimum value."""
     keep = []
     for i in range(len(pb.layers)):
         k = pb.nopt[i]
         b = pb.nbytes[i, :k]
         c = pb.cost[i, :k]
-        order = np.lexsort((np.arange(k), c, b))  # bytes, then cost, then index
+        if not pb.use_lat:
+            order = np.lexsort((np.arange(k), c, b))  # bytes, then cost, then index
+            kept = []
+            best_c = math.inf
+            for j in order:
+                if c[j] < best_c:
+                    kept.append(int(j))
+                    best_c = c[j]
+            keep.append(kept)
+            continue
+        t = pb.lat[i, :k]
         kept = []
-        best_c = math.inf
-        for j in order:
-            if c[j] < best_c:
-                kept.append(int(j))
-                best_c = c[j]
+        for j in range(k):
+            dominated = False
+            for q in range(k):
+                if q == j or b[q] > b[j] or c[q] > c[j] or t[q] > t[j]:
+                    continue
+                if b[q] < b[j] or c[q] < c[j] or t[q] < t[j] or q < j:
+                    dominated = True
+                    break
+            if not dominated:
+                kept.append(j)
         keep.append(kept)
     return keep
 
 
-def exact_allocate(layers, budget_frac, *, weights=None, time_limit=60.0) -> Allocation:
+def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
+                   time_limit=60.0, latency_frac=None, latency_m=1) -> Allocation:
     """The optimal plan, from a MILP solved by HiGHS (:func:`scipy.optimize.milp`).
 
     Binaries ``x_ij`` (one per non-dominated option), ``sum_j x_ij = 1`` per
-    layer and ``sum_ij b_ij x_ij <= B``, minimising ``sum_ij w_i e_ij x_ij``
-    with a zero relative MIP gap.  The greedy plan is the fallback if HiGHS
-    stops early (time limit), in which case ``gap`` tells the truth.
+    layer, ``sum_ij b_ij x_ij <= B`` and, with a latency budget,
+    ``sum_ij t_ij x_ij <= T``, minimising ``sum_ij w_i e_ij x_ij`` with a zero
+    relative MIP gap.  HiGHS's own console output is suppressed.
+
+    The byte row is divided by ``s = min(B, 2**17)`` with right-hand side
+    ``(B + 0.25) / s``: HiGHS's feasibility tolerance (1e-6 on the scaled row)
+    is then below 0.15 byte at any budget, so a plan one byte over ``B`` is
+    never returned as feasible - even at budgets of hundreds of GB (a row
+    scaled by ``B`` itself would let a 300 GB budget drift by 300 kB).  The
+    rounded plan is re-checked in exact integer bytes (and float latency).
+
+    ``extra["status"]`` says how the plan was found: ``"optimal"``;
+    ``"time limit"`` (HiGHS's best plan when the limit stopped it; ``gap``
+    against its dual bound tells how far from optimal it may be);
+    ``"fallback to greedy (...)"`` (HiGHS returned no usable plan; the greedy
+    plan is reported with an honest gap); ``"infeasible"`` (HiGHS proved no
+    plan meets both budgets).
 
     Parameters
     ----------
     layers : sequence of LayerProfile
-    budget_frac : float
-        In (0, 1].
-    weights : sequence of float, optional
+    {params}
     time_limit : float
-        Seconds for HiGHS.
+        Seconds for HiGHS (finite, > 0).
 
     Returns
     -------
     Allocation
-        ``lower_bound`` is the larger of the LP (Lagrangian) bound and HiGHS's
-        dual bound, capped by ``total_err`` when HiGHS proved optimality.
+        ``lower_bound`` is the larger of the LP bound and HiGHS's dual bound,
+        capped by ``total_err`` when HiGHS proved optimality (``bound`` says
+        which).
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import csr_matrix
 
-    pb = _Problem(layers, budget_frac, weights)
+    if isinstance(time_limit, (bool, np.bool_)) or not isinstance(time_limit,
+                                                                   numbers.Real):
+        raise TypeError(f"time_limit must be a number of seconds; got {time_limit!r}.")
+    if not (math.isfinite(float(time_limit)) and float(time_limit) > 0):
+        raise ValueError(f"time_limit must be a finite number of seconds > 0; got "
+                         f"{time_limit!r}.")
+    pb = _Problem(layers, budget_frac, weights, budget_bpw, latency_frac, latency_m)
     if not pb.feasible:
-        return pb.result(pb.smallest(), "exact")
+        return pb.result(pb.smallest(), "exact",
+                         extra={"solver": "highs", "status": "infeasible"})
     lp = pb.lp_bound()
-    greedy = [int(c) for c in greedy_core(pb.cost, pb.nbytes, pb.nopt,
-                                          np.int64(pb.budget))]
+    greedy = pb.greedy()
     g_err, _ = pb.evaluate(greedy)
+    g_fits = pb.fits(greedy)
     keep = _pareto_reduce(pb)
     nl = len(keep)
     var_layer, var_opt = [], []
@@ -400,25 +775,35 @@ def exact_allocate(layers, budget_frac, *, weights=None, time_limit=60.0) -> All
     nv = var_layer.size
     c = pb.cost[var_layer, var_opt]
     b = pb.nbytes[var_layer, var_opt].astype(np.float64)
-    # Bytes are integers, so ``<= B + 0.25`` admits exactly the plans that
-    # fit; the slack absorbs HiGHS' feasibility tolerance.  The row is scaled
-    # by B so that tolerance is relative.  The rounded plan is re-checked in
-    # exact integer bytes below.
-    scale = max(float(pb.budget), 1.0)
+    # Bytes are integers, so ``<= B + 0.25`` admits exactly the plans that fit
+    # once the tolerance (< 0.15 byte after this scaling) is added.
+    sb = min(max(float(pb.budget), 1.0), _BYTE_ROW_SCALE_MAX)
     a_eq = csr_matrix((np.ones(nv), (var_layer, np.arange(nv))), shape=(nl, nv))
     cons = [LinearConstraint(a_eq, 1.0, 1.0),
-            LinearConstraint(b[None, :] / scale, -np.inf,
-                             (pb.budget + 0.25) / scale)]
-    best, dual, status = greedy, -math.inf, "greedy-fallback"
-    best_err = g_err
+            LinearConstraint(b[None, :] / sb, -np.inf, (pb.budget + 0.25) / sb)]
+    if pb.use_lat:
+        # relative tolerance 1e-6 / 1e4 = 1e-10, inside LATENCY_RTOL
+        st = 1e4 / pb.lat_budget
+        cons.append(LinearConstraint(pb.lat[var_layer, var_opt][None, :] * st,
+                                     -np.inf, 1e4))
+    best, dual = (greedy, -math.inf)
+    best_err = g_err if g_fits else math.inf
     # HiGHS keeps an absolute MIP gap of 1e-6 that scipy does not expose;
     # scaling the objective to a max of 1e4 makes it 1e-10 relative.
     cmax = float(c.max()) if nv else 0.0
     cscale = 1e4 / cmax if cmax > 1e-8 else 1e12  # (tiny costs: any plan is ~optimal)
-    res = milp(c * cscale, constraints=cons, integrality=np.ones(nv), bounds=Bounds(0, 1),
-               options={"mip_rel_gap": 0.0, "time_limit": float(time_limit),
-                        "disp": False})
-    if res.x is not None:
+    with _quiet_native_output():
+        res = milp(c * cscale, constraints=cons, integrality=np.ones(nv),
+                   bounds=Bounds(0, 1),
+                   options={"mip_rel_gap": 0.0, "time_limit": float(time_limit),
+                            "disp": False})
+    why = ("time limit, no plan" if res.status == 1 else
+           f"HiGHS status {res.status}: {res.message}")
+    if res.status == 2 and not g_fits:
+        status = "infeasible"
+    else:
+        status = f"fallback to greedy ({why})"
+    if res.x is not None and res.status != 2:
         x = np.rint(res.x).astype(np.int64)
         ch = [0] * nl
         ok = True
@@ -428,18 +813,37 @@ def exact_allocate(layers, budget_frac, *, weights=None, time_limit=60.0) -> All
                 ok = False
                 break
             ch[i] = int(var_opt[sel[0]])
-        if ok:
-            err, tb = pb.evaluate(ch)
-            if tb <= pb.budget and err <= best_err:
+        if not ok:
+            status = "fallback to greedy (HiGHS plan is not one option per layer)"
+        elif not pb.fits(ch):
+            status = "fallback to greedy (HiGHS plan over budget after rounding)"
+        else:
+            err, _ = pb.evaluate(ch)
+            if err <= best_err:
                 best, best_err = ch, err
-                status = "optimal" if res.status == 0 else f"highs-status-{res.status}"
+                status = ("optimal" if res.status == 0 else
+                          "time limit" if res.status == 1 else
+                          f"HiGHS status {res.status}")
+            else:
+                status = "fallback to greedy (greedy beat HiGHS's plan at the limit)"
     db = getattr(res, "mip_dual_bound", None)
-    if db is not None and math.isfinite(db):
+    if db is not None and math.isfinite(db) and res.status != 2:
         dual = float(db) / cscale
+    extra = {"solver": "highs", "status": status, "variables": int(nv),
+             "time_limit": float(time_limit)}
+    if status == "infeasible" or not math.isfinite(best_err):
+        # HiGHS proved infeasibility (or found nothing, and greedy does not fit)
+        lb = math.inf if status == "infeasible" else lp
+        return pb.result(best, "exact", lower_bound=lb, extra=extra)
     # Both bounds are valid; a bound above a plan we hold can only come from
     # solver tolerances, and when HiGHS proved optimality (gap 0) the optimum
     # is that plan's value.
     lb = min(max(lp, dual), best_err)
-    return pb.result(best, "exact", lower_bound=lb,
-                     extra={"solver": "highs", "status": status,
-                            "variables": int(nv)})
+    kind = ("optimum" if status == "optimal" else
+            "milp-dual" if dual > lp else "lp")
+    return pb.result(best, "exact", lower_bound=lb, extra=extra, bound=kind)
+
+
+for _f in (greedy_allocate, dado_allocate, exact_allocate):
+    _f.__doc__ = _f.__doc__.replace("{params}", _COMMON_PARAMS)
+del _f

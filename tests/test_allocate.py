@@ -116,7 +116,8 @@ def test_dado_core_matches_naive_loop(seed):
         cost[i, :len(c)] = c
         nb[i, :len(s)] = s
     nopt = np.array([len(c) for c in costs], dtype=np.int64)
-    ch, err = dado_core(cost, nb, nopt, budget, np.array(init, dtype=np.int64),
+    ch, err = dado_core(cost, nb, np.zeros_like(cost), nopt, budget, np.inf,
+                        np.array(init, dtype=np.int64),
                         7, 30, 6, 50.0, np.uint64(0xDAD00501 + seed))
     ref_ch, ref_err = naive_dado(costs, sizes, budget, init, 7, 30, 6, 50.0,
                                  0xDAD00501 + seed)

@@ -4,7 +4,11 @@
   held as ``cost[L, K]`` (float64, the *weighted* error ``w_i * rel_err_ij``),
   ``nbytes[L, K]`` (int64) and ``nopt[L]`` (int64, how many of the ``K``
   columns of row ``i`` are real options; the rest is padding and never read).
-  Option 0 of every layer is the dense baseline.
+  Option 0 of every layer is the dense baseline.  With a latency budget a
+  third table ``lat[L, K]`` (float64, microseconds at the planned ``m``) is a
+  second resource; ``lat_budget = inf`` switches it off.
+* :func:`lower_hull_core` - the one lower-convex-hull routine of the project
+  (the LP bound below and the CLI's rate-distortion plot both call it).
 
 The packing / quantisation cores of the menu options live in
 :mod:`opscope_nb.kernels._pack`.
@@ -20,7 +24,9 @@ from .._config import njit
 
 __all__ = [
     "xorshift64_step",
+    "lower_hull_core",
     "greedy_core",
+    "greedy2_core",
     "dado_core",
     "mckp_lp_bound",
 ]
@@ -46,6 +52,136 @@ def xorshift64_step(s):
     s ^= s >> np.uint64(7)
     s ^= s << np.uint64(17)
     return s
+
+
+@njit
+def lower_hull_core(x, y):
+    """Lower-left convex hull of the points ``(x[j], y[j])``: the vertices of
+    the convex Pareto frontier (fewer ``x`` and lower ``y`` are better).
+
+    Points are taken in ``(x, y, index)`` order; a point with ``y`` not below
+    the last kept vertex is dominated and skipped, and a kept middle vertex on
+    or above the chord of its neighbours is dropped (collinear points are not
+    vertices).  Used by :func:`mckp_lp_bound` on each layer's (bytes, cost)
+    options and by the CLI's plot.
+
+    Parameters
+    ----------
+    x, y : ndarray of shape (k,), float64, ``k >= 1``
+        Coordinates (bytes and error), finite.
+
+    Returns
+    -------
+    idx : ndarray of shape (h,), int64
+        Indices of the hull vertices, ``x`` increasing and ``y`` strictly
+        decreasing; ``idx[0]`` is the fewest-``x`` point (lowest ``y`` among
+        ties), ``idx[-1]`` a lowest-``y`` point.
+    """
+    k = x.shape[0]
+    key = np.empty(k)
+    for j in range(k):
+        key[j] = y[j]
+    o1 = np.argsort(key, kind="mergesort")
+    for t in range(k):
+        key[t] = x[o1[t]]
+    o2 = np.argsort(key, kind="mergesort")
+    hx = np.empty(k)
+    hy = np.empty(k)
+    hi = np.empty(k, dtype=np.int64)
+    h = 0
+    for t in range(k):
+        j = o1[o2[t]]
+        b = x[j]
+        c = y[j]
+        if h > 0 and c >= hy[h - 1]:
+            continue  # dominated: no fewer x, no lower y
+        while h >= 2:
+            x1 = hx[h - 2]
+            y1 = hy[h - 2]
+            x2 = hx[h - 1]
+            y2 = hy[h - 1]
+            # drop the middle point if it lies on/above the chord
+            if (y2 - y1) * (b - x1) >= (c - y1) * (x2 - x1):
+                h -= 1
+            else:
+                break
+        hx[h] = b
+        hy[h] = c
+        hi[h] = j
+        h += 1
+    return hi[:h].copy()
+
+
+@njit
+def greedy2_core(cost, nbytes, lat, nopt, budget, lat_budget):
+    """Greedy descent from all-dense under a byte **and** a latency budget.
+
+    The violation of a plan is ``V = max(bytes - budget, 0) / max(budget, 1)
+    + max(latency - lat_budget, 0) / lat_budget``.  While ``V > 0``, apply the
+    single swap (layer ``i`` to any other option) that lowers ``V`` with the
+    least ``max(cost_new - cost_cur, 0) / (V - V_new)``; ties keep the first
+    pair found (layers in order, options in order).  Stops when ``V == 0`` or
+    no swap lowers ``V`` (then the plan is infeasible).
+
+    Parameters
+    ----------
+    cost, nbytes, nopt
+        Padded option tables, see the module docstring.
+    lat : ndarray of shape (L, K), float64
+        Latency of each option.
+    budget : int
+        Byte budget.
+    lat_budget : float
+        Latency budget (``> 0``, finite).
+
+    Returns
+    -------
+    choice : ndarray of shape (L,), int64
+        Option index per layer.
+    """
+    nl = cost.shape[0]
+    choice = np.zeros(nl, dtype=np.int64)
+    tb = np.int64(0)
+    tl = 0.0
+    for i in range(nl):
+        tb += nbytes[i, 0]
+        tl += lat[i, 0]
+    fb = float(max(budget, 1))
+    while True:
+        vb = float(tb - budget) / fb if tb > budget else 0.0
+        vl = (tl - lat_budget) / lat_budget if tl > lat_budget else 0.0
+        v = vb + vl
+        if v <= 0.0:
+            break
+        best = np.inf
+        bi = -1
+        bj = -1
+        for i in range(nl):
+            c = choice[i]
+            for j in range(nopt[i]):
+                if j == c:
+                    continue
+                nb = tb + nbytes[i, j] - nbytes[i, c]
+                nlat = tl + lat[i, j] - lat[i, c]
+                wb = float(nb - budget) / fb if nb > budget else 0.0
+                wl = (nlat - lat_budget) / lat_budget if nlat > lat_budget else 0.0
+                dv = v - (wb + wl)
+                if dv <= 0.0:
+                    continue
+                d = cost[i, j] - cost[i, c]
+                if d < 0.0:
+                    d = 0.0
+                score = d / dv
+                if bi < 0 or score < best:
+                    best = score
+                    bi = i
+                    bj = j
+        if bi < 0:
+            break
+        tb += nbytes[bi, bj] - nbytes[bi, choice[bi]]
+        tl += lat[bi, bj] - lat[bi, choice[bi]]
+        choice[bi] = bj
+    return choice
 
 
 @njit
@@ -106,8 +242,8 @@ def greedy_core(cost, nbytes, nopt, budget):
 
 
 @njit
-def dado_core(cost, nbytes, nopt, budget, init_choice, iters, pop, n_elite,
-              penalty, seed):
+def dado_core(cost, nbytes, lat, nopt, budget, lat_budget, init_choice, iters, pop,
+              n_elite, penalty, seed):
     """DADO cross-entropy search over per-layer categorical marginals.
 
     The upstream algorithm: marginals start at ``0.4/K_i`` on every option
@@ -115,19 +251,26 @@ def dado_core(cost, nbytes, nopt, budget, init_choice, iters, pop, n_elite,
     ``pop`` configurations (layers in order, one xorshift64 draw per layer,
     ``u = (s >> 11) / 2**53``, the first option whose cumulative probability
     is ``>= u``), keeps the best *strictly feasible* configuration seen
-    (``bytes <= budget`` and ``err < best``), stable-sorts the population by
-    ``loss = err + penalty * max((bytes - budget) / budget, 0)``, and refits
-    every marginal to ``(1 + elite count) / (K_i + n_elite)``.
+    (``bytes <= budget``, ``latency <= lat_budget`` and ``err < best``),
+    stable-sorts the population by ``loss = err + penalty * (max((bytes -
+    budget) / budget, 0) + max((latency - lat_budget) / lat_budget, 0))`` (the
+    latency term only when ``lat_budget`` is finite), and refits every
+    marginal to ``(1 + elite count) / (K_i + n_elite)``.
 
     Parameters
     ----------
     cost, nbytes, nopt
         Padded option tables, see the module docstring.
+    lat : ndarray of shape (L, K), float64
+        Latency of each option (any values when ``lat_budget`` is ``inf``).
     budget : int
         Byte budget (feasible means ``bytes <= budget``; the loss divides by
         ``max(budget, 1)``).
+    lat_budget : float
+        Latency budget (``inf``: no latency constraint; must be ``> 0``).
     init_choice : ndarray of shape (L,), int64
-        Warm start and initial incumbent (must be feasible).
+        Warm start; the initial incumbent when it is feasible (otherwise the
+        incumbent starts empty at ``err = inf``).
     iters, pop, n_elite : int
         Iterations, population size, elite size (``1 <= n_elite <= pop``).
     penalty : float
@@ -140,10 +283,11 @@ def dado_core(cost, nbytes, nopt, budget, init_choice, iters, pop, n_elite,
     choice : ndarray of shape (L,), int64
         Best feasible configuration found (``init_choice`` if none beat it).
     err : float
-        Its total weighted error.
+        Its total weighted error (``inf`` when no feasible plan was seen).
     """
     nl = cost.shape[0]
     kmax = cost.shape[1]
+    use_lat = lat_budget < np.inf
     p = np.zeros((nl, kmax))
     for i in range(nl):
         k = nopt[i]
@@ -152,8 +296,14 @@ def dado_core(cost, nbytes, nopt, budget, init_choice, iters, pop, n_elite,
         p[i, init_choice[i]] += 0.6
     best_choice = init_choice.copy()
     best_err = 0.0
+    ib = np.int64(0)
+    il = 0.0
     for i in range(nl):
         best_err += cost[i, init_choice[i]]
+        ib += nbytes[i, init_choice[i]]
+        il += lat[i, init_choice[i]]
+    if ib > budget or (use_lat and il > lat_budget):
+        best_err = np.inf
     fbudget = float(max(budget, 1))  # loss denominator only
 
     s = seed | np.uint64(1)
@@ -171,6 +321,7 @@ def dado_core(cost, nbytes, nopt, budget, init_choice, iters, pop, n_elite,
         for q in range(pop):
             err = 0.0
             tb = np.int64(0)
+            tl = 0.0
             for i in range(nl):
                 s = xorshift64_step(s)
                 # (s >> 11) < 2**53 fits int64: a single signed conversion
@@ -186,13 +337,19 @@ def dado_core(cost, nbytes, nopt, budget, init_choice, iters, pop, n_elite,
                 samples[q, i] = c
                 err += cost[i, c]
                 tb += nbytes[i, c]
-            if tb <= budget and err < best_err:
+                if use_lat:
+                    tl += lat[i, c]
+            if tb <= budget and (not use_lat or tl <= lat_budget) and err < best_err:
                 best_err = err
                 for i in range(nl):
                     best_choice[i] = samples[q, i]
             over = (float(tb) - fbudget) / fbudget
             if over < 0.0:
                 over = 0.0
+            if use_lat:
+                ol = (tl - lat_budget) / lat_budget
+                if ol > 0.0:
+                    over += ol
             loss[q] = err + penalty * over
         order = np.argsort(loss, kind="mergesort")
         for i in range(nl):
@@ -239,42 +396,18 @@ def mckp_lp_bound(cost, nbytes, nopt, budget):
     nseg = 0
     base_c = 0.0
     base_b = 0.0
-    hb = np.empty(kmax)
-    hc = np.empty(kmax)
-    idx = np.empty(kmax, dtype=np.int64)
-    key = np.empty(kmax)
+    xb = np.empty(kmax)
     for i in range(nl):
         k = nopt[i]
-        # sort options by (bytes, cost): two stable passes
         for j in range(k):
-            key[j] = cost[i, j]
-        o1 = np.argsort(key[:k], kind="mergesort")
-        for t in range(k):
-            key[t] = float(nbytes[i, o1[t]])
-        o2 = np.argsort(key[:k], kind="mergesort")
-        for t in range(k):
-            idx[t] = o1[o2[t]]
-        # Pareto front (strictly decreasing cost) + lower convex hull
-        h = 0
-        for t in range(k):
-            j = idx[t]
-            b = float(nbytes[i, j])
-            c = cost[i, j]
-            if h > 0 and c >= hc[h - 1]:
-                continue  # dominated: more bytes, no less cost
-            while h >= 2:
-                x1 = hb[h - 2]
-                y1 = hc[h - 2]
-                x2 = hb[h - 1]
-                y2 = hc[h - 1]
-                # drop the middle point if it lies on/above the chord
-                if (y2 - y1) * (b - x1) >= (c - y1) * (x2 - x1):
-                    h -= 1
-                else:
-                    break
-            hb[h] = b
-            hc[h] = c
-            h += 1
+            xb[j] = float(nbytes[i, j])
+        hv = lower_hull_core(xb[:k], cost[i, :k])
+        h = hv.shape[0]
+        hb = np.empty(h)
+        hc = np.empty(h)
+        for t in range(h):
+            hb[t] = xb[hv[t]]
+            hc[t] = cost[i, hv[t]]
         base_b += hb[0]
         base_c += hc[0]
         for t in range(1, h):
