@@ -390,6 +390,89 @@ def test_gguf_dims_and_dequant(tmp_path):
                                         "blk.0.ffn_up.weight"}
 
 
+def _q6_k_bytes(x):
+    """Q6_K blocks of ``x`` (float32 [rows, cols], cols % 256 == 0), by hand.
+
+    Per 256-value super-block: 16 sub-blocks of 16 share a 6-bit code range
+    (codes 0..63 = value/step + 32) with an int8 sub-scale times one f16 ``d``;
+    bytes = ql[128] (low nibbles) + qh[64] (high crumbs) + scales[16] + d[2],
+    in the order ggml's ``block_q6_K`` stores them (gguf-py has no Q6_K
+    quantiser, only the dequantiser this is checked against).
+    """
+    rows, cols = x.shape
+    blocks = x.reshape(-1, 256).astype(np.float64)
+    out = np.zeros((blocks.shape[0], 210), np.uint8)
+    for i, blk in enumerate(blocks):
+        sub = blk.reshape(16, 16)
+        s = np.abs(sub).max(axis=1) / 31.0               # step per sub-block
+        d = np.float16(s.max() / 127.0 if s.max() > 0 else 0.0)
+        sc = np.clip(np.floor(s / np.float64(d) + 0.5), 1, 127) if d else np.ones(16)
+        step = np.float64(d) * sc
+        q = np.zeros(256, np.int64)
+        if d:
+            q = np.clip(np.floor(sub / step[:, None] + 0.5), -32, 31).astype(np.int64).ravel()
+        q += 32
+        ql, qh = np.zeros(128, np.uint8), np.zeros(64, np.uint8)
+        for p in range(256):
+            h, r = divmod(p, 128)
+            ql[h * 64 + r % 64] |= (q[p] & 0xF) << (4 * (r // 64))
+            qh[h * 32 + r % 32] |= (q[p] >> 4) << (2 * (r // 32))
+        out[i, :128], out[i, 128:192] = ql, qh
+        out[i, 192:208] = sc.astype(np.int8).view(np.uint8)
+        out[i, 208:210] = np.array([d], np.float16).view(np.uint8)
+    return out.reshape(rows, cols // 256 * 210)
+
+
+def test_gguf_q4_0_q4_1_q6_k(tmp_path):
+    """Q4_0 / Q4_1 (gguf's own quantiser) and Q6_K (written by hand) load as
+    [out, in] float32 equal to gguf's dequantisation and within each format's
+    quantisation error of the original."""
+    gguf = pytest.importorskip("gguf")
+    T = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(11)
+    x4 = rng.standard_normal((3, 96)).astype(np.float32)          # 3 blocks of 32 per row
+    x4[1, 40] = 9.0                                               # an outlier block
+    x6 = rng.standard_normal((2, 512)).astype(np.float32)         # 2 super-blocks per row
+    q6 = _q6_k_bytes(x6)
+    p = tmp_path / "q.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    for name, qt in (("blk.0.attn_q.weight", T.Q4_0), ("blk.0.attn_k.weight", T.Q4_1)):
+        q = gguf.quants.quantize(x4, qt)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qt)
+    w.add_tensor("blk.0.ffn_down.weight", q6, raw_shape=q6.shape, raw_dtype=T.Q6_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    e = {x.name: x for x in oio.open_source(p).entries}
+    assert e["blk.0.attn_q.weight"].dtype == "Q4_0"
+    assert e["blk.0.attn_k.weight"].dtype == "Q4_1"
+    assert e["blk.0.ffn_down.weight"].dtype == "Q6_K"
+    got = {n: e[n].load() for n in e}
+    for n, x, qt in (("blk.0.attn_q.weight", x4, T.Q4_0), ("blk.0.attn_k.weight", x4, T.Q4_1),
+                     ("blk.0.ffn_down.weight", x6, T.Q6_K)):
+        g = got[n]
+        assert g.dtype == np.float32 and g.shape == x.shape and g.flags.writeable
+        raw = q6 if qt == T.Q6_K else gguf.quants.quantize(x, qt)
+        np.testing.assert_array_equal(g, gguf.quants.dequantize(raw, qt).reshape(x.shape))
+    # Q4_0: d = (signed absmax) / -8, codes -8..7: error <= |d| (the +7 side clips)
+    xb, eb = x4.reshape(3, 3, 32), np.abs(got["blk.0.attn_q.weight"] - x4).reshape(3, 3, 32)
+    amax = np.abs(xb).max(axis=2, keepdims=True)
+    assert (eb <= amax / 8 * 1.01).all()
+    # Q4_1: d = (max - min) / 15 and an f16 min: error <= d / 2 (+ f16 rounding)
+    eb = np.abs(got["blk.0.attn_k.weight"] - x4).reshape(3, 3, 32)
+    span = xb.max(axis=2, keepdims=True) - xb.min(axis=2, keepdims=True)
+    assert (eb <= span / 30 * 1.02 + 1e-3 * amax).all()
+    # Q6_K: step = d * scale ~ amax16 / 31, error <= step / 2 (+ scale rounding)
+    xb, eb = x6.reshape(2, -1, 16), np.abs(got["blk.0.ffn_down.weight"] - x6).reshape(2, -1, 16)
+    assert (eb <= np.abs(xb).max(axis=2, keepdims=True) / 31 * 0.6).all()
+    rel = {n: np.linalg.norm(got[n] - x) / np.linalg.norm(x)
+           for n, x in (("blk.0.attn_q.weight", x4), ("blk.0.attn_k.weight", x4),
+                        ("blk.0.ffn_down.weight", x6))}
+    assert rel["blk.0.ffn_down.weight"] < 0.02 < rel["blk.0.attn_k.weight"] < 0.12
+    assert rel["blk.0.attn_q.weight"] < 0.15        # the outlier block costs Q4_0 most
+
+
 def test_gguf_corrupt(tmp_path):
     pytest.importorskip("gguf")
     p = tmp_path / "m.gguf"
@@ -486,7 +569,7 @@ def test_synthetic_model_layout():
 
 
 def test_synthetic_model_data():
-    synth = pytest.importorskip("opscope_nb.synth")
+    from opscope_nb import synth       # a broken import must fail, not skip
     src = oio.open_source(None)
     for e, (_, dist, r, c, seed) in zip(src.entries, oio.SYNTHETIC_LAYERS):
         w = e.load()
