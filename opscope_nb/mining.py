@@ -303,12 +303,20 @@ class Decomp:
 
 @dataclass(frozen=True)
 class DecompOption:
-    """One measured option: decomposition, true error, honest bytes, MACs/row."""
+    """One measured option: decomposition, true error, honest bytes, MACs/row.
+
+    ``latency_us`` maps a batch size ``m`` to the measured wall time (µs) of
+    the option's :class:`~opscope_nb.runtime.PackedLinear` call on ``[m, cols]``
+    input on this machine (``profile_layer(..., latency=(1, 32))``); empty when
+    not measured.  Not part of equality or hash.  In JSON its keys are strings;
+    :meth:`from_dict` restores int keys.
+    """
 
     decomp: Decomp
     rel_err: float
     bytes: int
     flops: int
+    latency_us: dict = field(default_factory=dict, compare=False)
 
     @property
     def label(self) -> str:
@@ -317,12 +325,15 @@ class DecompOption:
     def to_dict(self) -> dict:
         return {"decomp": self.decomp.to_dict(), "label": self.decomp.label,
                 "rel_err": float(self.rel_err), "bytes": int(self.bytes),
-                "flops": int(self.flops)}
+                "flops": int(self.flops),
+                "latency_us": {str(int(k)): float(v) for k, v in
+                               sorted(self.latency_us.items())}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "DecompOption":
+        lat = {int(k): float(v) for k, v in (d.get("latency_us") or {}).items()}
         return cls(Decomp.from_dict(d["decomp"]), float(d["rel_err"]), int(d["bytes"]),
-                   int(d["flops"]))
+                   int(d["flops"]), lat)
 
 
 @dataclass
@@ -653,7 +664,8 @@ def _nbytes(packed):
     return int(sum(a.nbytes for a in packed.values()))
 
 
-def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0) -> LayerProfile:
+def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
+                  latency=None) -> LayerProfile:
     """Measure every applicable compression option of one weight.
 
     Options, in order: dense; int8/chan; int4/chan; int4/g{g} for each ``g``
@@ -680,11 +692,17 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0) -> LayerPro
         Group lengths for group-wise int4.
     seed : int
         Seed of the truncated SVD sketch.
+    latency : sequence of int, optional
+        Batch sizes ``m`` at which to time each option's
+        :class:`~opscope_nb.runtime.PackedLinear` call on this machine (warm,
+        best block median: :func:`opscope_nb.runtime.measure_latency`), stored
+        in ``DecompOption.latency_us`` as ``{m: µs}``.  ``None``: not measured
+        (empty dicts).
 
     Returns
     -------
     LayerProfile
-        ``timings`` holds seconds per part.
+        ``timings`` holds seconds per part (``latency`` when measured).
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str; got {type(name).__name__}.")
@@ -699,6 +717,10 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0) -> LayerPro
         g = check_int(g, "groups[i]", 1)
         if g not in gs:
             gs.append(g)
+    lat_ms = None
+    if latency is not None:
+        from .runtime import _check_ms
+        lat_ms = _check_ms(latency)
     rows, cols = w.shape
     numel = rows * cols
     opts = []
@@ -711,9 +733,15 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0) -> LayerPro
         recon = unpack(packed, d, w.shape)
         err = float(_rel_err(w, recon))
         nb = _nbytes(packed)
-        opts.append(DecompOption(d, err, nb, _flops(rows, cols, d)))
         if part:
             tim[part] += time.perf_counter() - t0
+        lat = {}
+        if lat_ms is not None:
+            from .runtime import PackedLinear, measure_latency
+            t0 = time.perf_counter()
+            lat = measure_latency(PackedLinear(d, packed, w.shape), lat_ms, seed=seed)
+            tim["latency"] = tim.get("latency", 0.0) + time.perf_counter() - t0
+        opts.append(DecompOption(d, err, nb, _flops(rows, cols, d), lat))
 
     add(Decomp.dense(), None)
     add(Decomp.int8(), "quant")

@@ -37,7 +37,7 @@ from . import mining
 from .mining import Decomp
 from . import kernels as _k
 
-__all__ = ["PackedLinear", "expected_arrays", "ACTS"]
+__all__ = ["PackedLinear", "expected_arrays", "measure_latency", "has_kernel", "ACTS"]
 
 #: Accepted ``act`` values of :meth:`PackedLinear.__call__`.
 ACTS = ("auto", "f32", "int8")
@@ -363,3 +363,81 @@ _FORWARD = {
     "tt": _fwd_tt,
     # -- quantised kinds: entries added here (helper D2) --
 }
+
+
+# ─────────────────────────── latency measurement ───────────────────────────
+
+def has_kernel(kind: str) -> bool:
+    """Whether :data:`_FORWARD` has a kernel for ``Decomp.kind`` ``kind``."""
+    return kind in _FORWARD
+
+
+def measure_latency(lin, ms=(1, 32), *, act="auto", seed=0, rounds=3,
+                    block_s=0.002, max_reps=64) -> dict:
+    """Warm wall time (µs) of ``lin(x, act)`` for each batch size ``m`` in ``ms``.
+
+    Like ``bench.py``'s ``time_group``: per round, one untimed call, then a
+    block of back-to-back timed calls (as many as fit in ``block_s`` seconds,
+    3 to ``max_reps``); the figure is the median of the best round's block.
+    ``x`` is standard normal ``[m, cols]`` float32 from ``seed``.  The weights
+    are whatever cache level they fit in after the warm call (a small layer is
+    timed from cache, as it runs when a model is decoded layer after layer
+    only if the whole model fits).
+
+    Parameters
+    ----------
+    lin : PackedLinear
+    ms : sequence of int
+        Batch sizes (``>= 1``).
+    act : {"auto", "f32", "int8"}
+    seed : int
+    rounds : int
+    block_s : float
+    max_reps : int
+
+    Returns
+    -------
+    dict of int -> float
+        ``{m: microseconds}``; empty when ``lin``'s kind has no kernel yet.
+    """
+    import time
+
+    if not isinstance(lin, PackedLinear):
+        raise TypeError(f"lin must be a PackedLinear; got {type(lin).__name__}.")
+    ms = _check_ms(ms)
+    if not has_kernel(lin._kind):
+        return {}
+    rng = np.random.default_rng(seed)
+    out = {}
+    for m in ms:
+        x = rng.standard_normal((m, lin.shape[1])).astype(np.float32)
+        lin(x, act)                                  # warm (compile / cache load)
+        t0 = time.perf_counter()
+        lin(x, act)
+        one = max(time.perf_counter() - t0, 1e-7)
+        reps = int(min(max_reps, max(3, block_s / one)))
+        best = math.inf
+        for _ in range(max(1, int(rounds))):
+            lin(x, act)
+            ts = np.empty(reps)
+            for r in range(reps):
+                t0 = time.perf_counter()
+                lin(x, act)
+                ts[r] = time.perf_counter() - t0
+            best = min(best, float(np.median(ts)))
+        out[int(m)] = 1e6 * best
+    return out
+
+
+def _check_ms(ms):
+    if isinstance(ms, (int, np.integer)):
+        ms = (ms,)
+    try:
+        vals = [int(v) for v in ms]
+    except (TypeError, ValueError):
+        raise TypeError(f"latency batch sizes must be a sequence of ints, e.g. (1, 32); "
+                        f"got {ms!r}.") from None
+    if not vals or any(v < 1 for v in vals) or any(v != float(w) for v, w in zip(vals, ms)):
+        raise ValueError(f"latency batch sizes must be positive ints, e.g. (1, 32); "
+                         f"got {ms!r}.")
+    return tuple(dict.fromkeys(vals))
