@@ -115,6 +115,7 @@ def test_stream_bandwidth_reads_the_array():
 def test_parse_sections():
     assert bench.parse_sections("4,5") == [4, 5, 7]
     assert bench.parse_sections("1") == [1]
+    assert bench.parse_sections("9") == [7, 9]
     for bad in ("9x", "0", ""):
         with pytest.raises(SystemExit, match="--sections"):
             bench.parse_sections(bad)
@@ -132,3 +133,58 @@ def test_bench_py_smoke(tmp_path):
     res = json.loads(out.read_text())
     assert "1" in res and "4" not in res and "7" not in res
     assert res["bandwidth"]["gb_s"] > 0 and res["config"]["quick"] is True
+
+
+# --------------------------------------------------------------------------- #
+# section 9: ONNX Runtime side by side
+# --------------------------------------------------------------------------- #
+def test_peers_skipped_without_onnxruntime(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)     # import -> ImportError
+    res = {"skipped": []}
+    bench.section9(TINY, bench.Compile(), res)
+    out = capsys.readouterr().out
+    assert "## 9." in out and "SKIPPED" in out and 'pip install -e ".[peers]"' in out
+    assert "skipped" in res["9"] and res["skipped"]
+
+
+def test_ort_graphs_compute_our_packed_weights():
+    """The three in-memory graphs compute x @ W_hat.T for the codes we hand them
+    (a wrong nibble offset or transposition would be off by O(1))."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    from opscope_nb import mining
+    from opscope_nb.mining import Decomp
+    from opscope_nb.bench.peers import ort_sessions
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((24, 64)).astype(np.float32)      # [n, k]
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    sess = ort_sessions(w, 1)
+    for name, d, tol in (("MatMul f32", "dense", 1e-6),
+                         ("DynamicQuantizeMatMul", "int8/chan", 0.02),
+                         ("MatMulNBits 4b/32", "int4/g32", 0.02)):
+        dec = Decomp.from_label(d)
+        wh = mining.unpack(mining.pack(w, dec), dec, w.shape).astype(np.float64)
+        ref = x.astype(np.float64) @ wh.T
+        y = sess[name].run(["Y"], {"X": x})[0]
+        assert y.shape == (3, 24)
+        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < tol, name
+
+
+def test_peers_section_rows_and_verdict(capsys):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    cfg = dict(TINY, peer_shapes=[(64, 32)], peer_m=(1, 3))
+    res = {"skipped": []}
+    bench.section9(cfg, bench.Compile(), res)
+    out = capsys.readouterr().out
+    assert "## 9. Peers" in out
+    rows = res["9"]["rows"]
+    assert [(r["m"], r["k"], r["n"]) for r in rows] == [(1, 64, 32), (3, 64, 32)]
+    for r in rows:
+        assert r["err"]["ours f32"] < 1e-5 and r["err"]["ORT MatMul f32"] < 1e-5
+        assert r["err"]["ours W8A8"] <= 0.02 and r["err"]["ORT DynamicQuantizeMatMul"] <= 0.02
+        assert r["err"]["ORT MatMulNBits 4b/32"] < 0.2
+        assert r["x_w8a8_vs_ort"] > 0 and r["x_f32_vs_ort"] > 0
+        assert all(math.isfinite(v) and v > 0 for v in r["ms"].values())
+    assert any(s.startswith("Peers at m=1") for s in res["9"]["verdict"])

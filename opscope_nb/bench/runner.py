@@ -21,14 +21,15 @@ from opscope_nb import accel
 from ._util import TIMING, Compile
 from .machine import machine_info, stream_bandwidth
 from .matmul import section1, section2, section3, section4, section5, section6
+from .peers import section9
 from .verdict import section7
 
 #: Section number -> function ``(cfg, comp, res)``; 7 (the verdict) runs last.
 SECTIONS = {1: section1, 2: section2, 3: section3, 4: section4, 5: section5,
-            6: section6}
-ALL_SECTIONS = (1, 2, 3, 4, 5, 6, 7)
+            6: section6, 9: section9}
+ALL_SECTIONS = (1, 2, 3, 4, 5, 6, 7, 9)
 #: Sections whose figures feed the verdict (asking for one adds 7).
-VERDICT_FROM = (4, 5, 6)
+VERDICT_FROM = (4, 5, 6, 9)
 
 FULL = {
     "s1": (64, 512, 512),
@@ -41,6 +42,9 @@ FULL = {
     "timing": TIMING["full"],
     # streaming read: max(8 x L3, 256 MiB)
     "stream_l3_mult": 8, "stream_min_bytes": 256 << 20,
+    # section 9, ONNX Runtime: (k, n) at each m
+    "peer_shapes": [(1024, 1024), (1024, 3072), (3072, 1024), (4096, 4096)],
+    "peer_m": (1, 32),
 }
 QUICK = {
     "s1": (16, 96, 72),
@@ -52,11 +56,14 @@ QUICK = {
     "reps_fast": 3, "reps_mid": 3, "reps_slow": 2, "reps_dram": 2,
     "timing": TIMING["quick"],
     "stream_l3_mult": 2, "stream_min_bytes": 16 << 20,
+    "peer_shapes": [(96, 64), (64, 160)],
+    "peer_m": (1, 5),
 }
 
 
 def parse_sections(text):
-    """``"4,5"`` -> ``[4, 5, 7]`` (the verdict is added when 4-6 run)."""
+    """``"4,5"`` -> ``[4, 5, 7]`` (the verdict is added when a section it
+    quotes runs)."""
     try:
         secs = sorted({int(s) for s in text.split(",") if s.strip()})
     except ValueError:
@@ -67,7 +74,7 @@ def parse_sections(text):
         raise SystemExit(f"--sections takes numbers from {ALL_SECTIONS}; got {text!r}")
     if any(s in secs for s in VERDICT_FROM) and 7 not in secs:
         secs.append(7)
-    return secs
+    return sorted(secs)
 
 
 def stream_bytes(cfg, l3):
@@ -81,7 +88,7 @@ def run(cfg, secs, res=None, comp=None):
 
     ``res`` may carry ``"machine"`` (from :func:`machine_info`) and
     ``"bandwidth"``; missing ones are measured here.  The verdict (7) runs
-    after every other section.
+    after every other section (so it can quote 8 and 9).
     """
     res = {} if res is None else res
     res.setdefault("skipped", [])
