@@ -2,8 +2,10 @@
 
 Layouts: activations ``x[m, k]``, weights ``w[k, n]``, output-major weights
 ``wt[n, k]``, outputs ``[m, n]``.  Quantisation: symmetric, ``scale =
-amax / 127`` (1 when ``amax < 1e-20``), ``code = clamp(sign(t) *
-floor(|t| + 0.5), -127, 127)`` with ``t = v / scale`` in float32.
+amax / 127`` (1 when ``amax < 1e-20``), ``code = clamp(round_half_away(t),
+-127, 127)`` with ``t = v / scale`` in float32 and ``round_half_away(t) =
+trunc(t + copysign(0.5, t))`` evaluated in float64 (exact for every float32
+``t``; ``floor(|t| + 0.5)`` in float32 maps 0.49999997 to 1).
 """
 import numpy as np
 
@@ -58,8 +60,10 @@ def naive_factored_matmul(x, u, v):
 
 
 def naive_round_half_away(t):
+    """Round half away from zero, exact for float32 ``t`` (the ``+ 0.5`` is
+    done in float64, where it cannot round)."""
     t = np.asarray(t, np.float32)
-    return (np.sign(t) * np.floor(np.abs(t) + np.float32(0.5))).astype(np.float32)
+    return np.trunc(t.astype(np.float64) + np.copysign(0.5, t)).astype(np.float32)
 
 
 def naive_scale(amax):

@@ -191,6 +191,21 @@ def test_tucker_matches_naive_hosvd(dims, ranks):
             np.testing.assert_allclose(sv, 1.0, atol=1e-3)
 
 
+def test_tucker_mode_grams_are_float64():
+    """Mode-1 spectrum 1, 3e-4, 1e-5...: the 2nd direction's Gram eigenvalue
+    (9e-8) sits at float32 rounding level of the Gram, so a float32 Gram tilts
+    the rank-2 factor (smallest principal cosine ~0.966); float64 keeps it."""
+    rng = np.random.default_rng(0)
+    d0, d1, d2 = 16, 8, 16
+    v = np.linalg.qr(rng.standard_normal((d1, d1)))[0]
+    s = np.array([1.0, 3e-4] + [1e-5] * 6)
+    a = rng.standard_normal((d1, d0, d2))
+    x = np.ascontiguousarray(np.einsum("k,kab,jk->ajb", s, a, v).astype(np.float32))
+    _, (u0, u1, u2) = kernels.tucker_hosvd(x, (4, 2, 4))
+    cos = np.linalg.svd(u1.astype(np.float64).T @ v[:, :2], compute_uv=False)
+    assert cos.min() > 0.999, cos
+
+
 def test_tucker_params_and_bad_input():
     assert D.tucker_params((1024, 32, 96), (32, 16, 48)) == \
         nv.naive_tucker_params((1024, 32, 96), (32, 16, 48)) == \

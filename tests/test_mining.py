@@ -96,6 +96,63 @@ def test_quant_exact_on_wide_dynamic_range():
         np.testing.assert_array_equal(approximate(w, d), naive_group_quant(w, bits, g))
 
 
+# Values whose quotient by the scale is 0.49999997 (rounds to 0; floor(|t| + 0.5)
+# in float32 gives 1) and exact ties at +-0.5, +-1.5, +-2.5 (away from zero).
+# The first entry of each row is the row's max, so the per-channel scale is 1.
+_EDGE = np.array([0.49999997, -0.49999997, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5,
+                  2.4999998, -2.4999998, 0.0, 1.0], dtype=np.float32)
+
+
+def _edge_matrix(levels):
+    w = np.empty((2, 1 + _EDGE.size), dtype=np.float32)
+    w[0, 0], w[0, 1:] = np.float32(levels), _EDGE
+    w[1, 0], w[1, 1:] = np.float32(-levels), -_EDGE
+    return w
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_mining_codes_equal_probe_quantiser_at_edges(bits):
+    from opscope_nb.kernels import quantize_rows_sym, unpack_nibbles
+
+    levels = 2 ** (bits - 1) - 1
+    w = _edge_matrix(levels)
+    d = Decomp.int8() if bits == 8 else Decomp.int4()
+    p = pack(w, d)
+    codes = p["codes"] if bits == 8 else unpack_nibbles(p["codes"], w.shape[1])
+    ref_codes, ref_scales = quantize_rows_sym(w, bits)
+    np.testing.assert_array_equal(p["scales"], ref_scales)
+    assert p["scales"][0] == 1.0
+    np.testing.assert_array_equal(codes, ref_codes)
+    # the edge values themselves: 0.49999997 -> 0, ties away from zero
+    np.testing.assert_array_equal(codes[0, 1:9], [0, 0, 1, -1, 2, -2, 3, -3])
+    np.testing.assert_array_equal(codes[0, 9:11], [2, -2])
+    np.testing.assert_array_equal(approximate(w, d), naive_group_quant(w, bits, w.shape[1]))
+
+
+def test_group_quantiser_core_from_njit_at_edges():
+    """quantize_groups_sym called from a user's @njit function; the groups of 4
+    each start with their max so every scale is 1."""
+    import numba
+    from opscope_nb.kernels import quantize_groups_sym
+
+    @numba.njit
+    def run(x, bits, g):
+        return quantize_groups_sym(x, bits, g)
+
+    x = np.array([[7.0, 0.49999997, -0.5, 2.5, 7.0, -0.49999997, 1.5, -2.4999998]],
+                 dtype=np.float32)
+    codes, scales = run(x, 4, 4)
+    np.testing.assert_array_equal(scales, np.ones((1, 2), np.float32))
+    np.testing.assert_array_equal(codes, [[7, 0, -1, 3, 7, 0, 2, -2]])
+
+
+def test_naive_twin_rounds_edges():
+    from naive_alloc import naive_round_half_away
+
+    got = naive_round_half_away(_EDGE)
+    np.testing.assert_array_equal(got, [0, 0, 1, -1, 2, -2, 3, -3, 2, -2, 0, 1])
+
+
 def test_bit_packing_roundtrip():
     from opscope_nb.kernels import pack_crumbs, pack_nibbles, unpack_crumbs, unpack_nibbles
 
@@ -238,7 +295,7 @@ def test_pack_bad_input():
 
 def _check_profile(prof, w):
     assert prof.dense_bytes == 4 * w.size and prof.options[0].decomp == Decomp.dense()
-    assert prof.rows, prof.cols == w.shape
+    assert (prof.rows, prof.cols) == w.shape
     for o in prof.options:
         approx = approximate(w, o.decomp)
         assert o.rel_err == pytest.approx(naive_rel_err(w, approx), rel=1e-6, abs=1e-9), \

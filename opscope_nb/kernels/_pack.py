@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._config import njit
-from ._probe import div_f32
+from ._probe import div_f32, round_half_away
 
 __all__ = [
     "quantize_groups_sym",
@@ -41,7 +41,10 @@ def quantize_groups_sym(x, bits, group):
     Row ``i`` is cut into ``ceil(cols / group)`` consecutive groups (the last
     may be short).  ``levels = max(2**(bits-1) - 1, 1)``, ``scale = amax /
     levels`` (1.0 when ``amax < 1e-20``), ``code = clamp(round_half_away(x /
-    scale), -levels, levels)``.  ``group = cols`` is per-channel (per-row).
+    scale), -levels, levels)`` with the float32 quotient :func:`div_f32` and
+    the project's one rounding core :func:`round_half_away`.  ``group = cols``
+    is per-channel (per-row) and gives exactly the codes and scales of
+    :func:`opscope_nb.kernels.quantize_rows_sym`.
 
     Parameters
     ----------
@@ -74,10 +77,7 @@ def quantize_groups_sym(x, bits, group):
             sc = div_f32(amax, flev) if amax >= np.float32(1e-20) else np.float32(1.0)
             scales[i, g] = sc
             for j in range(lo, hi):
-                v = div_f32(x[i, j], sc)
-                r = np.floor(abs(v) + np.float32(0.5))
-                if v < 0:
-                    r = -r
+                r = round_half_away(div_f32(x[i, j], sc))
                 if r > flev:
                     r = flev
                 elif r < -flev:

@@ -400,7 +400,8 @@ def truncated_svd_opts(w, r, seed, oversample, depth, exact_side, zero_tol):
     r : int
         Rank, ``1 <= r <= min(rows, cols)`` (clamped).
     seed : int
-        Seed of the Gaussian sketch (non-negative).
+        Seed of the uniform ``[-1, 1)`` sketch (:func:`uniform_sketch`;
+        non-negative).
     oversample : int
         Extra sketch columns: block size ``b = r + oversample``.
     depth : int

@@ -8,9 +8,11 @@ that unfolding; the core is ``X x0 U0^T x1 U1^T x2 U2^T``.
 Cost: mode 0 reuses the truncated-SVD core on the free view
 ``x.reshape(d0, -1)`` (block Krylov with block ``r0 + 16`` and depth 4 for a long
 mode, exact otherwise); modes 1 and 2 only need the
-``d_i x d_i`` Grams of their unfoldings, formed with BLAS without materialising
-the unfoldings (mode 2 is a free view, mode 1 sums ``X[i0] X[i0]^T``), then an
-exact ``eigh``.  No input validation here; see :mod:`opscope_nb.decompose`.
+``d_i x d_i`` Grams of their unfoldings, formed **in float64** (one float64
+copy of the tensor, float64 BLAS GEMMs, no materialised unfolding: mode 2 is a
+free view, mode 1 sums ``X[i0] X[i0]^T``), then an exact ``eigh``.  A float32
+Gram would square the condition number in float32 and lose the small
+eigenvalues' directions to rounding; the factors and the core are float32.  No input validation here; see :mod:`opscope_nb.decompose`.
 
 References
 ----------
@@ -73,15 +75,18 @@ def _tucker_hosvd(x3, ranks):
     # depth 4): only the subspace matters here, and on a flat spectrum its
     # projection error is within ~0.1 % of the exact one.
     u0 = np.ascontiguousarray(truncated_svd_opts(x0, r0, 0, 16, 4, 64, 1e-6)[0])
+    # Grams of modes 1 and 2 in float64 (products and sums), from one float64
+    # copy of the tensor.
+    x64 = x3.astype(np.float64)
     # mode 2: the unfolding is the transpose of the free view (d0*d1, d2).
-    x2 = x3.reshape(d0 * d1, d2)
-    g2 = np.dot(x2.T, x2).astype(np.float64)
+    x2 = x64.reshape(d0 * d1, d2)
+    g2 = np.dot(x2.T, x2)
     u2 = _factor_from_gram(g2, r2)
-    # mode 1: Gram = sum_i0 X[i0] X[i0]^T; batch i0 so each GEMM is large.
+    # mode 1: Gram = sum_i0 X[i0] X[i0]^T.
     g1 = np.zeros((d1, d1), dtype=np.float64)
     for i in range(d0):
-        sl = x3[i]
-        g1 += np.dot(sl, sl.T).astype(np.float64)
+        sl = x64[i]
+        g1 += np.dot(sl, sl.T)
     u1 = _factor_from_gram(g1, r1)
     # core = X x0 U0^T x1 U1^T x2 U2^T, shrinking the longest mode first.
     t0 = np.dot(u0.T, x0)                                   # (r0, d1*d2)
