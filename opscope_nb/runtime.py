@@ -350,6 +350,35 @@ def _fwd_tt(lin, x, act):
     return _k.tt_linear(x, flat, shapes, split)
 
 
+# Quantised kinds (kernels in ``kernels/_packed_quant.py``; helper D2).
+# ``act="auto"`` per kind = the faster path on the benchmark machine
+# (benchmarks/bench_packed_quant.py): see _AUTO_INT8.
+#: Kinds whose ``act="auto"`` runs the int8-activation path.
+_AUTO_INT8 = frozenset({"int8", "int4", "int4g", "ternary"})
+
+
+def _act8(lin, act):
+    return act == "int8" or (act == "auto" and lin._kind in _AUTO_INT8)
+
+
+def _fwd_int8(lin, x, act):
+    a = lin._arrays
+    return _k.packed_int8_linear(x, a["codes"], a["scales"], _act8(lin, act))
+
+
+def _fwd_int4(lin, x, act):
+    a = lin._arrays
+    g = lin._decomp.group if lin._kind == "int4g" else 0
+    return _k.packed_int4_linear(x, a["codes"], a["scales"], lin._shape[1], g,
+                                 _act8(lin, act))
+
+
+def _fwd_ternary(lin, x, act):
+    a = lin._arrays
+    return _k.packed_ternary_linear(x, a["codes"], a["alpha"], lin._shape[1],
+                                    _act8(lin, act))
+
+
 #: Forward function per ``Decomp.kind``: ``fn(lin, x2d, act) -> y`` with
 #: ``x2d`` float32 C-contiguous finite ``[m >= 1, cols]`` and ``y`` float32
 #: ``[m, rows]``.  Quantised kinds ("int8", "int4", "int4g", "ternary",
@@ -362,6 +391,10 @@ _FORWARD = {
     "tucker": _fwd_tucker,
     "tt": _fwd_tt,
     # -- quantised kinds: entries added here (helper D2) --
+    "int8": _fwd_int8,
+    "int4": _fwd_int4,
+    "int4g": _fwd_int4,
+    "ternary": _fwd_ternary,
 }
 
 

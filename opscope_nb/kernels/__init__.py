@@ -35,3 +35,8 @@ __all__ = sorted(set().union(*(m.__all__ for m in (
 
 from . import _packed_float  # noqa: E402
 __all__ = sorted(set(__all__) | set(_packed_float.__all__))
+
+from ._simd_lowbit import *   # noqa: F401,F403,E402
+from ._packed_quant import *  # noqa: F401,F403,E402
+from . import _simd_lowbit, _packed_quant  # noqa: E402
+__all__ = sorted(set(__all__) | set(_simd_lowbit.__all__) | set(_packed_quant.__all__))

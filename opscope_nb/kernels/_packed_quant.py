@@ -1,0 +1,436 @@
+"""Matmul ``@njit`` cores computing straight from *packed* quantised weights.
+
+``y[m, rows] = x[m, cols] @ What.T`` where ``What`` is the dequantised weight
+of :func:`opscope_nb.mining.pack`; the dense ``What`` is never materialised.
+Layouts (every array C-contiguous; weight row = output channel, so the packed
+arrays are already output-major):
+
+================  ==========================================================
+kind              arrays
+================  ==========================================================
+``int8/chan``     ``codes`` int8 [rows, cols]; ``scales`` float32 [rows]
+``int4/chan``     ``codes`` uint8 [rows, ceil(cols/2)] (two's-complement
+                  nibbles, column ``2t`` in the low nibble of byte ``t``);
+                  ``scales`` float32 [rows]
+``int4/g{g}``     ``codes`` as int4/chan; ``scales`` float32 [rows, ceil(cols/g)]
+                  (the last group may be short)
+``ternary``       ``codes`` uint8 [rows, ceil(cols/4)] (column ``4t+q`` in bits
+                  ``2q..2q+1`` of byte ``t``: 0 -> 0, 1 -> +1, 3 -> -1);
+                  ``alpha`` float32 [1]
+================  ==========================================================
+
+Activations
+-----------
+* ``a8`` (``act="int8"``): each row of ``x`` is quantised to int8
+  (:func:`~opscope_nb.kernels.quantize_rows_i8`: ``sx = amax/127``, round half
+  away from zero), the products are exact integer sums per scale group, then
+  ``y = sum * sx * scale``.  Error vs ``x @ What.T``: the int8 rounding of
+  ``x`` (about 0.5 % relative on Gaussian data).
+* ``a16`` (``act="f32"``): each row of ``x`` becomes int16 codes with
+  ``levels = min(32767, (2**31 - 1) // (umax * flush_columns))`` (so no int32
+  lane can overflow), relative rounding ~1e-5 of the row maximum; sums are
+  exact integers per scale group.
+
+How the SIMD works (:mod:`._simd_lowbit`): the packed bytes are turned into
+unsigned offset codes in registers (``nibble ^ 8``, ``(crumb + 1) & 3``),
+multiplied with activations that were *rearranged once per call* so that
+each nibble/crumb field lines up with its activation lane, and the offset is
+removed exactly with one precomputed ``offset * sum(x)`` per scale group.
+int8 activations use ``vpdpbusd`` (AVX-512 VNNI / AVX-VNNI) or
+``vpmaddubsw`` + ``vpmaddwd`` (AVX2); int16 activations use ``vpmaddwd``.
+Columns past the last whole unit (64 columns for int4, 128 for ternary) or
+group, and group sizes that are neither 32 nor a multiple of the unit, take a
+scalar path with the same integer sums.
+
+Decode (``m < 4``) uses a 1 row x 4 outputs tile; prefill (``m >= 4``) a
+4 rows x 2 outputs tile, so each unpacked weight vector is reused by four
+activation rows from registers.  Output blocks of four run in parallel
+(``prange``) above ``min_parallel`` multiply-adds; the split never depends on
+the thread count and every output is computed by one thread in a fixed
+order, so results are reproducible.
+
+These cores assume valid input (validated in :mod:`opscope_nb.runtime`).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from .._config import njit, njit_parallel
+from ._matmul import PAR_MIN, matmul_w8a16, matmul_w8a8, quantize_rows_i8, quantize_rows_i16
+from ._simd_lowbit import lowbit_tile_1x4, lowbit_tile_4x2
+
+__all__ = [
+    "FMT_INT4",
+    "FMT_TERNARY",
+    "lowbit_matmul_a8",
+    "lowbit_matmul_a16",
+    "w4a8_matmul",
+    "w4a16_matmul",
+    "ternary_matmul_a8",
+    "ternary_matmul_a16",
+    "packed_int8_linear",
+    "packed_int4_linear",
+    "packed_ternary_linear",
+]
+
+#: ``fmt`` id of two's-complement nibbles (int4/chan, int4/g{g}).
+FMT_INT4 = 0
+#: ``fmt`` id of ternary 2-bit crumbs.
+FMT_TERNARY = 1
+
+_NB = 4
+_NCHUNK = 16
+#: units per flush in mode 0 (per-row scale)
+_UPF0 = 8
+
+
+@njit
+def _fields(fmt):
+    return 2 if fmt == 0 else 4
+
+
+@njit
+def _offset(fmt):
+    return 8 if fmt == 0 else 1
+
+
+@njit
+def _umax(fmt):
+    return 15 if fmt == 0 else 3
+
+
+@njit
+def _code_at(w, j, p, fmt):
+    """Signed code of weight row ``j``, column ``p``."""
+    if fmt == 0:
+        v = (np.int64(w[j, p >> 1]) >> (4 * (p & 1))) & 15
+        return v - 16 if v >= 8 else v
+    v = (np.int64(w[j, p >> 2]) >> (2 * (p & 3))) & 3
+    return np.int64(-1) if v == 3 else v
+
+
+@njit
+def _plan(cols, ng, group, fmt):
+    """(mode, nunits, upf): flush mode, whole units on the SIMD path, units/flush."""
+    unit = 32 * _fields(fmt)
+    if ng == 1:
+        return 0, cols // unit, _UPF0
+    if fmt == 0 and group == 32:
+        return 1, cols // 64, 1
+    if group % unit == 0:
+        upf = group // unit
+        return 2, (cols // group) * upf, upf
+    return -1, 0, 1
+
+
+@njit
+def _arrange(xq, nunits, fmt, upf, mode):
+    """Per-unit field order of the activations and the offset corrections."""
+    m = xq.shape[0]
+    P = _fields(fmt)
+    unit = 32 * P
+    off = _offset(fmt)
+    nx = nunits * unit
+    xp = np.empty((m, max(nx, 1)), dtype=xq.dtype)
+    nfl = (nunits + upf - 1) // upf
+    corr = np.zeros((m, max(nfl, 1) * 8), dtype=np.int32)
+    for i in range(m):
+        for u in range(nunits):
+            b = u * unit
+            for s in range(P):
+                for t in range(32):
+                    xp[i, b + s * 32 + t] = xq[i, b + P * t + s]
+        for f in range(nfl):
+            c0 = f * upf * unit
+            c1 = min(nunits, (f + 1) * upf) * unit
+            if mode == 1:
+                sa = np.int64(0)
+                sb = np.int64(0)
+                for p in range(c0, c0 + 32):
+                    sa += xq[i, p]
+                for p in range(c0 + 32, c0 + 64):
+                    sb += xq[i, p]
+                corr[i, 8 * f] = off * sa
+                corr[i, 8 * f + 4] = off * sb
+            else:
+                s = np.int64(0)
+                for p in range(c0, c1):
+                    s += xq[i, p]
+                corr[i, 8 * f] = off * s
+    return xp, corr
+
+
+@njit
+def _tail(xq, i, w, j, p0, cols, fmt, sflat, soff, group, scaled):
+    """Scalar sum over columns ``p0..cols-1`` (mode 0: integer; else scaled)."""
+    if not scaled:
+        a = np.int64(0)
+        for p in range(p0, cols):
+            a += np.int64(xq[i, p]) * _code_at(w, j, p, fmt)
+        return np.float64(a)
+    tot = np.float64(0.0)
+    p = p0
+    while p < cols:
+        g = p // group
+        e = min((g + 1) * group, cols)
+        a = np.int64(0)
+        for q in range(p, e):
+            a += np.int64(xq[i, q]) * _code_at(w, j, q, fmt)
+        tot += np.float64(np.float32(a) * sflat[soff + g])
+        p = e
+    return tot
+
+
+@njit
+def _put(y, i, j, t, xq, w, sflat, sstride, group, cols, fmt, region, mode, sx):
+    soff = j * sstride
+    if mode == 0:
+        v = t + _tail(xq, i, w, j, region, cols, fmt, sflat, soff, group, False)
+        y[i, j] = np.float32(v * np.float64(sx[i]) * np.float64(sflat[soff]))
+    else:
+        v = t + _tail(xq, i, w, j, region, cols, fmt, sflat, soff, group, True)
+        y[i, j] = np.float32(v * np.float64(sx[i]))
+
+
+@njit
+def _t14(xp, xo, xs, cf, co, cs, wf, wo, ws, sf, so, ss, nun, upf, fmt, mode):
+    return lowbit_tile_1x4(xp, xo, xs, cf, co, cs, wf, wo, ws, sf, so, ss, nun, upf,
+                           fmt, mode)
+
+
+@njit
+def _t42(xp, xo, xs, cf, co, cs, wf, wo, ws, sf, so, ss, nun, upf, fmt, mode):
+    return lowbit_tile_4x2(xp, xo, xs, cf, co, cs, wf, wo, ws, sf, so, ss, nun, upf,
+                           fmt, mode)
+
+
+@njit
+def _blocks(xp, corr, xq, w, sflat, sstride, cols, group, fmt, nunits, upf, mode,
+            sx, y, b0, b1):
+    m = xq.shape[0]
+    rows = w.shape[0]
+    wb = w.shape[1]
+    xst = xp.shape[1]
+    cst = corr.shape[1]
+    xpf = xp.ravel()
+    cf = corr.ravel()
+    wf = w.ravel()
+    region = nunits * 32 * _fields(fmt)
+    # mode 1 scales: two per unit starting at the row's first scale
+    for b in range(b0, b1):
+        j0 = b * _NB
+        if rows >= _NB:
+            js = min(j0, rows - _NB)
+            if m >= 4:
+                for i0 in range(0, m, 4):
+                    i_s = min(i0, m - 4)
+                    for h in range(2):
+                        jh = js + 2 * h
+                        t = _t42(xpf, i_s * xst, xst, cf, i_s * cst, cst, wf,
+                                 jh * wb, wb, sflat, jh * sstride, sstride,
+                                 nunits, upf, fmt, mode)
+                        for r in range(4):
+                            i = i_s + r
+                            if i < i0:
+                                continue
+                            for c in range(2):
+                                j = jh + c
+                                if j >= j0:
+                                    _put(y, i, j, t[r * 2 + c], xq, w, sflat, sstride,
+                                         group, cols, fmt, region, mode, sx)
+            else:
+                for i in range(m):
+                    t = _t14(xpf, i * xst, xst, cf, i * cst, cst, wf, js * wb, wb,
+                             sflat, js * sstride, sstride, nunits, upf, fmt, mode)
+                    for c in range(_NB):
+                        j = js + c
+                        if j >= j0:
+                            _put(y, i, j, t[c], xq, w, sflat, sstride, group, cols, fmt,
+                                 region, mode, sx)
+        else:
+            # fewer than 4 outputs: one output row per call (stride 0)
+            for j in range(rows):
+                for i in range(m):
+                    t = _t14(xpf, i * xst, xst, cf, i * cst, cst, wf, j * wb, 0,
+                             sflat, j * sstride, 0, nunits, upf, fmt, mode)
+                    _put(y, i, j, t[0], xq, w, sflat, sstride, group, cols, fmt, region,
+                         mode, sx)
+
+
+@njit
+def _ngroups(cols, group):
+    if group <= 0 or group >= cols:
+        return 1
+    return (cols + group - 1) // group
+
+
+@njit_parallel
+def _run(xq, sx, w, sflat, sstride, cols, group, fmt, min_parallel):
+    m = xq.shape[0]
+    rows = w.shape[0]
+    ng = _ngroups(cols, group)
+    g = group if ng > 1 else max(cols, 1)
+    mode, nunits, upf = _plan(cols, ng, g, fmt)
+    xp, corr = _arrange(xq, nunits, fmt, upf, mode)
+    y = np.empty((m, rows), dtype=np.float32)
+    nb = (rows + _NB - 1) // _NB
+    if m * cols * rows < min_parallel or nb < 2:
+        _blocks(xp, corr, xq, w, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx, y,
+                0, nb)
+    else:
+        nc = min(nb, _NCHUNK)
+        for c in prange(nc):
+            _blocks(xp, corr, xq, w, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx,
+                    y, c * nb // nc, (c + 1) * nb // nc)
+    return y
+
+
+@njit
+def lowbit_matmul_a8(xq, sx, w, sflat, sstride, cols, group, fmt, min_parallel=PAR_MIN):
+    """Generic int8-activation product from packed low-bit weights.
+
+    Parameters
+    ----------
+    xq : ndarray of int8, shape (m, cols), C-contiguous, values in [-127, 127]
+    sx : ndarray of float32, shape (m,)
+        Per-row activation scales (``y`` is multiplied by ``sx[i]``).
+    w : ndarray of uint8, shape (rows, nbytes), C-contiguous
+        Packed codes in format ``fmt`` (module docstring).
+    sflat : ndarray of float32, 1-D
+        Scales, row ``j``'s first at ``j * sstride`` (``sstride = 0``: one
+        shared scale, e.g. ternary ``alpha``).
+    sstride : int
+    cols : int
+        Logical number of columns (``<= fields * nbytes``).
+    group : int
+        Group length along a row; ``<= 0`` or ``>= cols`` means one scale per
+        row.
+    fmt : int
+        ``FMT_INT4`` or ``FMT_TERNARY``.
+    min_parallel : int, optional
+        Below ``m * cols * rows`` of this size the call stays on one thread.
+
+    Returns
+    -------
+    ndarray of float32, shape (m, rows)
+        ``y[i, j] = sx[i] * sum_g scale[j, g] * sum_(p in g) xq[i, p] * code[j, p]``;
+        the integer sums are exact, the sum over groups is float32/float64.
+    """
+    return _run(xq, sx, w, sflat, sstride, cols, group, fmt, min_parallel)
+
+
+@njit
+def _a16_levels(cols, group, fmt):
+    ng = _ngroups(cols, group)
+    g = group if ng > 1 else max(cols, 1)
+    mode, nunits, upf = _plan(cols, ng, g, fmt)
+    flush_cols = upf * 32 * _fields(fmt)
+    lv = 2147483647 // (_umax(fmt) * max(flush_cols, 1))
+    return min(32767, max(lv, 1))
+
+
+@njit
+def lowbit_matmul_a16(x, w, sflat, sstride, cols, group, fmt, min_parallel=PAR_MIN):
+    """Generic float-activation product from packed low-bit weights.
+
+    ``x`` (float32 ``[m, cols]``, C-contiguous, finite) is carried as per-row
+    int16 codes (levels chosen so no int32 lane overflows; see the module
+    docstring), then multiplied exactly with the unpacked codes.  Other
+    parameters as :func:`lowbit_matmul_a8`.
+
+    Returns
+    -------
+    ndarray of float32, shape (m, rows)
+    """
+    xq, sx = quantize_rows_i16(x, _a16_levels(cols, group, fmt), min_parallel)
+    return _run(xq, sx, w, sflat, sstride, cols, group, fmt, min_parallel)
+
+
+@njit
+def w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel=PAR_MIN):
+    """W4A8 from the int4 pack layout.
+
+    Parameters
+    ----------
+    xq : ndarray of int8, shape (m, cols), values in [-127, 127]
+    sx : ndarray of float32, shape (m,)
+    codes : ndarray of uint8, shape (rows, ceil(cols/2)) (nibbles, even column low)
+    scales : ndarray of float32, shape (rows,) (per channel) or (rows, ceil(cols/group))
+    cols, group : int
+        ``group <= 0`` (or ``>= cols``) for per-channel scales.
+
+    Returns
+    -------
+    ndarray of float32, shape (m, rows)
+    """
+    rows = codes.shape[0]
+    sf = scales.ravel()
+    return _run(xq, sx, codes, sf, sf.size // max(rows, 1), cols, group, 0,
+                min_parallel)
+
+
+@njit
+def w4a16_matmul(x, codes, scales, cols, group, min_parallel=PAR_MIN):
+    """W4A16 (float activations carried as int16 codes) from the int4 pack layout.
+
+    ``x`` float32 ``[m, cols]``; other parameters as :func:`w4a8_matmul`.
+    """
+    rows = codes.shape[0]
+    sf = scales.ravel()
+    return lowbit_matmul_a16(x, codes, sf, sf.size // max(rows, 1), cols, group, 0,
+                             min_parallel)
+
+
+@njit
+def ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel=PAR_MIN):
+    """Ternary x int8 from the ternary pack layout.
+
+    Parameters
+    ----------
+    xq : ndarray of int8, shape (m, cols); sx : float32 (m,)
+    codes : ndarray of uint8, shape (rows, ceil(cols/4))
+    alpha : ndarray of float32, shape (1,)
+
+    Returns
+    -------
+    ndarray of float32, shape (m, rows): ``sx[i] * alpha * sum_p xq[i,p] * t[j,p]``.
+    """
+    return _run(xq, sx, codes, alpha, 0, cols, 0, 1, min_parallel)
+
+
+@njit
+def ternary_matmul_a16(x, codes, alpha, cols, min_parallel=PAR_MIN):
+    """Ternary x float activations (int16 codes); see :func:`ternary_matmul_a8`."""
+    return lowbit_matmul_a16(x, codes, alpha, 0, cols, 0, 1, min_parallel)
+
+
+@njit
+def packed_int8_linear(x, codes, scales, act8, min_parallel=PAR_MIN):
+    """``x[m, cols] @ (codes * scales[:, None]).T`` for the int8/chan layout.
+
+    ``act8``: W8A8 (``quantize_rows_i8`` + exact int32 sums); else W8A16.
+    ``codes`` int8 ``[rows, cols]``, ``scales`` float32 ``[rows]``.
+    """
+    if act8:
+        xq, sx = quantize_rows_i8(x, min_parallel)
+        return matmul_w8a8(xq, sx, codes, scales, min_parallel)
+    return matmul_w8a16(x, codes, scales, min_parallel)
+
+
+@njit
+def packed_int4_linear(x, codes, scales, cols, group, act8, min_parallel=PAR_MIN):
+    """``x @ What.T`` for int4/chan (``group <= 0``) and int4/g{group}; ``x`` float32."""
+    if act8:
+        xq, sx = quantize_rows_i8(x, min_parallel)
+        return w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel)
+    return w4a16_matmul(x, codes, scales, cols, group, min_parallel)
+
+
+@njit
+def packed_ternary_linear(x, codes, alpha, cols, act8, min_parallel=PAR_MIN):
+    """``x @ What.T`` for ternary; ``x`` float32."""
+    if act8:
+        xq, sx = quantize_rows_i8(x, min_parallel)
+        return ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel)
+    return ternary_matmul_a16(x, codes, alpha, cols, min_parallel)

@@ -1,0 +1,343 @@
+"""SIMD tiles for packed low-bit weights (int4 nibbles, ternary crumbs, ...).
+
+The tiles read packed weight bytes and unpack them **in registers**; no dense
+weight matrix is ever written.  Every packed format is turned into *unsigned
+offset codes* ``u = code + off`` (``off = 2**(b-1)``; ternary: ``off = 1``)
+with two or three byte operations, then multiplied with signed activations:
+
+* int8 activations (``a8``): ``u8 x s8`` dot products into int32 lanes --
+  ``vpdpbusd`` (AVX-512 VNNI with VL, or AVX-VNNI) or, on AVX2-only hosts,
+  ``vpmaddubsw`` + ``vpmaddwd`` by ones (pair sums are at most
+  ``2 * 63 * 127 < 2**15``: no saturation); a portable widen-multiply-add
+  elsewhere;
+* int16 activations (``a16``): the offset codes are zero-extended to int16
+  and multiplied with ``vpmaddwd`` (portable IR elsewhere).
+
+The offset is removed exactly: the caller passes, per *flush* (a run of units
+that shares one scale), an int32 vector ``corr`` holding ``off * sum(x)`` over
+those columns, which the tile subtracts before scaling.
+
+Activation arrangement
+----------------------
+A *unit* is 32 packed weight bytes (64 columns of int4, 128 of ternary).  The
+packed byte ``t`` of a unit holds ``P`` columns ``P*t + s`` (``s < P``) in its
+``s``-th field, so the caller pre-arranges each activation row once per call:
+``xp[u*UNIT + s*32 + t] = x[u*UNIT + P*t + s]`` -- field ``s`` of 32
+consecutive bytes then lines up lane for lane with activation slot ``s``.
+This costs one pass over ``x`` (small) instead of a byte shuffle per weight.
+
+Formats (``fmt``) and flush modes (``mode``)
+--------------------------------------------
+====  =========  ====  ====  ===================================================
+fmt   name       P     off   unpack (``b`` = 32 packed bytes)
+====  =========  ====  ====  ===================================================
+0     int4 nib   2     8     ``bx = b ^ 0x88``; ``u0 = bx & 15``; ``u1 = bx >> 4``
+1     ternary    4     1     ``b' = b ^ 0x55 ^ ((b & 0x55) << 1)`` (each crumb
+                             ``c -> (c + 1) & 3``: 0->1, 1->2, 3->0);
+                             ``u_s = (b' >> 2s) & 3``
+====  =========  ====  ====  ===================================================
+
+* mode 0: one scale per row; int32 lanes are flushed into int64 every
+  ``upf`` units, result = exact integer sum (returned as float64);
+* mode 1: group of 32 with 64-column units: int32 lanes 0-3 are the unit's
+  first group and lanes 4-7 its second; flushed every unit as
+  ``float(lanes) * [s0 x4, s1 x4]`` into float32 accumulators;
+* mode 2: groups of ``upf`` units: flushed every group as
+  ``float(lanes) * s_g``.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ._simd import _FEATS, _X86, _hsum, _madd16, _shuffle
+
+__all__ = [
+    "LOWBIT_PATH",
+    "LOWBIT_UNIT_BYTES",
+    "lowbit_tile_1x4",
+    "lowbit_tile_4x2",
+]
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_F32, _F64 = ir.FloatType(), ir.DoubleType()
+_V32I8 = ir.VectorType(_I8, 32)
+_V16I16 = ir.VectorType(_I16, 16)
+_V8I32 = ir.VectorType(_I32, 8)
+_V8I64 = ir.VectorType(_I64, 8)
+_V8F32 = ir.VectorType(_F32, 8)
+_V8F64 = ir.VectorType(_F64, 8)
+
+
+def _pick_path() -> str:
+    if _X86 and "avx512vnni" in _FEATS and "avx512vl" in _FEATS:
+        return "vnni256"
+    if _X86 and "avxvnni" in _FEATS:
+        return "avxvnni"
+    if _X86 and "avx2" in _FEATS:
+        return "avx2"
+    return "portable"
+
+
+#: The ``u8 x s8`` dot path the low-bit tiles compile to on this machine
+#: (chosen at import from the features numba targets; numba's on-disk cache
+#: is keyed on the same CPU, so a cached kernel matches).
+LOWBIT_PATH = _pick_path()
+
+#: Packed weight bytes per unit (one step of a tile, per weight row).
+LOWBIT_UNIT_BYTES = 32
+
+#: fmt -> (fields per byte P, offset)
+_FMTS = {0: (2, 8), 1: (4, 1)}
+
+
+def _splat8(v):
+    return ir.Constant(_V32I8, [ir.Constant(_I8, v)] * 32)
+
+
+def _decode(builder, fmt, b):
+    """Packed ``<32 x i8>`` -> list of unsigned offset-code vectors (slot order)."""
+    if fmt == 0:
+        bx = builder.xor(b, _splat8(0x88))
+        return [builder.and_(bx, _splat8(0x0F)), builder.lshr(bx, _splat8(4))]
+    if fmt == 1:
+        t = builder.shl(builder.and_(b, _splat8(0x55)), _splat8(1))
+        b2 = builder.xor(builder.xor(b, _splat8(0x55)), t)
+        out = [builder.and_(b2, _splat8(3))]
+        for s in (1, 2):
+            out.append(builder.and_(builder.lshr(b2, _splat8(2 * s)), _splat8(3)))
+        out.append(builder.lshr(b2, _splat8(6)))
+        return out
+    raise AssertionError(fmt)
+
+
+def _dot_u8s8(builder, acc, u, s):
+    """``acc[l] += sum_{i<4} u[4l+i] * s[4l+i]`` (u unsigned, s signed bytes)."""
+    mod = builder.module
+    if LOWBIT_PATH in ("vnni256", "avxvnni"):
+        fn = cgutils.get_or_insert_function(
+            mod, ir.FunctionType(_V8I32, [_V8I32, _V8I32, _V8I32]),
+            "llvm.x86.avx512.vpdpbusd.256")
+        return builder.call(fn, [acc, builder.bitcast(u, _V8I32),
+                                 builder.bitcast(s, _V8I32)])
+    if LOWBIT_PATH == "avx2":
+        maddubs = cgutils.get_or_insert_function(
+            mod, ir.FunctionType(_V16I16, [_V32I8, _V32I8]), "llvm.x86.avx2.pmadd.ub.sw")
+        maddwd = cgutils.get_or_insert_function(
+            mod, ir.FunctionType(_V8I32, [_V16I16, _V16I16]), "llvm.x86.avx2.pmadd.wd")
+        p16 = builder.call(maddubs, [u, s])
+        ones = ir.Constant(_V16I16, [ir.Constant(_I16, 1)] * 16)
+        return builder.add(acc, builder.call(maddwd, [p16, ones]))
+    v32 = ir.VectorType(_I32, 32)
+    p = builder.mul(builder.zext(u, v32), builder.sext(s, v32))
+    tot = acc
+    for i in range(4):
+        tot = builder.add(tot, _shuffle(builder, p, [4 * l + i for l in range(8)]))
+    return tot
+
+
+def _zext16(builder, u, half):
+    return builder.zext(_shuffle(builder, u, list(range(16 * half, 16 * half + 16))),
+                        _V16I16)
+
+
+def _make_tile(R: int, C: int):
+    ret = types.UniTuple(types.float64, R * C)
+
+    @intrinsic
+    def tile(typingctx, xp, xoff, xstride, corr, coff, cstride, w, woff, wstride,
+             sc, soff, sstride, nunits, upf, fmt, mode):
+        if not (isinstance(xp, types.Array) and xp.dtype in (types.int8, types.int16)
+                and isinstance(corr, types.Array) and corr.dtype == types.int32
+                and isinstance(w, types.Array) and w.dtype == types.uint8
+                and isinstance(sc, types.Array) and sc.dtype == types.float32):
+            return None
+        act = "a8" if xp.dtype == types.int8 else "a16"
+        ip = types.intp
+        sig = ret(xp, ip, ip, corr, ip, ip, w, ip, ip, sc, ip, ip, ip, ip, ip, ip)
+
+        def codegen(context, builder, sig, args):
+            xa = context.make_array(sig.args[0])(context, builder, args[0])
+            ca = context.make_array(sig.args[3])(context, builder, args[3])
+            wa = context.make_array(sig.args[6])(context, builder, args[6])
+            sa = context.make_array(sig.args[9])(context, builder, args[9])
+            (xoff_, xstr, coff_, cstr, woff_, wstr, soff_, sstr, nun, upf_, fmt_,
+             mode_) = [context.cast(builder, args[i], sig.args[i], types.intp)
+                       for i in (1, 2, 4, 5, 7, 8, 10, 11, 12, 13, 14, 15)]
+            intp = context.get_value_type(types.intp)
+
+            def K(v):
+                return ir.Constant(intp, v)
+
+            res = []
+            for _ in range(R * C):
+                a = cgutils.alloca_once(builder, _F64)
+                builder.store(ir.Constant(_F64, 0.0), a)
+                res.append(a)
+            xrow = [builder.gep(xa.data, [builder.add(xoff_, builder.mul(xstr, K(r)))],
+                                inbounds=True) for r in range(R)]
+            crow = [builder.gep(ca.data, [builder.add(coff_, builder.mul(cstr, K(r)))],
+                                inbounds=True) for r in range(R)]
+            wrow = [builder.gep(wa.data, [builder.add(woff_, builder.mul(wstr, K(c)))],
+                                inbounds=True) for c in range(C)]
+            srow = [builder.gep(sa.data, [builder.add(soff_, builder.mul(sstr, K(c)))],
+                                inbounds=True) for c in range(C)]
+            nacc = R * C * (1 if act == "a8" else 2)
+            iacc = [cgutils.alloca_once(builder, _V8I32) for _ in range(nacc)]
+            acc64 = [cgutils.alloca_once(builder, _V8I64) for _ in range(R * C)]
+            facc = [cgutils.alloca_once(builder, _V8F32) for _ in range(R * C)]
+
+            def vload(base, off, vty):
+                p = builder.gep(base, [off], inbounds=True)
+                return builder.load(builder.bitcast(p, vty.as_pointer()), align=1)
+
+            def emit(fm, md):
+                P, _off = _FMTS[fm]
+                unit_x = 32 * P  # activation elements per unit
+                for t in range(R * C):
+                    builder.store(ir.Constant(_V8I64, None), acc64[t])
+                    builder.store(ir.Constant(_V8F32, None), facc[t])
+                nfl = builder.udiv(builder.add(nun, builder.sub(upf_, K(1))), upf_)
+                with cgutils.for_range(builder, nfl) as fl:
+                    f = fl.index
+                    for a in iacc:
+                        builder.store(ir.Constant(_V8I32, None), a)
+                    u0 = builder.mul(f, upf_)
+                    rem = builder.sub(nun, u0)
+                    cnt = builder.select(builder.icmp_signed("<", rem, upf_), rem, upf_)
+                    with cgutils.for_range(builder, cnt) as ul:
+                        u = builder.add(u0, ul.index)
+                        woffu = builder.mul(u, K(32))
+                        pieces = [_decode(builder, fm, vload(wrow[c], woffu, _V32I8))
+                                  for c in range(C)]
+                        xbase = builder.mul(u, K(unit_x))
+                        for r in range(R):
+                            if act == "a8":
+                                xs = [vload(xrow[r], builder.add(xbase, K(32 * s)), _V32I8)
+                                      for s in range(P)]
+                            else:
+                                xs = [(vload(xrow[r], builder.add(xbase, K(32 * s)), _V16I16),
+                                       vload(xrow[r], builder.add(xbase, K(32 * s + 16)),
+                                             _V16I16)) for s in range(P)]
+                            for c in range(C):
+                                t = r * C + c
+                                if act == "a8":
+                                    a = builder.load(iacc[t])
+                                    for s in range(P):
+                                        a = _dot_u8s8(builder, a, pieces[c][s], xs[s])
+                                    builder.store(a, iacc[t])
+                                else:
+                                    aA = builder.load(iacc[2 * t])
+                                    aB = builder.load(iacc[2 * t + 1])
+                                    for s in range(P):
+                                        pv = pieces[c][s]
+                                        aA = builder.add(aA, _madd16(
+                                            builder, _zext16(builder, pv, 0), xs[s][0]))
+                                        aB = builder.add(aB, _madd16(
+                                            builder, _zext16(builder, pv, 1), xs[s][1]))
+                                    builder.store(aA, iacc[2 * t])
+                                    builder.store(aB, iacc[2 * t + 1])
+                    # flush
+                    foff = builder.mul(f, K(8))
+                    cv = [vload(crow[r], foff, _V8I32) for r in range(R)]
+                    svec = []
+                    if md == 1:
+                        for c in range(C):
+                            p0 = builder.gep(srow[c], [builder.mul(f, K(2))], inbounds=True)
+                            s0 = builder.load(p0)
+                            s1 = builder.load(builder.gep(p0, [K(1)], inbounds=True))
+                            v = ir.Constant(_V8F32, None)
+                            for l in range(8):
+                                v = builder.insert_element(v, s0 if l < 4 else s1,
+                                                           ir.Constant(_I32, l))
+                            svec.append(v)
+                    elif md == 2:
+                        for c in range(C):
+                            s0 = builder.load(builder.gep(srow[c], [f], inbounds=True))
+                            v = builder.insert_element(ir.Constant(_V8F32, None), s0,
+                                                       ir.Constant(_I32, 0))
+                            svec.append(_shuffle(builder, v, [0] * 8))
+                    for r in range(R):
+                        for c in range(C):
+                            t = r * C + c
+                            if act == "a8":
+                                a = builder.load(iacc[t])
+                            else:
+                                aA = builder.load(iacc[2 * t])
+                                aB = builder.load(iacc[2 * t + 1])
+                                if md == 1:
+                                    ev = builder.shuffle_vector(aA, aB, ir.Constant(
+                                        ir.VectorType(_I32, 8),
+                                        [ir.Constant(_I32, i) for i in range(0, 16, 2)]))
+                                    od = builder.shuffle_vector(aA, aB, ir.Constant(
+                                        ir.VectorType(_I32, 8),
+                                        [ir.Constant(_I32, i) for i in range(1, 16, 2)]))
+                                    a = builder.add(ev, od)
+                                else:
+                                    a = builder.add(aA, aB)
+                            a = builder.sub(a, cv[r])
+                            if md == 0:
+                                builder.store(builder.add(builder.load(acc64[t]),
+                                                          builder.sext(a, _V8I64)), acc64[t])
+                            else:
+                                fm_ = builder.fmul(builder.sitofp(a, _V8F32), svec[c])
+                                builder.store(builder.fadd(builder.load(facc[t]), fm_),
+                                              facc[t])
+                for t in range(R * C):
+                    if md == 0:
+                        s = _hsum(builder, builder.load(acc64[t]), 8, builder.add)
+                        builder.store(builder.sitofp(s, _F64), res[t])
+                    else:
+                        v = builder.fpext(builder.load(facc[t]), _V8F64)
+                        builder.store(_hsum(builder, v, 8, builder.fadd), res[t])
+
+            for fm in _FMTS:
+                modes = (0, 1, 2) if fm == 0 else (0,)
+                for md in modes:
+                    cond = builder.and_(builder.icmp_signed("==", fmt_, K(fm)),
+                                        builder.icmp_signed("==", mode_, K(md)))
+                    with builder.if_then(cond):
+                        emit(fm, md)
+            vals = [builder.load(a) for a in res]
+            return context.make_tuple(builder, sig.return_type, vals)
+
+        return sig, codegen
+
+    tile.__doc__ = f"""Low-bit dot tile: {R} activation row(s) x {C} packed weight rows.
+
+    Call from ``@njit`` code as ``t = tile(xp, xoff, xstride, corr, coff, cstride,
+    w, woff, wstride, sc, soff, sstride, nunits, upf, fmt, mode)``.
+
+    Parameters
+    ----------
+    xp : ndarray of int8 (``a8``) or int16 (``a16``), C-contiguous (addressed flat)
+        Activations arranged per unit (module docstring); row ``r`` of the tile
+        starts at ``xoff + r * xstride``.
+    corr : ndarray of int32 (flat)
+        Per activation row and flush, 8 int32 lanes subtracted before scaling
+        (``off * sum(x)``; mode 1: first group in lane 0, second in lane 4).
+        Row ``r`` at ``coff + r * cstride``, flush ``f`` at ``+ 8 f``.
+    w : ndarray of uint8 (flat)
+        Packed weights; weight row ``c`` of the tile starts at ``woff + c * wstride``;
+        unit ``u`` is bytes ``[32 u, 32 u + 32)`` of the row.
+    sc : ndarray of float32 (flat)
+        Scales of weight row ``c`` at ``soff + c * sstride`` (unused in mode 0;
+        mode 1: two per unit; mode 2: one per flush).
+    nunits, upf : int
+        Units to process and units per flush (``upf >= 1``).
+    fmt, mode : int
+        Packed format and flush mode (module docstring).
+
+    Returns
+    -------
+    tuple of {R * C} float64
+        ``t[r * {C} + c]`` = mode 0: exact ``sum(x * code)`` over the units;
+        modes 1/2: ``sum_g s_g * sum_(p in g)(x * code)`` (float32 lanes).
+    """
+    return tile
+
+
+lowbit_tile_1x4 = _make_tile(1, 4)
+lowbit_tile_4x2 = _make_tile(4, 2)

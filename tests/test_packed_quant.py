@@ -1,0 +1,206 @@
+"""Packed quantised kernels (int8/chan, int4/chan, int4/g{g}, ternary) vs NumPy twins.
+
+The twins (tests/naive_packed_quant.py) unpack the packed layouts in NumPy;
+integer paths are checked bit for bit against int64 products of the codes.
+Shapes are small and odd (cols not a multiple of 2, 4, 32, 64, 128 or the
+group; rows below and above the 4-output block; m = 1, 2, 7, 33) so the SIMD
+units, the scalar tails and every tile path run.
+"""
+import numba
+import numpy as np
+import pytest
+
+import naive_packed_quant as nq
+from opscope_nb import kernels as K
+from opscope_nb.mining import Decomp, pack, unpack
+from opscope_nb.runtime import PackedLinear
+
+RNG = np.random.default_rng(1234)
+
+# (m, rows, cols, group): group None = per channel
+SHAPES = [
+    (1, 9, 131, None),      # odd cols, 2 whole 64-col units + tail
+    (7, 13, 200, 32),       # g32 path (3 units) + 8-col tail group
+    (33, 6, 300, 128),      # g128 (2 units/group) + short last group
+    (2, 3, 70, 48),         # group not a multiple of the unit: scalar path; rows < 4
+    (4, 5, 257, 64),        # m == 4 (one 4-row tile), rows overlap block
+    (1, 4, 1000, None),     # several mode-0 flushes
+]
+
+
+def _int4(rows, cols, group):
+    w = RNG.standard_normal((rows, cols)).astype(np.float32)
+    codes, scales = nq.quant_sym(w, 4, group)
+    packed = nq.pack_nibbles(codes)
+    sc = scales[:, 0].copy() if group is None else scales
+    return packed, sc
+
+
+def _ternary(rows, cols):
+    v = np.array([0, 1, 3], np.uint8)[RNG.integers(0, 3, (rows, cols))]
+    return nq.pack_crumbs(v), np.array([0.37], np.float32)
+
+
+def _rel(y, ref):
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("m,rows,cols,group", SHAPES)
+def test_w4a8_integer_sums_exact(m, rows, cols, group):
+    packed, sc = _int4(rows, cols, group)
+    x = RNG.standard_normal((m, cols)).astype(np.float32)
+    xq, _ = nq.quant_rows_i8(x)
+    g = 0 if group is None else group
+    y = K.w4a8_matmul(xq, np.ones(m, np.float32), packed, np.ones_like(sc), cols, g)
+    want = xq.astype(np.int64) @ nq.unpack_nibbles(packed, cols).T
+    # |sums| < 2**24: float32 holds them exactly
+    np.testing.assert_array_equal(y.astype(np.int64), want)
+
+
+@pytest.mark.parametrize("m,rows,cols", [(1, 9, 131), (7, 3, 300), (33, 6, 517)])
+def test_ternary_a8_integer_sums_exact(m, rows, cols):
+    packed, _ = _ternary(rows, cols)
+    x = RNG.standard_normal((m, cols)).astype(np.float32)
+    xq, _ = nq.quant_rows_i8(x)
+    y = K.ternary_matmul_a8(xq, np.ones(m, np.float32), packed, np.ones(1, np.float32), cols)
+    want = xq.astype(np.int64) @ nq.unpack_ternary(packed, cols).T
+    np.testing.assert_array_equal(y.astype(np.int64), want)
+
+
+def test_extreme_codes_no_saturation():
+    """All codes at +-7 / ternary +-1 against x = +-127: the u8 x s8 pair sums
+    and int32 lanes must not saturate."""
+    rows, cols = 5, 515
+    codes = np.where(RNG.random((rows, cols)) < 0.5, -7, 7).astype(np.int8)
+    packed = nq.pack_nibbles(codes)
+    xq = np.where(RNG.random((3, cols)) < 0.5, -127, 127).astype(np.int8)
+    xq[0] = 127
+    y = K.w4a8_matmul(xq, np.ones(3, np.float32), packed, np.ones(rows, np.float32), cols, 0)
+    np.testing.assert_array_equal(y.astype(np.int64), xq.astype(np.int64) @ codes.T.astype(np.int64))
+    t = np.where(RNG.random((rows, cols)) < 0.5, 1, 3).astype(np.uint8)
+    tp = nq.pack_crumbs(t)
+    y = K.ternary_matmul_a8(xq, np.ones(3, np.float32), tp, np.ones(1, np.float32), cols)
+    np.testing.assert_array_equal(y.astype(np.int64),
+                                  xq.astype(np.int64) @ nq.unpack_ternary(tp, cols).T)
+
+
+@pytest.mark.parametrize("m,rows,cols,group", SHAPES)
+def test_int4_float_paths_vs_twin(m, rows, cols, group):
+    packed, sc = _int4(rows, cols, group)
+    x = RNG.standard_normal((m, cols)).astype(np.float32)
+    ref = x.astype(np.float64) @ nq.int4_dense(packed, sc, cols, group).T
+    g = 0 if group is None else group
+    y16 = K.packed_int4_linear(x, packed, sc, cols, g, False)
+    y8 = K.packed_int4_linear(x, packed, sc, cols, g, True)
+    assert y16.shape == y8.shape == (m, rows) and y16.dtype == np.float32
+    assert _rel(y16, ref) <= 3e-4
+    assert _rel(y8, ref) <= 2.5e-2
+    # the int8 path is exactly the twin's integer math, dequantised
+    xq, sx = nq.quant_rows_i8(x)
+    ref8 = (xq.astype(np.float64) * sx[:, None]) @ nq.int4_dense(packed, sc, cols, group).T
+    assert _rel(y8, ref8) <= 1e-6
+
+
+@pytest.mark.parametrize("m,rows,cols", [(1, 9, 131), (7, 3, 300), (33, 6, 517)])
+def test_ternary_float_paths_vs_twin(m, rows, cols):
+    packed, al = _ternary(rows, cols)
+    x = RNG.standard_normal((m, cols)).astype(np.float32)
+    ref = x.astype(np.float64) @ nq.ternary_dense(packed, al, cols).T
+    assert _rel(K.packed_ternary_linear(x, packed, al, cols, False), ref) <= 3e-4
+    assert _rel(K.packed_ternary_linear(x, packed, al, cols, True), ref) <= 2.5e-2
+
+
+def test_int8_chan_packed():
+    rows, cols = 11, 203
+    w = RNG.standard_normal((rows, cols)).astype(np.float32)
+    codes, scales = nq.quant_sym(w, 8)
+    x = RNG.standard_normal((7, cols)).astype(np.float32)
+    ref = x.astype(np.float64) @ (codes.astype(np.float64) * scales.astype(np.float64)).T
+    y16 = K.packed_int8_linear(x, codes, scales[:, 0].copy(), False)
+    y8 = K.packed_int8_linear(x, codes, scales[:, 0].copy(), True)
+    assert _rel(y16, ref) <= 3e-4
+    assert _rel(y8, ref) <= 2.5e-2
+
+
+def test_large_k_a16_levels_stay_exact():
+    """Per-channel int4 with k large enough that 32767-level int16 codes would
+    overflow an int32 lane without the level cap (flush of 512 columns)."""
+    rows, cols = 4, 4096 + 33
+    packed, sc = _int4(rows, cols, None)
+    x = RNG.standard_normal((1, cols)).astype(np.float32) * 100
+    ref = x.astype(np.float64) @ nq.int4_dense(packed, sc, cols, None).T
+    assert _rel(K.packed_int4_linear(x, packed, sc, cols, 0, False), ref) <= 3e-4
+
+
+# ---------------------------------------------------------------- njit callers
+@numba.njit
+def _user_int4(x, packed, sc, cols, group):
+    xq, sx = K.quantize_rows_i8(x)
+    return (K.w4a8_matmul(xq, sx, packed, sc, cols, group),
+            K.packed_int4_linear(x, packed, sc, cols, group, False))
+
+
+@numba.njit
+def _user_ternary(x, packed, al, cols):
+    return K.packed_ternary_linear(x, packed, al, cols, True)
+
+
+@numba.njit
+def _user_int8(x, codes, scales):
+    return K.packed_int8_linear(x, codes, scales, True)
+
+
+def test_njit_callers():
+    packed, sc = _int4(6, 100, 32)
+    x = RNG.standard_normal((2, 100)).astype(np.float32)
+    a, b = _user_int4(x, packed, sc, 100, 32)
+    np.testing.assert_array_equal(a, K.packed_int4_linear(x, packed, sc, 100, 32, True))
+    np.testing.assert_array_equal(b, K.packed_int4_linear(x, packed, sc, 100, 32, False))
+    tp, al = _ternary(5, 99)
+    np.testing.assert_array_equal(_user_ternary(x[:, :99].copy(), tp, al, 99),
+                                  K.packed_ternary_linear(x[:, :99].copy(), tp, al, 99, True))
+    codes = RNG.integers(-127, 128, (5, 100)).astype(np.int8)
+    s = np.full(5, 0.01, np.float32)
+    np.testing.assert_array_equal(_user_int8(x, codes, s), K.packed_int8_linear(x, codes, s, True))
+
+
+# ---------------------------------------------------------------- runtime
+KINDS = [Decomp.int8(), Decomp.int4(), Decomp.int4(group=32), Decomp.int4(group=128),
+         Decomp.ternary()]
+
+
+@pytest.mark.parametrize("d", KINDS, ids=lambda d: d.label)
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_runtime_kinds(d, m):
+    rows, cols = 9, 299
+    w = RNG.standard_normal((rows, cols)).astype(np.float32)
+    lin = PackedLinear.pack(w, d)
+    what = unpack(pack(w, d), d, (rows, cols)).astype(np.float64)
+    x = RNG.standard_normal((m, cols)).astype(np.float32)
+    ref = x.astype(np.float64) @ what.T
+    assert _rel(lin(x, "f32"), ref) <= 3e-4
+    assert _rel(lin(x, "int8"), ref) <= 2.5e-2
+    y = lin(x)
+    assert y.shape == (m, rows) and y.dtype == np.float32
+    # a 1-D x is one row; float64 input converted
+    np.testing.assert_array_equal(lin(x[0].astype(np.float64), "int8"), lin(x[:1], "int8")[0])
+
+
+@pytest.mark.parametrize("d", KINDS, ids=lambda d: d.label)
+def test_runtime_bad_x(d):
+    w = RNG.standard_normal((5, 40)).astype(np.float32)
+    lin = PackedLinear.pack(w, d)
+    x = np.ones((2, 40), np.float32)
+    x[1, 3] = np.nan
+    with pytest.raises(ValueError, match="finite"):
+        lin(x)
+    with pytest.raises(ValueError, match="columns"):
+        lin(np.ones((2, 41), np.float32))
+    with pytest.raises(ValueError):
+        lin(np.ones((2, 2, 40), np.float32))
+    with pytest.raises(ValueError, match="act"):
+        lin(np.ones((1, 40), np.float32), act="int4")
+    # zeros in, zeros out; non-contiguous x accepted
+    assert not lin(np.zeros((3, 40), np.float32)).any()
+    xn = RNG.standard_normal((40, 3)).astype(np.float32).T
+    np.testing.assert_allclose(lin(xn, "f32"), lin(np.ascontiguousarray(xn), "f32"))
