@@ -8,10 +8,17 @@ from naive_matmul import naive_i8i8_i32
 from opscope_nb.kernels import _simd as S
 
 
-def _runner(path):
-    """An @njit function computing a 2 x 4 block of int32 dot products with the
-    ``path``'s 2x4 tile plus a scalar tail (no cache: built per test run)."""
-    tile = S.make_i8_tile(2, 4, path)
+_RUNNERS = {}
+
+
+def _runner(path, R):
+    """An @njit function computing an R x 4 block of int32 dot products with the
+    ``path``'s R x 4 tile plus a scalar tail (no cache: built per test run).
+    R = 1 exercises the sign trick (``|x| * w sign(x)``), R = 2 on the VNNI
+    paths the +128 offset with its correction term."""
+    if (path, R) in _RUNNERS:
+        return _RUNNERS[path, R]
+    tile = S.make_i8_tile(R, 4, path)
     step = S.I8_STEP[path]
 
     @numba.njit
@@ -21,8 +28,8 @@ def _runner(path):
         xf = xq.ravel()
         wf = wtq.ravel()
         t = tile(xf, 0, k, wf, 0, k, nch)
-        out = np.empty((2, 4), dtype=np.int32)
-        for r in range(2):
+        out = np.empty((R, 4), dtype=np.int32)
+        for r in range(R):
             for c in range(4):
                 a = t[r * 4 + c]
                 for p in range(nch * step, k):
@@ -30,6 +37,7 @@ def _runner(path):
                 out[r, c] = a
         return out
 
+    _RUNNERS[path, R] = run
     return run
 
 
@@ -38,29 +46,33 @@ def _skip_unless(path):
         pytest.skip(f"host CPU lacks {S._PATH_NEEDS[path]} for the {path} path")
 
 
+@pytest.mark.parametrize("R", [1, 2])
 @pytest.mark.parametrize("path", S.I8_PATHS)
-def test_i8_path_bit_exact(path):
+def test_i8_path_bit_exact(path, R):
     _skip_unless(path)
-    run = _runner(path)
+    run = _runner(path, R)
     rng = np.random.default_rng(7)
     for k in (1, 63, 64 * 3 + 5, 512):
-        xq = rng.integers(-127, 128, (2, k)).astype(np.int8)
+        xq = rng.integers(-127, 128, (R, k)).astype(np.int8)
         wtq = rng.integers(-127, 128, (4, k)).astype(np.int8)
         np.testing.assert_array_equal(run(xq, wtq), naive_i8i8_i32(xq, wtq))
     # extremes: every product +-127*127, the largest sums the lanes see
     for sx, sw in ((127, 127), (-127, 127), (-127, -127)):
-        xq = np.full((2, 256), sx, np.int8)
+        xq = np.full((R, 256), sx, np.int8)
         wtq = np.full((4, 256), sw, np.int8)
         np.testing.assert_array_equal(run(xq, wtq), naive_i8i8_i32(xq, wtq))
 
 
+@pytest.mark.parametrize("R", [1, 2])
 @pytest.mark.parametrize("path", S.I8_PATHS)
-def test_i8_path_minus128(path):
-    """Documented behaviour of -128: exact unless both factors are -128."""
+def test_i8_path_minus128(path, R):
+    """Documented behaviour of -128: exact on the portable path and in the
+    offset (R >= 2 VNNI) tiles; with the sign trick exact unless both factors
+    are -128 (then the product comes out negated)."""
     _skip_unless(path)
-    run = _runner(path)
+    run = _runner(path, R)
     k = 128
-    xq = np.full((2, k), -128, np.int8)
+    xq = np.full((R, k), -128, np.int8)
     wtq = np.full((4, k), 127, np.int8)
     wtq[1] = -127
     wtq[2] = 0
@@ -68,7 +80,7 @@ def test_i8_path_minus128(path):
     got = run(xq, wtq)
     ref = naive_i8i8_i32(xq, wtq)
     np.testing.assert_array_equal(got[:, :3], ref[:, :3])
-    if path == "portable":
+    if path == "portable" or (R >= 2 and "vnni" in path):
         np.testing.assert_array_equal(got, ref)
     else:  # -(-128) wraps: each -128 x -128 product comes out negated
         np.testing.assert_array_equal(got[:, 3], -ref[:, 3])

@@ -26,8 +26,9 @@ Numerics of the weight-stationary kernels:
 
 Parallelism: output blocks of four run in parallel (``prange``); each block
 walks the rows two at a time with a 2-row x 4-output register tile from
-:mod:`._simd`, so the block's weights are loaded once per pair of rows and
-stay in L1/L2 across all rows (decode, ``m == 1``, uses the 1 x 4 tile).  A
+:mod:`._simd` (W8A8: four at a time with a 4 x 4 tile first), so the block's
+weights are loaded once per group of rows and stay in L1/L2 across all rows
+(decode, ``m == 1``, uses the 1 x 4 tile).  A
 call whose work ``m * k * n`` is below ``min_parallel`` runs on the calling
 thread.  The work split never depends on the thread count, and every output
 is computed by one thread in a fixed order, so results are reproducible.
@@ -46,7 +47,7 @@ from .._config import njit, njit_parallel
 from ._probe import div_f32, round_half_away
 from ._simd import (F32_CHUNK, I8_CHUNK, f32dot_tile_1x1, f32dot_tile_1x4,
                     f32dot_tile_2x4, i8dot_tile_1x1, i8dot_tile_1x4,
-                    i8dot_tile_2x1, i8dot_tile_2x4, W16_CHUNK,
+                    i8dot_tile_2x1, i8dot_tile_2x4, i8dot_tile_4x4, W16_CHUNK,
                     w16dot_tile_1x1, w16dot_tile_1x4, w16dot_tile_2x1,
                     w16dot_tile_2x4)
 
@@ -85,8 +86,9 @@ def _chunks(nb):
     return min(nb, _NCHUNK)
 
 
-#: Largest k for which int8 x int8 sums are exact in int32 (k * 127^2 < 2^31).
-I8_MAX_K = 133143
+#: Largest k for which int8 x int8 sums of codes in [-127, 127] are exact in
+#: int32 (k * 127^2 < 2^31); the cores raise ValueError above it.
+I8_MAX_K = 133144
 
 
 # --------------------------------------------------------------------------
@@ -693,6 +695,15 @@ def matmul_w8a16(x, wtq, scale, min_parallel=PAR_MIN):
     ``vpmaddwd`` path, exact in int32 lanes and reduced in float64.  Weights
     are 4x fewer bytes than float32.
 
+    Accuracy against the float-activation formula ``(x @ wtq.T) * scale``
+    (relative L2, measured by ``tests/test_matmul.py::
+    test_w8a16_error_with_outlier_channels``, n = 8, 4 rows): the int16 step
+    is ``row max / a16_levels(k)``, and the levels shrink above k = 4128
+    (9436 at k = 14336), so the error grows with outliers and with k --
+    Gaussian rows: 3.2e-5 at k = 4096, 1.4e-4 at k = 14336; with 100x outlier
+    channels (0.1 % / 1 % of k): 2.8e-4 / 2.6e-4 at k = 4096, 1.7e-3 / 5.5e-4
+    at k = 14336.  All far below the int8 weight error (~1e-2).
+
     Parameters
     ----------
     x : ndarray of float32, shape (m, k), C-contiguous, finite
@@ -762,6 +773,24 @@ def _i8_block(xf, m, k, wf, j0, j1, acc, y, sx, scale, want_y):
     w3 = w2 + k
     if c == 4:
         i = 0
+        while i + 4 <= m:
+            t = i8dot_tile_4x4(xf, i * k, k, wf, wo, k, nch)
+            for r in range(4):
+                xo = (i + r) * k
+                a0 = t[4 * r]
+                a1 = t[4 * r + 1]
+                a2 = t[4 * r + 2]
+                a3 = t[4 * r + 3]
+                if tail:
+                    a0 += _i8_tail(xf, xo, wf, wo, kv, k)
+                    a1 += _i8_tail(xf, xo, wf, w1, kv, k)
+                    a2 += _i8_tail(xf, xo, wf, w2, kv, k)
+                    a3 += _i8_tail(xf, xo, wf, w3, kv, k)
+                _put(acc, y, sx, scale, want_y, i + r, j0, a0)
+                _put(acc, y, sx, scale, want_y, i + r, j0 + 1, a1)
+                _put(acc, y, sx, scale, want_y, i + r, j0 + 2, a2)
+                _put(acc, y, sx, scale, want_y, i + r, j0 + 3, a3)
+            i += 4
         while i + 2 <= m:
             xo = i * k
             x1 = xo + k
@@ -830,10 +859,17 @@ def _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
 def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN):
     """Exact integer core of W8A8: ``acc[m, n] = xq[m, k] @ wtq[n, k].T`` in int32.
 
-    Lowered through the ``i8dot_tile_*`` intrinsics (``vpmaddubsw`` +
-    ``vpmaddwd`` on AVX2).  Equals ``xq.astype(np.int32) @
-    wtq.astype(np.int32).T`` bit for bit for codes in [-127, 127] and
-    ``k <= 133143`` (no int32 overflow; -128 is not a valid code).
+    Lowered through the ``i8dot_tile_*`` intrinsics on the host's int8 path
+    (:func:`simd_path`: ``vpdpbusd`` with AVX-512 VNNI / AVX-VNNI, ``vpmaddubsw``
+    + ``vpmaddwd`` on AVX2, portable IR elsewhere); rows go four at a time
+    through a 4 x 4 register tile, then 2 x 4, then 1 x 4.  Equals
+    ``xq.astype(np.int32) @ wtq.astype(np.int32).T`` bit for bit for codes in
+    [-127, 127] and ``k <= I8_MAX_K = 133144`` (a larger ``k`` raises
+    ``ValueError``).  ``-128`` is outside the contract and not checked here
+    (O(m k) per call): the 4 x 4 and 2 x 4 VNNI tiles (``+128`` offset) are
+    exact for it, but the sign trick of the 1 x 4 tiles and of the AVX2 path
+    turns a ``-128 x -128`` product into ``-16384``.
+    :func:`opscope_nb.matmul.matmul_i8i8_i32` rejects ``-128``.
 
     Parameters
     ----------
@@ -849,6 +885,9 @@ def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN):
     m, k = xq.shape
     if wtq.shape[1] != k:
         raise ValueError("matmul_i8i8_i32: xq.shape[1] must equal wtq.shape[1]")
+    if k > I8_MAX_K:
+        raise ValueError("matmul_i8i8_i32: k exceeds I8_MAX_K = 133144 (int32 sums "
+                         "could overflow); split k and add the partial products")
     n = wtq.shape[0]
     acc = np.empty((m, n), dtype=np.int32)
     dummy_y = np.empty((0, 0), dtype=np.float32)
@@ -870,8 +909,9 @@ def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN):
 def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN):
     """W8A8: ``y[i, j] = float(sum_p xq[i, p] * wtq[j, p]) * sx[i] * scale[j]``.
 
-    The integer sums are exact int32 (see :func:`matmul_i8i8_i32`); the
-    dequantisation happens once per output.
+    The integer sums are exact int32 (see :func:`matmul_i8i8_i32`, including
+    what ``-128`` does); the dequantisation happens once per output.  ``k``
+    above ``I8_MAX_K = 133144`` raises ``ValueError``.
 
     Parameters
     ----------
@@ -890,6 +930,9 @@ def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN):
     m, k = xq.shape
     if wtq.shape[1] != k or sx.shape[0] != m or scale.shape[0] != wtq.shape[0]:
         raise ValueError("matmul_w8a8: need xq[m,k], sx[m], wtq[n,k], scale[n]")
+    if k > I8_MAX_K:
+        raise ValueError("matmul_w8a8: k exceeds I8_MAX_K = 133144 (int32 sums "
+                         "could overflow); split k and add the partial products")
     n = wtq.shape[0]
     acc = np.empty((0, 0), dtype=np.int32)
     y = np.empty((m, n), dtype=np.float32)
@@ -910,10 +953,13 @@ def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN):
 def quant_matmul(x, w):
     """``x[m, k] @ w[k, n]`` with ``w`` quantised per output column to int8.
 
-    ``scale_j = amax_j / 127``; activations stay float32 and the result is
-    dequantised after accumulation: ``y[i, j] = (sum_p x[i, p] * q[p, j]) *
-    scale_j`` (quantise with :func:`quantize_cols_t`, multiply with
-    :func:`matmul_w8a16`).
+    ``scale_j = amax_j / 127`` (:func:`quantize_cols_t`), then the W8A16
+    product :func:`matmul_w8a16`: the float32 activations are turned into
+    per-row int16 codes (``quantize_rows_i16(x, a16_levels(k))``), multiplied
+    exactly against the int8 codes, and dequantised once:
+    ``y[i, j] = (sum_p xq[i, p] * q[p, j]) * sx[i] * scale_j``.  The result is
+    close to the float-activation formula ``(x @ q) * scale`` (see
+    :func:`matmul_w8a16` for the measured bound), not equal to it.
 
     Parameters
     ----------

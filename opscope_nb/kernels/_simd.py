@@ -13,7 +13,7 @@ emit the vector loop themselves, keeping int32 accumulators:
   vector IR (sign-extend to ``<16 x i32>``, ``mul``, add even and odd lanes)
   which LLVM lowers to the target's widening multiply-accumulate.
 
-The int32 sums are exact as long as ``k * 127 * 127 < 2**31`` (``k <= 133143``).
+The int32 sums are exact as long as ``k * 127 * 127 < 2**31`` (``k <= 133144``).
 
 Tile kinds (``<kind>dot_tile_<R>x<C>``):
 
@@ -48,6 +48,7 @@ __all__ = [
     "i8dot_tile_1x4",
     "i8dot_tile_2x1",
     "i8dot_tile_2x4",
+    "i8dot_tile_4x4",
     "i8_dot_accumulate",
     "i8_abs",
     "make_i8_tile",
@@ -137,7 +138,10 @@ def path_supported(path: str) -> bool:
 
 
 def _host_i8_path() -> str:
-    # Order of preference where several paths exist (see the module notes).
+    # 256-bit vpdpbusd before 512-bit: on Zen 4 (a 512-bit op is two 256-bit
+    # halves) the 256-bit tiles measured as fast or faster (4 x 4 tile, m = 32,
+    # k = 4096, one thread: 353 vs 347 GOP/s; decode equal) and need half the
+    # k-step, so less scalar tail.  benchmarks/bench_int8.py --paths compares.
     for p in ("avx512vnni256", "avxvnni", "avx512vnni", "avx2"):
         if path_supported(p):
             return p
@@ -346,6 +350,13 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None):
     path = path or HOST_I8_PATH
     if kind == "i8":
         lanes, step = I8_LANES[path], I8_STEP[path]
+    # VNNI tiles with several rows use the +128 offset: vpdpbusd((x ^ 0x80),
+    # w) = sum (x + 128) w, minus 128 * sum w (one extra vpdpbusd per weight
+    # row, shared by the R rows) -- one xor per activation vector instead of a
+    # sign fix-up per (row, column) pair.  Exact for every int8 code (-128
+    # included) while the true sum fits int32: the wrap-around of the
+    # intermediate lanes cancels in the final subtraction.
+    offset = kind == "i8" and R >= 2 and path in ("avx512vnni", "avx512vnni256", "avxvnni")
     is_int = kind in ("i8", "w16")
     # w16 sums can exceed int32 across lanes: the final reduction is in f64.
     rdt = {"i8": types.int32, "w16": types.float64}.get(kind, types.float32)
@@ -386,6 +397,13 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None):
                 a = cgutils.alloca_once(builder, accty)
                 builder.store(ir.Constant(accty, None), a)
                 accs.append(a)
+            corrs = []  # offset mode: 128 * sum w per weight row and set
+            for _ in range(U * C if offset else 0):
+                a = cgutils.alloca_once(builder, accty)
+                builder.store(ir.Constant(accty, None), a)
+                corrs.append(a)
+            v8step = ir.VectorType(_I8, step) if kind == "i8" else None
+            c80 = ir.Constant(v8step, [ir.Constant(_I8, -128)] * step) if offset else None
             xrow = [builder.gep(xa.data, [builder.add(
                 xoff, builder.mul(xstride, ir.Constant(intp, r)))], inbounds=True)
                 for r in range(R)]
@@ -403,6 +421,18 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None):
                     v = builder.load(builder.bitcast(p, vty.as_pointer()), align=1)
                     return widen(v) if widen else v
 
+                if offset:
+                    xu = [builder.xor(load(b, _I8, None), c80) for b in xrow]
+                    wv = [load(b, _I8, None) for b in wrow]
+                    for c in range(C):
+                        cp = corrs[aset * C + c]
+                        builder.store(_vpdpbusd(builder, builder.load(cp), c80, wv[c]), cp)
+                    for r in range(R):
+                        for c in range(C):
+                            acc = accs[aset * R * C + r * C + c]
+                            builder.store(_vpdpbusd(builder, builder.load(acc), xu[r], wv[c]),
+                                          acc)
+                    return
                 if kind == "i8":
                     xv = [load(b, _I8, None) for b in xrow]
                     wv = [load(b, _I8, None) for b in wrow]
@@ -448,6 +478,15 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None):
                     a0 = accs[t]
                     builder.store(opadd(builder.load(a0),
                                         builder.load(accs[u * R * C + t])), a0)
+            for u in range(1, U if offset else 1):
+                for c in range(C):
+                    builder.store(builder.add(builder.load(corrs[c]),
+                                              builder.load(corrs[u * C + c])), corrs[c])
+            if offset:
+                for r in range(R):
+                    for c in range(C):
+                        a = accs[r * C + c]
+                        builder.store(builder.sub(builder.load(a), builder.load(corrs[c])), a)
             accs = accs[:R * C]
             if kind == "w16":
                 f64v = ir.VectorType(ir.DoubleType(), lanes)
@@ -489,7 +528,7 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None):
     -------
     tuple of {R * C} {rdt}
         ``t[r * {C} + c] = sum_p x[row r, p] * w[row c, p]`` over the covered
-        elements{" (exact for k <= 133143)" if kind == "i8" else ""}{
+        elements{" (exact for k <= 133144)" if kind == "i8" else ""}{
         " (exact while every int32 lane stays in range: |x| * 127 * k / 8 < 2**31)"
         if kind == "w16" else ""}.
 
@@ -517,6 +556,7 @@ i8dot_tile_1x1 = _make_tile(1, 1, "i8")
 i8dot_tile_1x4 = _make_tile(1, 4, "i8")
 i8dot_tile_2x1 = _make_tile(2, 1, "i8")
 i8dot_tile_2x4 = _make_tile(2, 4, "i8")
+i8dot_tile_4x4 = _make_tile(4, 4, "i8")
 f32dot_tile_1x1 = _make_tile(1, 1, "f32")
 f32dot_tile_1x4 = _make_tile(1, 4, "f32")
 f32dot_tile_2x4 = _make_tile(2, 4, "f32")
