@@ -2,7 +2,8 @@
 
 Compiles ``matmul_w8a8``, ``matmul_w8a16`` and ``matmul_f32`` afresh (the
 on-disk cache holds no assembly to inspect) and counts the vector
-instructions that matter in their machine code::
+instructions that matter in their machine code (``vpdpbusd`` on AVX-512 VNNI /
+AVX-VNNI hosts, ``vpmaddubsw``/``vpmaddwd`` on AVX2)::
 
     python benchmarks/inspect_asm.py
 """
@@ -16,7 +17,8 @@ from numba.core.caching import NullCache
 
 from opscope_nb import kernels as K
 
-WATCH = ("vpmaddubsw", "vpmaddwd", "vpsignb", "vpabsb", "vpmovsxbw", "vpaddd",
+WATCH = ("vpdpbusd", "vpdpwssd", "vpxord", "vpxor", "vpmaddubsw", "vpmaddwd", "vpsignb", "vpabsb",
+         "vpmovsxbw", "vpaddd", "vpsubd",
          "vfmadd231ps", "vpmulld", "vcvtdq2ps", "sdot", "smull", "fmla")
 
 
@@ -33,6 +35,7 @@ def main():
     K.matmul_w8a8(xq, sx, wtq, sc)
     K.matmul_w8a16(x, wtq, sc)
     K.matmul_f32(x, wt)
+    print(f"int8 path: {K.simd_path()}")
     for f in kernels:
         asm = "".join(f.inspect_asm().values())
         count = collections.Counter(re.findall(r"\b([a-z][a-z0-9]+)\b", asm))
