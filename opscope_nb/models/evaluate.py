@@ -1,0 +1,302 @@
+"""Dense vs compressed: what a plan does to a model's outputs, size and speed.
+
+:func:`evaluate` runs the dense model (weights from the source) and, when
+given, the compressed checkpoint (``opscope-nb apply`` output) on the same
+tokens and returns one flat dict (the ``eval --json`` document):
+
+* both: ``family``, ``arch``, ``tokens``, ``dense_weight_bytes``,
+  ``compressed_weight_bytes`` (every array each model holds, packed arrays
+  counted packed), ``dense_tokens_per_s``, ``compressed_tokens_per_s``,
+  ``peak_rss_mb`` (this process);
+* encoders: ``cosine_mean``, ``cosine_min`` of the per-text pooled embeddings
+  (``cos = 1 - |u - v|^2 / 2`` of the unit vectors, float64, so identical
+  embeddings give exactly 1); ``*_tokens_per_s`` is the warm batch-forward rate;
+* decoders: ``kl_mean`` = mean over positions of KL(dense || compressed) of the
+  next-token distributions (float64 log-softmax), ``top1_agree``, ``ppl_dense``,
+  ``ppl_compressed`` (over non-overlapping windows of ``window`` tokens);
+  ``*_tokens_per_s`` is the warm **decode** rate (``decode_steps`` greedy
+  tokens, one at a time with the KV cache, m = 1) and
+  ``*_prefill_tokens_per_s`` the warm rate of a ``prompt_tokens`` prompt.
+
+Without a compressed checkpoint the ``compressed_*`` figures and the
+comparison metrics are None.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+import numpy as np
+
+from .loader import ModelError, open_model
+
+__all__ = ["evaluate", "load_passages", "JSON_KEYS", "kl_stats", "cosine"]
+
+#: Keys every ``eval --json`` document has (None where not applicable).
+JSON_KEYS = ("family", "tokens", "dense_weight_bytes", "compressed_weight_bytes",
+             "dense_tokens_per_s", "compressed_tokens_per_s", "cosine_mean", "cosine_min",
+             "kl_mean", "top1_agree", "ppl_dense", "ppl_compressed")
+
+
+def load_passages(text=None) -> list:
+    """Passages to evaluate: non-empty lines of ``text`` (a path), else the built-in sample.
+
+    Raises
+    ------
+    ModelError
+        The file is missing, unreadable or has no non-blank line.
+    """
+    if text is None:
+        from ..data import sample_passages
+        return sample_passages()
+    path = os.fspath(text)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [ln.strip() for ln in f]
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read the text file ({exc.strerror or exc}).") from None
+    except UnicodeDecodeError:
+        raise ModelError(f"{path}: not UTF-8 text; give one passage per line.") from None
+    lines = [ln for ln in lines if ln]
+    if not lines:
+        raise ModelError(f"{path}: the text file is empty; give one passage per line.")
+    return lines
+
+
+def _sentences(passages) -> list:
+    out = []
+    for p in passages:
+        out += [s.strip() for s in re.split(r"(?<=[.!?])[\"']?\s+", p) if s.strip()]
+    return out
+
+
+def cosine(a, b) -> np.ndarray:
+    """Row-wise cosine of ``a``, ``b`` ``[n, d]`` as ``1 - |u - v|^2 / 2`` (float64)."""
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    u = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-300)
+    v = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-300)
+    return 1.0 - 0.5 * ((u - v) ** 2).sum(axis=1)
+
+
+def _log_softmax(z):
+    z = np.asarray(z, np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def kl_stats(logits_p, logits_q) -> tuple:
+    """Per-position ``KL(p || q)`` and top-1 agreement of two logit arrays ``[T, V]``.
+
+    Returns
+    -------
+    kl : ndarray of float64, shape (T,)
+    agree : ndarray of bool, shape (T,)
+    """
+    lp, lq = _log_softmax(logits_p), _log_softmax(logits_q)
+    kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
+    return np.maximum(kl, 0.0), np.argmax(lp, axis=-1) == np.argmax(lq, axis=-1)
+
+
+def _nll(logits, targets):
+    lp = _log_softmax(logits)
+    return -lp[np.arange(len(targets)), targets]
+
+
+class _NoBar:
+    def show(self, i, name):
+        pass
+
+    def advance(self, w):
+        pass
+
+    def close(self):
+        pass
+
+
+def _peak_rss_mb():
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return float("nan")
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / (1024.0 * 1024.0) if sys.platform == "darwin" else kb / 1024.0
+
+
+def evaluate(source, compressed=None, *, text=None, act="auto", max_tokens=None,
+             decode_steps=64, prompt_tokens=64, window=256, make_progress=None) -> dict:
+    """Run the dense (and compressed) model on the same tokens; return the figures.
+
+    Parameters
+    ----------
+    source : str
+        The original checkpoint (its config and tokenizer are used for both models).
+    compressed : str or None
+        ``opscope-nb apply`` output for ``source``.
+    text : str or None
+        Text file, one passage per line; None = the built-in English sample.
+    act : {"auto", "f32", "int8"}
+        Activation mode of every ``PackedLinear`` call (both models).
+    max_tokens : int or None
+        Cap on the tokens evaluated (decoders: the token stream; encoders:
+        whole texts are added while the total stays within the cap, at least one).
+    decode_steps, prompt_tokens : int
+        Decoder speed run: greedy tokens decoded after a prompt of this length.
+    window : int
+        Decoder perplexity/KL window (non-overlapping, fresh KV cache each).
+    make_progress : callable or None
+        ``make_progress(n_items, total_work) -> bar`` with ``show(i, name)``,
+        ``advance(work)``, ``close()`` (the CLI's stderr bar); None = silent.
+
+    Returns
+    -------
+    dict
+        Every key of :data:`JSON_KEYS` plus ``arch``, ``act``, ``source``,
+        ``compressed``, ``peak_rss_mb``, ``load_seconds`` and, for decoders,
+        ``dense_prefill_tokens_per_s``, ``compressed_prefill_tokens_per_s``,
+        ``decode_steps``, ``prompt_tokens``, ``kl_max``; for encoders ``texts``.
+
+    Raises
+    ------
+    ModelError, UnsupportedModelError, opscope_nb.io.SourceError
+        Bad input (unknown architecture, empty text, checkpoint of another model).
+    """
+    if act not in ("auto", "f32", "int8"):
+        raise ValueError(f"act must be 'auto', 'f32' or 'int8'; got {act!r}.")
+    for nm, v in (("decode_steps", decode_steps), ("prompt_tokens", prompt_tokens),
+                  ("window", window)):
+        if int(v) < 1:
+            raise ValueError(f"{nm} must be >= 1; got {v}.")
+    if max_tokens is not None and int(max_tokens) < 2:
+        raise ValueError(f"max_tokens must be >= 2; got {max_tokens}.")
+    passages = load_passages(text)
+    mk = make_progress or (lambda n, w: _NoBar())
+    t0 = time.perf_counter()
+    dense = open_model(source, make_progress=make_progress)
+    comp = None
+    if compressed is not None:
+        comp = open_model(source, compressed)
+    load_s = time.perf_counter() - t0
+    res = {k: None for k in JSON_KEYS}
+    res.update(family=dense.family, arch=dense.arch, act=act, source=os.fspath(source),
+               compressed=None if compressed is None else os.fspath(compressed),
+               dense_weight_bytes=dense.weight_bytes(),
+               compressed_weight_bytes=None if comp is None else comp.weight_bytes(),
+               load_seconds=load_s)
+    if dense.family == "encoder":
+        _eval_encoder(res, dense, comp, passages, text is None, act, max_tokens, mk)
+    else:
+        _eval_decoder(res, dense, comp, passages, act, max_tokens, decode_steps,
+                      prompt_tokens, window, mk)
+    res["peak_rss_mb"] = _peak_rss_mb()
+    return res
+
+
+# --------------------------------------------------------------------------- #
+def _eval_encoder(res, dense, comp, passages, builtin, act, max_tokens, mk):
+    from . import bert
+    texts = _sentences(passages) if builtin else list(passages)
+    if max_tokens is not None:
+        keep, tot = [], 0
+        for t in texts:
+            n = len(dense.tokenizer.encode(t).ids)
+            if keep and tot + n > max_tokens:
+                break
+            keep.append(t)
+            tot += n
+        texts = keep
+    ids_all = [min(len(dense.tokenizer.encode(t).ids), dense.config["max_seq_len"])
+               for t in texts]
+    ntok = int(sum(ids_all))
+    models = [("dense", dense)] + ([("compressed", comp)] if comp is not None else [])
+    bar = mk(2 * len(models), 2 * len(models))
+    embs = {}
+    for j, (tag, m) in enumerate(models):
+        bar.show(2 * j, f"{tag} forward")
+        embs[tag] = bert.embed(m, texts, act=act)          # also the warm-up
+        bar.advance(1)
+        bar.show(2 * j + 1, f"{tag} timed forward")
+        t = time.perf_counter()
+        bert.embed(m, texts, act=act)
+        res[f"{tag}_tokens_per_s"] = ntok / max(time.perf_counter() - t, 1e-12)
+        bar.advance(1)
+    bar.close()
+    res["tokens"] = ntok
+    res["texts"] = len(texts)
+    if comp is not None:
+        c = cosine(embs["dense"], embs["compressed"])
+        res["cosine_mean"] = float(c.mean())
+        res["cosine_min"] = float(c.min())
+
+
+def _eval_decoder(res, dense, comp, passages, act, max_tokens, decode_steps,
+                  prompt_tokens, window, mk):
+    from . import llama
+    cfg = dense.config
+    ids = list(dense.tokenizer.encode("\n".join(passages)).ids)
+    if cfg.get("add_bos") and cfg.get("bos") is not None:
+        ids = [int(cfg["bos"])] + ids
+    if max_tokens is not None:
+        ids = ids[:int(max_tokens)]
+    if len(ids) < 2:
+        raise ModelError("the text has fewer than 2 tokens; give a longer text.")
+    ids = np.asarray(ids, dtype=np.int64)
+    window = int(min(window, cfg.get("context", window)))
+    models = [("dense", dense)] + ([("compressed", comp)] if comp is not None else [])
+    starts = list(range(0, len(ids) - 1, window))
+    n_work = len(starts) * len(models) + len(models) * (decode_steps + 1)
+    bar = mk(len(starts) + len(models), n_work)
+    nll = {tag: [] for tag, _ in models}
+    kls, agree = [], []
+    for wi, s in enumerate(starts):
+        chunk = ids[s:s + window]
+        if len(chunk) < 2:
+            break
+        bar.show(wi, f"window {wi + 1}/{len(starts)}")
+        logits = {}
+        for tag, m in models:
+            cache = llama.KVCache(m.config, len(chunk))
+            logits[tag] = llama.forward(m, chunk, cache, act=act)
+            nll[tag].append(_nll(logits[tag][:-1], chunk[1:]))
+            bar.advance(1)
+        if comp is not None:
+            k, a = kl_stats(logits["dense"], logits["compressed"])
+            kls.append(k)
+            agree.append(a)
+        del logits
+    res["tokens"] = int(sum(len(x) for x in nll["dense"]) + len(nll["dense"]))
+    res["ppl_dense"] = float(np.exp(np.concatenate(nll["dense"]).mean()))
+    if comp is not None:
+        res["ppl_compressed"] = float(np.exp(np.concatenate(nll["compressed"]).mean()))
+        k = np.concatenate(kls)
+        res["kl_mean"] = float(k.mean())
+        res["kl_max"] = float(k.max())
+        res["top1_agree"] = float(np.concatenate(agree).mean())
+    # speed: warm prefill of a prompt, then greedy decode one token at a time
+    prompt = ids[:max(1, min(int(prompt_tokens), len(ids)))]
+    for j, (tag, m) in enumerate(models):
+        bar.show(len(starts) + j, f"{tag} decode speed")
+        cap = len(prompt) + decode_steps + 2
+        warm = llama.KVCache(m.config, cap)
+        lg = llama.forward(m, prompt[:min(8, len(prompt))], warm, act=act, logits="last")
+        for _ in range(2):
+            lg = llama.forward(m, [int(np.argmax(lg[-1]))], warm, act=act, logits="last")
+        cache = llama.KVCache(m.config, cap)
+        t = time.perf_counter()
+        lg = llama.forward(m, prompt, cache, act=act, logits="last")
+        t_pre = time.perf_counter() - t
+        bar.advance(1)
+        t = time.perf_counter()
+        for _ in range(decode_steps):
+            nxt = int(np.argmax(lg[-1]))
+            lg = llama.forward(m, [nxt], cache, act=act, logits="last")
+            bar.advance(1)
+        t_dec = time.perf_counter() - t
+        res[f"{tag}_prefill_tokens_per_s"] = len(prompt) / max(t_pre, 1e-12)
+        res[f"{tag}_tokens_per_s"] = decode_steps / max(t_dec, 1e-12)
+    res.setdefault("compressed_prefill_tokens_per_s", None)
+    res["decode_steps"] = int(decode_steps)
+    res["prompt_tokens"] = int(len(prompt))
+    bar.close()

@@ -1,0 +1,470 @@
+"""Recognise a checkpoint's architecture, read its config and tokenizer, and hold
+its tensors for the forward passes in :mod:`.bert` and :mod:`.llama`.
+
+Families (anything else raises :class:`UnsupportedModelError`):
+
+* ``encoder`` - BERT-style (``BertModel`` / ``model_type`` ``bert``) safetensors
+  with ``config.json``; sentence-transformers pooling from ``1_Pooling/config.json``
+  and ``modules.json`` (``Normalize``) when present.
+* ``decoder`` - Llama-style: GGUF files with ``general.architecture = llama``,
+  and safetensors checkpoints whose ``config.json`` says ``llama``, ``qwen2`` or
+  ``mistral``.
+
+Every linear layer is held as a :class:`opscope_nb.runtime.PackedLinear`
+(``Decomp.dense()`` when it is not compressed), every other tensor as a float32
+ndarray.  A weight is ``[out, in]``; GGUF's permuted Q/K rows are kept as stored
+and :mod:`.llama` rotates adjacent pairs for them (``rope_interleaved``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import io as tio
+
+__all__ = ["Model", "ModelError", "UnsupportedModelError", "open_model", "detect",
+           "dense_linear", "gguf_metadata", "SUPPORTED"]
+
+#: One line naming what :func:`detect` accepts.
+SUPPORTED = ("BERT-style encoders (config.json model_type 'bert') and Llama-style "
+             "decoders (GGUF 'llama', or config.json model_type 'llama', 'qwen2', "
+             "'mistral')")
+
+
+class ModelError(ValueError):
+    """The model cannot be run: inconsistent tensors, missing files, bad plan."""
+
+
+class UnsupportedModelError(ModelError):
+    """The checkpoint's architecture is not one of :data:`SUPPORTED`."""
+
+
+# --------------------------------------------------------------------------- #
+# linear layers
+# --------------------------------------------------------------------------- #
+def dense_linear(w: np.ndarray):
+    """A dense ``PackedLinear`` over ``w`` ``[out, in]`` float32 (no copy when possible)."""
+    from ..runtime import PackedLinear
+    from ..mining import Decomp
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    return PackedLinear(Decomp.dense(), {"w": w}, w.shape)
+
+
+def _is_linear(x) -> bool:
+    return hasattr(x, "decomp") and hasattr(x, "arrays") and callable(x)
+
+
+# --------------------------------------------------------------------------- #
+# model
+# --------------------------------------------------------------------------- #
+@dataclass
+class Model:
+    """A loaded model ready for :func:`opscope_nb.models.bert.embed` or
+    :func:`opscope_nb.models.llama.forward`.
+
+    Attributes
+    ----------
+    family : str
+        ``"encoder"`` or ``"decoder"``.
+    arch : str
+        ``bert``, ``llama``, ``qwen2``, ``mistral`` or ``gguf-llama``.
+    config : dict
+        Normalised hyper-parameters (see :func:`detect`).
+    tensors : dict of str -> PackedLinear or ndarray
+        Linear weights as ``PackedLinear``, everything else float32.
+    tokenizer : tokenizers.Tokenizer
+    source_path : str
+    """
+
+    family: str
+    arch: str
+    config: dict
+    tensors: dict = field(repr=False)
+    tokenizer: object = field(repr=False)
+    source_path: str = ""
+    #: derived objects that share memory with :attr:`tensors` (e.g. a tied head)
+    extras: dict = field(default_factory=dict, repr=False)
+
+    def weight_bytes(self) -> int:
+        """Bytes of every array the model holds (packed arrays counted as packed)."""
+        seen = set()
+        total = 0
+        for v in self.tensors.values():
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            total += int(v.nbytes)
+        return total
+
+    def linear(self, name):
+        return self.tensors[name]
+
+    def array(self, name):
+        return self.tensors[name]
+
+
+# --------------------------------------------------------------------------- #
+# detection
+# --------------------------------------------------------------------------- #
+def gguf_metadata(path: str) -> dict:
+    """The GGUF key/value metadata as plain Python values (arrays as lists)."""
+    gguf = tio._import_gguf()
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as exc:
+        raise tio.SourceError(f"{path}: not a readable GGUF file ({type(exc).__name__}: "
+                              f"{exc}).") from None
+    out = {}
+    for k, f in reader.fields.items():
+        try:
+            out[k] = f.contents()
+        except Exception:  # pragma: no cover - exotic field types
+            continue
+    return out
+
+
+def _read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read ({exc.strerror or exc}).") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelError(f"{path}: not valid JSON ({exc}).") from None
+
+
+def _model_dir(path: str) -> str:
+    return path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+
+
+def detect(path: str) -> tuple:
+    """``(family, arch, config, tokenizer)`` of a checkpoint, from headers only.
+
+    ``config`` keys: encoders ``n_layers, hidden, n_heads, ffn, eps, vocab,
+    max_pos, type_vocab, prefix, pooling, normalize, max_seq_len, act``;
+    decoders ``n_layers, hidden, n_heads, n_kv, head_dim, ffn, eps, rope_base,
+    rope_interleaved, vocab, tied, names`` (role -> tensor name pattern with
+    ``{i}`` for the block), ``bos, eos, add_bos``.
+
+    Raises
+    ------
+    UnsupportedModelError
+        Unknown architecture (one line naming :data:`SUPPORTED`).
+    ModelError, SourceError
+        Missing / unreadable config or tokenizer.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise tio.SourceError(f"{path}: no such file or directory.")
+    if path.lower().endswith(".gguf"):
+        return _detect_gguf(path)
+    d = _model_dir(path)
+    cfg_path = os.path.join(d, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise UnsupportedModelError(f"{path}: no config.json next to the weights, so the "
+                                    f"architecture is unknown; eval supports {SUPPORTED}.")
+    cfg = _read_json(cfg_path)
+    mt = str(cfg.get("model_type", "")).lower()
+    archs = [str(a) for a in cfg.get("architectures") or []]
+    if mt == "bert" or any(a.startswith("Bert") for a in archs):
+        return _detect_bert(d, cfg)
+    if mt in ("llama", "qwen2", "mistral") or any(
+            a in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM") for a in archs):
+        return _detect_hf_llama(d, cfg, mt or "llama")
+    raise UnsupportedModelError(f"{cfg_path}: model_type {mt or archs!r} is not supported; "
+                                f"eval supports {SUPPORTED}.")
+
+
+def _detect_bert(d, cfg):
+    from .tokenize import from_dir
+    if str(cfg.get("hidden_act", "gelu")) != "gelu":
+        raise UnsupportedModelError(f"{d}: BERT hidden_act {cfg.get('hidden_act')!r}; only "
+                                    f"exact 'gelu' is implemented.")
+    if str(cfg.get("position_embedding_type", "absolute")) != "absolute":
+        raise UnsupportedModelError(f"{d}: BERT position_embedding_type "
+                                    f"{cfg.get('position_embedding_type')!r}; only "
+                                    f"'absolute' is implemented.")
+    pool = {"pooling_mode_mean_tokens": True}
+    pp = os.path.join(d, "1_Pooling", "config.json")
+    if os.path.isfile(pp):
+        pool = _read_json(pp)
+    mode = "mean"
+    if pool.get("pooling_mode_cls_token"):
+        mode = "cls"
+    elif pool.get("pooling_mode_max_tokens"):
+        mode = "max"
+    elif pool.get("pooling_mode_mean_sqrt_len_tokens"):
+        mode = "mean_sqrt_len"
+    normalize = True
+    mp = os.path.join(d, "modules.json")
+    if os.path.isfile(mp):
+        mods = _read_json(mp)
+        normalize = any("Normalize" in str(m.get("type", "")) for m in mods)
+    max_seq = int(cfg.get("max_position_embeddings", 512))
+    sp = os.path.join(d, "sentence_bert_config.json")
+    lower = True
+    if os.path.isfile(sp):
+        sb = _read_json(sp)
+        max_seq = min(max_seq, int(sb.get("max_seq_length", max_seq)))
+    tc = os.path.join(d, "tokenizer_config.json")
+    if os.path.isfile(tc):
+        lower = bool(_read_json(tc).get("do_lower_case", True))
+    tok = from_dir(d, lower_case=lower)
+    if tok is None:
+        raise ModelError(f"{d}: no tokenizer.json or vocab.txt for the BERT tokenizer.")
+    conf = {
+        "n_layers": int(cfg["num_hidden_layers"]), "hidden": int(cfg["hidden_size"]),
+        "n_heads": int(cfg["num_attention_heads"]), "ffn": int(cfg["intermediate_size"]),
+        "eps": float(cfg.get("layer_norm_eps", 1e-12)), "vocab": int(cfg["vocab_size"]),
+        "max_pos": int(cfg.get("max_position_embeddings", 512)),
+        "type_vocab": int(cfg.get("type_vocab_size", 2)),
+        "pooling": mode, "normalize": normalize, "max_seq_len": max_seq,
+        "pad_id": int(cfg.get("pad_token_id", 0) or 0), "prefix": "",
+    }
+    return "encoder", "bert", conf, tok
+
+
+_HF_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "q": "model.layers.{i}.self_attn.q_proj.weight",
+    "k": "model.layers.{i}.self_attn.k_proj.weight",
+    "v": "model.layers.{i}.self_attn.v_proj.weight",
+    "q_bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "k_bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "v_bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "o": "model.layers.{i}.self_attn.o_proj.weight",
+    "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "up": "model.layers.{i}.mlp.up_proj.weight",
+    "down": "model.layers.{i}.mlp.down_proj.weight",
+    "out_norm": "model.norm.weight",
+    "head": "lm_head.weight",
+}
+
+_GGUF_NAMES = {
+    "embed": "token_embd.weight",
+    "attn_norm": "blk.{i}.attn_norm.weight",
+    "q": "blk.{i}.attn_q.weight",
+    "k": "blk.{i}.attn_k.weight",
+    "v": "blk.{i}.attn_v.weight",
+    "q_bias": "blk.{i}.attn_q.bias",
+    "k_bias": "blk.{i}.attn_k.bias",
+    "v_bias": "blk.{i}.attn_v.bias",
+    "o": "blk.{i}.attn_output.weight",
+    "ffn_norm": "blk.{i}.ffn_norm.weight",
+    "gate": "blk.{i}.ffn_gate.weight",
+    "up": "blk.{i}.ffn_up.weight",
+    "down": "blk.{i}.ffn_down.weight",
+    "out_norm": "output_norm.weight",
+    "head": "output.weight",
+}
+
+#: Decoder roles that are linear layers (run through PackedLinear).
+DECODER_LINEAR = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def _detect_hf_llama(d, cfg, mt):
+    from .tokenize import from_dir
+    rs = cfg.get("rope_scaling")
+    if rs:
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind not in (None, "default"):
+            raise UnsupportedModelError(f"{d}: rope_scaling {kind!r} is not implemented; "
+                                        f"eval supports plain RoPE.")
+    act = str(cfg.get("hidden_act", "silu"))
+    if act != "silu":
+        raise UnsupportedModelError(f"{d}: hidden_act {act!r}; only SwiGLU (silu) is "
+                                    f"implemented.")
+    tok = from_dir(d)
+    if tok is None:
+        raise ModelError(f"{d}: no tokenizer.json next to the weights.")
+    hidden = int(cfg["hidden_size"])
+    nh = int(cfg["num_attention_heads"])
+    conf = {
+        "n_layers": int(cfg["num_hidden_layers"]), "hidden": hidden, "n_heads": nh,
+        "n_kv": int(cfg.get("num_key_value_heads") or nh),
+        "head_dim": int(cfg.get("head_dim") or hidden // nh),
+        "ffn": int(cfg["intermediate_size"]), "eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rope_base": float(cfg.get("rope_theta", 10000.0)), "rope_interleaved": False,
+        "vocab": int(cfg["vocab_size"]), "tied": bool(cfg.get("tie_word_embeddings", False)),
+        "names": dict(_HF_NAMES), "bos": cfg.get("bos_token_id"),
+        "eos": cfg.get("eos_token_id"), "add_bos": mt == "llama",
+        "qkv_bias": mt == "qwen2",
+        "context": int(cfg.get("max_position_embeddings", 2048)),
+    }
+    tcp = os.path.join(d, "tokenizer_config.json")
+    if os.path.isfile(tcp):
+        tc = _read_json(tcp)
+        if "add_bos_token" in tc:
+            conf["add_bos"] = bool(tc["add_bos_token"])
+    return "decoder", mt, conf, tok
+
+
+def _detect_gguf(path):
+    from .tokenize import from_gguf_fields
+    md = gguf_metadata(path)
+    arch = md.get("general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported; "
+                                    f"eval supports {SUPPORTED}.")
+
+    def g(key, default=None):
+        return md.get(f"llama.{key}", default)
+
+    try:
+        hidden = int(g("embedding_length"))
+        nh = int(g("attention.head_count"))
+        conf = {
+            "n_layers": int(g("block_count")), "hidden": hidden, "n_heads": nh,
+            "n_kv": int(g("attention.head_count_kv", nh)),
+            "head_dim": int(g("rope.dimension_count", hidden // nh)),
+            "ffn": int(g("feed_forward_length")),
+            "eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_base": float(g("rope.freq_base", 10000.0)), "rope_interleaved": True,
+            "vocab": int(g("vocab_size", len(md.get("tokenizer.ggml.tokens", [])))),
+            "tied": None, "names": dict(_GGUF_NAMES),
+            "bos": md.get("tokenizer.ggml.bos_token_id"),
+            "eos": md.get("tokenizer.ggml.eos_token_id"),
+            "add_bos": bool(md.get("tokenizer.ggml.add_bos_token", True)),
+            "qkv_bias": False, "context": int(g("context_length", 2048)),
+        }
+    except (TypeError, ValueError) as exc:
+        raise ModelError(f"{path}: GGUF llama metadata incomplete ({exc}).") from None
+    if g("rope.scaling.type") not in (None, "none"):
+        raise UnsupportedModelError(f"{path}: RoPE scaling {g('rope.scaling.type')!r} is not "
+                                    f"implemented; eval supports plain RoPE.")
+    if "tokenizer.ggml.tokens" not in md:
+        raise ModelError(f"{path}: no tokenizer.ggml.tokens in the GGUF metadata.")
+    tok = from_gguf_fields({"model": md.get("tokenizer.ggml.model"),
+                            "pre": md.get("tokenizer.ggml.pre"),
+                            "tokens": md["tokenizer.ggml.tokens"],
+                            "merges": md.get("tokenizer.ggml.merges", []),
+                            "token_type": md.get("tokenizer.ggml.token_type")})
+    return "decoder", "gguf-llama", conf, tok
+
+
+# --------------------------------------------------------------------------- #
+# tensor names the forward needs
+# --------------------------------------------------------------------------- #
+def _bert_prefix(names) -> str:
+    for p in ("", "bert.", "model."):
+        if p + "embeddings.word_embeddings.weight" in names:
+            return p
+    raise ModelError("no 'embeddings.word_embeddings.weight' tensor: not a BertModel "
+                     "checkpoint.")
+
+
+def required_tensors(family, conf, names) -> tuple:
+    """``(linear names, other names, optional names)`` the forward reads."""
+    lin, other, opt = [], [], []
+    if family == "encoder":
+        p = _bert_prefix(names)
+        conf["prefix"] = p
+        other += [p + "embeddings.word_embeddings.weight",
+                  p + "embeddings.position_embeddings.weight",
+                  p + "embeddings.LayerNorm.weight", p + "embeddings.LayerNorm.bias"]
+        opt.append(p + "embeddings.token_type_embeddings.weight")
+        for i in range(conf["n_layers"]):
+            b = f"{p}encoder.layer.{i}."
+            for part in ("attention.self.query", "attention.self.key",
+                         "attention.self.value", "attention.output.dense",
+                         "intermediate.dense", "output.dense"):
+                lin.append(b + part + ".weight")
+                other.append(b + part + ".bias")
+            for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
+                other += [b + ln + ".weight", b + ln + ".bias"]
+        return lin, other, opt
+    nm = conf["names"]
+    other += [nm["embed"], nm["out_norm"]]
+    for i in range(conf["n_layers"]):
+        lin += [nm[r].format(i=i) for r in DECODER_LINEAR]
+        other += [nm["attn_norm"].format(i=i), nm["ffn_norm"].format(i=i)]
+        if conf.get("qkv_bias"):
+            other += [nm[r].format(i=i) for r in ("q_bias", "k_bias", "v_bias")]
+    if nm["head"] in names:
+        lin.append(nm["head"])
+        conf["tied"] = False
+    else:
+        conf["tied"] = True
+    return lin, other, opt
+
+
+# --------------------------------------------------------------------------- #
+# loading
+# --------------------------------------------------------------------------- #
+def open_model(source, compressed=None, *, make_progress=None) -> Model:
+    """Load a model for eval: dense from ``source``, or its compressed checkpoint.
+
+    Parameters
+    ----------
+    source : str
+        The original checkpoint (config, tokenizer; weights when ``compressed`` is None).
+    compressed : str or None
+        A ``.safetensors`` file written by ``opscope-nb apply`` /
+        :func:`opscope_nb.runtime.save`; its tensors replace the source's.
+    make_progress : callable or None
+        ``make_progress(n_items, total_work)`` -> a bar with ``show(i, name)`` /
+        ``advance(work)`` / ``close()`` for reading the source's tensors.
+
+    Returns
+    -------
+    Model
+
+    Raises
+    ------
+    UnsupportedModelError, ModelError, SourceError
+        Unknown architecture; the compressed file lacks a tensor the forward needs
+        or holds one of another shape (a plan for another model).
+    """
+    family, arch, conf, tok = detect(source)
+    if compressed is None:
+        src = tio.open_source(source)
+        names = {e.name for e in src.entries}
+        lin, other, opt = required_tensors(family, conf, names)
+        want = set(lin) | set(other) | (set(opt) & names)
+        missing = sorted((set(lin) | set(other)) - names)
+        if missing:
+            raise ModelError(f"{source}: tensor {missing[0]!r} missing ({len(missing)} "
+                             f"missing); is this a complete {arch} checkpoint?")
+        tensors = {}
+        entries = [e for e in src.entries if e.name in want]
+        progress = None if make_progress is None else \
+            make_progress(len(entries), sum(e.numel for e in entries))
+        for i, e in enumerate(entries):
+            if progress is not None:
+                progress.show(i, e.name)
+            a = e.load()
+            tensors[e.name] = dense_linear(a) if e.name in lin else a
+            if progress is not None:
+                progress.advance(e.numel)
+        if progress is not None:
+            progress.close()
+    else:
+        from .._checkpoint import load as ck_load
+        src = tio.open_source(source)
+        shapes = {e.name: tuple(e.shape) for e in src.entries}
+        loaded, _meta = ck_load(compressed)
+        names = set(loaded)
+        lin, other, opt = required_tensors(family, conf, names)
+        want = set(lin) | set(other) | (set(opt) & names)
+        tensors = {}
+        for n in sorted(want):
+            if n not in loaded:
+                raise ModelError(f"{compressed}: tensor {n!r} that the {arch} forward needs "
+                                 f"is missing; was it written from {os.path.basename(source)}?")
+            v = loaded[n]
+            shp = tuple(v.shape)
+            if n in shapes and shapes[n] != shp:
+                raise ModelError(f"{compressed}: tensor {n!r} has shape {shp} but "
+                                 f"{os.path.basename(source)} has {shapes[n]}; the checkpoint "
+                                 f"belongs to another model.")
+            if n in lin and not _is_linear(v):
+                v = dense_linear(v)
+            elif n not in lin and _is_linear(v):
+                v = v.dense()
+            tensors[n] = v
+    return Model(family, arch, conf, tensors, tok, os.fspath(source))

@@ -1,0 +1,139 @@
+"""Tokenisers for the eval forward passes, built with the ``tokenizers`` package.
+
+* A checkpoint directory with ``tokenizer.json`` -> ``Tokenizer.from_file``.
+* A BERT directory with only ``vocab.txt`` -> a WordPiece tokenizer with BERT's
+  normaliser (lower-casing when ``do_lower_case``), pre-tokeniser and
+  ``[CLS] ... [SEP]`` post-processor.
+* A GGUF file whose ``tokenizer.ggml.model`` is ``gpt2`` -> a byte-level BPE
+  built from ``tokenizer.ggml.tokens`` / ``tokenizer.ggml.merges``; control
+  tokens (``token_type`` 3) are registered as special tokens.  The
+  pre-tokeniser follows llama.cpp's ``tokenizer.ggml.pre``: ``smollm`` /
+  ``starcoder``-style vocabularies split digits one by one before the GPT-2
+  byte-level regex; anything else uses the plain GPT-2 regex.
+
+Every builder returns a ``tokenizers.Tokenizer``; :func:`encode_ids` turns a
+string into an ``int64`` id vector.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+__all__ = ["from_dir", "from_gguf_fields", "wordpiece_from_vocab", "encode_ids"]
+
+#: llama.cpp pre-tokeniser names that split every digit on its own.
+_DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell", "command-r",
+                    "exaone", "minerva")
+
+
+def from_dir(path: str, *, lower_case: bool = True):
+    """Tokenizer of a checkpoint directory: ``tokenizer.json``, else ``vocab.txt``.
+
+    Parameters
+    ----------
+    path : str
+        Directory holding ``tokenizer.json`` or a WordPiece ``vocab.txt``.
+    lower_case : bool
+        For ``vocab.txt`` only: lower-case and strip accents (uncased BERT).
+
+    Returns
+    -------
+    tokenizers.Tokenizer or None
+        None when the directory has neither file.
+    """
+    from tokenizers import Tokenizer
+    tj = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(tj):
+        tok = Tokenizer.from_file(tj)
+        tok.no_padding()
+        tok.no_truncation()
+        return tok
+    vt = os.path.join(path, "vocab.txt")
+    if os.path.isfile(vt):
+        return wordpiece_from_vocab(vt, lower_case=lower_case)
+    return None
+
+
+def wordpiece_from_vocab(vocab_path: str, *, lower_case: bool = True):
+    """BERT WordPiece tokenizer from a ``vocab.txt`` (one token per line).
+
+    Returns
+    -------
+    tokenizers.Tokenizer
+        Adds ``[CLS]`` / ``[SEP]`` around each encoded text.
+    """
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    with open(vocab_path, encoding="utf-8") as f:
+        vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                                strip_accents=None if lower_case else False,
+                                                lowercase=lower_case)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    cls, sep = vocab.get("[CLS]"), vocab.get("[SEP]")
+    if cls is not None and sep is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    return tok
+
+
+def from_gguf_fields(fields: dict):
+    """Byte-level BPE tokenizer from GGUF ``tokenizer.ggml.*`` metadata.
+
+    Parameters
+    ----------
+    fields : dict
+        ``{"model": str, "pre": str or None, "tokens": list[str],
+        "merges": list[str], "token_type": list[int] or None}`` as read from
+        the GGUF header (see :func:`opscope_nb.models.loader.gguf_metadata`).
+
+    Returns
+    -------
+    tokenizers.Tokenizer
+
+    Raises
+    ------
+    ValueError
+        The vocabulary is not a ``gpt2`` (byte-level BPE) one.
+    """
+    from tokenizers import Tokenizer, AddedToken, decoders, models, pre_tokenizers
+    model = fields.get("model")
+    if model != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {model!r} is not supported; only byte-level "
+                         f"BPE ('gpt2') vocabularies can be rebuilt.")
+    tokens = list(fields["tokens"])
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for m in fields["merges"]:
+        a, _, b = m.partition(" ")
+        merges.append((a, b))
+    bpe = models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False)
+    tok = Tokenizer(bpe)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    pre = (fields.get("pre") or "").lower()
+    if pre in _DIGIT_SPLIT_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    types = fields.get("token_type")
+    if types is not None:
+        special = [AddedToken(tokens[i], special=True, normalized=False)
+                   for i, t in enumerate(types) if int(t) == 3]
+        if special:
+            tok.add_special_tokens(special)
+    return tok
+
+
+def encode_ids(tok, text: str) -> np.ndarray:
+    """Token ids of ``text`` (int64 vector; special tokens as the tokenizer adds them)."""
+    return np.asarray(tok.encode(text).ids, dtype=np.int64)
+
+
+def _read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
