@@ -188,3 +188,67 @@ def test_peers_section_rows_and_verdict(capsys):
         assert r["x_w8a8_vs_ort"] > 0 and r["x_f32_vs_ort"] > 0
         assert all(math.isfinite(v) and v > 0 for v in r["ms"].values())
     assert any(s.startswith("Peers at m=1") for s in res["9"]["verdict"])
+
+
+# --------------------------------------------------------------------------- #
+# section 8: every format through PackedLinear, streamed
+# --------------------------------------------------------------------------- #
+S8 = dict(TINY, s8_shape=(64, 64), s8_rank=8, s8_m=(1, 3), s8_l3_mult=0,
+          s8_min_bytes=1 << 16, s8_reps=2)
+
+
+def test_menu_matches_profile_layer():
+    from opscope_nb.bench.formats import menu
+    from opscope_nb.mining import profile_layer
+
+    w = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)
+    prof = {o.decomp.kind: o.decomp for o in profile_layer("l", w).options}
+    mine = {d.kind: d for d in menu(64, 64, 8)}
+    assert set(mine) == {"dense", "int8", "int4", "int4g", "ternary", "sparse24",
+                         "lowrank", "monarch", "tucker", "tt"}
+    for kind in ("tucker", "tt", "monarch", "int4g"):
+        assert mine[kind] == prof[kind], kind
+
+
+def test_build_stack_distinct_layers_over_target():
+    from opscope_nb.bench.formats import build_stack
+    from opscope_nb.mining import Decomp
+
+    for d in (Decomp.int4(32), Decomp.lowrank(8)):
+        st = build_stack(64, 64, d, 50_000, seed=3)
+        assert len(st) >= 2 and sum(lin.nbytes for lin in st) > 50_000
+        a0, a1 = st[0].arrays, st[1].arrays
+        name = next(iter(a0))
+        assert not np.shares_memory(a0[name], a1[name])
+        assert not np.array_equal(st[0].dense(), st[1].dense())
+
+
+@pytest.mark.slow          # compiles every PackedLinear kernel on a cold cache
+def test_formats_section_rows_errors_verdict(capsys):
+    from opscope_nb import runtime
+
+    res = {"skipped": [], "machine": bench.machine_info(),
+           "bandwidth": {"gb_s": 10.0}}
+    bench.section8(S8, bench.Compile(), res)
+    out = capsys.readouterr().out
+    assert "## 8. Every format" in out and "NOT larger than L3" in out
+    rows = res["8"]["rows"]
+    assert {r["m"] for r in rows} == {1, 3}
+    kinds = {r["kind"] for r in rows}
+    for d in ("dense", "sparse2:4", "lowrank(r=8)", "monarch"):
+        if runtime.has_kernel(bench.formats.Decomp.from_label(d).kind):
+            assert d in kinds
+    for r in rows:
+        assert r["us"] > 0 and r["gb_s"] > 0 and r["stack_layers"] >= 2
+        assert r["stack_bytes"] > res["8"]["stack_target_bytes"]
+        if r["kind"] == "vendor f32":
+            continue
+        assert r["x_vs_vendor"] is None or r["x_vs_vendor"] > 0
+        bound = {"int8": 2.5e-2, "f32": 3e-4}.get(r["act"], 1e-5)
+        assert r["rel_err_vs_f64"] <= bound, r
+    assert res["8"]["verdict"] or not accel_available()
+
+
+def accel_available():
+    from opscope_nb import accel
+    return accel.available()

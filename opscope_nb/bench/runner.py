@@ -21,15 +21,16 @@ from opscope_nb import accel
 from ._util import TIMING, Compile
 from .machine import machine_info, stream_bandwidth
 from .matmul import section1, section2, section3, section4, section5, section6
+from .formats import section8
 from .peers import section9
 from .verdict import section7
 
 #: Section number -> function ``(cfg, comp, res)``; 7 (the verdict) runs last.
 SECTIONS = {1: section1, 2: section2, 3: section3, 4: section4, 5: section5,
-            6: section6, 9: section9}
-ALL_SECTIONS = (1, 2, 3, 4, 5, 6, 7, 9)
+            6: section6, 8: section8, 9: section9}
+ALL_SECTIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 #: Sections whose figures feed the verdict (asking for one adds 7).
-VERDICT_FROM = (4, 5, 6, 9)
+VERDICT_FROM = (4, 5, 6, 8, 9)
 
 FULL = {
     "s1": (64, 512, 512),
@@ -45,6 +46,10 @@ FULL = {
     # section 9, ONNX Runtime: (k, n) at each m
     "peer_shapes": [(1024, 1024), (1024, 3072), (3072, 1024), (4096, 4096)],
     "peer_m": (1, 32),
+    # section 8, every format streamed: layer [out, in], low-rank r, stacks of
+    # different layers > s8_l3_mult x L3 (at least s8_min_bytes) per candidate
+    "s8_shape": (4096, 4096), "s8_rank": 256, "s8_m": (1, 32),
+    "s8_l3_mult": 2.5, "s8_min_bytes": 64 << 20, "s8_reps": 8,
 }
 QUICK = {
     "s1": (16, 96, 72),
@@ -58,6 +63,8 @@ QUICK = {
     "stream_l3_mult": 2, "stream_min_bytes": 16 << 20,
     "peer_shapes": [(96, 64), (64, 160)],
     "peer_m": (1, 5),
+    "s8_shape": (256, 256), "s8_rank": 32, "s8_m": (1, 5),
+    "s8_l3_mult": 0, "s8_min_bytes": 2 << 20, "s8_reps": 3,
 }
 
 
