@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from naive_matmul import naive_i8i8_i32
+from opscope_nb import kernels as K
 from opscope_nb.kernels import _simd as S
 
 
@@ -97,3 +98,27 @@ def test_host_path_and_text():
         S.make_i8_tile(1, 1, "sse9")
     with pytest.raises(ValueError, match="unknown int8 path"):
         S.path_supported("sse9")
+
+
+@numba.njit
+def _raw44(xq, wtq, nch):
+    k = xq.shape[1]
+    return K.i8dot_raw_tile_4x4(xq.ravel(), 0, k, wtq.ravel(), 0, k, nch)
+
+
+def test_raw_tile_offset_contract():
+    """i8dot_raw_tile_4x4 returns sum (x + 128) w (wrapping int32) on the VNNI
+    paths, sum x w elsewhere, over the first nch * I8_CHUNK elements."""
+    rng = np.random.default_rng(5)
+    k = 3 * S.I8_CHUNK + 7
+    xq = rng.integers(-128, 128, (4, k)).astype(np.int8)
+    wtq = rng.integers(-128, 128, (4, k)).astype(np.int8)
+    xq[0] = -128
+    wtq[1] = -128
+    kv = 3 * S.I8_CHUNK
+    got = np.array(_raw44(xq, wtq, 3), np.int64).reshape(4, 4)
+    ref = naive_i8i8_i32(xq[:, :kv], wtq[:, :kv]).astype(np.int64)
+    if S.I8_RAW_OFFSET:
+        ref = ref + 128 * wtq[:, :kv].astype(np.int64).sum(1)[None, :]
+    ref = ((ref + 2**31) % 2**32) - 2**31
+    np.testing.assert_array_equal(got, ref)

@@ -49,6 +49,8 @@ __all__ = [
     "i8dot_tile_2x1",
     "i8dot_tile_2x4",
     "i8dot_tile_4x4",
+    "i8dot_raw_tile_4x4",
+    "I8_RAW_OFFSET",
     "i8_dot_accumulate",
     "i8_abs",
     "make_i8_tile",
@@ -154,9 +156,12 @@ HOST_I8_PATH = _host_i8_path()
 I8_CHUNK = I8_STEP[HOST_I8_PATH]
 
 _PATH_TEXT = {
-    "avx512vnni": "avx512vnni: vpabsb + sign-select + vpdpbusd zmm (512-bit, int32 accumulators)",
-    "avx512vnni256": "avx512vnni256: vpabsb/vpsignb + vpdpbusd ymm (256-bit EVEX, int32 accumulators)",
-    "avxvnni": "avxvnni: vpabsb/vpsignb + {vex} vpdpbusd ymm (int32 accumulators)",
+    "avx512vnni": "avx512vnni: vpdpbusd zmm (512-bit; multi-row tiles: x^0x80 offset + "
+                  "correction, 1-row tiles: vpabsb + sign-select; int32 accumulators)",
+    "avx512vnni256": "avx512vnni256: vpdpbusd ymm (256-bit EVEX; multi-row tiles: x^0x80 "
+                     "offset + correction, 1-row tiles: vpabsb/vpsignb; int32 accumulators)",
+    "avxvnni": "avxvnni: {vex} vpdpbusd ymm (multi-row tiles: x^0x80 offset + correction, "
+               "1-row tiles: vpabsb/vpsignb; int32 accumulators)",
     "avx2": "avx2: vpabsb/vpsignb + vpmaddubsw + vpmaddwd(ones) (int32 accumulators)",
     "portable": "portable vector IR: sext i8->i32, mul, lane-group add (int32 accumulators)",
 }
@@ -343,7 +348,7 @@ _KINDS = {
 }
 
 
-def _make_tile(R: int, C: int, kind: str, path: str | None = None):
+def _make_tile(R: int, C: int, kind: str, path: str | None = None, raw: bool = False):
     """Build the intrinsic for an ``R x C`` dot tile of the given kind
     (``path``: the int8 path of an ``i8`` tile, default the host's)."""
     xdt, wdt, lanes, step = _KINDS[kind]
@@ -357,6 +362,9 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None):
     # included) while the true sum fits int32: the wrap-around of the
     # intermediate lanes cancels in the final subtraction.
     offset = kind == "i8" and R >= 2 and path in ("avx512vnni", "avx512vnni256", "avxvnni")
+    # raw: leave the correction to the caller (who computes 128 * sum w once
+    # per weight row instead of once per tile call).
+    inline_corr = offset and not raw
     is_int = kind in ("i8", "w16")
     # w16 sums can exceed int32 across lanes: the final reduction is in f64.
     rdt = {"i8": types.int32, "w16": types.float64}.get(kind, types.float32)
@@ -398,7 +406,7 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None):
                 builder.store(ir.Constant(accty, None), a)
                 accs.append(a)
             corrs = []  # offset mode: 128 * sum w per weight row and set
-            for _ in range(U * C if offset else 0):
+            for _ in range(U * C if inline_corr else 0):
                 a = cgutils.alloca_once(builder, accty)
                 builder.store(ir.Constant(accty, None), a)
                 corrs.append(a)
@@ -424,7 +432,7 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None):
                 if offset:
                     xu = [builder.xor(load(b, _I8, None), c80) for b in xrow]
                     wv = [load(b, _I8, None) for b in wrow]
-                    for c in range(C):
+                    for c in range(C if inline_corr else 0):
                         cp = corrs[aset * C + c]
                         builder.store(_vpdpbusd(builder, builder.load(cp), c80, wv[c]), cp)
                     for r in range(R):
@@ -478,11 +486,11 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None):
                     a0 = accs[t]
                     builder.store(opadd(builder.load(a0),
                                         builder.load(accs[u * R * C + t])), a0)
-            for u in range(1, U if offset else 1):
+            for u in range(1, U if inline_corr else 1):
                 for c in range(C):
                     builder.store(builder.add(builder.load(corrs[c]),
                                               builder.load(corrs[u * C + c])), corrs[c])
-            if offset:
+            if inline_corr:
                 for r in range(R):
                     for c in range(C):
                         a = accs[r * C + c]
@@ -557,6 +565,19 @@ i8dot_tile_1x4 = _make_tile(1, 4, "i8")
 i8dot_tile_2x1 = _make_tile(2, 1, "i8")
 i8dot_tile_2x4 = _make_tile(2, 4, "i8")
 i8dot_tile_4x4 = _make_tile(4, 4, "i8")
+
+#: Whether :data:`i8dot_raw_tile_4x4` returns offset sums ``sum (x + 128) w``
+#: (the VNNI paths) -- the caller then subtracts ``128 * sum w`` per weight
+#: row -- or plain ``sum x w`` (AVX2, portable).
+I8_RAW_OFFSET = HOST_I8_PATH in ("avx512vnni", "avx512vnni256", "avxvnni")
+i8dot_raw_tile_4x4 = _make_tile(4, 4, "i8", raw=True)
+i8dot_raw_tile_4x4.__doc__ = (
+    "As ``i8dot_tile_4x4`` but, when :data:`I8_RAW_OFFSET` is true, each result "
+    "is ``sum_p (x[r, p] + 128) * w[c, p]`` (int32, wrapping): subtract ``128 * "
+    "sum_p w[c, p]`` over the same elements (wrapping int32 arithmetic) for the "
+    "exact product.  Saves the four correction ``vpdpbusd`` per step when the "
+    "caller reuses the weight sums across many row groups.\n\n"
+    + i8dot_tile_4x4.__doc__.split("\n", 1)[1])
 f32dot_tile_1x1 = _make_tile(1, 1, "f32")
 f32dot_tile_1x4 = _make_tile(1, 4, "f32")
 f32dot_tile_2x4 = _make_tile(2, 4, "f32")
