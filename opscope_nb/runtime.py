@@ -354,7 +354,7 @@ def _fwd_tt(lin, x, act):
 # ``act="auto"`` per kind = the faster path on the benchmark machine
 # (benchmarks/bench_packed_quant.py): see _AUTO_INT8.
 #: Kinds whose ``act="auto"`` runs the int8-activation path.
-_AUTO_INT8 = frozenset({"int8", "int4", "int4g", "ternary"})
+_AUTO_INT8 = frozenset({"int8", "int4", "int4g", "ternary", "intn"})
 
 
 def _act8(lin, act):
@@ -379,6 +379,14 @@ def _fwd_ternary(lin, x, act):
                                     _act8(lin, act))
 
 
+def _fwd_intn(lin, x, act):
+    a = lin._arrays
+    d = lin._decomp
+    lo = a["lo"]
+    return _k.packed_intn_linear(x, lo, a.get("hi", lo), a["scales"], d.bits,
+                                 lin._shape[1], d.group or 0, _act8(lin, act))
+
+
 #: Forward function per ``Decomp.kind``: ``fn(lin, x2d, act) -> y`` with
 #: ``x2d`` float32 C-contiguous finite ``[m >= 1, cols]`` and ``y`` float32
 #: ``[m, rows]``.  Quantised kinds ("int8", "int4", "int4g", "ternary",
@@ -395,6 +403,7 @@ _FORWARD = {
     "int4": _fwd_int4,
     "int4g": _fwd_int4,
     "ternary": _fwd_ternary,
+    "intn": _fwd_intn,
 }
 
 

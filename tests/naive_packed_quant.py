@@ -91,3 +91,54 @@ def quant_rows_i8(x):
     s = np.where(amax >= 1e-20, amax / np.float32(127), np.float32(1)).astype(np.float32)
     q = np.clip(round_half_away(x / s[:, None]), -127, 127).astype(np.int8)
     return q, s
+
+
+def intn_planes(bits):
+    lo = 2 if bits <= 3 else 4
+    return lo, bits - lo
+
+
+def _pack_fields(vals, f):
+    per = 8 // f
+    rows, n = vals.shape
+    nb = -(-n // per)
+    c = np.zeros((rows, nb * per), np.int64)
+    c[:, :n] = vals
+    out = np.zeros((rows, nb), np.int64)
+    for q in range(per):
+        out |= c[:, q::per] << (f * q)
+    return out.astype(np.uint8)
+
+
+def _unpack_fields(packed, f, n):
+    per = 8 // f
+    p = packed.astype(np.int64)
+    v = np.empty((p.shape[0], p.shape[1] * per), np.int64)
+    for q in range(per):
+        v[:, q::per] = (p >> (f * q)) & ((1 << f) - 1)
+    return v[:, :n]
+
+
+def pack_intn(codes, bits):
+    """Offset-binary planes (mining's intN layout): lo = low bits, hi = rest."""
+    lb, hb = intn_planes(bits)
+    u = codes.astype(np.int64) + (1 << (bits - 1))
+    lo = _pack_fields(u & ((1 << lb) - 1), lb)
+    hi = _pack_fields(u >> lb, hb) if hb else np.zeros((codes.shape[0], 0), np.uint8)
+    return lo, hi
+
+
+def unpack_intn(lo, hi, bits, cols):
+    lb, hb = intn_planes(bits)
+    u = _unpack_fields(lo, lb, cols)
+    if hb:
+        u = u | (_unpack_fields(hi, hb, cols) << lb)
+    return u - (1 << (bits - 1))
+
+
+def intn_dense(lo, hi, scales, bits, cols, group):
+    codes = unpack_intn(lo, hi, bits, cols)
+    s = np.asarray(scales, np.float64)
+    if s.ndim == 1:
+        return codes * s[:, None]
+    return codes * np.repeat(s, group, axis=1)[:, :cols]

@@ -204,3 +204,86 @@ def test_runtime_bad_x(d):
     assert not lin(np.zeros((3, 40), np.float32)).any()
     xn = RNG.standard_normal((40, 3)).astype(np.float32).T
     np.testing.assert_allclose(lin(xn, "f32"), lin(np.ascontiguousarray(xn), "f32"))
+
+
+# ---------------------------------------------------------------- intN planes
+INTN_SHAPES = [
+    (1, 9, 131, None),
+    (7, 13, 200, 32),
+    (33, 6, 300, 128),
+    (2, 3, 70, 48),
+]
+
+
+def _intn(bits, rows, cols, group):
+    w = RNG.standard_normal((rows, cols)).astype(np.float32)
+    codes, scales = nq.quant_sym(w, bits, group)
+    lo, hi = nq.pack_intn(codes, bits)
+    if bits == 2:
+        hi = lo
+    sc = scales[:, 0].copy() if group is None else scales
+    return lo, hi, sc
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+@pytest.mark.parametrize("m,rows,cols,group", INTN_SHAPES)
+def test_intn_vs_twin(bits, m, rows, cols, group):
+    lo, hi, sc = _intn(bits, rows, cols, group)
+    x = RNG.standard_normal((m, cols)).astype(np.float32)
+    g = 0 if group is None else group
+    ref = x.astype(np.float64) @ nq.intn_dense(lo, hi, sc, bits, cols, group).T
+    assert _rel(K.packed_intn_linear(x, lo, hi, sc, bits, cols, g, False), ref) <= 3e-4
+    assert _rel(K.packed_intn_linear(x, lo, hi, sc, bits, cols, g, True), ref) <= 2.5e-2
+    xq, _ = nq.quant_rows_i8(x)
+    y = K.intn_matmul_a8(xq, np.ones(m, np.float32), lo, hi, np.ones_like(sc), bits, cols, g)
+    np.testing.assert_array_equal(
+        y.astype(np.int64), xq.astype(np.int64) @ nq.unpack_intn(lo, hi, bits, cols).T)
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6])
+def test_intn_extreme_codes(bits):
+    """Every code at +-L against x = +-127 (the widest hi-plane products)."""
+    rows, cols = 5, 327
+    L = 2 ** (bits - 1) - 1
+    codes = np.where(RNG.random((rows, cols)) < 0.5, -L, L).astype(np.int8)
+    lo, hi = nq.pack_intn(codes, bits)
+    xq = np.where(RNG.random((5, cols)) < 0.5, -127, 127).astype(np.int8)
+    y = K.intn_matmul_a8(xq, np.ones(5, np.float32), lo, hi, np.ones(rows, np.float32),
+                         bits, cols, 0)
+    np.testing.assert_array_equal(y.astype(np.int64),
+                                  xq.astype(np.int64) @ codes.T.astype(np.int64))
+
+
+@numba.njit
+def _user_intn(x, lo, hi, sc, bits, cols, group):
+    xq, sx = K.quantize_rows_i8(x)
+    return K.intn_matmul_a8(xq, sx, lo, hi, sc, bits, cols, group)
+
+
+def test_njit_caller_intn():
+    lo, hi, sc = _intn(5, 6, 100, 32)
+    x = RNG.standard_normal((2, 100)).astype(np.float32)
+    np.testing.assert_array_equal(_user_intn(x, lo, hi, sc, 5, 100, 32),
+                                  K.packed_intn_linear(x, lo, hi, sc, 5, 100, 32, True))
+
+
+def _intn_decomps():
+    if not hasattr(Decomp, "intn"):
+        return []
+    return [Decomp.intn(2, group=32), Decomp.intn(3), Decomp.intn(5, group=32),
+            Decomp.intn(6, group=128)]
+
+
+@pytest.mark.parametrize("d", _intn_decomps(), ids=lambda d: d.label)
+@pytest.mark.parametrize("m", [1, 7])
+def test_runtime_intn(d, m):
+    rows, cols = 9, 299
+    w = RNG.standard_normal((rows, cols)).astype(np.float32)
+    lin = PackedLinear.pack(w, d)
+    what = unpack(pack(w, d), d, (rows, cols)).astype(np.float64)
+    x = RNG.standard_normal((m, cols)).astype(np.float32)
+    ref = x.astype(np.float64) @ what.T
+    assert _rel(lin(x, "f32"), ref) <= 3e-4
+    assert _rel(lin(x, "int8"), ref) <= 2.5e-2
+    with pytest.raises(ValueError, match="finite"):
+        lin(np.full((1, cols), np.inf, np.float32))

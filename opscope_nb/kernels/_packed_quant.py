@@ -58,7 +58,8 @@ from numba import prange
 
 from .._config import njit, njit_parallel
 from ._matmul import PAR_MIN, matmul_w8a16, matmul_w8a8, quantize_rows_i8, quantize_rows_i16
-from ._simd_lowbit import lowbit_tile_1x4, lowbit_tile_4x2
+from ._simd_lowbit import (LOWBIT_LANES, LOWBIT_OFFSET, LOWBIT_SLOTS, LOWBIT_UNIT,
+                           lowbit_tile_1x4, lowbit_tile_4x2)
 
 __all__ = [
     "FMT_INT4",
@@ -72,6 +73,10 @@ __all__ = [
     "packed_int8_linear",
     "packed_int4_linear",
     "packed_ternary_linear",
+    "intn_fmt",
+    "intn_matmul_a8",
+    "intn_matmul_a16",
+    "packed_intn_linear",
 ]
 
 #: ``fmt`` id of two's-complement nibbles (int4/chan, int4/g{g}).
@@ -85,38 +90,59 @@ _NCHUNK = 16
 _UPF0 = 8
 
 
-@njit
-def _fields(fmt):
-    return 2 if fmt == 0 else 4
+_LANES = LOWBIT_LANES
+_SLOTS = LOWBIT_SLOTS
+_UNIT = LOWBIT_UNIT
+_OFF = LOWBIT_OFFSET
 
 
 @njit
-def _offset(fmt):
-    return 8 if fmt == 0 else 1
+def _bits(fmt):
+    """Code width of an intN fmt (2, 3, 5, 6)."""
+    return (0, 0, 2, 3, 5, 6)[fmt]
 
 
 @njit
 def _umax(fmt):
-    return 15 if fmt == 0 else 3
+    """Largest unsigned offset code of ``fmt``."""
+    if fmt == 0:
+        return 15
+    if fmt == 1:
+        return 3
+    return (1 << _bits(fmt)) - 1
 
 
 @njit
-def _code_at(w, j, p, fmt):
+def _field(plane, j, p, f):
+    """``f``-bit field of column ``p`` in row ``j`` of a plane."""
+    per = 8 // f
+    return (np.int64(plane[j, p // per]) >> (f * (p % per))) & ((1 << f) - 1)
+
+
+@njit
+def _code_at(w, w2, j, p, fmt):
     """Signed code of weight row ``j``, column ``p``."""
     if fmt == 0:
-        v = (np.int64(w[j, p >> 1]) >> (4 * (p & 1))) & 15
+        v = _field(w, j, p, 4)
         return v - 16 if v >= 8 else v
-    v = (np.int64(w[j, p >> 2]) >> (2 * (p & 3))) & 3
-    return np.int64(-1) if v == 3 else v
+    if fmt == 1:
+        v = _field(w, j, p, 2)
+        return np.int64(-1) if v == 3 else v
+    b = _bits(fmt)
+    lb = 2 if b <= 3 else 4
+    u = _field(w, j, p, lb)
+    if b - lb > 0:
+        u |= _field(w2, j, p, b - lb) << lb
+    return u - (1 << (b - 1))
 
 
 @njit
 def _plan(cols, ng, group, fmt):
     """(mode, nunits, upf): flush mode, whole units on the SIMD path, units/flush."""
-    unit = 32 * _fields(fmt)
+    unit = _UNIT[fmt]
     if ng == 1:
         return 0, cols // unit, _UPF0
-    if fmt == 0 and group == 32:
+    if unit == 64 and group == 32:
         return 1, cols // 64, 1
     if group % unit == 0:
         upf = group // unit
@@ -128,19 +154,20 @@ def _plan(cols, ng, group, fmt):
 def _arrange(xq, nunits, fmt, upf, mode):
     """Per-unit field order of the activations and the offset corrections."""
     m = xq.shape[0]
-    P = _fields(fmt)
-    unit = 32 * P
-    off = _offset(fmt)
-    nx = nunits * unit
+    P = _SLOTS[fmt]
+    unit = _UNIT[fmt]
+    off = _OFF[fmt]
+    nx = nunits * 32 * P
     xp = np.empty((m, max(nx, 1)), dtype=xq.dtype)
     nfl = (nunits + upf - 1) // upf
     corr = np.zeros((m, max(nfl, 1) * 8), dtype=np.int32)
     for i in range(m):
         for u in range(nunits):
             b = u * unit
+            bx = u * 32 * P
             for s in range(P):
                 for t in range(32):
-                    xp[i, b + s * 32 + t] = xq[i, b + P * t + s]
+                    xp[i, bx + s * 32 + t] = xq[i, b + _LANES[fmt, s, t]]
         for f in range(nfl):
             c0 = f * upf * unit
             c1 = min(nunits, (f + 1) * upf) * unit
@@ -162,12 +189,12 @@ def _arrange(xq, nunits, fmt, upf, mode):
 
 
 @njit
-def _tail(xq, i, w, j, p0, cols, fmt, sflat, soff, group, scaled):
+def _tail(xq, i, w, w2, j, p0, cols, fmt, sflat, soff, group, scaled):
     """Scalar sum over columns ``p0..cols-1`` (mode 0: integer; else scaled)."""
     if not scaled:
         a = np.int64(0)
         for p in range(p0, cols):
-            a += np.int64(xq[i, p]) * _code_at(w, j, p, fmt)
+            a += np.int64(xq[i, p]) * _code_at(w, w2, j, p, fmt)
         return np.float64(a)
     tot = np.float64(0.0)
     p = p0
@@ -176,37 +203,39 @@ def _tail(xq, i, w, j, p0, cols, fmt, sflat, soff, group, scaled):
         e = min((g + 1) * group, cols)
         a = np.int64(0)
         for q in range(p, e):
-            a += np.int64(xq[i, q]) * _code_at(w, j, q, fmt)
+            a += np.int64(xq[i, q]) * _code_at(w, w2, j, q, fmt)
         tot += np.float64(np.float32(a) * sflat[soff + g])
         p = e
     return tot
 
 
 @njit
-def _put(y, i, j, t, xq, w, sflat, sstride, group, cols, fmt, region, mode, sx):
+def _put(y, i, j, t, xq, w, w2, sflat, sstride, group, cols, fmt, region, mode, sx):
     soff = j * sstride
     if mode == 0:
-        v = t + _tail(xq, i, w, j, region, cols, fmt, sflat, soff, group, False)
+        v = t + _tail(xq, i, w, w2, j, region, cols, fmt, sflat, soff, group, False)
         y[i, j] = np.float32(v * np.float64(sx[i]) * np.float64(sflat[soff]))
     else:
-        v = t + _tail(xq, i, w, j, region, cols, fmt, sflat, soff, group, True)
+        v = t + _tail(xq, i, w, w2, j, region, cols, fmt, sflat, soff, group, True)
         y[i, j] = np.float32(v * np.float64(sx[i]))
 
 
 @njit
-def _t14(xp, xo, xs, cf, co, cs, wf, wo, ws, sf, so, ss, nun, upf, fmt, mode):
-    return lowbit_tile_1x4(xp, xo, xs, cf, co, cs, wf, wo, ws, sf, so, ss, nun, upf,
-                           fmt, mode)
+def _t14(xp, xo, xs, cf, co, cs, wf, wo, ws, w2, w2o, w2s, sf, so, ss, nun, upf, fmt,
+         mode):
+    return lowbit_tile_1x4(xp, xo, xs, cf, co, cs, wf, wo, ws, w2, w2o, w2s, sf, so, ss,
+                           nun, upf, fmt, mode)
 
 
 @njit
-def _t42(xp, xo, xs, cf, co, cs, wf, wo, ws, sf, so, ss, nun, upf, fmt, mode):
-    return lowbit_tile_4x2(xp, xo, xs, cf, co, cs, wf, wo, ws, sf, so, ss, nun, upf,
-                           fmt, mode)
+def _t42(xp, xo, xs, cf, co, cs, wf, wo, ws, w2, w2o, w2s, sf, so, ss, nun, upf, fmt,
+         mode):
+    return lowbit_tile_4x2(xp, xo, xs, cf, co, cs, wf, wo, ws, w2, w2o, w2s, sf, so, ss,
+                           nun, upf, fmt, mode)
 
 
 @njit
-def _blocks(xp, corr, xq, w, sflat, sstride, cols, group, fmt, nunits, upf, mode,
+def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
             sx, y, b0, b1):
     m = xq.shape[0]
     rows = w.shape[0]
@@ -216,7 +245,9 @@ def _blocks(xp, corr, xq, w, sflat, sstride, cols, group, fmt, nunits, upf, mode
     xpf = xp.ravel()
     cf = corr.ravel()
     wf = w.ravel()
-    region = nunits * 32 * _fields(fmt)
+    w2b = w2.shape[1]
+    w2f = w2.ravel()
+    region = nunits * _UNIT[fmt]
     # mode 1 scales: two per unit starting at the row's first scale
     for b in range(b0, b1):
         j0 = b * _NB
@@ -228,7 +259,7 @@ def _blocks(xp, corr, xq, w, sflat, sstride, cols, group, fmt, nunits, upf, mode
                     for h in range(2):
                         jh = js + 2 * h
                         t = _t42(xpf, i_s * xst, xst, cf, i_s * cst, cst, wf,
-                                 jh * wb, wb, sflat, jh * sstride, sstride,
+                                 jh * wb, wb, w2f, jh * w2b, w2b, sflat, jh * sstride, sstride,
                                  nunits, upf, fmt, mode)
                         for r in range(4):
                             i = i_s + r
@@ -237,24 +268,24 @@ def _blocks(xp, corr, xq, w, sflat, sstride, cols, group, fmt, nunits, upf, mode
                             for c in range(2):
                                 j = jh + c
                                 if j >= j0:
-                                    _put(y, i, j, t[r * 2 + c], xq, w, sflat, sstride,
+                                    _put(y, i, j, t[r * 2 + c], xq, w, w2, sflat, sstride,
                                          group, cols, fmt, region, mode, sx)
             else:
                 for i in range(m):
                     t = _t14(xpf, i * xst, xst, cf, i * cst, cst, wf, js * wb, wb,
-                             sflat, js * sstride, sstride, nunits, upf, fmt, mode)
+                             w2f, js * w2b, w2b, sflat, js * sstride, sstride, nunits, upf, fmt, mode)
                     for c in range(_NB):
                         j = js + c
                         if j >= j0:
-                            _put(y, i, j, t[c], xq, w, sflat, sstride, group, cols, fmt,
+                            _put(y, i, j, t[c], xq, w, w2, sflat, sstride, group, cols, fmt,
                                  region, mode, sx)
         else:
             # fewer than 4 outputs: one output row per call (stride 0)
             for j in range(rows):
                 for i in range(m):
                     t = _t14(xpf, i * xst, xst, cf, i * cst, cst, wf, j * wb, 0,
-                             sflat, j * sstride, 0, nunits, upf, fmt, mode)
-                    _put(y, i, j, t[0], xq, w, sflat, sstride, group, cols, fmt, region,
+                             w2f, j * w2b, 0, sflat, j * sstride, 0, nunits, upf, fmt, mode)
+                    _put(y, i, j, t[0], xq, w, w2, sflat, sstride, group, cols, fmt, region,
                          mode, sx)
 
 
@@ -266,7 +297,7 @@ def _ngroups(cols, group):
 
 
 @njit_parallel
-def _run(xq, sx, w, sflat, sstride, cols, group, fmt, min_parallel):
+def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
     m = xq.shape[0]
     rows = w.shape[0]
     ng = _ngroups(cols, group)
@@ -276,18 +307,18 @@ def _run(xq, sx, w, sflat, sstride, cols, group, fmt, min_parallel):
     y = np.empty((m, rows), dtype=np.float32)
     nb = (rows + _NB - 1) // _NB
     if m * cols * rows < min_parallel or nb < 2:
-        _blocks(xp, corr, xq, w, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx, y,
+        _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx, y,
                 0, nb)
     else:
         nc = min(nb, _NCHUNK)
         for c in prange(nc):
-            _blocks(xp, corr, xq, w, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx,
+            _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx,
                     y, c * nb // nc, (c + 1) * nb // nc)
     return y
 
 
 @njit
-def lowbit_matmul_a8(xq, sx, w, sflat, sstride, cols, group, fmt, min_parallel=PAR_MIN):
+def lowbit_matmul_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel=PAR_MIN):
     """Generic int8-activation product from packed low-bit weights.
 
     Parameters
@@ -296,7 +327,9 @@ def lowbit_matmul_a8(xq, sx, w, sflat, sstride, cols, group, fmt, min_parallel=P
     sx : ndarray of float32, shape (m,)
         Per-row activation scales (``y`` is multiplied by ``sx[i]``).
     w : ndarray of uint8, shape (rows, nbytes), C-contiguous
-        Packed codes in format ``fmt`` (module docstring).
+        Packed codes in format ``fmt`` (module docstring; intN: the ``lo`` plane).
+    w2 : ndarray of uint8, shape (rows, nbytes2), C-contiguous
+        The ``hi`` plane of int3/int5/int6; pass ``w`` for other formats.
     sflat : ndarray of float32, 1-D
         Scales, row ``j``'s first at ``j * sstride`` (``sstride = 0``: one
         shared scale, e.g. ternary ``alpha``).
@@ -307,7 +340,7 @@ def lowbit_matmul_a8(xq, sx, w, sflat, sstride, cols, group, fmt, min_parallel=P
         Group length along a row; ``<= 0`` or ``>= cols`` means one scale per
         row.
     fmt : int
-        ``FMT_INT4`` or ``FMT_TERNARY``.
+        ``FMT_INT4``, ``FMT_TERNARY`` or ``intn_fmt(bits)``.
     min_parallel : int, optional
         Below ``m * cols * rows`` of this size the call stays on one thread.
 
@@ -317,7 +350,7 @@ def lowbit_matmul_a8(xq, sx, w, sflat, sstride, cols, group, fmt, min_parallel=P
         ``y[i, j] = sx[i] * sum_g scale[j, g] * sum_(p in g) xq[i, p] * code[j, p]``;
         the integer sums are exact, the sum over groups is float32/float64.
     """
-    return _run(xq, sx, w, sflat, sstride, cols, group, fmt, min_parallel)
+    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel)
 
 
 @njit
@@ -325,13 +358,13 @@ def _a16_levels(cols, group, fmt):
     ng = _ngroups(cols, group)
     g = group if ng > 1 else max(cols, 1)
     mode, nunits, upf = _plan(cols, ng, g, fmt)
-    flush_cols = upf * 32 * _fields(fmt)
+    flush_cols = upf * _UNIT[fmt]
     lv = 2147483647 // (_umax(fmt) * max(flush_cols, 1))
     return min(32767, max(lv, 1))
 
 
 @njit
-def lowbit_matmul_a16(x, w, sflat, sstride, cols, group, fmt, min_parallel=PAR_MIN):
+def lowbit_matmul_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel=PAR_MIN):
     """Generic float-activation product from packed low-bit weights.
 
     ``x`` (float32 ``[m, cols]``, C-contiguous, finite) is carried as per-row
@@ -344,7 +377,7 @@ def lowbit_matmul_a16(x, w, sflat, sstride, cols, group, fmt, min_parallel=PAR_M
     ndarray of float32, shape (m, rows)
     """
     xq, sx = quantize_rows_i16(x, _a16_levels(cols, group, fmt), min_parallel)
-    return _run(xq, sx, w, sflat, sstride, cols, group, fmt, min_parallel)
+    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel)
 
 
 @njit
@@ -366,7 +399,7 @@ def w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel=PAR_MIN):
     """
     rows = codes.shape[0]
     sf = scales.ravel()
-    return _run(xq, sx, codes, sf, sf.size // max(rows, 1), cols, group, 0,
+    return _run(xq, sx, codes, codes, sf, sf.size // max(rows, 1), cols, group, 0,
                 min_parallel)
 
 
@@ -378,7 +411,7 @@ def w4a16_matmul(x, codes, scales, cols, group, min_parallel=PAR_MIN):
     """
     rows = codes.shape[0]
     sf = scales.ravel()
-    return lowbit_matmul_a16(x, codes, sf, sf.size // max(rows, 1), cols, group, 0,
+    return lowbit_matmul_a16(x, codes, codes, sf, sf.size // max(rows, 1), cols, group, 0,
                              min_parallel)
 
 
@@ -396,13 +429,13 @@ def ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel=PAR_MIN):
     -------
     ndarray of float32, shape (m, rows): ``sx[i] * alpha * sum_p xq[i,p] * t[j,p]``.
     """
-    return _run(xq, sx, codes, alpha, 0, cols, 0, 1, min_parallel)
+    return _run(xq, sx, codes, codes, alpha, 0, cols, 0, 1, min_parallel)
 
 
 @njit
 def ternary_matmul_a16(x, codes, alpha, cols, min_parallel=PAR_MIN):
     """Ternary x float activations (int16 codes); see :func:`ternary_matmul_a8`."""
-    return lowbit_matmul_a16(x, codes, alpha, 0, cols, 0, 1, min_parallel)
+    return lowbit_matmul_a16(x, codes, codes, alpha, 0, cols, 0, 1, min_parallel)
 
 
 @njit
@@ -434,3 +467,64 @@ def packed_ternary_linear(x, codes, alpha, cols, act8, min_parallel=PAR_MIN):
         xq, sx = quantize_rows_i8(x, min_parallel)
         return ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel)
     return ternary_matmul_a16(x, codes, alpha, cols, min_parallel)
+
+
+@njit
+def intn_fmt(bits):
+    """``fmt`` id of the intN plane layout of ``bits`` (2, 3, 5, 6)."""
+    if bits == 2:
+        return 2
+    if bits == 3:
+        return 3
+    return 4 if bits == 5 else 5
+
+
+@njit
+def intn_matmul_a8(xq, sx, lo, hi, scales, bits, cols, group, min_parallel=PAR_MIN):
+    """W-intN-A8 from mining's intN plane layout (int2/3/5/6).
+
+    Parameters
+    ----------
+    xq : ndarray of int8, shape (m, cols), values in [-127, 127]
+    sx : ndarray of float32, shape (m,)
+    lo : ndarray of uint8, shape (rows, ceil(cols * lo_bits / 8))
+        Low plane of the offset codes ``u = code + 2**(bits-1)`` (crumbs for
+        bits 2, 3; nibbles for 5, 6; lowest column in the lowest bits).
+    hi : ndarray of uint8, shape (rows, ceil(cols * hi_bits / 8))
+        High plane (bit plane for bits 3, 5; crumbs for 6); pass ``lo`` for
+        bits 2.
+    scales : ndarray of float32, shape (rows,) or (rows, ceil(cols / group))
+    bits : int
+        2, 3, 5 or 6.
+    cols, group : int
+        ``group <= 0`` (or ``>= cols``) for per-channel scales.
+
+    Returns
+    -------
+    ndarray of float32, shape (m, rows)
+        ``sx[i] * sum_g scale[j, g] * sum_(p in g) xq[i, p] * code[j, p]``
+        (exact integer sums per group).
+    """
+    rows = lo.shape[0]
+    sf = scales.ravel()
+    return _run(xq, sx, lo, hi, sf, sf.size // max(rows, 1), cols, group, intn_fmt(bits),
+                min_parallel)
+
+
+@njit
+def intn_matmul_a16(x, lo, hi, scales, bits, cols, group, min_parallel=PAR_MIN):
+    """W-intN-A16: float32 ``x [m, cols]`` carried as int16 codes; other
+    parameters as :func:`intn_matmul_a8`."""
+    rows = lo.shape[0]
+    sf = scales.ravel()
+    return lowbit_matmul_a16(x, lo, hi, sf, sf.size // max(rows, 1), cols, group,
+                             intn_fmt(bits), min_parallel)
+
+
+@njit
+def packed_intn_linear(x, lo, hi, scales, bits, cols, group, act8, min_parallel=PAR_MIN):
+    """``x @ What.T`` for int{bits}/chan (``group <= 0``) and int{bits}/g{group}."""
+    if act8:
+        xq, sx = quantize_rows_i8(x, min_parallel)
+        return intn_matmul_a8(xq, sx, lo, hi, scales, bits, cols, group, min_parallel)
+    return intn_matmul_a16(x, lo, hi, scales, bits, cols, group, min_parallel)

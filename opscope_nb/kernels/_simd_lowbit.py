@@ -47,6 +47,7 @@ fmt   name       P     off   unpack (``b`` = 32 packed bytes)
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -89,20 +90,87 @@ LOWBIT_PATH = _pick_path()
 #: Packed weight bytes per unit (one step of a tile, per weight row).
 LOWBIT_UNIT_BYTES = 32
 
-#: fmt -> (fields per byte P, offset)
-_FMTS = {0: (2, 8), 1: (4, 1)}
+# fmt -> (unit columns, offset, [(plane, decoder, shift)]): plane 0 = ``w``
+# (codes / lo), 1 = ``w2`` (hi); decoder "nib4x" (two's complement nibbles,
+# xor 0x88), "nib" (offset-binary nibbles), "tern" (ternary crumbs), "crumb"
+# (16 bytes -> 2 slots), "bit" (8 bytes -> 2 slots); shift = log2 of the
+# plane's weight in ``u`` (0 for ``lo``, ``lo_bits`` for ``hi``).
+_FMTS = {
+    0: (64, 8, [(0, "nib4x", 0)]),                    # int4
+    1: (128, 1, [(0, "tern", 0)]),                    # ternary
+    2: (64, 2, [(0, "crumb", 0)]),                    # int2
+    3: (64, 4, [(0, "crumb", 0), (1, "bit", 2)]),     # int3
+    4: (64, 16, [(0, "nib", 0), (1, "bit", 4)]),      # int5
+    5: (64, 32, [(0, "nib", 0), (1, "crumb", 4)]),    # int6
+}
+#: Packed bytes per unit each decoder reads from its plane.
+_DEC_BYTES = {"nib4x": 32, "nib": 32, "tern": 32, "crumb": 16, "bit": 8}
+_DEC_SLOTS = {"nib4x": 2, "nib": 2, "tern": 4, "crumb": 2, "bit": 2}
+
+
+def _dec_lane_cols(dec):
+    """Column (inside the unit) of every lane of every slot a decoder emits."""
+    if dec in ("nib4x", "nib"):
+        return [[2 * t + s for t in range(32)] for s in range(2)]
+    if dec == "tern":
+        return [[4 * t + q for t in range(32)] for q in range(4)]
+    if dec == "crumb":
+        out = []
+        for k in range(2):
+            out.append([32 * ((i // 8) // 2) + 4 * (i % 8) + 2 * k + (i // 8) % 2
+                        for i in range(32)])
+        return out
+    if dec == "bit":
+        out = []
+        for k in range(2):
+            out.append([32 * (i // 16) + 8 * ((i % 16) % 4) + 4 * k + (i % 16) // 4
+                        for i in range(32)])
+        return out
+    raise AssertionError(dec)
+
+
+def _lane_table():
+    nf = max(_FMTS) + 1
+    tab = np.zeros((nf, 4, 32), dtype=np.int64)
+    nslots = np.zeros(nf, dtype=np.int64)
+    units = np.zeros(nf, dtype=np.int64)
+    offs = np.zeros(nf, dtype=np.int64)
+    pbytes = np.zeros((nf, 2), dtype=np.int64)
+    for f, (unit, off, planes) in _FMTS.items():
+        k = 0
+        for plane, dec, _ in planes:
+            for lanes in _dec_lane_cols(dec):
+                tab[f, k] = lanes
+                k += 1
+            pbytes[f, plane] = _DEC_BYTES[dec]
+        nslots[f] = k
+        units[f] = unit
+        offs[f] = off
+    return tab, nslots, units, offs, pbytes
+
+
+#: ``LOWBIT_LANES[fmt, slot, lane]``: column inside the unit that activation
+#: slot ``slot`` holds in lane ``lane`` (the arrangement the tiles expect);
+#: ``LOWBIT_SLOTS[fmt]`` slots, ``LOWBIT_UNIT[fmt]`` columns per unit,
+#: ``LOWBIT_OFFSET[fmt]`` offset of the unsigned codes,
+#: ``LOWBIT_PLANE_BYTES[fmt, plane]`` packed bytes per unit and plane.
+LOWBIT_LANES, LOWBIT_SLOTS, LOWBIT_UNIT, LOWBIT_OFFSET, LOWBIT_PLANE_BYTES = _lane_table()
 
 
 def _splat8(v):
     return ir.Constant(_V32I8, [ir.Constant(_I8, v)] * 32)
 
 
-def _decode(builder, fmt, b):
-    """Packed ``<32 x i8>`` -> list of unsigned offset-code vectors (slot order)."""
-    if fmt == 0:
-        bx = builder.xor(b, _splat8(0x88))
+def _splat(vty, v):
+    return ir.Constant(vty, [ir.Constant(vty.element, v)] * vty.count)
+
+
+def _decode(builder, dec, b, shift):
+    """Packed bytes -> list of unsigned ``<32 x i8>`` slot vectors (times ``2**shift``)."""
+    if dec in ("nib4x", "nib"):
+        bx = builder.xor(b, _splat8(0x88)) if dec == "nib4x" else b
         return [builder.and_(bx, _splat8(0x0F)), builder.lshr(bx, _splat8(4))]
-    if fmt == 1:
+    if dec == "tern":
         t = builder.shl(builder.and_(b, _splat8(0x55)), _splat8(1))
         b2 = builder.xor(builder.xor(b, _splat8(0x55)), t)
         out = [builder.and_(b2, _splat8(3))]
@@ -110,7 +178,30 @@ def _decode(builder, fmt, b):
             out.append(builder.and_(builder.lshr(b2, _splat8(2 * s)), _splat8(3)))
         out.append(builder.lshr(b2, _splat8(6)))
         return out
-    raise AssertionError(fmt)
+    if dec == "crumb":  # b: <16 x i8>
+        v16 = ir.VectorType(_I8, 16)
+        idx = ir.Constant(ir.VectorType(_I32, 32), [ir.Constant(_I32, i) for i in (
+            list(range(0, 8)) + list(range(16, 24)) + list(range(8, 16)) + list(range(24, 32)))])
+        out = []
+        for k in range(2):
+            a = builder.lshr(b, _splat(v16, 4 * k)) if k else b
+            c = builder.lshr(b, _splat(v16, 4 * k + 2))
+            v = builder.and_(builder.shuffle_vector(a, c, idx), _splat8(3))
+            out.append(builder.shl(v, _splat8(shift)) if shift else v)
+        return out
+    if dec == "bit":  # b: <8 x i8>
+        out = []
+        for k in range(2):
+            idx = [4 * (i // 16) + (i % 16) % 4 for i in range(32)]
+            masks = [1 << (4 * k + (i % 16) // 4) for i in range(32)]
+            bc = builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(_I32, 32),
+                                                          [ir.Constant(_I32, i) for i in idx]))
+            m = ir.Constant(_V32I8, [ir.Constant(_I8, q if q < 128 else q - 256)
+                                     for q in masks])
+            nz = builder.icmp_unsigned("!=", builder.and_(bc, m), _splat8(0))
+            out.append(builder.select(nz, _splat8(1 << shift), _splat8(0)))
+        return out
+    raise AssertionError(dec)
 
 
 def _dot_u8s8(builder, acc, u, s):
@@ -148,24 +239,26 @@ def _make_tile(R: int, C: int):
 
     @intrinsic
     def tile(typingctx, xp, xoff, xstride, corr, coff, cstride, w, woff, wstride,
-             sc, soff, sstride, nunits, upf, fmt, mode):
+             w2, w2off, w2stride, sc, soff, sstride, nunits, upf, fmt, mode):
         if not (isinstance(xp, types.Array) and xp.dtype in (types.int8, types.int16)
                 and isinstance(corr, types.Array) and corr.dtype == types.int32
                 and isinstance(w, types.Array) and w.dtype == types.uint8
+                and isinstance(w2, types.Array) and w2.dtype == types.uint8
                 and isinstance(sc, types.Array) and sc.dtype == types.float32):
             return None
         act = "a8" if xp.dtype == types.int8 else "a16"
         ip = types.intp
-        sig = ret(xp, ip, ip, corr, ip, ip, w, ip, ip, sc, ip, ip, ip, ip, ip, ip)
+        sig = ret(xp, ip, ip, corr, ip, ip, w, ip, ip, w2, ip, ip, sc, ip, ip, ip, ip, ip, ip)
 
         def codegen(context, builder, sig, args):
             xa = context.make_array(sig.args[0])(context, builder, args[0])
             ca = context.make_array(sig.args[3])(context, builder, args[3])
             wa = context.make_array(sig.args[6])(context, builder, args[6])
-            sa = context.make_array(sig.args[9])(context, builder, args[9])
-            (xoff_, xstr, coff_, cstr, woff_, wstr, soff_, sstr, nun, upf_, fmt_,
-             mode_) = [context.cast(builder, args[i], sig.args[i], types.intp)
-                       for i in (1, 2, 4, 5, 7, 8, 10, 11, 12, 13, 14, 15)]
+            w2a = context.make_array(sig.args[9])(context, builder, args[9])
+            sa = context.make_array(sig.args[12])(context, builder, args[12])
+            (xoff_, xstr, coff_, cstr, woff_, wstr, w2off_, w2str, soff_, sstr, nun, upf_,
+             fmt_, mode_) = [context.cast(builder, args[i], sig.args[i], types.intp)
+                             for i in (1, 2, 4, 5, 7, 8, 10, 11, 13, 14, 15, 16, 17, 18)]
             intp = context.get_value_type(types.intp)
 
             def K(v):
@@ -182,6 +275,8 @@ def _make_tile(R: int, C: int):
                                 inbounds=True) for r in range(R)]
             wrow = [builder.gep(wa.data, [builder.add(woff_, builder.mul(wstr, K(c)))],
                                 inbounds=True) for c in range(C)]
+            w2row = [builder.gep(w2a.data, [builder.add(w2off_, builder.mul(w2str, K(c)))],
+                                 inbounds=True) for c in range(C)]
             srow = [builder.gep(sa.data, [builder.add(soff_, builder.mul(sstr, K(c)))],
                                 inbounds=True) for c in range(C)]
             nacc = R * C * (1 if act == "a8" else 2)
@@ -194,7 +289,8 @@ def _make_tile(R: int, C: int):
                 return builder.load(builder.bitcast(p, vty.as_pointer()), align=1)
 
             def emit(fm, md):
-                P, _off = _FMTS[fm]
+                planes = _FMTS[fm][2]
+                P = sum(_DEC_SLOTS[d] for _, d, _ in planes)
                 unit_x = 32 * P  # activation elements per unit
                 for t in range(R * C):
                     builder.store(ir.Constant(_V8I64, None), acc64[t])
@@ -209,9 +305,16 @@ def _make_tile(R: int, C: int):
                     cnt = builder.select(builder.icmp_signed("<", rem, upf_), rem, upf_)
                     with cgutils.for_range(builder, cnt) as ul:
                         u = builder.add(u0, ul.index)
-                        woffu = builder.mul(u, K(32))
-                        pieces = [_decode(builder, fm, vload(wrow[c], woffu, _V32I8))
-                                  for c in range(C)]
+                        pieces = []
+                        for c in range(C):
+                            pc = []
+                            for plane, dec, shift in planes:
+                                nbyt = _DEC_BYTES[dec]
+                                base = wrow[c] if plane == 0 else w2row[c]
+                                bv = vload(base, builder.mul(u, K(nbyt)),
+                                           ir.VectorType(_I8, nbyt))
+                                pc += _decode(builder, dec, bv, shift)
+                            pieces.append(pc)
                         xbase = builder.mul(u, K(unit_x))
                         for r in range(R):
                             if act == "a8":
@@ -294,7 +397,7 @@ def _make_tile(R: int, C: int):
                         builder.store(_hsum(builder, v, 8, builder.fadd), res[t])
 
             for fm in _FMTS:
-                modes = (0, 1, 2) if fm == 0 else (0,)
+                modes = (0, 1, 2) if _FMTS[fm][0] == 64 else (0,)
                 for md in modes:
                     cond = builder.and_(builder.icmp_signed("==", fmt_, K(fm)),
                                         builder.icmp_signed("==", mode_, K(md)))
@@ -308,7 +411,7 @@ def _make_tile(R: int, C: int):
     tile.__doc__ = f"""Low-bit dot tile: {R} activation row(s) x {C} packed weight rows.
 
     Call from ``@njit`` code as ``t = tile(xp, xoff, xstride, corr, coff, cstride,
-    w, woff, wstride, sc, soff, sstride, nunits, upf, fmt, mode)``.
+    w, woff, wstride, w2, w2off, w2stride, sc, soff, sstride, nunits, upf, fmt, mode)``.
 
     Parameters
     ----------
@@ -321,7 +424,11 @@ def _make_tile(R: int, C: int):
         Row ``r`` at ``coff + r * cstride``, flush ``f`` at ``+ 8 f``.
     w : ndarray of uint8 (flat)
         Packed weights; weight row ``c`` of the tile starts at ``woff + c * wstride``;
-        unit ``u`` is bytes ``[32 u, 32 u + 32)`` of the row.
+        unit ``u`` is bytes ``[B u, B u + B)`` of the row (``B =
+        LOWBIT_PLANE_BYTES[fmt, 0]``).
+    w2 : ndarray of uint8 (flat)
+        Second (``hi``) plane of the intN formats, addressed like ``w``
+        (pass ``w`` again for formats with one plane).
     sc : ndarray of float32 (flat)
         Scales of weight row ``c`` at ``soff + c * sstride`` (unused in mode 0;
         mode 1: two per unit; mode 2: one per flush).
