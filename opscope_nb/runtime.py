@@ -75,6 +75,17 @@ def expected_arrays(rows: int, cols: int, decomp: Decomp) -> dict:
     if k == "int4g":
         return {"codes": (u8, (rows, (cols + 1) // 2)),
                 "scales": (f32, (rows, -(-cols // d.group)))}
+    if k == "intn":
+        # lo plane: 2-bit fields (b = 2, 3) or 4-bit (b = 5, 6); hi plane: the
+        # remaining 1 bit (b = 3, 5), 2 bits (b = 6) or none (b = 2).
+        lo_bits = 2 if d.bits <= 3 else 4
+        out = {"lo": (u8, (rows, -(-cols * lo_bits // 8)))}
+        hi_bits = d.bits - lo_bits
+        if hi_bits:
+            out["hi"] = (u8, (rows, -(-cols * hi_bits // 8)))
+        out["scales"] = ((f32, (rows,)) if d.group is None
+                         else (f32, (rows, -(-cols // d.group))))
+        return out
     if k == "ternary":
         return {"codes": (u8, (rows, (cols + 3) // 4)), "alpha": (f32, (1,))}
     if k == "sparse24":
@@ -322,7 +333,9 @@ def _tt_prepare(arrays, d, rows):
 
 
 def _fwd_dense(lin, x, act):
-    return _k.dense_linear(x, lin._arrays["w"])
+    # kernels.dense_linear is this call; calling matmul_f32 directly saves a
+    # dispatch and a per-process compile (see kernels/_packed_float.py).
+    return _k.matmul_f32(x, lin._arrays["w"])
 
 
 def _fwd_sparse24(lin, x, act):
@@ -332,7 +345,7 @@ def _fwd_sparse24(lin, x, act):
 
 def _fwd_lowrank(lin, x, act):
     a = lin._arrays
-    return _k.lowrank_linear(x, a["a"], a["b"])
+    return _k.matmul_f32(_k.matmul_f32(x, a["b"]), a["a"])   # = kernels.lowrank_linear
 
 
 def _fwd_monarch(lin, x, act):
@@ -483,3 +496,6 @@ def _check_ms(ms):
         raise ValueError(f"latency batch sizes must be positive ints, e.g. (1, 32); "
                          f"got {ms!r}.")
     return tuple(dict.fromkeys(vals))
+
+
+from ._checkpoint import save, load  # noqa: E402,F401  (opscope_nb.runtime.save / load)

@@ -59,7 +59,12 @@ _NCHUNK = 16
 # --------------------------------------------------------------------------
 # dense
 # --------------------------------------------------------------------------
-@njit
+# dense_linear / lowrank_linear call matmul_f32, which lives in another file:
+# numba's on-disk cache of a caller is keyed on the caller's file only, so a
+# cached wrapper goes stale (here: crashed) when _matmul.py or _simd.py
+# change.  They are therefore compiled per process (cache=False); the runtime
+# calls matmul_f32 itself, so only numba callers of these wrappers pay that.
+@njit(cache=False)
 def dense_linear(x, w, min_parallel=PAR_MIN):
     """``y[m, rows] = x[m, cols] @ w.T`` for the ``dense`` pack (``w`` f32
     ``[rows, cols]`` is already the output-major ``wt[n, k]`` that
@@ -83,32 +88,130 @@ def dense_linear(x, w, min_parallel=PAR_MIN):
 # sparse 2:4
 # --------------------------------------------------------------------------
 @njit
-def _sparse_cols(ind, nv, col):
-    """Decode one row's 2-bit slots into input columns: value ``t`` lives in
-    group ``t // 2`` at slot ``(ind[t // 4] >> 2 (t % 4)) & 3``, i.e. column
-    ``4 (t // 2) + slot`` (the last group may be short)."""
-    for t in range(nv):
-        b = np.int32(ind[t >> 2])
-        col[t] = np.int32(4 * (t >> 1)) + ((b >> np.int32(2 * (t & 3))) & np.int32(3))
+def _sparse_planes(x, nb8):
+    """``xp[i, 4 h + q, b] = x[i, 8 b + 4 h + q]``: each sample's first
+    ``8 nb8`` inputs as eight contiguous planes (input ``q`` of the first
+    (``h = 0``) or second (``h = 1``) group covered by index byte ``b``)."""
+    m = x.shape[0]
+    xp = np.empty((m, 8, nb8), dtype=np.float32)
+    for i in range(m):
+        for b in range(nb8):
+            for e in range(8):
+                xp[i, e, b] = x[i, 8 * b + e]
+    return xp
 
 
 @njit
-def _sparse_rows(x, values, indices, y, r0, r1, col):
+def _sparse_dot(v, ind, xpi, nb8):
+    """Sum over the ``4 nb8`` values of full index bytes: value ``4 b + j``
+    multiplies input ``8 b + 4 (j // 2) + slot_j``.
+
+    Branch-free and gather-free so LLVM vectorises the loop along ``b``: the
+    index byte is converted to float32 once and split into its eight bits
+    with exact ``floor`` halvings (numba would widen integer shifts to
+    int64 lanes); each value's input is then picked from the four candidates
+    of its group by two bit-weighted interpolations ``lo = a0 + f (a1 - a0)``,
+    ``hi = a2 + f (a3 - a2)``, ``x = lo + g (hi - lo)`` with ``f, g`` in
+    ``{0, 1}`` (the slot's low and high bit).  The pick is exact up to one
+    rounding of ``a1 - a0`` (``<= 2 eps max|x|``).
+    """
+    acc = np.float32(0.0)
+    p0 = xpi[0]
+    p1 = xpi[1]
+    p2 = xpi[2]
+    p3 = xpi[3]
+    p4 = xpi[4]
+    p5 = xpi[5]
+    p6 = xpi[6]
+    p7 = xpi[7]
+    half = np.float32(0.5)
+    two = np.float32(2.0)
+    for b in range(nb8):
+        c = np.float32(ind[b])
+        h = np.floor(c * half)
+        f0 = c - two * h
+        c = np.floor(h * half)
+        g0 = h - two * c
+        h = np.floor(c * half)
+        f1 = c - two * h
+        c = np.floor(h * half)
+        g1 = h - two * c
+        h = np.floor(c * half)
+        f2 = c - two * h
+        c = np.floor(h * half)
+        g2 = h - two * c
+        h = np.floor(c * half)
+        f3 = c - two * h
+        g3 = h
+        a0 = p0[b]
+        d01 = p1[b] - a0
+        a2 = p2[b]
+        d23 = p3[b] - a2
+        e0 = p4[b]
+        e01 = p5[b] - e0
+        e2 = p6[b]
+        e23 = p7[b] - e2
+        lo = a0 + f0 * d01
+        hi = a2 + f0 * d23
+        x0 = lo + g0 * (hi - lo)
+        lo = a0 + f1 * d01
+        hi = a2 + f1 * d23
+        x1 = lo + g1 * (hi - lo)
+        lo = e0 + f2 * e01
+        hi = e2 + f2 * e23
+        x2 = lo + g2 * (hi - lo)
+        lo = e0 + f3 * e01
+        hi = e2 + f3 * e23
+        x3 = lo + g3 * (hi - lo)
+        acc += (v[4 * b] * x0 + v[4 * b + 1] * x1 + v[4 * b + 2] * x2
+                + v[4 * b + 3] * x3)
+    return acc
+
+
+@njit
+def _sparse_rows(x, xp, values, indices, y, r0, r1):
+    """Rows ``r0..r1-1`` of ``y`` for few samples: per sample one
+    vectorised pass (:func:`_sparse_dot`) plus the short tail."""
     m = x.shape[0]
     nv = values.shape[1]
+    nb8 = xp.shape[2]
     for r in range(r0, r1):
-        _sparse_cols(indices[r], nv, col)
         v = values[r]
+        ind = indices[r]
         for i in range(m):
-            xi = x[i]
-            acc = np.float32(0.0)
-            for t in range(nv):
-                acc += v[t] * xi[col[t]]
+            acc = _sparse_dot(v, ind, xp[i], nb8)
+            for t in range(4 * nb8, nv):          # values of a short tail
+                sl = (np.int32(ind[t >> 2]) >> np.int32(2 * (t & 3))) & 3
+                acc += v[t] * x[i, 4 * (t >> 1) + sl]
             y[i, r] = acc
 
 
+@njit
+def _sparse_rows_batch(xt, values, indices, y, r0, r1, col, acc):
+    """Rows ``r0..r1-1`` of ``y`` for many samples: per weight row the
+    slots are decoded once into input columns ``col``, then every kept value
+    adds ``v * xt[col, :]`` to the ``m`` accumulators (an axpy along the
+    samples of the transposed input ``xt[cols, m]``)."""
+    m = xt.shape[1]
+    nv = values.shape[1]
+    for r in range(r0, r1):
+        v = values[r]
+        ind = indices[r]
+        for t in range(nv):
+            col[t] = 4 * (t >> 1) + ((np.int64(ind[t >> 2]) >> (2 * (t & 3))) & 3)
+        for i in range(m):
+            acc[i] = np.float32(0.0)
+        for t in range(nv):
+            vt = v[t]
+            xr = xt[col[t]]
+            for i in range(m):
+                acc[i] += vt * xr[i]
+        for i in range(m):
+            y[i, r] = acc[i]
+
+
 @njit_parallel
-def sparse24_linear(x, values, indices, min_parallel=PAR_MIN):
+def sparse24_linear(x, values, indices, min_parallel=PAR_MIN, batch_min=4):
     """``y = x @ W_hat.T`` for the ``sparse2:4`` pack, using only the kept
     values.
 
@@ -116,10 +219,14 @@ def sparse24_linear(x, values, indices, min_parallel=PAR_MIN):
     each group of four consecutive columns, in column order; a short last group
     keeps ``min(2, cols % 4)``), ``indices`` u8 ``[rows, ceil(nv / 4)]`` (value
     ``t``'s 2-bit slot inside its group in bits ``2 (t % 4)`` of byte
-    ``t // 4``), ``nv = 2 (cols // 4) + min(2, cols % 4)``.  Per weight row the
-    slots are decoded once into column numbers (a ``nv``-int scratch in L1),
-    then every sample takes a gathered dot product of ``nv`` terms: ``rows *
-    nv`` multiply-adds per sample, half of dense.
+    ``t // 4``), ``nv = 2 (cols // 4) + min(2, cols % 4)``.  Each sample's
+    inputs are first split into eight planes (``x[8 b + e]`` for index byte
+    ``b``); then per weight row and sample one pass over the index bytes picks,
+    for each of a byte's four values, its input out of the four candidates of
+    its group branch-free from the 2-bit slot (no gather, so the loop
+    vectorises; see ``_sparse_dot``), and a short last group is summed scalar: ``rows * nv``
+    multiply-adds per sample, half of dense, reading ``4 nv + nv / 4`` weight
+    bytes per row instead of ``4 cols``.
 
     Parameters
     ----------
@@ -129,6 +236,8 @@ def sparse24_linear(x, values, indices, min_parallel=PAR_MIN):
     min_parallel : int
         Serial below ``m * rows * nv`` multiply-adds; above, 16 fixed row
         chunks run in ``prange``.
+    batch_min : int
+        Samples from which the decoded-columns axpy path is used.
 
     Returns
     -------
@@ -137,21 +246,33 @@ def sparse24_linear(x, values, indices, min_parallel=PAR_MIN):
     m = x.shape[0]
     rows, nv = values.shape
     y = np.empty((m, rows), dtype=np.float32)
-    if m * rows * nv < min_parallel or rows < 2:
-        col = np.empty(nv, dtype=np.int32)
-        _sparse_rows(x, values, indices, y, 0, rows, col)
+    serial = m * rows * nv < min_parallel or rows < 2
+    nc = min(rows, _NCHUNK)
+    if m < batch_min:
+        xp = _sparse_planes(x, x.shape[1] // 8)
+        if serial:
+            _sparse_rows(x, xp, values, indices, y, 0, rows)
+        else:
+            for c in prange(nc):
+                _sparse_rows(x, xp, values, indices, y, c * rows // nc,
+                             (c + 1) * rows // nc)
     else:
-        nc = min(rows, _NCHUNK)
-        for c in prange(nc):
-            col = np.empty(nv, dtype=np.int32)
-            _sparse_rows(x, values, indices, y, c * rows // nc, (c + 1) * rows // nc, col)
+        xt = np.ascontiguousarray(x.T)
+        if serial:
+            _sparse_rows_batch(xt, values, indices, y, 0, rows,
+                               np.empty(nv, dtype=np.int64), np.empty(m, dtype=np.float32))
+        else:
+            for c in prange(nc):
+                _sparse_rows_batch(xt, values, indices, y, c * rows // nc,
+                                   (c + 1) * rows // nc, np.empty(nv, dtype=np.int64),
+                                   np.empty(m, dtype=np.float32))
     return y
 
 
 # --------------------------------------------------------------------------
 # low-rank
 # --------------------------------------------------------------------------
-@njit
+@njit(cache=False)
 def lowrank_linear(x, a, b, min_parallel=PAR_MIN):
     """``y = (x @ b.T) @ a.T`` for the ``lowrank`` pack ``W_hat = a @ b``.
 
