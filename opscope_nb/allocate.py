@@ -113,7 +113,11 @@ def option_latency(opt, m):
     Accepts integer keys (in memory) and string keys (as JSON writes them).
     """
     d = getattr(opt, "latency_us", None) or {}
-    for key in (m, str(m)):
+    try:
+        keys = (int(m), str(int(m)))
+    except (TypeError, ValueError):
+        return None
+    for key in keys:
         if key in d:
             try:
                 return float(d[key])
@@ -459,22 +463,43 @@ class _Problem:
         self.lat_frac = self.lat_m = None
         self.lat_cap = self.lat_budget = math.inf
         self.dense_lat = None
+        self.index = None        # compact option index -> option index (latency only)
+        self.unmeasured = 0
         if self.use_lat:
             self.lat_frac = check_fraction(latency_frac, "latency_frac")
             self.lat_m = check_int(latency_m, "latency_m", 1)
+            index = []
             for i, lp in enumerate(layers):
+                keep = []
                 for j, o in enumerate(lp.options):
                     t = option_latency(o, self.lat_m)
                     if t is None:
-                        raise ValueError(
-                            f"layers[{i}] ({lp.name!r}) option {j} ({o.decomp.label}) has "
-                            f"no latency at m={self.lat_m}; profile with "
-                            f"latency=({self.lat_m},) (CLI: --latency {self.lat_m}) or drop "
-                            f"the latency budget.")
+                        if j == 0:
+                            raise ValueError(
+                                f"layers[{i}] ({lp.name!r}) dense option has no latency at "
+                                f"m={self.lat_m}; profile with latency=({self.lat_m},) "
+                                f"(CLI: --latency {self.lat_m}) or drop the latency budget.")
+                        self.unmeasured += 1
+                        continue  # an option nobody timed cannot be planned under it
                     if not (math.isfinite(t) and t >= 0):
                         raise ValueError(f"layers[{i}] ({lp.name!r}) option {j} latency "
                                          f"must be finite and >= 0 us; got {t}.")
-                    self.lat[i, j] = t
+                    self.lat[i, len(keep)] = t
+                    keep.append(j)
+                index.append(keep)
+            if self.unmeasured:
+                # compact the tables to the timed options (dense stays column 0)
+                c2 = np.zeros_like(cost)
+                b2 = np.zeros_like(nbytes)
+                for i, keep in enumerate(index):
+                    c2[i, :len(keep)] = cost[i, keep]
+                    b2[i, :len(keep)] = nbytes[i, keep]
+                    self.nopt[i] = len(keep)
+                self.cost, self.nbytes = c2, b2
+                self.index = index
+                self.min_bytes = int(sum(int(b2[i, :self.nopt[i]].min())
+                                         for i in range(nl)))
+                self.feasible = self.min_bytes <= self.budget
             self.dense_lat = float(sum(self.lat[i, 0] for i in range(nl)))
             if not self.dense_lat > 0:
                 raise ValueError(f"the all-dense latency at m={self.lat_m} is "
@@ -564,6 +589,11 @@ class _Problem:
         choice = [int(c) for c in choice]
         err, tb = self.evaluate(choice)
         feasible = self.fits(choice)
+        lat_total = self.latency(choice) if self.use_lat else None
+        if self.index is not None:
+            choice = [self.index[i][c] for i, c in enumerate(choice)]
+            extra = dict(extra or {})
+            extra["options_without_latency"] = int(self.unmeasured)
         if not self.feasible:
             lb, gap, bound = math.inf, math.nan, "none"
         else:
@@ -585,7 +615,7 @@ class _Problem:
             a.latency_m = self.lat_m
             a.latency_frac = self.lat_frac
             a.latency_budget_us = self.lat_cap
-            a.total_latency_us = self.latency(choice)
+            a.total_latency_us = lat_total
             a.dense_latency_us = self.dense_lat
         return a
 
@@ -601,8 +631,10 @@ _COMMON_PARAMS = """budget_frac : float, optional
         Per-layer non-negative weights of the objective (default 1).
     latency_frac : float, optional
         Latency budget as a fraction of the all-dense latency at ``latency_m``,
-        in (0, 1]; needs ``DecompOption.latency_us[latency_m]`` on every
-        option (``ValueError`` naming the first one without).
+        in (0, 1]; needs ``DecompOption.latency_us[latency_m]`` on every dense
+        option (``ValueError`` naming the first layer without).  Options with
+        no latency at ``latency_m`` are left out of the plan (counted in
+        ``extra["options_without_latency"]``).
     latency_m : int
         Rows of the activation the latency budget is measured at (default 1)."""
 

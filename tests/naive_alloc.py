@@ -191,3 +191,60 @@ def naive_lowrank(w, r):
     """Best rank-r approximation from LAPACK's SVD."""
     u, s, vt = np.linalg.svd(np.asarray(w, dtype=np.float64), full_matrices=False)
     return (u[:, :r] * s[:r]) @ vt[:r]
+
+
+# ---- appended by helper A: exact budget rule, two-budget brute force, lower hull ----
+
+def naive_budget_exact(dense_bytes, frac):
+    """floor(frac * sum dense bytes) on the shortest decimal of ``frac`` (exact)."""
+    from fractions import Fraction
+    return int(math.floor(Fraction(repr(float(frac))) * sum(dense_bytes)))
+
+
+def naive_budget_bpw(n_weights, bpw):
+    """floor(bpw / 8 * total weights) on the shortest decimal of ``bpw`` (exact)."""
+    from fractions import Fraction
+    return int(math.floor(Fraction(repr(float(bpw))) * sum(n_weights) / 8))
+
+
+def naive_brute_force2(costs, sizes, lats, budget, lat_budget):
+    """Enumerate every plan under a byte and a latency budget (latency <= budget
+    with relative slack 1e-9); return (best cost, choice) or (None, None)."""
+    best, arg = None, None
+    for ch in itertools.product(*[range(len(c)) for c in costs]):
+        b = sum(sizes[i][j] for i, j in enumerate(ch))
+        t = sum(lats[i][j] for i, j in enumerate(ch))
+        if b > budget or t > lat_budget * (1 + 1e-9):
+            continue
+        e = sum(costs[i][j] for i, j in enumerate(ch))
+        if best is None or e < best - 1e-15:
+            best, arg = e, list(ch)
+    return best, arg
+
+
+def naive_lower_hull(points):
+    """Vertices of the lower-left convex hull, by definition: a point is a vertex
+    when no other point is at most as large in both coordinates (earlier index wins
+    exact duplicates) and no chord between two other points passes on or below it.
+    Returned sorted by x."""
+    pts = [(float(x), float(y)) for x, y in points]
+    out = []
+    for k, (x, y) in enumerate(pts):
+        bad = False
+        for q, (a, b) in enumerate(pts):
+            if q != k and a <= x and b <= y and ((a, b) != (x, y) or q < k):
+                bad = True
+                break
+        if not bad:
+            for p1, (x1, y1) in enumerate(pts):
+                for p2, (x2, y2) in enumerate(pts):
+                    if p1 in (k,) or p2 in (k,) or not (x1 < x < x2):
+                        continue
+                    if y1 + (y2 - y1) * (x - x1) / (x2 - x1) <= y:
+                        bad = True
+                        break
+                if bad:
+                    break
+        if not bad:
+            out.append((x, y))
+    return sorted(out)

@@ -1,0 +1,377 @@
+"""Shared pieces of the command line: errors, argument types, output files, tables,
+the progress bar and the checkpoint/profile readers every command uses.
+
+Nothing here prints except :func:`warn` and :class:`Progress`; commands format
+their own tables with :func:`tabulate_rows`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from .. import __version__
+from .. import io as tio
+
+PROG = "opscope-nb"
+PROFILE_FORMAT = 1
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as one line (exit 2) instead of usage + line."""
+
+    def error(self, message):  # noqa: D401 - argparse API
+        raise CliError(f"{message} (see {self.prog} --help)")
+
+
+# --------------------------------------------------------------------------- #
+# argument types
+# --------------------------------------------------------------------------- #
+def budget_arg(text: str) -> float:
+    """A fraction in (0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget must be a number in (0, 1]; got {text!r}")
+    if not (math.isfinite(v) and 0.0 < v <= 1.0):
+        raise argparse.ArgumentTypeError(
+            f"budget must lie in (0, 1] (a fraction of the dense size, e.g. 0.35); got {text}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}")
+    if not (math.isfinite(v) and v > 0.0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0; got {text}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {v}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    try:
+        v = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer; got {text!r}")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer; got {v}")
+    return v
+
+
+def int_list(text: str) -> tuple:
+    """Comma-separated positive integers, e.g. ``1,32`` -> ``(1, 32)``."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,32; got {text!r}")
+    out = []
+    for p in parts:
+        try:
+            v = int(p)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected positive integers like 1,32; got {text!r}")
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"every value must be >= 1; got {v} in {text!r}")
+        out.append(v)
+    return tuple(sorted(set(out)))
+
+
+def regex_arg(text: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid regular expression ({exc})")
+    return text
+
+
+def add_source_args(p) -> None:
+    """SOURCE plus --include/--exclude/--include-embeddings/--quiet."""
+    p.add_argument("source", nargs="?", default=None, metavar="SOURCE",
+                   help="a .safetensors / .gguf / .tensor file or a directory of "
+                        "shards or dumps; omitted: the built-in 7-layer synthetic model")
+    p.add_argument("--include", type=regex_arg, metavar="REGEX",
+                   help="only tensors whose name matches (re.search)")
+    p.add_argument("--exclude", type=regex_arg, metavar="REGEX",
+                   help="drop tensors whose name matches (re.search)")
+    p.add_argument("--include-embeddings", action="store_true",
+                   help="also profile embedding tables and lm_head / output.weight")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
+# --------------------------------------------------------------------------- #
+# process facts, files, formatting
+# --------------------------------------------------------------------------- #
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process in MiB (``getrusage``), NaN if unknown."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return float("nan")
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return kb / (1024.0 * 1024.0) if sys.platform == "darwin" else kb / 1024.0
+
+
+def _umask_mode() -> int:
+    old = os.umask(0o022)
+    os.umask(old)
+    return 0o666 & ~old
+
+
+FILE_MODE = _umask_mode()
+
+
+def atomic_write(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file in the same directory + rename.
+
+    A reader (or a crash) never sees a half-written file: ``os.replace`` is atomic
+    on POSIX and Windows when source and target share a file system.
+    """
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".",
+                               suffix=".tmp")
+    try:
+        os.chmod(tmp, FILE_MODE)  # mkstemp makes 0600; give the usual umask mode
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def json_text(obj) -> str:
+    """Indented strict JSON (non-finite floats are an error, numpy scalars converted)."""
+    return json.dumps(obj, indent=1, allow_nan=False, default=_json_default) + "\n"
+
+
+def _json_default(o):
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return finite(float(o))
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def finite(v):
+    """``float(v)`` or ``None`` when it is not finite (JSON has no NaN)."""
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+def fmt_bytes(n) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def fmt_err(e) -> str:
+    return "-" if e is None or not math.isfinite(e) else f"{e:.4f}"
+
+
+def fmt_us(v) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{v:.1f} us"
+
+
+def ensure_outdir(path: str) -> str:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"{path}: cannot create output directory ({exc.strerror or exc}).")
+    if not os.access(path, os.W_OK):
+        raise CliError(f"{path}: output directory is not writable.")
+    return path
+
+
+def write(path: str, text: str) -> None:
+    """:func:`atomic_write`, with an OS failure turned into a one-line user error."""
+    try:
+        atomic_write(path, text)
+    except OSError as exc:
+        raise CliError(f"{path}: cannot write ({exc.strerror or exc}).")
+
+
+def tabulate_rows(rows, headers, **kw) -> str:
+    from tabulate import tabulate
+    return tabulate(rows, headers=headers, disable_numparse=True, **kw)
+
+
+def warn(msg: str) -> None:
+    print(f"{PROG}: warning: {msg}", file=sys.stderr)
+
+
+class Progress:
+    """One-line progress bar on stderr: ``[####....] i/n name  ETA 12s``.
+
+    ETA extrapolates elapsed time per element processed (layers differ in size).
+    Disabled when ``enabled`` is False (``--quiet``, or stderr not a terminal).
+    """
+
+    def __init__(self, total_items: int, total_work: float, enabled: bool, stream=None):
+        self.n = total_items
+        self.work = max(float(total_work), 1.0)
+        self.enabled = enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self.t0 = time.perf_counter()
+        self.done_work = 0.0
+        self.width = 0
+
+    def show(self, i: int, name: str) -> None:
+        if not self.enabled:
+            return
+        frac = self.done_work / self.work
+        el = time.perf_counter() - self.t0
+        eta = "ETA  --" if self.done_work <= 0 else \
+            f"ETA {el * (1 - frac) / max(frac, 1e-9):5.0f}s"
+        bar = "#" * int(20 * frac)
+        short = name if len(name) <= 48 else "..." + name[-45:]
+        line = f"[{bar:<20}] {i}/{self.n} {short}  {eta}"
+        pad = max(self.width - len(line), 0)
+        self.stream.write("\r" + line + " " * pad)
+        self.stream.flush()
+        self.width = len(line)
+
+    def advance(self, work: float) -> None:
+        self.done_work += float(work)
+
+    def close(self) -> None:
+        if self.enabled and self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+
+
+def progress_enabled(args) -> bool:
+    return (not getattr(args, "quiet", False)) and sys.stderr.isatty()
+
+
+# --------------------------------------------------------------------------- #
+# checkpoints
+# --------------------------------------------------------------------------- #
+def open_and_select(args):
+    """Open ``args.source`` and apply the selection flags; returns (source, chosen, skipped)."""
+    src = tio.open_source(args.source)
+    chosen, skipped = tio.select(src, include=args.include, exclude=args.exclude,
+                                 include_embeddings=args.include_embeddings)
+    if not chosen:
+        raise CliError(f"{src.path}: no 2-D weight matrices selected out of "
+                       f"{len(src.entries)} tensors (check --include/--exclude, or "
+                       f"--include-embeddings).")
+    return src, chosen, skipped
+
+
+def load_checked(entry):
+    """Load one tensor; returns ``(w, None)``, or ``(None, reason)`` to skip it.
+
+    Skipped (not fatal): a tensor whose stored dtype is not a float format (an
+    integer ``qweight`` / ``I8`` buffer, an undecodable GGUF type) and a tensor
+    holding NaN/Inf.  A truncated or unreadable file stays a fatal error.
+    """
+    try:
+        w = entry.load()
+    except tio.UnsupportedDtypeError:
+        return None, f"dtype {entry.dtype} is not a float weight format"
+    finite_mask = np.isfinite(w)
+    if not finite_mask.all():
+        bad = int(w.size - np.count_nonzero(finite_mask))
+        return None, f"{bad} NaN/Inf value(s) out of {w.size}"
+    return w, None
+
+
+def source_info(src) -> dict:
+    path = src.path if src.kind == "synthetic" else os.path.abspath(src.path)
+    return {"path": path, "kind": src.kind, "n_tensors": len(src.entries)}
+
+
+# --------------------------------------------------------------------------- #
+# profile.json
+# --------------------------------------------------------------------------- #
+def load_profile_doc(path: str) -> dict:
+    """Read and sanity-check a ``profile.json`` written by ``opscope-nb profile``."""
+    if not os.path.exists(path):
+        raise CliError(f"{path}: no such file.")
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as exc:
+        raise CliError(f"{path}: cannot read ({exc.strerror or exc}).")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CliError(f"{path}: not valid JSON ({exc}); is it an opscope-nb profile.json?")
+    if not (isinstance(doc, dict) and doc.get("tool") == PROG
+            and isinstance(doc.get("layers"), list)):
+        raise CliError(f"{path}: not an opscope-nb profile.json (write one with "
+                       f"'{PROG} profile SOURCE --out DIR').")
+    return doc
+
+
+def layers_from_doc(doc: dict, path: str) -> list:
+    """The ``LayerProfile`` list of a profile document."""
+    from ..mining import LayerProfile
+    out = []
+    for i, rec in enumerate(doc["layers"]):
+        try:
+            lp = LayerProfile.from_dict(rec["profile"])
+            if not lp.options:
+                raise ValueError("no options")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CliError(f"{path}: layer {i} is malformed ({type(exc).__name__}: {exc}).")
+        out.append(lp)
+    if not out:
+        raise CliError(f"{path}: the profile holds no layers.")
+    return out
+
+
+def timing_split(layer_timings) -> dict:
+    """Sum the per-layer ``LayerProfile.timings`` dicts phase by phase."""
+    tot: dict = {}
+    for t in layer_timings:
+        for k, v in (t or {}).items():
+            try:
+                tot[k] = tot.get(k, 0.0) + float(v)
+            except (TypeError, ValueError):
+                continue
+    return tot
+
+
+__all__ = [
+    "PROG", "PROFILE_FORMAT", "CliError", "Parser", "budget_arg", "positive_float",
+    "positive_int", "nonneg_int", "int_list", "regex_arg", "add_source_args",
+    "peak_rss_mb", "FILE_MODE", "atomic_write", "json_text", "finite", "fmt_bytes",
+    "fmt_err", "fmt_us", "ensure_outdir", "write", "tabulate_rows", "warn", "Progress",
+    "progress_enabled", "open_and_select", "load_checked", "source_info",
+    "load_profile_doc", "layers_from_doc", "timing_split", "__version__",
+]

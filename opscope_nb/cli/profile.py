@@ -1,0 +1,188 @@
+"""``opscope-nb profile [SOURCE]``: mine every option of every selected weight
+(:func:`opscope_nb.mining.profile_layer`), solve the budget with the greedy, DADO
+and exact allocators and print the plan; ``--out DIR`` writes ``profile.json``
+(rewritten after every layer, so ``--resume`` continues an interrupted run),
+``plan.json`` and ``options.csv``."""
+from __future__ import annotations
+
+import inspect
+import os
+import time
+
+from ._common import (PROFILE_FORMAT, PROG, CliError, __version__, add_source_args,
+                      ensure_outdir, finite, fmt_bytes, int_list, json_text, load_checked,
+                      load_profile_doc, nonneg_int, open_and_select, peak_rss_mb,
+                      positive_int, Progress, progress_enabled, source_info, timing_split,
+                      warn, write)
+from ._plan import (add_budget_args, budget_spec, budget_text, check_latencies, methods_of,
+                    options_csv, plan_dict, print_plan, run_allocators)
+
+NAME = "profile"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(NAME, help="mine every option per layer and solve a budget")
+    add_source_args(p)
+    add_budget_args(p)
+    p.add_argument("--rank-cap", type=positive_int, default=48,
+                   help="top singular values computed per layer (default 48)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="randomised SVD seed")
+    p.add_argument("--latency", type=int_list, default=None, metavar="M[,M...]",
+                   help="measure each option's latency at these activation rows, e.g. "
+                        "1,32 (stored in profile.json; needed by --latency-budget)")
+    p.add_argument("--out", metavar="DIR",
+                   help="write profile.json, plan.json and options.csv here")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse layers already in DIR/profile.json (same name, shape and "
+                        "settings)")
+    p.set_defaults(func=run)
+
+
+def profile_doc(source, settings, records, skipped, t_start, complete) -> dict:
+    """The ``profile.json`` document."""
+    timings = timing_split(r["profile"].get("timings") for r in records)
+    return {
+        "tool": PROG, "version": __version__, "format": PROFILE_FORMAT,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": source, "settings": settings, "complete": complete,
+        "n_layers": len(records),
+        "dense_bytes": int(sum(r["profile"]["dense_bytes"] for r in records)),
+        "layers": records, "skipped": skipped,
+        "timings": {"wall_seconds": time.perf_counter() - t_start,
+                    "profile_seconds": sum(r.get("seconds", 0.0) for r in records),
+                    "load_seconds": sum(r.get("load_seconds", 0.0) for r in records),
+                    "phases": timings},
+        "peak_rss_mb": finite(peak_rss_mb()),
+    }
+
+
+def _profile_kwargs(args) -> dict:
+    from .. import mining
+    kw = {"rank_cap": args.rank_cap, "seed": args.seed}
+    if args.latency:
+        if "latency" not in inspect.signature(mining.profile_layer).parameters:
+            raise CliError("--latency needs a profile_layer that measures latency "
+                           "(this build has none); drop --latency.")
+        kw["latency"] = tuple(args.latency)
+    return kw
+
+
+def run(args) -> int:
+    spec = budget_spec(args)
+    src, chosen, skipped_sel = open_and_select(args)
+    from .. import mining
+    from ..mining import LayerProfile
+    kw = _profile_kwargs(args)
+    latency = list(args.latency) if args.latency else None
+    settings = {"rank_cap": args.rank_cap, "seed": args.seed,
+                "budget": spec.get("budget_frac"), "bpw": spec.get("budget_bpw"),
+                "latency": latency,
+                "include": args.include, "exclude": args.exclude,
+                "include_embeddings": args.include_embeddings}
+    source = source_info(src)
+    out = ensure_outdir(args.out) if args.out else None
+    if args.resume and not out:
+        raise CliError("--resume needs --out DIR (it continues DIR/profile.json).")
+    prof_path = os.path.join(out, "profile.json") if out else None
+
+    previous = {}
+    if args.resume and os.path.exists(prof_path):
+        doc = load_profile_doc(prof_path)
+        old = doc.get("settings", {})
+        if ((old.get("rank_cap"), old.get("seed"), old.get("latency"))
+                != (args.rank_cap, args.seed, latency)):
+            warn(f"{prof_path} was made with rank_cap={old.get('rank_cap')}, "
+                 f"seed={old.get('seed')}, latency={old.get('latency')}; "
+                 f"re-profiling every layer.")
+        else:
+            for rec in doc["layers"]:
+                try:
+                    previous[(rec["name"], tuple(rec["shape"]))] = rec
+                except (KeyError, TypeError):
+                    continue
+
+    skipped = [{"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "reason": r}
+               for e, r in skipped_sel]
+    n_skip_load = 0
+    records, layers = [], []
+    t_start = time.perf_counter()
+    bar = Progress(len(chosen), sum(e.numel for e in chosen), progress_enabled(args))
+    reused = 0
+    try:
+        for i, e in enumerate(chosen, 1):
+            bar.show(i, e.name)
+            key = (e.name, tuple(e.shape))
+            if key in previous:
+                rec = previous[key]
+                try:
+                    lp = LayerProfile.from_dict(rec["profile"])
+                except (KeyError, TypeError, ValueError):
+                    lp = None
+                if lp is not None:
+                    records.append(rec)
+                    layers.append(lp)
+                    reused += 1
+                    bar.advance(e.numel)
+                    continue
+            t0 = time.perf_counter()
+            w, why = load_checked(e)
+            t_load = time.perf_counter() - t0
+            if w is None:
+                bar.close()
+                warn(f"skipping {e.name}: {why}.")
+                skipped.append({"name": e.name, "shape": list(e.shape), "dtype": e.dtype,
+                                "reason": why})
+                n_skip_load += 1
+                bar.advance(e.numel)
+                continue
+            t1 = time.perf_counter()
+            lp = mining.profile_layer(e.name, w, **kw)
+            del w
+            rec = {"name": e.name, "shape": list(e.shape), "dtype": e.dtype,
+                   "file": os.path.abspath(e.path) if e.path != "synthetic" else e.path,
+                   "load_seconds": t_load, "seconds": time.perf_counter() - t1,
+                   "profile": lp.to_dict()}
+            records.append(rec)
+            layers.append(lp)
+            bar.advance(e.numel)
+            if prof_path:
+                # keep the still-valid saved layers not reached yet, so an interrupt
+                # during a resumed run loses nothing either
+                later = [previous[k] for k in ((x.name, tuple(x.shape)) for x in chosen[i:])
+                         if k in previous]
+                write(prof_path, json_text(profile_doc(source, settings, records + later,
+                                                       skipped, t_start, False)))
+    finally:
+        bar.close()
+
+    if not layers:
+        raise CliError(f"{src.path}: every selected tensor was skipped (NaN/Inf or a "
+                       f"non-float dtype); nothing to allocate.")
+    check_latencies(layers, spec, src.path)
+    allocs = run_allocators(layers, spec, methods_of(args.method), args.time_limit)
+    rss = peak_rss_mb()
+    wall = time.perf_counter() - t_start
+
+    print_plan(layers, allocs)
+    dense = sum(int(lp.dense_bytes) for lp in layers)
+    phases = timing_split(r["profile"].get("timings") for r in records)
+    split = ", ".join(f"{k} {v:.2f}s" for k, v in sorted(phases.items(),
+                                                         key=lambda kv: -kv[1]))
+    print()
+    print(f"{len(layers)} layers ({reused} resumed, {len(skipped)} tensors skipped), "
+          f"dense {fmt_bytes(dense)}, {budget_text(spec, layers)}; "
+          f"wall {wall:.1f}s, peak RSS {rss:.0f} MiB")
+    if n_skip_load:
+        print("skipped while loading: " + "; ".join(
+            f"{s['name']} ({s['reason']})" for s in skipped[-n_skip_load:]))
+    if split:
+        print(f"profile time split: {split}")
+
+    if out:
+        write(prof_path, json_text(profile_doc(source, settings, records, skipped,
+                                               t_start, True)))
+        write(os.path.join(out, "plan.json"),
+              json_text(plan_dict(layers, allocs, spec, source)))
+        write(os.path.join(out, "options.csv"), options_csv(layers))
+        print(f"wrote {prof_path}, plan.json, options.csv")
+    return 0
