@@ -52,6 +52,7 @@ import math
 import numbers
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -79,6 +80,8 @@ LATENCY_RTOL = 1e-9
 #: (1e-6) times this stays below 0.15 byte, so with the row's +0.25 byte slack
 #: no plan one byte over the budget is ever accepted (see exact_allocate).
 _BYTE_ROW_SCALE_MAX = float(2 ** 17)
+#: Re-solves of the MILP after cutting off a plan that is over budget in exact bytes.
+_MAX_CUTS = 25
 
 
 @dataclass(frozen=True)
@@ -752,11 +755,15 @@ def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
     relative MIP gap.  HiGHS's own console output is suppressed.
 
     The byte row is divided by ``s = min(B, 2**17)`` with right-hand side
-    ``(B + 0.25) / s``: HiGHS's feasibility tolerance (1e-6 on the scaled row)
-    is then below 0.15 byte at any budget, so a plan one byte over ``B`` is
-    never returned as feasible - even at budgets of hundreds of GB (a row
-    scaled by ``B`` itself would let a 300 GB budget drift by 300 kB).  The
-    rounded plan is re-checked in exact integer bytes (and float latency).
+    ``(B + 0.25) / s``, so HiGHS's nominal feasibility tolerance (1e-6 on the
+    scaled row) is below 0.15 byte at any budget (a row scaled by ``B``
+    itself would let a 300 GB budget drift by 300 kB).  HiGHS's internal
+    scaling can still let a plan a few bytes over ``B`` through at budgets of
+    hundreds of GB, so the rounded plan is re-checked in exact integer bytes
+    (and float latency); a plan over budget is cut off with a no-good
+    constraint and the MILP re-solved (at most 25 times, within the same time
+    limit; ``extra["cuts"]`` counts them).  The cut removes only that one
+    plan, so the first plan that fits is still the optimum.
 
     ``extra["status"]`` says how the plan was found: ``"optimal"``;
     ``"time limit"`` (HiGHS's best plan when the limit stopped it; ``gap``
@@ -824,11 +831,34 @@ def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
     # scaling the objective to a max of 1e4 makes it 1e-10 relative.
     cmax = float(c.max()) if nv else 0.0
     cscale = 1e4 / cmax if cmax > 1e-8 else 1e12  # (tiny costs: any plan is ~optimal)
-    with _quiet_native_output():
-        res = milp(c * cscale, constraints=cons, integrality=np.ones(nv),
-                   bounds=Bounds(0, 1),
-                   options={"mip_rel_gap": 0.0, "time_limit": float(time_limit),
-                            "disp": False})
+    # HiGHS may still accept a plan a few bytes over B (its tolerances are
+    # applied after its own internal scaling).  Such a plan is cut off with a
+    # no-good constraint (sum of its x_ij <= L - 1, excluding that plan only)
+    # and the MILP re-solved: every plan that fits survives, so the first
+    # returned plan that fits in exact integer bytes is optimal.
+    t_end = time.monotonic() + float(time_limit)
+    cuts = 0
+    while True:
+        left = max(t_end - time.monotonic(), 1e-3)
+        with _quiet_native_output():
+            res = milp(c * cscale, constraints=cons, integrality=np.ones(nv),
+                       bounds=Bounds(0, 1),
+                       options={"mip_rel_gap": 0.0, "time_limit": float(left),
+                                "disp": False})
+        if res.x is None or res.status == 2 or cuts >= _MAX_CUTS:
+            break
+        x = np.rint(res.x).astype(np.int64)
+        if np.count_nonzero(x) != nl or np.bincount(var_layer[x == 1],
+                                                    minlength=nl).max() != 1:
+            break
+        ch = [0] * nl
+        for v in np.flatnonzero(x == 1):
+            ch[int(var_layer[v])] = int(var_opt[v])
+        if pb.fits(ch):
+            break
+        cons.append(LinearConstraint((x == 1).astype(np.float64)[None, :], -np.inf,
+                                     nl - 1.0))
+        cuts += 1
     why = ("time limit, no plan" if res.status == 1 else
            f"HiGHS status {res.status}: {res.message}")
     if res.status == 2 and not g_fits:
@@ -862,7 +892,7 @@ def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
     if db is not None and math.isfinite(db) and res.status != 2:
         dual = float(db) / cscale
     extra = {"solver": "highs", "status": status, "variables": int(nv),
-             "time_limit": float(time_limit)}
+             "time_limit": float(time_limit), "cuts": int(cuts)}
     if status == "infeasible" or not math.isfinite(best_err):
         # HiGHS proved infeasibility (or found nothing, and greedy does not fit)
         lb = math.inf if status == "infeasible" else lp

@@ -1,15 +1,18 @@
 """Allocators: greedy / DADO / exact against brute force and plain-Python twins."""
 import json
 import math
+import os
 
 import numpy as np
 import pytest
 
-from naive_alloc import (naive_brute_force, naive_budget, naive_dado, naive_greedy,
+from naive_alloc import (naive_brute_force, naive_brute_force2, naive_budget_bpw,
+                         naive_budget_exact, naive_dado, naive_greedy,
                          naive_lagrangian_bound)
 from opscope_nb.allocate import (Allocation, DadoConfig, budget_bytes, dado_allocate,
                                  exact_allocate, greedy_allocate)
-from opscope_nb.kernels import dado_core, greedy_core, mckp_lp_bound
+from opscope_nb.kernels import (dado_core, greedy2_core, greedy_core, lower_hull_core,
+                                mckp_lp_bound)
 from opscope_nb.mining import Decomp, DecompOption, LayerProfile
 
 KINDS = [Decomp.int8(), Decomp.int4(), Decomp.int4(32), Decomp.ternary(),
@@ -42,7 +45,7 @@ def tables(layers, weights=None):
     return costs, sizes
 
 
-def check_alloc(a, layers, budget, weights=None):
+def check_alloc(a, layers, budget, weights=None, *, latency=False):
     costs, sizes = tables(layers, weights)
     e = sum(costs[i][c] for i, c in enumerate(a.choice))
     b = sum(sizes[i][c] for i, c in enumerate(a.choice))
@@ -50,7 +53,10 @@ def check_alloc(a, layers, budget, weights=None):
     assert a.total_err == pytest.approx(e, rel=1e-12, abs=1e-12)
     assert a.budget_bytes == budget
     assert a.dense_bytes == sum(lp.dense_bytes for lp in layers)
-    assert a.feasible == (b <= budget)
+    if latency:
+        assert not a.feasible or b <= budget
+    else:
+        assert a.feasible == (b <= budget)
     if a.feasible:
         assert a.lower_bound <= a.total_err + 1e-9
         assert a.gap == pytest.approx((a.total_err - a.lower_bound) / max(a.total_err, 1e-12))
@@ -63,7 +69,7 @@ def test_exact_equals_brute_force_and_ordering(seed):
     layers = random_layers(rng, nl, 6, ties=seed % 3 == 0)
     frac = float(rng.choice([0.05, 0.2, 0.35, 0.5, 0.8, 1.0]))
     weights = None if seed % 2 else rng.random(nl) * 3
-    budget = naive_budget([lp.dense_bytes for lp in layers], frac)
+    budget = naive_budget_exact([lp.dense_bytes for lp in layers], frac)
     costs, sizes = tables(layers, weights)
     best, _ = naive_brute_force(costs, sizes, budget)
     g = greedy_allocate(layers, frac, weights=weights)
@@ -93,7 +99,7 @@ def test_greedy_matches_naive(seed):
     rng = np.random.default_rng(100 + seed)
     layers = random_layers(rng, int(rng.integers(1, 9)), 8, ties=seed % 2 == 0)
     frac = float(rng.uniform(0.02, 1.0))
-    budget = naive_budget([lp.dense_bytes for lp in layers], frac)
+    budget = naive_budget_exact([lp.dense_bytes for lp in layers], frac)
     costs, sizes = tables(layers)
     if sum(min(s) for s in sizes) > budget:
         return
@@ -105,7 +111,7 @@ def test_dado_core_matches_naive_loop(seed):
     rng = np.random.default_rng(200 + seed)
     layers = random_layers(rng, int(rng.integers(2, 7)), 6)
     costs, sizes = tables(layers)
-    budget = naive_budget([lp.dense_bytes for lp in layers], 0.3)
+    budget = naive_budget_exact([lp.dense_bytes for lp in layers], 0.3)
     if sum(min(s) for s in sizes) > budget:
         budget = sum(min(s) for s in sizes) + 100
     init = naive_greedy(costs, sizes, budget)
@@ -130,7 +136,7 @@ def test_lp_bound_matches_naive_and_is_valid():
     for _ in range(30):
         layers = random_layers(rng, int(rng.integers(1, 6)), 6, ties=True)
         costs, sizes = tables(layers)
-        budget = naive_budget([lp.dense_bytes for lp in layers], float(rng.uniform(0.05, 1)))
+        budget = naive_budget_exact([lp.dense_bytes for lp in layers], float(rng.uniform(0.05, 1)))
         k = max(len(c) for c in costs)
         cost = np.zeros((len(costs), k))
         nb = np.zeros((len(costs), k), dtype=np.int64)
@@ -266,6 +272,16 @@ def test_kernels_callable_from_user_njit():
     assert list(g) == [1, 1]
     assert lb <= 0.3 + 1e-12
 
+    @numba.njit
+    def solve2(cost, nb, lat, nopt, budget, tbudget):
+        return (greedy2_core(cost, nb, lat, nopt, budget, tbudget),
+                lower_hull_core(nb[0].astype(np.float64), cost[0]))
+
+    lat = np.array([[10.0, 4.0, 6.0], [10.0, 4.0, 6.0]])
+    g2, h = solve2(cost, nb, lat, np.array([3, 3], dtype=np.int64), 200, 10.0)
+    assert list(g2) == [1, 1]              # 100 bytes, 8 us: both budgets met
+    assert list(h) == [2, 1, 0]
+
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
@@ -293,7 +309,7 @@ def instances(draw):
 @given(instances())
 def test_hypothesis_exact_is_optimal_and_plans_fit(inst):
     layers, frac, weights = inst
-    budget = naive_budget([lp.dense_bytes for lp in layers], frac)
+    budget = naive_budget_exact([lp.dense_bytes for lp in layers], frac)
     costs, sizes = tables(layers, weights)
     best, _ = naive_brute_force(costs, sizes, budget)
     res = [f(layers, frac, weights=weights) for f in (greedy_allocate, exact_allocate)]
@@ -306,3 +322,270 @@ def test_hypothesis_exact_is_optimal_and_plans_fit(inst):
         assert x.total_err == pytest.approx(best, abs=1e-9)
         assert x.total_err <= d.total_err + 1e-9 and d.total_err <= g.total_err + 1e-12
         assert x.lower_bound <= best + 1e-9 and g.lower_bound <= best + 1e-9
+
+
+# ─────────── bits per weight, latency budget, exact solver status ───────────
+
+def lat_layers(rng, nl, kmax, m=1):
+    """Random layers whose options carry a latency at ``m`` (some slower than dense)."""
+    layers = []
+    for i in range(nl):
+        rows, cols = int(rng.integers(2, 40)), int(rng.integers(2, 40))
+        dense = 4 * rows * cols
+        k = int(rng.integers(1, kmax + 1))
+        opts = [DecompOption(Decomp.dense(), 0.0, dense, 1,
+                             latency_us={m: float(rng.uniform(5, 10))})]
+        for j in range(k - 1):
+            opts.append(DecompOption(KINDS[j], float(rng.random()),
+                                     int(rng.integers(1, dense + dense // 4)), 1,
+                                     latency_us={m: float(rng.uniform(1, 12))}))
+        layers.append(LayerProfile(f"l{i}", rows, cols, dense, opts))
+    return layers
+
+
+def lat_tables(layers, m=1):
+    return [[o.latency_us[m] for o in lp.options] for lp in layers]
+
+
+def test_two_budgets_against_brute_force():
+    feasible = infeasible = 0
+    for seed in range(40):
+        rng = np.random.default_rng(900 + seed)
+        layers = lat_layers(rng, int(rng.integers(1, 6)), 5)
+        frac = float(rng.choice([0.1, 0.25, 0.4, 0.7, 1.0]))
+        lfrac = float(rng.choice([0.3, 0.5, 0.7, 0.9, 1.0]))
+        costs, sizes = tables(layers)
+        lats = lat_tables(layers)
+        budget = naive_budget_exact([lp.dense_bytes for lp in layers], frac)
+        cap = lfrac * sum(t[0] for t in lats)
+        best, _ = naive_brute_force2(costs, sizes, lats, budget, cap)
+        kw = dict(latency_frac=lfrac, latency_m=1)
+        g = greedy_allocate(layers, frac, **kw)
+        d = dado_allocate(layers, frac, DadoConfig(iters=10, pop=40), **kw)
+        x = exact_allocate(layers, frac, **kw)
+        for a in (g, d, x):
+            check_alloc(a, layers, budget, latency=True)
+            t = sum(lats[i][c] for i, c in enumerate(a.choice))
+            assert a.total_latency_us == pytest.approx(t, rel=1e-12)
+            assert a.latency_budget_us == pytest.approx(cap, rel=1e-12)
+            assert a.feasible == (a.total_bytes <= budget and t <= cap * (1 + 1e-9))
+            if best is None:
+                assert not a.feasible
+            elif a.feasible:
+                assert a.total_err >= best - 1e-9
+                assert a.lower_bound <= best + 1e-9
+                assert a.gap >= -1e-9
+            else:
+                assert math.isnan(a.gap)
+        if best is None:
+            infeasible += 1
+            assert x.extra["status"] == "infeasible" and math.isinf(x.lower_bound)
+            continue
+        feasible += 1
+        assert x.feasible and x.total_err == pytest.approx(best, abs=1e-9)
+        assert x.extra["status"] == "optimal" and x.bound == "optimum"
+        if g.feasible:
+            assert d.feasible and d.total_err <= g.total_err + 1e-12
+        # the LP bound with both rows is valid
+        lp_only = greedy_allocate(layers, frac, **kw).lower_bound
+        assert lp_only <= best + 1e-9
+    assert feasible >= 10 and infeasible >= 3
+
+
+def test_two_budget_lp_bound_is_tighter_than_bytes_alone():
+    """A binding latency row raises the bound (the second row is really in the LP)."""
+    lay = [LayerProfile("a", 4, 4, 64, [
+        DecompOption(Decomp.dense(), 0.0, 64, 1, latency_us={1: 10.0}),
+        DecompOption(Decomp.int8(), 0.1, 20, 1, latency_us={1: 10.0}),
+        DecompOption(Decomp.lowrank(1), 0.5, 30, 1, latency_us={1: 2.0})])] * 2
+    plain = greedy_allocate(lay, 1.0)
+    both = greedy_allocate(lay, 1.0, latency_frac=0.6)
+    x = exact_allocate(lay, 1.0, latency_frac=0.6)
+    assert plain.lower_bound == pytest.approx(0.0)
+    # 12 us allowed of 20: one layer must take lowrank(1); LP: fraction 0.5 of each
+    assert both.lower_bound == pytest.approx(0.5, abs=1e-7)
+    assert x.total_err == pytest.approx(0.5) and x.total_latency_us == pytest.approx(12.0)
+
+
+def test_latency_budget_input_errors_and_untimed_options():
+    rng = np.random.default_rng(3)
+    layers = random_layers(rng, 3, 4)                   # no latencies at all
+    with pytest.raises(ValueError, match="no latency at m=1"):
+        greedy_allocate(layers, 0.5, latency_frac=0.5)
+    lay = lat_layers(np.random.default_rng(4), 3, 4, m=32)
+    with pytest.raises(ValueError, match="no latency at m=1"):
+        exact_allocate(lay, 0.5, latency_frac=0.5)       # measured at 32, asked at 1
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="latency_frac"):
+            dado_allocate(lay, 0.5, latency_frac=bad, latency_m=32)
+    with pytest.raises(ValueError, match="latency_m"):
+        greedy_allocate(lay, 0.5, latency_frac=0.5, latency_m=0)
+    # an option nobody timed is never chosen under a latency budget
+    fast = DecompOption(Decomp.int4(), 0.0, 1, 1)       # best in every way, but untimed
+    lay2 = [LayerProfile(lp.name, lp.rows, lp.cols, lp.dense_bytes, lp.options + [fast])
+            for lp in lay]
+    for f in (greedy_allocate, dado_allocate, exact_allocate):
+        a = f(lay2, 0.5, latency_frac=0.9, latency_m=32)
+        assert all(c != len(lp.options) - 1 for c, lp in zip(a.choice, lay2))
+        assert a.extra["options_without_latency"] == 3
+        assert f(lay2, 0.5).total_err == 0.0              # no latency row: it is usable
+
+
+def test_plan_dict_reports_latency():
+    layers = lat_layers(np.random.default_rng(5), 3, 4)
+    a = exact_allocate(layers, 0.6, latency_frac=0.9)
+    d = json.loads(json.dumps(a.to_dict(layers), allow_nan=False))
+    per = [r["latency_us"]["1"] for r in d["layers"]]
+    assert per == [layers[i].options[c].latency_us[1] for i, c in enumerate(a.choice)]
+    assert d["total_latency_us"]["1"] == pytest.approx(sum(per))
+    assert d["dense_latency_us"]["1"] == pytest.approx(
+        sum(lp.options[0].latency_us[1] for lp in layers))
+    assert d["latency_m"] == 1 and d["latency_frac"] == 0.9
+
+
+def test_bpw_budget():
+    rng = np.random.default_rng(6)
+    layers = lat_layers(rng, 5, 6)                       # dense = 4 bytes per weight
+    nw = sum(lp.rows * lp.cols for lp in layers)
+    for f in (greedy_allocate, dado_allocate, exact_allocate):
+        a = f(layers, budget_bpw=6.4)
+        b = f(layers, 0.2)
+        assert a.budget_bytes == b.budget_bytes == naive_budget_bpw([nw], 6.4)
+        assert a.budget_bytes == (64 * nw) // 80        # exact: 0.8 bytes per weight
+        assert a.choice == b.choice
+        assert a.budget_bpw == 6.4 and a.budget_frac is None and b.budget_bpw is None
+        assert a.bits_per_weight == pytest.approx(8 * a.total_bytes / nw)
+        assert a.n_weights == nw
+        if a.feasible:
+            assert a.bits_per_weight <= 6.4
+        with pytest.raises(ValueError, match="exactly one"):
+            f(layers, 0.2, budget_bpw=6.4)
+        with pytest.raises(ValueError, match="neither"):
+            f(layers)
+        for bad in (0.0, -1.0, float("inf"), float("nan")):
+            with pytest.raises(ValueError, match="budget_bpw"):
+                f(layers, budget_bpw=bad)
+        with pytest.raises(TypeError, match="budget_bpw"):
+            f(layers, budget_bpw="6")
+    assert budget_bytes(layers, budget_bpw=6.4) == (64 * nw) // 80
+    # the decimal rule: 0.29 of 100 bytes is 29 (float 0.29 * 100 = 28.999...)
+    lp = LayerProfile("a", 5, 5, 100, [DecompOption(Decomp.dense(), 0.0, 100, 1)])
+    assert budget_bytes([lp], 0.29) == 29 and math.floor(0.29 * 100) == 28
+
+
+def test_exact_budget_of_hundreds_of_gb():
+    """HiGHS's feasibility tolerance must not admit a plan one byte over a huge budget
+    (a budget row scaled by B would: tolerance 1e-6 x 3e11 = 3e5 bytes)."""
+    d = 4 * 158_113 * 158_113                           # ~100 GB per layer
+    lay_a = LayerProfile("a", 158_113, 158_113, d, [
+        DecompOption(Decomp.dense(), 0.0, d, 1),
+        DecompOption(Decomp.int8(), 0.30, d // 2, 1),
+        DecompOption(Decomp.int4(), 0.05, d // 2 + 1, 1),      # better, one byte more
+        DecompOption(Decomp.ternary(), 0.90, d // 8, 1)])
+    lay_b = LayerProfile("b", 158_113, 158_113, d, [
+        DecompOption(Decomp.dense(), 0.0, d, 1),
+        DecompOption(Decomp.int8(), 0.20, d // 2, 1),
+        DecompOption(Decomp.ternary(), 0.95, d // 8, 1)])
+    layers = [lay_a, lay_a, lay_b]
+    frac = 0.5
+    budget = naive_budget_exact([lp.dense_bytes for lp in layers], frac)
+    assert budget > 1e11
+    costs, sizes = tables(layers)
+    best, arg = naive_brute_force(costs, sizes, budget)
+    x = exact_allocate(layers, frac)
+    assert x.extra["status"] == "optimal", x.extra
+    assert x.total_bytes <= budget and x.choice == arg
+    assert x.total_err == pytest.approx(best, abs=1e-12)
+
+
+def _fake_milp(monkeypatch, mutate):
+    import scipy.optimize
+    real = scipy.optimize.milp
+
+    def fake(*a, **kw):
+        r = real(*a, **kw)
+        mutate(r)
+        return r
+
+    monkeypatch.setattr(scipy.optimize, "milp", fake)
+
+
+def test_exact_time_limit_without_a_plan_falls_back_to_greedy(monkeypatch):
+    rng = np.random.default_rng(21)
+    layers = random_layers(rng, 6, 6)
+    g = greedy_allocate(layers, 0.9)
+    assert g.feasible and g.total_err > 0
+
+    def stop(r):
+        r.x, r.status, r.message, r.mip_dual_bound = None, 1, "Time limit reached.", None
+
+    _fake_milp(monkeypatch, stop)
+    x = exact_allocate(layers, 0.9, time_limit=0.5)
+    assert x.extra["status"] == "fallback to greedy (time limit, no plan)"
+    assert x.extra["time_limit"] == 0.5
+    assert x.choice == g.choice and x.feasible
+    assert x.bound == "lp" and x.lower_bound == pytest.approx(g.lower_bound)
+    assert x.gap == pytest.approx(g.gap)
+
+
+def test_exact_time_limit_with_a_plan_reports_time_limit(monkeypatch):
+    rng = np.random.default_rng(22)
+    layers = random_layers(rng, 6, 6)
+    opt = exact_allocate(layers, 0.9)
+    assert opt.feasible and opt.total_err > 0
+
+    def stop(r):
+        r.status, r.message = 1, "Time limit reached."
+        r.mip_dual_bound = r.mip_dual_bound * 0.5            # not proven yet
+
+    _fake_milp(monkeypatch, stop)
+    x = exact_allocate(layers, 0.9, time_limit=1.0)
+    assert x.extra["status"] == "time limit"
+    assert x.choice == opt.choice
+    assert x.bound in ("lp", "milp-dual") and x.lower_bound < x.total_err
+    assert x.gap > 0
+
+
+def test_exact_rejects_a_rounded_plan_over_budget(monkeypatch):
+    rng = np.random.default_rng(23)
+    layers = random_layers(rng, 4, 5)
+
+    def dense(r):                                        # all-dense: over any budget < 1
+        x = np.zeros_like(r.x)
+        r.x = x
+    # the first variable of every layer is its fewest-bytes non-dominated option;
+    # an all-zero x is "not one option per layer"
+    _fake_milp(monkeypatch, dense)
+    x = exact_allocate(layers, 0.7)
+    assert x.extra["status"].startswith("fallback to greedy (HiGHS plan is not one option")
+    assert x.choice == greedy_allocate(layers, 0.7).choice
+
+
+def test_exact_time_limit_validation():
+    layers = random_layers(np.random.default_rng(0), 2, 3)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="time_limit"):
+            exact_allocate(layers, 0.5, time_limit=bad)
+    with pytest.raises(TypeError, match="time_limit"):
+        exact_allocate(layers, 0.5, time_limit="5")
+
+
+def test_exact_silences_native_solver_output(monkeypatch, capfd):
+    """HiGHS writes some lines from C++ straight to fd 2; none may reach the user."""
+    import scipy.optimize
+    real = scipy.optimize.milp
+
+    def noisy(*a, **kw):
+        os.write(2, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+        os.write(1, b"solver chatter on stdout\n")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(scipy.optimize, "milp", noisy)
+    layers = random_layers(np.random.default_rng(8), 4, 4)
+    capfd.readouterr()
+    print("before")
+    x = exact_allocate(layers, 0.9)
+    print("after")
+    out, err = capfd.readouterr()
+    assert err == "" and out == "before\nafter\n"
+    assert x.extra["status"] == "optimal"
