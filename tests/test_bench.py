@@ -59,6 +59,10 @@ def test_every_section_present(tiny_run):
     assert res["7"]["verdict"], "the verdict must say something"
     assert len(res["4"]["rows"]) == 4 and len(res["5"]["rows"]) == 2
     assert len(res["6"]["rows"]) == 2
+    for r in res["6"]["rows"]:                   # bytes read per call / time
+        assert r["gb_s_w8a8"] == pytest.approx((r["k"] * r["n"] + 4 * r["n"])
+                                               / (r["ms_w8a8"] * 1e6))
+        assert r["frac_bw_w8a8"] == pytest.approx(r["gb_s_w8a8"] / res["bandwidth"]["gb_s"])
     assert res["machine"]["cpu"] and res["machine"]["vendor"]
     assert set(res["first_call_ms"]) >= {"dense_matmul", "matmul_w8a8", "factorize"}
 

@@ -245,16 +245,27 @@ def section6(cfg, comp, res):
         where = "?" if l3 is None else ("fits L3" if kn * kn * 4 <= l3 else "spills to DRAM")
         r["f32_weight_mb"] = mb
         r["where"] = where
+        # weight bytes read per call / time, and its fraction of the streaming
+        # read bandwidth measured in the header
+        bw = res.get("bandwidth", {}).get("gb_s")
+        for name, nbytes in (("f32", 4 * kn * kn), ("vendor", 4 * kn * kn),
+                             ("w8a16", kn * kn + 4 * kn), ("w8a8", kn * kn + 4 * kn)):
+            if r.get(f"ms_{name}"):
+                r[f"gb_s_{name}"] = nbytes / (r[f"ms_{name}"] * 1e-3) / 1e9
+                r[f"frac_bw_{name}"] = r[f"gb_s_{name}"] / bw if bw else None
         out.append(r)
         rows.append([f"{kn}x{kn}", f"{mb:.0f} MB ({where})", fmt(r["ms_f32"]),
                      fmt(r.get("ms_vendor")), fmt(r["ms_w8a16"]),
                      fmt(r["x_w8a16_vs_f32"], ".2f"), fmt(r["ms_w8a8"]),
                      fmt(r["x_w8a8_vs_f32"], ".2f"),
+                     fmt(r.get("gb_s_f32"), ".1f"), fmt(r.get("gb_s_w8a8"), ".1f"),
+                     fmt(r.get("frac_bw_w8a8"), ".2f"),
                      fmt(r["err_w8a16"], ".4f"), fmt(r["err_w8a8"], ".4f")])
     l3s = "unknown" if l3 is None else f"{l3 / 2**20:.0f} MiB"
     table(f"6. Cache vs DRAM at m=1 (L3 {l3s}): does the int8 byte saving become speed?",
           ["shape", "f32 weights", "f32 ms", "vendor ms", "W8A16 ms", "x f32",
-           "W8A8 ms", "x f32", "err W8A16", "err W8A8"], rows)
+           "W8A8 ms", "x f32", "f32 GB/s", "W8A8 GB/s", "W8A8 of stream BW",
+           "err W8A16", "err W8A8"], rows)
     res["6"] = {"rows": out}
 
 
