@@ -60,12 +60,16 @@ __all__ = [
     "connect",
     "run_profile",
     "profile_task",
+    "profile_cli",
     "worker_threads",
     "blas_threads",
 ]
 
 #: How to install the optional dependency (printed when it is missing).
 INSTALL_LINE = 'pip install -e ".[distributed]"'
+#: Seconds the CLI waits for a scheduler, and with no scheduler or no worker mid-run.
+CONNECT_TIMEOUT = 30.0
+LOST_AFTER = 20.0
 
 
 class DaskMissingError(ImportError):
@@ -262,6 +266,8 @@ def profile_task(source_path, name, shape, profile_kwargs=None, threads=None) ->
         thread counts), or ``{"skip": reason}`` when the tensor holds NaN/Inf.
     """
     import platform
+
+    from .cli.profile import profile_entry
     with _LOCK:
         _apply_threads(threads)
         src, by_name = _open_cached(source_path)
@@ -273,7 +279,7 @@ def profile_task(source_path, name, shape, profile_kwargs=None, threads=None) ->
                               f"{os.getpid()}, expected shape {tuple(shape)}; every worker "
                               f"must see the same checkpoint at the same path.")
         exact = _reset_peak_rss()
-        rec, why = profile_entry(e, profile_kwargs or {})
+        rec, _, why = profile_entry(e, profile_kwargs or {})
         info = worker_threads()
         peak = _peak_rss_mb(exact)
     if rec is None:
@@ -282,27 +288,6 @@ def profile_task(source_path, name, shape, profile_kwargs=None, threads=None) ->
                      "numba_threads": info["numba_threads"],
                      "blas_threads": info["blas_threads"]}
     return {"record": rec}
-
-
-def profile_entry(e, profile_kwargs):
-    """Load, check and profile one entry: ``(record, None)`` or ``(None, reason)``."""
-    import numpy as np
-    from .mining import profile_layer
-    t0 = time.perf_counter()
-    w = e.load()
-    finite = np.isfinite(w)
-    if not finite.all():
-        bad = int(w.size - np.count_nonzero(finite))
-        return None, f"{bad} NaN/Inf value(s) out of {w.size}"
-    t_load = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    lp = profile_layer(e.name, w, **profile_kwargs)
-    del w
-    rec = {"name": e.name, "shape": list(e.shape), "dtype": e.dtype,
-           "file": os.path.abspath(e.path) if e.path != "synthetic" else e.path,
-           "load_seconds": t_load, "seconds": time.perf_counter() - t1,
-           "profile": lp.to_dict()}
-    return rec, None
 
 
 # --------------------------------------------------------------------------- #
@@ -533,3 +518,116 @@ def _lost_message(cluster, exc, n_left) -> str:
     why = "" if exc is None else f": {type(exc).__name__} {str(exc).splitlines()[0] if str(exc) else ''}".rstrip()
     return (f"the Dask cluster at {cluster.address} went away with {n_left} layer(s) "
             f"unfinished{why}")
+
+
+# --------------------------------------------------------------------------- #
+# the profile command's distributed loop
+# --------------------------------------------------------------------------- #
+def profile_cli(args, src, chosen, previous, kw, settings, bar, save, warn):
+    """``opscope-nb profile --workers/--scheduler``: the per-tensor loop on Dask.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        ``workers``, ``threads_per_worker``, ``scheduler``, ``out``.
+    src : TensorSource
+        The opened checkpoint (its path is what the workers open).
+    chosen : list of TensorEntry
+        Selected tensors, in source order.
+    previous : dict
+        ``{(name, shape): record}`` of a resumed ``profile.json`` (those layers
+        are not submitted).
+    kw : dict
+        ``profile_layer`` keyword arguments.
+    settings : dict
+        The profile document's settings; ``settings["distributed"]`` is added.
+    bar : Progress
+        The command's progress bar (advanced as results arrive).
+    save : callable(records, skipped)
+        Writes ``profile.json`` (atomic) with the records in source order.
+    warn : callable(str)
+        The command's warning printer (skipped tensors).
+
+    Returns
+    -------
+    records, layers, reused, skipped
+        In source order, like the serial loop.
+
+    Raises
+    ------
+    CliError
+        Cannot reach the scheduler, or the cluster went away mid-run (one
+        line, naming ``--resume``).
+    """
+    import logging
+
+    from .cli._common import CliError
+    from .mining import LayerProfile
+
+    n = len(chosen)
+    slots = [None] * n          # (record, LayerProfile) per source index
+    skips = {}                  # source index -> skipped-tensor dict
+    reused = 0
+    for i, e in enumerate(chosen):
+        rec = previous.get((e.name, tuple(e.shape)))
+        if rec is None:
+            continue
+        try:
+            lp = LayerProfile.from_dict(rec["profile"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        slots[i] = (rec, lp)
+        reused += 1
+        bar.advance(e.numel)
+    jobs = [(i, e) for i, e in enumerate(chosen) if slots[i] is None]
+
+    def ordered():
+        return ([s[0] for s in slots if s is not None],
+                [skips[i] for i in sorted(skips)])
+
+    # Dask's own logging would print tracebacks when a cluster dies; the command
+    # reports one line instead.
+    dlog = logging.getLogger("distributed")
+    old_level = dlog.level
+    dlog.setLevel(logging.CRITICAL)
+    src_path = None if src.kind == "synthetic" else os.path.abspath(src.path)
+    try:
+        try:
+            cluster = connect(workers=args.workers, threads_per_worker=args.threads_per_worker,
+                              scheduler=args.scheduler, timeout=CONNECT_TIMEOUT)
+        except OSError as exc:
+            raise CliError(str(exc))
+        settings["distributed"] = cluster.describe()
+        done = [reused]
+
+        def on_result(i, e, res):
+            done[0] += 1
+            if "skip" in res:
+                bar.close()
+                warn(f"skipping {e.name}: {res['skip']}.")
+                skips[i] = {"name": e.name, "shape": list(e.shape), "dtype": e.dtype,
+                            "reason": res["skip"]}
+            else:
+                rec = res["record"]
+                slots[i] = (rec, LayerProfile.from_dict(rec["profile"]))
+            bar.advance(e.numel)
+            bar.show(done[0], e.name)
+            save(*ordered())
+
+        with cluster:
+            if jobs:
+                bar.show(reused, jobs[0][1].name)
+            try:
+                run_profile(cluster, src_path, jobs, kw, on_result, lost_after=LOST_AFTER)
+            except ClusterLost as exc:
+                n_ok = sum(s is not None for s in slots)
+                where = (f"{n_ok} of {n} layers are in "
+                         f"{os.path.join(args.out, 'profile.json')}; rerun with --resume "
+                         f"to continue" if args.out else
+                         f"{n_ok} of {n} layers were done (use --out DIR to keep them)")
+                raise CliError(f"{exc}; {where}.") from None
+    finally:
+        dlog.setLevel(old_level)
+    recs = [s[0] for s in slots if s is not None]
+    layers = [s[1] for s in slots if s is not None]
+    return recs, layers, reused, [skips[i] for i in sorted(skips)]

@@ -35,7 +35,39 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help="reuse layers already in DIR/profile.json (same name, shape and "
                         "settings)")
+    d = p.add_argument_group("distributed (Dask; pip install -e \".[distributed]\")")
+    d.add_argument("--workers", type=positive_int, default=None, metavar="N",
+                   help="profile on a local Dask cluster of N worker processes "
+                        "(127.0.0.1), one task per weight matrix")
+    d.add_argument("--threads-per-worker", type=positive_int, default=None, metavar="T",
+                   help="numba and BLAS threads per worker (default: cores / N; with "
+                        "--scheduler: as each worker was started)")
+    d.add_argument("--scheduler", metavar="ADDRESS",
+                   help="use a running Dask cluster: tcp://host:8786, tls://..., or a "
+                        "scheduler file; every worker must see SOURCE at the same path")
     p.set_defaults(func=run)
+
+
+def profile_entry(e, kw):
+    """Load, check and profile one selected tensor (the serial loop's and a Dask task's body).
+
+    Returns ``(record, LayerProfile, None)``, or ``(None, None, reason)`` when the
+    tensor is skipped (NaN/Inf, non-float dtype; see ``load_checked``).
+    """
+    from .. import mining
+    t0 = time.perf_counter()
+    w, why = load_checked(e)
+    t_load = time.perf_counter() - t0
+    if w is None:
+        return None, None, why
+    t1 = time.perf_counter()
+    lp = mining.profile_layer(e.name, w, **kw)
+    del w
+    rec = {"name": e.name, "shape": list(e.shape), "dtype": e.dtype,
+           "file": os.path.abspath(e.path) if e.path != "synthetic" else e.path,
+           "load_seconds": t_load, "seconds": time.perf_counter() - t1,
+           "profile": lp.to_dict()}
+    return rec, lp, None
 
 
 def profile_doc(source, settings, records, skipped, t_start, complete) -> dict:
@@ -69,8 +101,19 @@ def _profile_kwargs(args) -> dict:
 
 def run(args) -> int:
     spec = budget_spec(args)
+    dist = None
+    if args.workers is not None or args.scheduler is not None:
+        if args.workers is not None and args.scheduler is not None:
+            raise CliError("give --workers N (a local cluster) or --scheduler ADDRESS "
+                           "(a running one), not both.")
+        from .. import distributed as dist
+        try:
+            dist.require_dask()
+        except dist.DaskMissingError as exc:
+            raise CliError(str(exc))
+    elif args.threads_per_worker is not None:
+        raise CliError("--threads-per-worker needs --workers N or --scheduler ADDRESS.")
     src, chosen, skipped_sel = open_and_select(args)
-    from .. import mining
     from ..mining import LayerProfile
     kw = _profile_kwargs(args)
     latency = list(args.latency) if args.latency else None
@@ -109,7 +152,17 @@ def run(args) -> int:
     bar = Progress(len(chosen), sum(e.numel for e in chosen), progress_enabled(args))
     reused = 0
     try:
-        for i, e in enumerate(chosen, 1):
+        if dist is not None:
+            # Dask: same records, skips, progress and atomic profile.json saves
+            def save(recs, skips):
+                if prof_path:
+                    write(prof_path, json_text(profile_doc(source, settings, recs,
+                                                           skipped + skips, t_start, False)))
+            records, layers, reused, skips = dist.profile_cli(
+                args, src, chosen, previous, kw, settings, bar, save, warn)
+            skipped += skips
+            n_skip_load = len(skips)
+        for i, e in enumerate(chosen if dist is None else (), 1):
             bar.show(i, e.name)
             key = (e.name, tuple(e.shape))
             if key in previous:
@@ -124,10 +177,8 @@ def run(args) -> int:
                     reused += 1
                     bar.advance(e.numel)
                     continue
-            t0 = time.perf_counter()
-            w, why = load_checked(e)
-            t_load = time.perf_counter() - t0
-            if w is None:
+            rec, lp, why = profile_entry(e, kw)
+            if rec is None:
                 bar.close()
                 warn(f"skipping {e.name}: {why}.")
                 skipped.append({"name": e.name, "shape": list(e.shape), "dtype": e.dtype,
@@ -135,13 +186,6 @@ def run(args) -> int:
                 n_skip_load += 1
                 bar.advance(e.numel)
                 continue
-            t1 = time.perf_counter()
-            lp = mining.profile_layer(e.name, w, **kw)
-            del w
-            rec = {"name": e.name, "shape": list(e.shape), "dtype": e.dtype,
-                   "file": os.path.abspath(e.path) if e.path != "synthetic" else e.path,
-                   "load_seconds": t_load, "seconds": time.perf_counter() - t1,
-                   "profile": lp.to_dict()}
             records.append(rec)
             layers.append(lp)
             bar.advance(e.numel)
