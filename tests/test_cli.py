@@ -404,9 +404,8 @@ def test_quant_minilm(minilm):
                 ln.startswith("pooler.")]) == 5
     # the recipe's int4/int8 split, recounted from the per-layer table's int4/chan column
     table = out.split("(best bits")[0].splitlines()
-    hdr = table[0].split()
-    col = hdr.index("int4/chan")
-    int4 = [float(ln.split()[col]) for ln in table[2:] if ln.strip()]
+    col = table[0].index("int4/chan")               # fixed-width columns (idx may be blank)
+    int4 = [float(ln[col:].split()[0]) for ln in table[2:] if ln.strip()]
     assert len(int4) == 37
     n4 = sum(e <= 0.1 for e in int4)
     assert f"{n4} layers int4, {37 - n4} int8" in out
@@ -944,3 +943,23 @@ def test_profile_latency_flag(small_st, tmp_path):
     plan = load_json(tmp_path / "p" / "plan.json")
     for m, d in plan["methods"].items():
         assert all("1" in r["latency_us"] for r in d["layers"])      # only timed options
+
+
+def test_quant_shows_int5_int6_when_measured(tmp_path):
+    from opscope_nb.mining import quant_stat
+    rng = np.random.default_rng(18)
+    w = rng.standard_normal((12, 40)).astype(np.float32)
+    p = tmp_path / "w.safetensors"
+    write_st(p, {"model.layers.0.mlp.up_proj.weight": w})
+    rc, out, err = run(["quant", p, "-q"])
+    assert rc == 0, err
+    q = quant_stat("model.layers.0.mlp.up_proj.weight", w, 0.03)
+    lines = out.splitlines()
+    for field, col in (("int8_pc", "int8/chan"), ("int4_pc", "int4/chan"),
+                       ("int3_pc", "int3/chan"), ("int5_pc", "int5/chan"),
+                       ("int6_pc", "int6/chan")):
+        if not hasattr(q, field):
+            assert col not in lines[0]
+            continue
+        at = lines[0].index(col)
+        assert lines[2][at:].split()[0] == f"{getattr(q, field):.4f}"

@@ -19,7 +19,8 @@ EXTRA_BITS = ("int5_pc", "int6_pc")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(NAME, help="int8/int4/int3 sweep with a mixed-precision recipe")
+    p = sub.add_parser(NAME, help="int8/int6/int5/int4/int3 sweep with a mixed-precision "
+                                          "recipe")
     add_source_args(p)
     p.add_argument("--err-budget", type=budget_arg, default=None, metavar="ERR",
                    help=f"int4/chan relative error allowed in the mixed recipe "
