@@ -1,0 +1,51 @@
+"""``opscope-nb apply SOURCE PLAN [--method M] -o OUT.safetensors``: compress the
+source checkpoint as ``plan.json`` says and write one safetensors file (packed
+layers as ``<tensor>.<array>``, every other tensor copied, a JSON record with
+each layer's Decomp and shape and a SHA-256 of each source tensor in the
+metadata; see :mod:`opscope_nb._checkpoint`).  Source tensors are read one at a
+time and the file is written atomically."""
+from __future__ import annotations
+
+import os
+
+from ._common import CliError, Progress, fmt_bytes, progress_enabled
+
+NAME = "apply"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(NAME, help="write the compressed checkpoint a plan.json describes")
+    p.add_argument("source", metavar="SOURCE",
+                   help="the checkpoint the plan was made from (.safetensors, .gguf, dir)")
+    p.add_argument("plan", metavar="PLAN", help="plan.json from 'profile --out' / "
+                   "'allocate --out'")
+    p.add_argument("--method", default=None, metavar="M",
+                   help="allocator whose plan to apply (default: exact when present, "
+                        "else the first)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.safetensors",
+                   help="compressed checkpoint to write")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from .._checkpoint import PlanError, apply_plan
+    out = args.output
+    d = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(d):
+        raise CliError(f"{out}: directory {d} does not exist; create it first.")
+    if os.path.isdir(out):
+        raise CliError(f"{out}: is a directory; give a file name such as model.opscope.safetensors.")
+    show = progress_enabled(args)
+    try:
+        r = apply_plan(args.source, args.plan, out, method=args.method,
+                       make_progress=lambda n, w: Progress(n, w, show))
+    except PlanError as exc:
+        raise CliError(str(exc)) from None
+    print(f"{r['method']}: {r['layers']} layers packed, {r['dense_layers']} planned dense, "
+          f"{r['tensors']} tensors stored plain"
+          + (f", {len(r['skipped'])} non-float tensors not copied ({', '.join(r['skipped'][:3])}"
+             f"{', ...' if len(r['skipped']) > 3 else ''})" if r["skipped"] else ""))
+    print(f"wrote {out}: {fmt_bytes(r['out_bytes'])} of arrays "
+          f"(source {fmt_bytes(r['source_bytes'])} as float32)")
+    return 0

