@@ -189,6 +189,8 @@ def test_peers_section_rows_and_verdict(capsys):
         assert r["err"]["ours f32"] < 1e-5 and r["err"]["ORT MatMul f32"] < 1e-5
         assert r["err"]["ours W8A8"] <= 0.02 and r["err"]["ORT DynamicQuantizeMatMul"] <= 0.02
         assert r["err"]["ORT MatMulNBits 4b/32"] < 0.2
+        if "ours W4A8" in r["err"]:            # same int4/g32 codes as ORT's
+            assert abs(r["err"]["ours W4A8"] - r["err"]["ORT MatMulNBits 4b/32"]) < 0.01
         assert r["x_w8a8_vs_ort"] > 0 and r["x_f32_vs_ort"] > 0
         assert all(math.isfinite(v) and v > 0 for v in r["ms"].values())
     assert any(s.startswith("Peers at m=1") for s in res["9"]["verdict"])
