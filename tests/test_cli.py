@@ -11,7 +11,6 @@ import contextlib
 import csv
 import io
 import json
-import math
 import os
 import subprocess
 import sys
@@ -863,7 +862,7 @@ def test_time_limit_and_status_in_table(tmp_path, monkeypatch):
     rc, out, err = run(["allocate", path, "--budget", "0.3", "--time-limit", "2.5",
                         "--method", "exact"])
     assert rc == 0, err
-    assert seen == [2.5]
+    assert len(seen) == 1 and 2.0 < seen[0] <= 2.5     # the limit, less time already spent
     assert "status" in out and "fallback to greedy (time limit, no plan)" in out
     monkeypatch.setattr(scipy.optimize, "milp", real)
     rc, out, err = run(["allocate", path, "--budget", "0.3", "--method", "exact"])
