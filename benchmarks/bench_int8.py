@@ -7,7 +7,8 @@ Times, with the interleaved best-block method of the bench
 * ours W8A8 = ``quantize_rows_i8`` + ``matmul_w8a8`` (activation quantisation
   inside the timed call) against ONNX Runtime ``com.microsoft``
   ``DynamicQuantizeMatMul`` (int8 weights per output column, activations
-  quantised per call; graph built in memory, 2 intra-op threads) at m = 1 and
+  quantised per call; graph built in memory, as many intra-op threads as
+  numba uses -- 2 on the 2-core machine) at m = 1 and
   m = 32;
 * ours W8A8 at m = 128 against the vendor float32 sgemm (OpenBLAS,
   :mod:`opscope_nb.accel`);
@@ -37,7 +38,6 @@ from opscope_nb.bench._util import time_group
 from opscope_nb.bench.machine import stream_bandwidth
 
 SHAPES = [(1024, 1024), (1024, 3072), (3072, 1024), (4096, 4096)]
-ORT_THREADS = 2
 
 
 def ort_dqmm(wq_kn, scale, m):
@@ -73,7 +73,7 @@ def ort_dqmm(wq_kn, scale, m):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])
     so = ort.SessionOptions()
-    so.intra_op_num_threads = ORT_THREADS
+    so.intra_op_num_threads = numba.get_num_threads()
     so.inter_op_num_threads = 1
     sess = ort.InferenceSession(model.SerializeToString(), so,
                                 providers=["CPUExecutionProvider"])
@@ -229,8 +229,15 @@ def main(argv=None):
     ap.add_argument("--only", default="peers,sgemm,decode",
                     help="comma list of parts: peers, sgemm, decode")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads for numba and ONNX Runtime alike (default: numba's, 2 here); "
+                         "1 is a noise-robust proxy on a busy machine")
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="interleaved blocks per candidate (best kept); more on a busy machine")
     a = ap.parse_args(argv)
-    timing = {"rounds": 3 if a.quick else 5, "gap": 0.05}
+    if a.threads:
+        numba.set_num_threads(a.threads)
+    timing = {"rounds": 3 if a.quick else a.rounds, "gap": 0.05}
     reps = 5 if a.quick else 10
     try:
         import onnxruntime as ort
@@ -238,7 +245,7 @@ def main(argv=None):
     except ImportError:
         ortv = "not installed (pip install -e '.[peers]')"
     print(f"# int8 path: {K.simd_path()}; numba threads {numba.get_num_threads()}; "
-          f"ONNX Runtime {ortv} with {ORT_THREADS} intra-op threads; "
+          f"ONNX Runtime {ortv} with {numba.get_num_threads()} intra-op threads; "
           f"vendor sgemm: {accel.backend()}", flush=True)
     rows = []
     only = set(a.only.split(","))

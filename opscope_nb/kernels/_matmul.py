@@ -45,7 +45,7 @@ from numba import prange
 
 from .._config import njit, njit_parallel
 from ._probe import div_f32, round_half_away
-from ._simd import (F32_CHUNK, I8_CHUNK, I8_RAW_OFFSET, i8dot_raw_tile_4x4, f32dot_tile_1x1, f32dot_tile_1x4,
+from ._simd import (F32_CHUNK, I8_CHUNK, i8dot_raw_tile_4x4, i8dot_rawc_tile_4x4, f32dot_tile_1x1, f32dot_tile_1x4,
                     f32dot_tile_2x4, i8dot_tile_1x1, i8dot_tile_1x4,
                     i8dot_tile_2x1, i8dot_tile_2x4, W16_CHUNK,
                     w16dot_tile_1x1, w16dot_tile_1x4, w16dot_tile_2x1,
@@ -756,7 +756,7 @@ def _put(acc, y, sx, scale, want_y, i, j, v):
 
 
 @njit
-def _i8_block(xf, m, k, wf, j0, j1, acc, y, sx, scale, want_y, ones):
+def _i8_block(xf, m, k, wf, j0, j1, acc, y, sx, scale, want_y):
     """W8A8 outputs ``j0..j1-1`` (``j1 - j0 <= 4``) of every row of the flat
     ``xf[m, k]`` against the flat output-major ``wf``; see :func:`_put`.
 
@@ -773,17 +773,19 @@ def _i8_block(xf, m, k, wf, j0, j1, acc, y, sx, scale, want_y, ones):
     w3 = w2 + k
     if c == 4:
         i = 0
-        # Raw 4 x 4 tiles on VNNI: 128 * sum w of each weight row, once per
-        # block (a 1 x 4 tile against a row of ones), instead of per tile call.
+        # Raw 4 x 4 tiles on VNNI: the first row group also returns 128 * sum w
+        # of each weight row (i8dot_rawc_tile_4x4); later groups reuse it.
         c0 = c1 = c2 = c3 = np.int32(0)
-        if I8_RAW_OFFSET and m >= 4:
-            c0, c1, c2, c3 = i8dot_tile_1x4(ones, 0, 0, wf, wo, k, nch)
-            c0 = np.int32(c0 << 7)
-            c1 = np.int32(c1 << 7)
-            c2 = np.int32(c2 << 7)
-            c3 = np.int32(c3 << 7)
         while i + 4 <= m:
-            t = i8dot_raw_tile_4x4(xf, i * k, k, wf, wo, k, nch)
+            if i == 0:
+                t20 = i8dot_rawc_tile_4x4(xf, 0, k, wf, wo, k, nch)
+                c0 = t20[16]
+                c1 = t20[17]
+                c2 = t20[18]
+                c3 = t20[19]
+                t = t20[:16]
+            else:
+                t = i8dot_raw_tile_4x4(xf, i * k, k, wf, wo, k, nch)
             for r in range(4):
                 xo = (i + r) * k
                 a0 = np.int32(t[4 * r] - c0)
@@ -856,13 +858,12 @@ def _i8_block(xf, m, k, wf, j0, j1, acc, y, sx, scale, want_y, ones):
 
 
 @njit
-def _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1, ones):
+def _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
     """Blocks ``b0..b1-1``: exact int32 sums into ``acc``, or (``want_y``)
-    the dequantised ``y = sum * sx[i] * scale[j]``.  ``ones``: int8[k] of 1
-    (the weight sums of the raw 4 x 4 tiles)."""
+    the dequantised ``y = sum * sx[i] * scale[j]``."""
     for b in range(b0, b1):
         j0 = b * _NB
-        _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y, ones)
+        _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y)
 
 
 @njit_parallel
@@ -902,17 +903,16 @@ def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN):
     acc = np.empty((m, n), dtype=np.int32)
     dummy_y = np.empty((0, 0), dtype=np.float32)
     dummy_s = np.empty(0, dtype=np.float32)
-    ones = np.ones(k if m >= 4 else 0, dtype=np.int8)
     xf = xq.ravel()
     wf = wtq.ravel()
     nb = (n + _NB - 1) // _NB
     if m * k * n < min_parallel:
-        _w8a8_blocks(xf, m, k, wf, n, acc, dummy_y, dummy_s, dummy_s, False, 0, nb, ones)
+        _w8a8_blocks(xf, m, k, wf, n, acc, dummy_y, dummy_s, dummy_s, False, 0, nb)
     else:
         nc = _chunks(nb)
         for c in prange(nc):
             _w8a8_blocks(xf, m, k, wf, n, acc, dummy_y, dummy_s, dummy_s, False,
-                         c * nb // nc, (c + 1) * nb // nc, ones)
+                         c * nb // nc, (c + 1) * nb // nc)
     return acc
 
 
@@ -947,17 +947,16 @@ def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN):
     n = wtq.shape[0]
     acc = np.empty((0, 0), dtype=np.int32)
     y = np.empty((m, n), dtype=np.float32)
-    ones = np.ones(k if m >= 4 else 0, dtype=np.int8)
     xf = xq.ravel()
     wf = wtq.ravel()
     nb = (n + _NB - 1) // _NB
     if m * k * n < min_parallel:
-        _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, True, 0, nb, ones)
+        _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, True, 0, nb)
     else:
         nc = _chunks(nb)
         for c in prange(nc):
             _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, True,
-                         c * nb // nc, (c + 1) * nb // nc, ones)
+                         c * nb // nc, (c + 1) * nb // nc)
     return y
 
 

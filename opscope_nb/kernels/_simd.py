@@ -50,6 +50,7 @@ __all__ = [
     "i8dot_tile_2x4",
     "i8dot_tile_4x4",
     "i8dot_raw_tile_4x4",
+    "i8dot_rawc_tile_4x4",
     "I8_RAW_OFFSET",
     "i8_dot_accumulate",
     "i8_abs",
@@ -348,7 +349,8 @@ _KINDS = {
 }
 
 
-def _make_tile(R: int, C: int, kind: str, path: str | None = None, raw: bool = False):
+def _make_tile(R: int, C: int, kind: str, path: str | None = None, raw: bool = False,
+               corr_out: bool = False):
     """Build the intrinsic for an ``R x C`` dot tile of the given kind
     (``path``: the int8 path of an ``i8`` tile, default the host's)."""
     xdt, wdt, lanes, step = _KINDS[kind]
@@ -365,6 +367,11 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None, raw: bool = F
     # raw: leave the correction to the caller (who computes 128 * sum w once
     # per weight row instead of once per tile call).
     inline_corr = offset and not raw
+    # corr_out (raw tiles only): also return 128 * sum w of each weight row
+    # (C more results; zeros when the path has no offset), so the first row
+    # group of a column block yields the correction the later raw calls need.
+    nout = R * C + (C if corr_out else 0)
+    want_corr = offset and (inline_corr or corr_out)
     is_int = kind in ("i8", "w16")
     # w16 sums can exceed int32 across lanes: the final reduction is in f64.
     rdt = {"i8": types.int32, "w16": types.float64}.get(kind, types.float32)
@@ -376,7 +383,7 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None, raw: bool = F
         if not (isinstance(xq, types.Array) and xq.dtype == xdt
                 and isinstance(wq, types.Array) and wq.dtype == wdt):
             return None
-        sig = types.UniTuple(rdt, R * C)(
+        sig = types.UniTuple(rdt, nout)(
             xq, types.intp, types.intp, wq, types.intp, types.intp, types.intp)
 
         def codegen(context, builder, sig, args):
@@ -406,7 +413,7 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None, raw: bool = F
                 builder.store(ir.Constant(accty, None), a)
                 accs.append(a)
             corrs = []  # offset mode: 128 * sum w per weight row and set
-            for _ in range(U * C if inline_corr else 0):
+            for _ in range(U * C if want_corr else 0):
                 a = cgutils.alloca_once(builder, accty)
                 builder.store(ir.Constant(accty, None), a)
                 corrs.append(a)
@@ -432,7 +439,7 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None, raw: bool = F
                 if offset:
                     xu = [builder.xor(load(b, _I8, None), c80) for b in xrow]
                     wv = [load(b, _I8, None) for b in wrow]
-                    for c in range(C if inline_corr else 0):
+                    for c in range(C if want_corr else 0):
                         cp = corrs[aset * C + c]
                         builder.store(_vpdpbusd(builder, builder.load(cp), c80, wv[c]), cp)
                     for r in range(R):
@@ -486,7 +493,7 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None, raw: bool = F
                     a0 = accs[t]
                     builder.store(opadd(builder.load(a0),
                                         builder.load(accs[u * R * C + t])), a0)
-            for u in range(1, U if inline_corr else 1):
+            for u in range(1, U if want_corr else 1):
                 for c in range(C):
                     builder.store(builder.add(builder.load(corrs[c]),
                                               builder.load(corrs[u * C + c])), corrs[c])
@@ -503,6 +510,12 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None, raw: bool = F
             else:
                 add = builder.add if is_int else builder.fadd
                 sums = [_hsum(builder, builder.load(a), lanes, add) for a in accs]
+            if corr_out:
+                if want_corr:
+                    sums += [_hsum(builder, builder.load(corrs[c]), lanes, builder.add)
+                             for c in range(C)]
+                else:
+                    sums += [ir.Constant(_I32, 0)] * C
             return context.make_tuple(builder, sig.return_type, sums)
 
         return sig, codegen
@@ -571,6 +584,11 @@ i8dot_tile_4x4 = _make_tile(4, 4, "i8")
 #: row -- or plain ``sum x w`` (AVX2, portable).
 I8_RAW_OFFSET = HOST_I8_PATH in ("avx512vnni", "avx512vnni256", "avxvnni")
 i8dot_raw_tile_4x4 = _make_tile(4, 4, "i8", raw=True)
+i8dot_rawc_tile_4x4 = _make_tile(4, 4, "i8", raw=True, corr_out=True)
+i8dot_rawc_tile_4x4.__doc__ = (
+    "As :data:`i8dot_raw_tile_4x4`, returning 20 values: the 16 raw sums, then "
+    "``128 * sum_p w[c, p]`` (wrapping int32) for each of the 4 weight rows "
+    "when :data:`I8_RAW_OFFSET` is true (zeros otherwise).")
 i8dot_raw_tile_4x4.__doc__ = (
     "As ``i8dot_tile_4x4`` but, when :data:`I8_RAW_OFFSET` is true, each result "
     "is ``sum_p (x[r, p] + 128) * w[c, p]`` (int32, wrapping): subtract ``128 * "
