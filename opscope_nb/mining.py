@@ -27,6 +27,24 @@ label                arrays
                      even column in the low nibble); ``scales`` f32 [rows]
 ``int4/g{g}``        ``codes`` as int4/chan; ``scales`` f32 [rows, ceil(cols/g)]
                      (groups along the row, the last one may be short)
+``int6/chan``        ``lo`` u8 [rows, ceil(cols/2)] (nibble plane: bits 0-3 of
+                     ``u``); ``hi`` u8 [rows, ceil(cols/4)] (crumb plane: bits
+                     4-5 of ``u``); ``scales`` f32 [rows]
+``int6/g{g}``        ``lo``, ``hi`` as int6/chan; ``scales`` f32
+                     [rows, ceil(cols/g)]
+``int5/chan``        ``lo`` u8 [rows, ceil(cols/2)] (nibble plane: bits 0-3);
+                     ``hi`` u8 [rows, ceil(cols/8)] (bit plane: bit 4);
+                     ``scales`` f32 [rows]
+``int5/g{g}``        ``lo``, ``hi`` as int5/chan; ``scales`` f32
+                     [rows, ceil(cols/g)]
+``int3/chan``        ``lo`` u8 [rows, ceil(cols/4)] (crumb plane: bits 0-1);
+                     ``hi`` u8 [rows, ceil(cols/8)] (bit plane: bit 2);
+                     ``scales`` f32 [rows]
+``int3/g{g}``        ``lo``, ``hi`` as int3/chan; ``scales`` f32
+                     [rows, ceil(cols/g)]
+``int2/g{g}``        ``lo`` u8 [rows, ceil(cols/4)] (crumb plane: bits 0-1; no
+                     ``hi``); ``scales`` f32 [rows, ceil(cols/g)]
+                     (``int2/chan``: ``scales`` f32 [rows]; not in the menu)
 ``ternary``          ``codes`` u8 [rows, ceil(cols/4)] (2-bit: 0 -> 0, +1 -> 1,
                      -1 -> 3); ``alpha`` f32 [1]
 ``sparse2:4``        ``values`` f32 [rows, nv]; ``indices`` u8 [rows, ceil(nv/4)]
@@ -39,6 +57,20 @@ label                arrays
 ``tt(...)``          ``core0`` .. ``core{n-1}`` f32 [r_prev, d_k, r_next]
                      (view ``w.reshape(*modes)``)
 ===================  ==========================================================
+
+intN planes (``int2/3/5/6``, kind ``intn``): the ``b``-bit symmetric code
+``c = clamp(round_half_away(w / scale), -L, L)``, ``L = 2**(b-1) - 1``, is
+stored offset binary ``u = c + 2**(b-1)`` (unsigned, ``1 <= u <= 2**b - 1``),
+split into ``lo`` (the low 2 bits for b = 2, 3; the low 4 bits for b = 5, 6)
+and ``hi`` (the remaining 1 or 2 bits).  In a plane of field width ``f``
+(1, 2 or 4 bits) column ``j`` sits in byte ``j // (8 // f)`` at bit
+``f * (j % (8 // f))`` (lowest column in the lowest bits, as the int4 nibbles
+and ternary crumbs); unused fields of a row's last byte are 0.  Decode:
+``u = lo_field | (hi_field << lo_bits)``, weight ``(u - 2**(b-1)) * scale``.
+Per row ``lo`` + ``hi`` take at most ``ceil(b * cols / 8) + 1`` bytes.
+Cores: :func:`opscope_nb.kernels.pack_intn`,
+:func:`~opscope_nb.kernels.unpack_intn`,
+:func:`~opscope_nb.kernels.dequantize_intn`.
 """
 from __future__ import annotations
 
@@ -53,10 +85,12 @@ from ._validation import as_matrix, check_int
 from .kernels._probe import rel_err as _rel_err
 from .kernels._pack import (
     dequantize_groups,
+    dequantize_intn,
     dequantize_nibbles,
     nm_prune,
     nm_unprune,
     pack_crumbs,
+    pack_intn,
     pack_nibbles,
     quantize_groups_sym,
     ternary_decode,
@@ -79,8 +113,11 @@ __all__ = [
     "balanced_factor",
 ]
 
-_KINDS = ("dense", "int8", "int4", "int4g", "ternary", "sparse24", "lowrank",
+_KINDS = ("dense", "int8", "int4", "int4g", "intn", "ternary", "sparse24", "lowrank",
           "monarch", "tucker", "tt")
+
+#: Bit widths of the ``intn`` kind (int4 and int8 keep their own kinds).
+INTN_BITS = (2, 3, 5, 6)
 
 
 def _tuple_of_ints(v, name):
@@ -99,7 +136,7 @@ class Decomp:
 
     Build it with the class-method constructors: ``Decomp.dense()``,
     ``Decomp.int8()``, ``Decomp.int4()``, ``Decomp.int4(group=128)``,
-    ``Decomp.ternary()``, ``Decomp.sparse24()``, ``Decomp.lowrank(12)``,
+    ``Decomp.intn(5)``, ``Decomp.intn(6, group=128)``, ``Decomp.ternary()``, ``Decomp.sparse24()``, ``Decomp.lowrank(12)``,
     ``Decomp.monarch()``, ``Decomp.tucker((1024, 48, 64), (32, 24, 32))``,
     ``Decomp.tt((32, 32, 48, 64), 16)``; or from ``Decomp.from_label(s)`` /
     ``Decomp.from_dict(d)``.
@@ -107,12 +144,13 @@ class Decomp:
     Attributes
     ----------
     kind : str
-        One of ``dense, int8, int4, int4g, ternary, sparse24, lowrank,
+        One of ``dense, int8, int4, int4g, intn, ternary, sparse24, lowrank,
         monarch, tucker, tt``.
     r : int or None
         Low-rank rank.
     group : int or None
-        Group length along a row (``int4g``).
+        Group length along a row (``int4g``, required; ``intn``, optional:
+        ``None`` is one scale per row).
     dims, ranks : tuple of int or None
         Tucker view ``(rows, c1, c2)`` and multilinear ranks.
     modes : tuple of int or None
@@ -120,6 +158,8 @@ class Decomp:
         multiply to ``rows``).
     cap : int or None
         TT bond-rank cap.
+    bits : int or None
+        Code width of ``intn``: 2, 3, 5 or 6 (int4 / int8 are their own kinds).
     svd_rank, seed : int
         How a low-rank option is computed: the leading ``r`` triplets of one
         ``truncated_svd(w, svd_rank, seed)`` (``svd_rank=None`` means ``r``).
@@ -133,6 +173,7 @@ class Decomp:
     ranks: tuple | None = None
     modes: tuple | None = None
     cap: int | None = None
+    bits: int | None = None
     svd_rank: int | None = field(default=None, compare=False)
     seed: int = field(default=0, compare=False)
 
@@ -140,13 +181,20 @@ class Decomp:
         if self.kind not in _KINDS:
             raise ValueError(f"Decomp kind must be one of {_KINDS}; got {self.kind!r}.")
         need = {"lowrank": ("r",), "int4g": ("group",), "tucker": ("dims", "ranks"),
-                "tt": ("modes", "cap")}.get(self.kind, ())
-        for f in ("r", "group", "dims", "ranks", "modes", "cap"):
+                "tt": ("modes", "cap"), "intn": ("bits",)}.get(self.kind, ())
+        optional = ("group",) if self.kind == "intn" else ()
+        for f in ("r", "group", "dims", "ranks", "modes", "cap", "bits"):
             v = getattr(self, f)
             if f in need and v is None:
                 raise ValueError(f"Decomp kind {self.kind!r} needs {f!r}.")
-            if f not in need and v is not None:
+            if f not in need and f not in optional and v is not None:
                 raise ValueError(f"Decomp kind {self.kind!r} takes no {f!r}; got {v!r}.")
+        if self.bits is not None:
+            b = check_int(self.bits, "bits", 1)
+            if b not in INTN_BITS:
+                raise ValueError(f"intn bits must be one of {INTN_BITS} (int4 and int8 are "
+                                 f"the kinds 'int4'/'int4g'/'int8'); got {self.bits!r}.")
+            object.__setattr__(self, "bits", b)
         for f in ("r", "group", "cap"):
             if getattr(self, f) is not None:
                 object.__setattr__(self, f, check_int(getattr(self, f), f, 1))
@@ -182,6 +230,14 @@ class Decomp:
         """Symmetric int4, nibble-packed; one scale per row, or per ``group``
         consecutive values of a row when ``group`` is given."""
         return cls("int4") if group is None else cls("int4g", group=group)
+
+    @classmethod
+    def intn(cls, bits, group=None):
+        """Symmetric ``bits``-bit codes (2, 3, 5 or 6) in offset-binary bit
+        planes; one float32 scale per row, or per ``group`` consecutive values
+        of a row when ``group`` is given.  Labels ``int{bits}/chan`` and
+        ``int{bits}/g{group}``."""
+        return cls("intn", bits=bits, group=group)
 
     @classmethod
     def ternary(cls):
@@ -227,6 +283,8 @@ class Decomp:
             return "int4/chan"
         if k == "int4g":
             return f"int4/g{self.group}"
+        if k == "intn":
+            return f"int{self.bits}/" + ("chan" if self.group is None else f"g{self.group}")
         if k == "ternary":
             return "ternary"
         if k == "sparse24":
@@ -245,6 +303,8 @@ class Decomp:
 
     _LABEL_RES = (
         (re.compile(r"^int4/g(\d+)$"), lambda m: Decomp.int4(int(m[1]))),
+        (re.compile(r"^int([2356])/chan$"), lambda m: Decomp.intn(int(m[1]))),
+        (re.compile(r"^int([2356])/g(\d+)$"), lambda m: Decomp.intn(int(m[1]), int(m[2]))),
         (re.compile(r"^lowrank\(r=(\d+)\)$"), lambda m: Decomp.lowrank(int(m[1]))),
         (re.compile(r"^tucker\((\d+)x(\d+)x(\d+)->(\d+),(\d+),(\d+)\)$"),
          lambda m: Decomp.tucker(tuple(map(int, m.groups()[:3])),
@@ -267,13 +327,14 @@ class Decomp:
             if m:
                 return make(m)
         raise ValueError(f"unknown decomposition label {s!r}; expected e.g. 'dense', "
-                         f"'int8/chan', 'int4/g128', 'lowrank(r=12)', "
+                         f"'int8/chan', 'int4/g128', 'int{{2,3,5,6}}/chan', 'int5/g32', "
+                         f"'lowrank(r=12)', "
                          f"'tucker(64x8x8->32,4,4)', 'tt(8x8x8x8,cap=16)'.")
 
     def to_dict(self) -> dict:
         """JSON-ready dict: ``kind``, ``label`` and the kind's parameters."""
         d = {"kind": self.kind, "label": self.label}
-        for f in ("r", "group", "cap"):
+        for f in ("r", "group", "cap", "bits"):
             if getattr(self, f) is not None:
                 d[f] = getattr(self, f)
         for f in ("dims", "ranks", "modes"):
@@ -474,6 +535,11 @@ def packed_bytes(rows: int, cols: int, d: Decomp) -> int:
         return rows * ((cols + 1) // 2) + 4 * rows
     if k == "int4g":
         return rows * ((cols + 1) // 2) + 4 * rows * (-(-cols // d.group))
+    if k == "intn":
+        lo_bits = 2 if d.bits <= 3 else 4
+        hi_bits = d.bits - lo_bits
+        ng = 1 if d.group is None else -(-cols // d.group)
+        return rows * (-(-cols * lo_bits // 8) + -(-cols * hi_bits // 8)) + 4 * rows * ng
     if k == "ternary":
         return rows * ((cols + 3) // 4) + 4
     if k == "sparse24":
@@ -493,7 +559,7 @@ def packed_bytes(rows: int, cols: int, d: Decomp) -> int:
 def _flops(rows, cols, d: Decomp) -> int:
     n = rows * cols
     k = d.kind
-    if k in ("dense", "int8", "int4", "int4g"):
+    if k in ("dense", "int8", "int4", "int4g", "intn"):
         return n
     if k == "ternary":
         return n // 2  # upstream: adds/subtracts only, counted as half a MAC
@@ -531,6 +597,15 @@ def _pack(w, d: Decomp, svd=None):
         if bits == 4:
             codes = pack_nibbles(codes)
         return {"codes": codes, "scales": scales}
+    if k == "intn":
+        group = cols if d.group is None else d.group
+        codes, scales = quantize_groups_sym(w, d.bits, group)
+        if d.group is None:
+            scales = np.ascontiguousarray(scales[:, 0])
+        lo, hi = pack_intn(codes, d.bits)
+        if d.bits == 2:
+            return {"lo": lo, "scales": scales}
+        return {"lo": lo, "hi": hi, "scales": scales}
     if k == "ternary":
         codes, alpha = ternary_twn(w)
         crumbs = (codes.view(np.uint8) & np.uint8(3))  # -1 -> 3, 0 -> 0, 1 -> 1
@@ -589,6 +664,12 @@ def unpack(packed: dict, d: Decomp, shape) -> np.ndarray:
         group = d.group if k == "int4g" else cols
         out = dequantize_nibbles(packed["codes"], packed["scales"].reshape(rows, -1),
                                  group, cols)
+    elif k == "intn":
+        group = cols if d.group is None else d.group
+        lo = packed["lo"]
+        hi = packed["hi"] if d.bits != 2 else np.zeros((rows, 0), dtype=np.uint8)
+        out = dequantize_intn(lo, hi, packed["scales"].reshape(rows, -1), d.bits,
+                              max(group, 1), cols)
     elif k == "ternary":
         out = ternary_decode(packed["codes"], packed["alpha"][0], cols)
     elif k == "sparse24":
@@ -664,13 +745,30 @@ def _nbytes(packed):
     return int(sum(a.nbytes for a in packed.values()))
 
 
+def _int_seq(v, name, what, example):
+    """Deduplicated list of positive ints from a sequence (order kept)."""
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ints ({what}); got {v!r}. "
+                        f"Pass e.g. {example} or {name}=().")
+    out = []
+    for x in v:
+        x = check_int(x, f"{name}[i]", 1)
+        if x not in out:
+            out.append(x)
+    return out
+
+
 def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
-                  latency=None) -> LayerProfile:
+                  latency=None, intn_bits=(6, 5, 3), int2_groups=(32,)) -> LayerProfile:
     """Measure every applicable compression option of one weight.
 
-    Options, in order: dense; int8/chan; int4/chan; int4/g{g} for each ``g``
-    in ``groups`` with ``cols > g`` (at least two groups; a short last group
-    is packed with its own scale); ternary; sparse2:4; low-rank at the
+    Options, in order: dense; then the quantisation ladder by decreasing bits
+    -- int8/chan; int6/chan, int6/g{g}; int5/chan, int5/g{g}; int4/chan,
+    int4/g{g}; int3/chan, int3/g{g}; int2/g{g2} -- where ``g`` runs over
+    ``groups`` and ``g2`` over ``int2_groups`` in the given order, a group
+    option only when ``cols > g`` (at least two groups; a short last group is
+    packed with its own scale), and int6/int5/int3 only for the widths in
+    ``intn_bits``; then ternary; sparse2:4; low-rank at the
     smallest ranks holding 90 / 99 / 99.9 % of the energy of the top
     ``min(rank_cap, rows, cols)`` singular values (one truncated SVD serves
     all; deduplicated; only when ``(rows + cols) r < rows cols``); Monarch when
@@ -689,7 +787,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
     rank_cap : int
         Rank of the one truncated SVD (``>= 1``).
     groups : sequence of int
-        Group lengths for group-wise int4.
+        Group lengths for group-wise int4, int3, int5 and int6.
     seed : int
         Seed of the truncated SVD sketch.
     latency : sequence of int, optional
@@ -698,6 +796,11 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         best block median: :func:`opscope_nb.runtime.measure_latency`), stored
         in ``DecompOption.latency_us`` as ``{m: µs}``.  ``None``: not measured
         (empty dicts).
+    intn_bits : sequence of int
+        Which of the ``intn`` widths 3, 5, 6 to offer (per channel and per
+        group); ``()`` gives the int8/int4-only menu.
+    int2_groups : sequence of int
+        Group lengths of the group-wise int2 options (``()``: none).
 
     Returns
     -------
@@ -709,14 +812,14 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
     w = as_matrix(w, "w")
     rank_cap = check_int(rank_cap, "rank_cap", 1)
     seed = check_int(seed, "seed", 0)
-    if isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__"):
-        raise TypeError(f"groups must be a sequence of ints (group lengths along a row); "
-                        f"got {groups!r}. Pass e.g. groups=(32, 128) or groups=().")
-    gs = []
-    for g in groups:
-        g = check_int(g, "groups[i]", 1)
-        if g not in gs:
-            gs.append(g)
+    gs = _int_seq(groups, "groups", "group lengths along a row", "groups=(32, 128)")
+    g2s = _int_seq(int2_groups, "int2_groups", "int2 group lengths", "int2_groups=(32,)")
+    nbits = _int_seq(intn_bits, "intn_bits", "intn code widths", "intn_bits=(6, 5, 3)")
+    for b in nbits:
+        if b not in (3, 5, 6):
+            raise ValueError(f"intn_bits entries must be 3, 5 or 6 (int4/int8 are always in "
+                             f"the menu, int2 is set by int2_groups); got {b}. Pass e.g. "
+                             f"intn_bits=(6, 5, 3) or intn_bits=().")
     lat_ms = None
     if latency is not None:
         from .runtime import _check_ms
@@ -745,10 +848,19 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
 
     add(Decomp.dense(), None)
     add(Decomp.int8(), "quant")
-    add(Decomp.int4(), "quant")
-    for g in gs:
+    for b in (6, 5, 4, 3):
+        if b == 4:
+            add(Decomp.int4(), "quant")
+        elif b in nbits:
+            add(Decomp.intn(b), "quant")
+        else:
+            continue
+        for g in gs:
+            if cols > g:
+                add(Decomp.int4(g) if b == 4 else Decomp.intn(b, g), "quant")
+    for g in g2s:
         if cols > g:
-            add(Decomp.int4(g), "quant")
+            add(Decomp.intn(2, g), "quant")
     add(Decomp.ternary(), "ternary")
     add(Decomp.sparse24(), "sparse")
 
@@ -808,6 +920,9 @@ class QuantStat:
         Per-tensor int8 relative error.
     int8_pc, int4_pc, int3_pc : float
         Per-channel (per-row) relative errors.
+    int5_pc, int6_pc : float
+        Per-channel relative errors of int5 / int6 (the ``int5/chan`` /
+        ``int6/chan`` menu options use the same quantiser).
     outlier : float
         Max / upper-median of the column max-abs (``outlier_channels(w, 5.0)``).
     outlier_count : int
@@ -824,6 +939,8 @@ class QuantStat:
     int8_pc: float
     int4_pc: float
     int3_pc: float
+    int5_pc: float
+    int6_pc: float
     outlier: float
     outlier_count: int
     best_bits: int | None
@@ -863,7 +980,9 @@ def quant_stat(name, w, budget) -> QuantStat:
                      int4_pc=float(probe.per_channel_quant_error(w, 4)),
                      int3_pc=float(probe.per_channel_quant_error(w, 3)),
                      outlier=float(ratio), outlier_count=int(cnt),
-                     best_bits=None if bb is None else int(bb))
+                     best_bits=None if bb is None else int(bb),
+                     int5_pc=float(probe.per_channel_quant_error(w, 5)),
+                     int6_pc=float(probe.per_channel_quant_error(w, 6)))
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blk|blocks|block)\.(\d+)\.(.+)$")

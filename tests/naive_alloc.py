@@ -131,7 +131,11 @@ def naive_lagrangian_bound(costs, sizes, budget):
 
 
 def naive_round_half_away(v):
-    return np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))
+    """Round half away from zero, exact for float32 ``v``: ``trunc(v +
+    copysign(0.5, v))`` in float64 (``floor(|v| + 0.5)`` in float32 maps
+    0.49999997 to 1)."""
+    v = np.asarray(v, dtype=np.float32)
+    return np.trunc(v.astype(np.float64) + np.copysign(0.5, v)).astype(np.float32)
 
 
 def naive_group_quant(w, bits, group):

@@ -12,6 +12,9 @@ __all__ = [
     "naive_levels",
     "naive_quantize_rows_sym",
     "naive_quantize_tensor_sym",
+    "naive_quantize_groups_sym",
+    "naive_pack_intn",
+    "naive_intn_plane_bytes",
     "naive_frob",
     "naive_rel_err",
     "naive_sigma_max",
@@ -57,6 +60,55 @@ def naive_quantize_rows_sym(x, bits):
                       amax / np.float32(levels)).astype(np.float32)
     codes = _codes(x, scales[:, None], levels).astype(np.int8)
     return codes, scales
+
+
+def naive_quantize_groups_sym(x, bits, group):
+    """Codes int8 [rows, cols] and scales float32 [rows, ceil(cols/group)]: one
+    symmetric scale per ``group`` consecutive values of a row (last group short)."""
+    x = np.asarray(x, np.float32)
+    rows, cols = x.shape
+    levels = naive_levels(bits)
+    ng = -(-cols // group)
+    codes = np.zeros((rows, cols), np.int8)
+    scales = np.ones((rows, ng), np.float32)
+    for g in range(ng):
+        seg = x[:, g * group:(g + 1) * group]
+        amax = np.abs(seg).max(axis=1)
+        sc = np.where(amax < 1e-20, np.float32(1.0),
+                      amax / np.float32(levels)).astype(np.float32)
+        scales[:, g] = sc
+        codes[:, g * group:(g + 1) * group] = _codes(seg, sc[:, None], levels)
+    return codes, scales
+
+
+def naive_intn_plane_bytes(bits, cols):
+    """Bytes per row of the (lo, hi) planes: lo holds 2 bits per code for
+    b <= 3 and 4 bits otherwise, hi the remaining b - lo bits."""
+    lo_bits = 2 if bits <= 3 else 4
+    hi_bits = bits - lo_bits
+    return -(-cols * lo_bits // 8), -(-cols * hi_bits // 8)
+
+
+def naive_pack_intn(codes, bits):
+    """Offset-binary bit planes, written out field by field: u = code + 2^(b-1);
+    lo gets u's low lo_bits, hi its high bits; column j of an f-bit plane sits
+    in byte j // (8 // f) at bit f * (j % (8 // f)); unused bits are 0."""
+    codes = np.asarray(codes, np.int64)
+    rows, cols = codes.shape
+    lo_bits = 2 if bits <= 3 else 4
+    hi_bits = bits - lo_bits
+    nlo, nhi = naive_intn_plane_bytes(bits, cols)
+    lo = np.zeros((rows, nlo), np.int64)
+    hi = np.zeros((rows, nhi), np.int64)
+    u = codes + 2 ** (bits - 1)
+    assert (u >= 1).all() and (u < 2 ** bits).all()
+    for j in range(cols):
+        per = 8 // lo_bits
+        lo[:, j // per] += (u[:, j] % 2 ** lo_bits) * 2 ** (lo_bits * (j % per))
+        if hi_bits:
+            per = 8 // hi_bits
+            hi[:, j // per] += (u[:, j] // 2 ** lo_bits) * 2 ** (hi_bits * (j % per))
+    return lo.astype(np.uint8), hi.astype(np.uint8)
 
 
 def naive_quantize_tensor_sym(x, bits):

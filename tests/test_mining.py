@@ -17,6 +17,10 @@ ALL_DECOMPS = [
     (Decomp.int8(), "int8/chan"),
     (Decomp.int4(), "int4/chan"),
     (Decomp.int4(128), "int4/g128"),
+    (Decomp.intn(6), "int6/chan"),
+    (Decomp.intn(5, 32), "int5/g32"),
+    (Decomp.intn(3, 128), "int3/g128"),
+    (Decomp.intn(2, 32), "int2/g32"),
     (Decomp.ternary(), "ternary"),
     (Decomp.sparse24(), "sparse2:4"),
     (Decomp.lowrank(12), "lowrank(r=12)"),
@@ -211,7 +215,8 @@ def test_lowrank_near_optimal():
 def _applicable(shape):
     rows, cols = shape
     out = [Decomp.dense(), Decomp.int8(), Decomp.int4(), Decomp.int4(4), Decomp.ternary(),
-           Decomp.sparse24(), Decomp.lowrank(1)]
+           Decomp.sparse24(), Decomp.lowrank(1), Decomp.intn(2, 4), Decomp.intn(3),
+           Decomp.intn(5, 4), Decomp.intn(6)]
     if min(shape) >= 3:
         out.append(Decomp.lowrank(3, svd_rank=min(shape), seed=2))
     m = math.isqrt(rows)
@@ -311,8 +316,10 @@ def test_profile_order_and_rules_64x64():
     prof = profile_layer("x", w)
     labels = [o.label for o in prof.options]
     lowr = [lbl for lbl in labels if lbl.startswith("lowrank")]
-    assert labels[:6 + len(lowr)] == ["dense", "int8/chan", "int4/chan", "int4/g32",
-                                      "ternary", "sparse2:4"] + lowr
+    quant = ["int8/chan", "int6/chan", "int6/g32", "int5/chan", "int5/g32", "int4/chan",
+             "int4/g32", "int3/chan", "int3/g32", "int2/g32"]
+    assert labels[:3 + len(quant) + len(lowr)] == ["dense"] + quant + [
+        "ternary", "sparse2:4"] + lowr
     assert labels[-3:] == ["monarch", "tucker(64x8x8->32,4,4)", "tt(8x8x8x8,cap=16)"]
     assert "int4/g128" not in labels  # 64 columns: a single group of 128 is per-channel
     _check_profile(prof, w)
@@ -502,7 +509,9 @@ def test_hypothesis_packing_honest_and_exact(w):
         assert sum(a.nbytes for a in p.values()) == packed_bytes(rows, cols, d)
         a = approximate(w, d)
         assert a.shape == w.shape and np.isfinite(a).all()
-    for bits, d in ((8, Decomp.int8()), (4, Decomp.int4()), (4, Decomp.int4(4))):
-        g = 4 if d.kind == "int4g" else cols
+    for bits, d in ((8, Decomp.int8()), (4, Decomp.int4()), (4, Decomp.int4(4)),
+                    (6, Decomp.intn(6)), (5, Decomp.intn(5, 4)), (3, Decomp.intn(3, 4)),
+                    (2, Decomp.intn(2, 4))):
+        g = cols if d.group is None else d.group
         np.testing.assert_array_equal(approximate(w, d), naive_group_quant(w, bits, g))
     np.testing.assert_array_equal(approximate(w, Decomp.sparse24()), naive_nm_prune(w))

@@ -3,7 +3,32 @@
 Symmetric group-wise quantisation along a row (one rounding core:
 :func:`opscope_nb.kernels.round_half_away` on the correctly rounded float32
 quotient :func:`opscope_nb.kernels.div_f32`), nibble (int4) and 2-bit (crumb)
-packing, N:M pruning and ternary (TWN) codes.
+packing, the bit-plane packing of int2/int3/int5/int6 codes
+(:func:`pack_intn`), N:M pruning and ternary (TWN) codes.
+
+intN bit planes
+---------------
+A ``b``-bit symmetric code ``c`` in ``[-L, L]`` (``L = 2**(b-1) - 1``) is
+stored *offset binary*: ``u = c + 2**(b-1)``, an unsigned value in
+``[1, 2**b - 1]`` (0 never occurs).  ``u`` is split into a low plane of
+``lo_bits`` and a high plane of ``hi_bits = b - lo_bits``
+(:func:`intn_plane_bits`):
+
+====  =======  =======  ==========================================
+b     lo_bits  hi_bits  planes per row (bytes)
+====  =======  =======  ==========================================
+2     2        0        lo: ceil(cols/4) crumbs
+3     2        1        lo: ceil(cols/4) crumbs; hi: ceil(cols/8) bits
+5     4        1        lo: ceil(cols/2) nibbles; hi: ceil(cols/8) bits
+6     4        2        lo: ceil(cols/2) nibbles; hi: ceil(cols/4) crumbs
+====  =======  =======  ==========================================
+
+Inside a plane of field width ``f`` (1, 2 or 4 bits) column ``j`` sits in
+byte ``j // (8 // f)`` at bit ``f * (j % (8 // f))`` (the lowest column in the
+lowest bits, as :func:`pack_nibbles` / :func:`pack_crumbs`); unused fields of
+a row's last byte are 0.  ``u = lo | (hi << lo_bits)`` and the weight is
+``(u - 2**(b-1)) * scale``.  Per row the two planes take at most
+``ceil(b * cols / 8) + 1`` bytes.
 
 Layout: matrices are ``[rows, cols]`` row-major, a row is an output channel of
 a PyTorch ``nn.Linear`` weight ``[out_features, in_features]``; packing runs
@@ -31,6 +56,11 @@ __all__ = [
     "nm_prune",
     "nm_unprune",
     "ternary_twn",
+    "intn_plane_bits",
+    "intn_row_bytes",
+    "pack_intn",
+    "unpack_intn",
+    "dequantize_intn",
 ]
 
 
@@ -376,3 +406,138 @@ def ternary_twn(x):
     alpha = np.float32(s / cnt) if cnt > 0 else np.float32(0.0)
     return codes, alpha
 
+
+
+# ───────────────────────────── intN bit planes ─────────────────────────────
+
+@njit
+def intn_plane_bits(bits):
+    """``(lo_bits, hi_bits)`` of the bit-plane layout of ``bits``-bit codes:
+    2 -> (2, 0), 3 -> (2, 1), 5 -> (4, 1), 6 -> (4, 2) (4 -> (4, 0)).
+    No input validation (``2 <= bits <= 6``)."""
+    lo = 2 if bits <= 3 else 4
+    return lo, bits - lo
+
+
+@njit
+def _plane_shift(f):
+    """``(s, q)`` for a plane of ``f``-bit fields: column ``j`` is in byte
+    ``j >> s`` at field ``j & q`` (``8 // f`` fields per byte)."""
+    if f == 1:
+        return 3, 7
+    if f == 2:
+        return 2, 3
+    return 1, 1
+
+
+@njit
+def intn_row_bytes(bits, cols):
+    """``(lo, hi)`` plane widths in bytes of one row of ``cols`` codes:
+    ``ceil(cols * lo_bits / 8)``, ``ceil(cols * hi_bits / 8)``."""
+    lb, hb = intn_plane_bits(bits)
+    return (cols * lb + 7) // 8, (cols * hb + 7) // 8
+
+
+@njit
+def pack_intn(codes, bits):
+    """Pack symmetric ``bits``-bit codes into offset-binary bit planes.
+
+    Parameters
+    ----------
+    codes : ndarray of shape (rows, cols), int8
+        Each in ``[-(2**(bits-1) - 1), 2**(bits-1) - 1]``.
+    bits : int
+        2, 3, 5 or 6.
+
+    Returns
+    -------
+    lo : ndarray of shape (rows, ceil(cols * lo_bits / 8)), uint8
+        Low ``lo_bits`` of ``u = code + 2**(bits-1)`` (see the module
+        docstring for the bit positions).
+    hi : ndarray of shape (rows, ceil(cols * hi_bits / 8)), uint8
+        High ``hi_bits`` of ``u``; shape ``(rows, 0)`` when ``bits == 2``.
+    """
+    rows, cols = codes.shape
+    lb, hb = intn_plane_bits(bits)
+    nlo, nhi = intn_row_bytes(bits, cols)
+    off = np.int64(1) << (bits - 1)
+    lmask = (np.int64(1) << lb) - 1
+    ls, lq = _plane_shift(lb)
+    hs, hq = _plane_shift(hb)
+    lo = np.zeros((rows, nlo), dtype=np.uint8)
+    hi = np.zeros((rows, nhi), dtype=np.uint8)
+    for i in range(rows):
+        for j in range(cols):
+            u = np.int64(codes[i, j]) + off
+            lo[i, j >> ls] |= np.uint8((u & lmask) << (lb * (j & lq)))
+            if hb > 0:
+                hi[i, j >> hs] |= np.uint8((u >> lb) << (hb * (j & hq)))
+    return lo, hi
+
+
+@njit
+def unpack_intn(lo, hi, bits, cols):
+    """Inverse of :func:`pack_intn`: the signed codes.
+
+    Parameters
+    ----------
+    lo, hi : ndarray of uint8
+        As returned by :func:`pack_intn` (``hi`` may have 0 columns for
+        ``bits == 2``).
+    bits, cols : int
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), int8
+    """
+    rows = lo.shape[0]
+    lb, hb = intn_plane_bits(bits)
+    off = np.int64(1) << (bits - 1)
+    lmask = (np.int64(1) << lb) - 1
+    hmask = (np.int64(1) << hb) - 1
+    ls, lq = _plane_shift(lb)
+    hs, hq = _plane_shift(hb)
+    out = np.empty((rows, cols), dtype=np.int8)
+    for i in range(rows):
+        for j in range(cols):
+            u = (np.int64(lo[i, j >> ls]) >> (lb * (j & lq))) & lmask
+            if hb > 0:
+                u |= ((np.int64(hi[i, j >> hs]) >> (hb * (j & hq))) & hmask) << lb
+            out[i, j] = np.int8(u - off)
+    return out
+
+
+@njit
+def dequantize_intn(lo, hi, scales, bits, group, cols):
+    """Fused :func:`unpack_intn` + :func:`dequantize_groups`: ``code * scale``.
+
+    Parameters
+    ----------
+    lo, hi : ndarray of uint8
+        Bit planes of :func:`pack_intn`.
+    scales : ndarray of shape (rows, ceil(cols / group)), float32
+        ``group = cols`` (one column) for per-channel scales.
+    bits, group, cols : int
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), float32
+    """
+    rows = lo.shape[0]
+    lb, hb = intn_plane_bits(bits)
+    off = np.int64(1) << (bits - 1)
+    lmask = (np.int64(1) << lb) - 1
+    hmask = (np.int64(1) << hb) - 1
+    ls, lq = _plane_shift(lb)
+    hs, hq = _plane_shift(hb)
+    ng = (cols + group - 1) // group
+    out = np.empty((rows, cols), dtype=np.float32)
+    for i in range(rows):
+        for g in range(ng):
+            sc = scales[i, g]
+            for j in range(g * group, min(g * group + group, cols)):
+                u = (np.int64(lo[i, j >> ls]) >> (lb * (j & lq))) & lmask
+                if hb > 0:
+                    u |= ((np.int64(hi[i, j >> hs]) >> (hb * (j & hq))) & hmask) << lb
+                out[i, j] = np.float32(u - off) * sc
+    return out
