@@ -87,7 +87,8 @@ def run(args) -> int:
     elif comp:
         print(f"cosine of the sentence embeddings: mean {r['cosine_mean']:.6f}, "
               f"min {r['cosine_min']:.6f} over {r['texts']} texts")
-    print(f"peak RSS {r['peak_rss_mb']:.0f} MiB")
+    if r["peak_rss_mb"] is not None:
+        print(f"peak RSS {r['peak_rss_mb']:.0f} MiB")
     if args.json:
         write(args.json, json_text(r))
         print(f"wrote {args.json}")

@@ -65,10 +65,16 @@ def load_passages(text=None) -> list:
     return lines
 
 
+#: Sentence boundary: whitespace after . ! ? (optionally a closing quote), not after
+#: the abbreviations Mr. Mrs. Dr. St.
+_SENT_SPLIT = re.compile(r"(?<!\bMr\.)(?<!\bMrs\.)(?<!\bDr\.)(?<!\bSt\.)"
+                         r"(?:(?<=[.!?])|(?<=[.!?][\"']))\s+")
+
+
 def _sentences(passages) -> list:
     out = []
     for p in passages:
-        out += [s.strip() for s in re.split(r"(?<=[.!?])[\"']?\s+", p) if s.strip()]
+        out += [s.strip() for s in _SENT_SPLIT.split(p) if s.strip()]
     return out
 
 
@@ -190,7 +196,8 @@ def evaluate(source, compressed=None, *, text=None, act="auto", max_tokens=None,
     else:
         _eval_decoder(res, dense, comp, passages, act, max_tokens, decode_steps,
                       prompt_tokens, window, mk)
-    res["peak_rss_mb"] = _peak_rss_mb()
+    rss = _peak_rss_mb()
+    res["peak_rss_mb"] = rss if np.isfinite(rss) else None
     return res
 
 
