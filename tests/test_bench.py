@@ -258,3 +258,24 @@ def test_formats_section_rows_errors_verdict(capsys):
 def accel_available():
     from opscope_nb import accel
     return accel.available()
+
+
+def test_stack_caller_cycles_with_bound_arguments():
+    from opscope_nb.bench.formats import stack_caller
+
+    seen = []
+
+    class Layer:
+        def __init__(self, i):
+            self.i = i
+
+        def __call__(self, x, act):
+            seen.append((self.i, x, act))
+
+    callers = [stack_caller([Layer(0), Layer(1), Layer(2)], "x", act)
+               for act in ("f32", "int8")]      # built in a loop, like section 8
+    for _ in range(4):
+        callers[0]()
+    callers[1]()
+    assert seen == [(0, "x", "f32"), (1, "x", "f32"), (2, "x", "f32"), (0, "x", "f32"),
+                    (0, "x", "int8")]

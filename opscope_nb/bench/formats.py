@@ -28,6 +28,7 @@ a kind without a runtime kernel yet is listed as such.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -39,7 +40,7 @@ from opscope_nb.synth import Dist, sample
 
 from ._util import fmt, rel_l2, table, time_group
 
-__all__ = ["section8", "menu", "build_stack"]
+__all__ = ["section8", "menu", "build_stack", "stack_caller"]
 
 #: Kinds with an integer-activation path (timed with both ``act`` values).
 QUANT_KINDS = ("int8", "int4", "int4g", "ternary")
@@ -122,6 +123,12 @@ def _cycle(calls):
     return step
 
 
+def stack_caller(stack, x, act):
+    """A zero-argument callable: each call runs the next layer of ``stack`` as
+    ``layer(x, act)`` (arguments bound now, so loop variables cannot leak)."""
+    return _cycle([functools.partial(lin, x, act) for lin in stack])
+
+
 def section8(cfg, comp, res):
     """Every menu kind through ``PackedLinear``, streamed, vs vendor f32."""
     try:
@@ -166,7 +173,7 @@ def section8(cfg, comp, res):
                 name = d.label if act == "auto" else f"{d.label} act={act}"
                 y0 = comp.warm(f"PackedLinear {name}", lambda: stack[0](x, act))
                 err = rel_l2(ref, y0)
-                fns[name] = _cycle([(lambda lin=lin: lin(x, act)) for lin in stack])
+                fns[name] = stack_caller(stack, x, act)
                 meta[name] = (d.label, act, stack[0].nbytes, len(stack), err)
         # one interleaved group; every call uses the next layer of its stack, so
         # a block never re-reads a layer the cache could still hold
