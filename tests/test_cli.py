@@ -939,6 +939,11 @@ def test_profile_latency_flag(small_st, tmp_path):
                         "0.9", "--out", tmp_path / "p"])
     assert rc == 0, err
     assert (f"{untimed} option(s) have no latency" in err) == (untimed > 0)
+    rows = read_csv(tmp_path / "o" / "options.csv")
+    assert tuple(rows[0].keys()) == cli.OPTIONS_CSV_COLUMNS + ("latency_us_m1",)
+    opts = [o for r in prof["layers"] for o in r["profile"]["options"]]
+    assert [c["latency_us_m1"] for c in rows] == [
+        repr(o["latency_us"]["1"]) if "1" in o["latency_us"] else "" for o in opts]
     plan = load_json(tmp_path / "p" / "plan.json")
     for m, d in plan["methods"].items():
         assert all("1" in r["latency_us"] for r in d["layers"])      # only timed options

@@ -241,19 +241,28 @@ def plan_dict(layers, allocs: dict, spec, source=None) -> dict:
 
 
 def options_csv(layers) -> str:
-    """Tidy CSV: one row per layer x option (loads into pandas as is)."""
+    """Tidy CSV: one row per layer x option (loads into pandas as is).
+
+    :data:`OPTIONS_CSV_COLUMNS`, then one ``latency_us_m{m}`` column per ``m``
+    measured anywhere in the profile (empty where an option was not timed).
+    """
+    from ..allocate import option_latency
     from ..mining import parse_layer_kind
+    ms = sorted({int(k) for lp in layers for o in lp.options
+                 for k in (getattr(o, "latency_us", None) or {})})
     buf = _stdio.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(OPTIONS_CSV_COLUMNS)
+    w.writerow(OPTIONS_CSV_COLUMNS + tuple(f"latency_us_m{m}" for m in ms))
     for lp in layers:
         idx, kind = parse_layer_kind(lp.name)
         for j, o in enumerate(lp.options):
             kd = o.decomp.to_dict()
+            lat = [option_latency(o, m) for m in ms]
             w.writerow([lp.name, "" if idx is None else idx, kind, lp.rows, lp.cols, j,
                         o.decomp.label, kd.get("kind", ""),
                         repr(float(o.rel_err)), int(o.bytes), int(o.flops),
-                        int(lp.dense_bytes), repr(o.bytes / max(lp.dense_bytes, 1))])
+                        int(lp.dense_bytes), repr(o.bytes / max(lp.dense_bytes, 1))]
+                       + ["" if t is None else repr(t) for t in lat])
     return buf.getvalue()
 
 
