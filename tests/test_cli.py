@@ -175,6 +175,7 @@ def test_profile_synthetic(synth_run):
 
 def test_profile_minilm_acceptance(minilm_run):
     p, d, out, err = minilm_run
+    assert err == ""          # no progress bar off a terminal, and no solver chatter
     prof, plan, rows = check_outputs(d, 0.35, cli.METHODS)
     assert len(prof["layers"]) == 37
     assert all(r["dtype"] == "F32" for r in prof["layers"])
