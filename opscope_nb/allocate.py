@@ -907,5 +907,6 @@ def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
 
 
 for _f in (greedy_allocate, dado_allocate, exact_allocate):
-    _f.__doc__ = _f.__doc__.replace("{params}", _COMMON_PARAMS)
+    if _f.__doc__:  # (python -OO strips docstrings)
+        _f.__doc__ = _f.__doc__.replace("{params}", _COMMON_PARAMS)
 del _f
