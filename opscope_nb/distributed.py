@@ -587,9 +587,12 @@ def profile_cli(args, src, chosen, previous, kw, settings, bar, save, warn):
 
     # Dask's own logging would print tracebacks when a cluster dies; the command
     # reports one line instead.
-    dlog = logging.getLogger("distributed")
-    old_level = dlog.level
-    dlog.setLevel(logging.CRITICAL)
+    loggers = [logging.getLogger(n) for n in
+               ["distributed", *[n for n in list(logging.root.manager.loggerDict)
+                                 if n.startswith("distributed.")]]]
+    old_levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
     src_path = None if src.kind == "synthetic" else os.path.abspath(src.path)
     try:
         try:
@@ -627,7 +630,8 @@ def profile_cli(args, src, chosen, previous, kw, settings, bar, save, warn):
                          f"{n_ok} of {n} layers were done (use --out DIR to keep them)")
                 raise CliError(f"{exc}; {where}.") from None
     finally:
-        dlog.setLevel(old_level)
+        for lg, lv in zip(loggers, old_levels):
+            lg.setLevel(lv)
     recs = [s[0] for s in slots if s is not None]
     layers = [s[1] for s in slots if s is not None]
     return recs, layers, reused, [skips[i] for i in sorted(skips)]
