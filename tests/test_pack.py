@@ -246,3 +246,18 @@ def test_quant_stat_int5_int6():
     assert qs.int8_pc < qs.int6_pc < qs.int5_pc < qs.int4_pc < qs.int3_pc
     d = qs.to_dict()
     assert {"int5_pc", "int6_pc"} <= set(d)
+
+
+def test_layout_modules_export_through_kernels():
+    """Packing cores live in kernels._pack, the Philox generator in kernels._rng,
+    both re-exported by opscope_nb.kernels; _dado keeps only allocator cores."""
+    from opscope_nb.kernels import _dado, _pack, _probe, _rng
+
+    for mod in (_pack, _rng):
+        for name in mod.__all__:
+            assert name in kernels.__all__ and getattr(kernels, name) is getattr(mod, name)
+    assert {"pack_nibbles", "quantize_groups_sym", "nm_prune", "pack_intn"} <= set(_pack.__all__)
+    assert {"philox_words", "box_muller", "philox4x32_block"} == set(_rng.__all__)
+    assert not set(_pack.__all__) & set(_dado.__all__)
+    assert not set(_rng.__all__) & set(_probe.__all__)
+    assert {"div_f32", "round_half_away"} <= set(_probe.__all__)
