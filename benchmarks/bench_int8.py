@@ -28,16 +28,42 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import numba
 import numpy as np
 
 from opscope_nb import accel
 from opscope_nb import kernels as K
-from opscope_nb.bench._util import time_group
+from opscope_nb.bench._util import time_group as _time_group_median
+from opscope_nb.bench import machine as _machine
 from opscope_nb.bench.machine import stream_bandwidth
 
 SHAPES = [(1024, 1024), (1024, 3072), (3072, 1024), (4096, 4096)]
+
+
+#: "median": the bench's statistic (median of the best block); "min": the
+#: fastest single call over all blocks -- on a machine shared with other
+#: jobs (load above the core count) a multi-millisecond call is preempted in
+#: every block, so only the minimum still measures the kernel.  Same rule for
+#: every candidate either way.
+STAT = {"value": "median"}
+
+
+def time_group(fns, reps, timing):
+    """Interleaved best-block timing (ms); ``STAT`` picks median or min."""
+    if STAT["value"] == "median":
+        return _time_group_median(fns, reps, timing)
+    best = {name: float("inf") for name in fns}
+    for _ in range(int(timing["rounds"])):
+        for name, fn in fns.items():
+            time.sleep(float(timing["gap"]))
+            fn()
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: 1e3 * v for name, v in best.items()}
 
 
 def ort_dqmm(wq_kn, scale, m):
@@ -141,7 +167,14 @@ def vs_sgemm(reps, timing, rows, m=128):
 
 def decode_bandwidth(reps, timing, rows, stack_bytes=96 << 20):
     """Decode through a stack of 4096 x 4096 int8 weights > L3 vs stream read."""
-    bw = stream_bandwidth(2 * stack_bytes, reps=reps, timing=timing)
+    if STAT["value"] == "median":
+        bw = stream_bandwidth(2 * stack_bytes, reps=reps, timing=timing)
+    else:  # the same parallel read, timed with the same statistic as the kernel
+        a = np.ones(2 * stack_bytes // 4, np.float32)
+        nch = 8 * numba.get_num_threads()
+        _machine._stream_sum(a, nch)
+        ms_bw = time_group({"read": lambda: _machine._stream_sum(a, nch)}, reps, timing)["read"]
+        bw = {"gb_s": a.nbytes / (ms_bw * 1e-3) / 1e9}
     k = n = 4096
     nl = max(1, stack_bytes // (k * n))
     rng = np.random.default_rng(2)
@@ -229,6 +262,9 @@ def main(argv=None):
     ap.add_argument("--only", default="peers,sgemm,decode",
                     help="comma list of parts: peers, sgemm, decode")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="per-candidate statistic: median of the best block (as bench.py) "
+                         "or the fastest call (for a shared, overloaded machine)")
     ap.add_argument("--threads", type=int, default=None,
                     help="threads for numba and ONNX Runtime alike (default: numba's, 2 here); "
                          "1 is a noise-robust proxy on a busy machine")
@@ -237,6 +273,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.threads:
         numba.set_num_threads(a.threads)
+    STAT["value"] = a.stat
     timing = {"rounds": 3 if a.quick else a.rounds, "gap": 0.05}
     reps = 5 if a.quick else 10
     try:
@@ -246,7 +283,7 @@ def main(argv=None):
         ortv = "not installed (pip install -e '.[peers]')"
     print(f"# int8 path: {K.simd_path()}; numba threads {numba.get_num_threads()}; "
           f"ONNX Runtime {ortv} with {numba.get_num_threads()} intra-op threads; "
-          f"vendor sgemm: {accel.backend()}", flush=True)
+          f"vendor sgemm: {accel.backend()}; statistic: {a.stat}", flush=True)
     rows = []
     only = set(a.only.split(","))
     if a.paths:
