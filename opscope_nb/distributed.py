@@ -256,7 +256,9 @@ def profile_task(source_path, name, shape, profile_kwargs=None, threads=None) ->
         Keyword arguments of :func:`opscope_nb.mining.profile_layer`
         (``rank_cap``, ``seed`` ...).
     threads : int, optional
-        Numba and BLAS threads for this task; None keeps the process's settings.
+        Numba and BLAS threads for this task; None: the Dask worker's own
+        ``nthreads`` (``dask worker`` sets it to cores / ``--nworkers``), or the
+        process's settings outside a worker.
 
     Returns
     -------
@@ -268,6 +270,12 @@ def profile_task(source_path, name, shape, profile_kwargs=None, threads=None) ->
     import platform
 
     from .cli.profile import profile_entry
+    if threads is None:
+        try:
+            from distributed import get_worker
+            threads = int(get_worker().state.nthreads)
+        except (ImportError, ValueError, AttributeError):
+            threads = None
     with _LOCK:
         _apply_threads(threads)
         src, by_name = _open_cached(source_path)
@@ -348,10 +356,11 @@ def connect(workers: int | None = None, threads_per_worker: int | None = None,
         Worker processes of a new :class:`distributed.LocalCluster` on
         ``127.0.0.1`` (no dashboard).  Each worker runs one task at a time.
     threads_per_worker : int, optional
-        Numba and BLAS threads per worker; default
-        :func:`default_threads` ``(workers)`` for a local cluster, and for an
-        external one each worker's own Dask ``nthreads``... left as the worker
-        process has it (None).
+        Numba and BLAS threads per worker; default :func:`default_threads`
+        ``(workers)`` for a local cluster, and for an external one each
+        worker's own Dask ``nthreads`` (``dask worker`` defaults it to cores /
+        ``--nworkers``), capped by the worker's numba pool
+        (``NUMBA_NUM_THREADS`` when it started).
     scheduler : str, optional
         ``tcp://host:port`` / ``tls://host:port`` address, or the path of a
         scheduler file written by ``dask scheduler --scheduler-file``.
@@ -634,4 +643,12 @@ def profile_cli(args, src, chosen, previous, kw, settings, bar, save, warn):
             lg.setLevel(lv)
     recs = [s[0] for s in slots if s is not None]
     layers = [s[1] for s in slots if s is not None]
+    ran = [r["worker"] for r in recs if isinstance(r.get("worker"), dict)
+           and r is not previous.get((r["name"], tuple(r["shape"])))]
+    if ran:
+        peak = max(w["peak_rss_mb"] for w in ran)
+        print(f"dask: {len(ran)} task(s) on {len({(w['host'], w['pid']) for w in ran})} "
+              f"worker process(es) at {cluster.address}, "
+              f"{sorted({w['numba_threads'] for w in ran})} numba thread(s) each; "
+              f"peak worker RSS {peak:.0f} MiB")
     return recs, layers, reused, [skips[i] for i in sorted(skips)]
