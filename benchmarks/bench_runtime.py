@@ -9,10 +9,10 @@ packed bytes exceed ``2 x L3`` (L3 read from ``/sys`` or ``lscpu``; at least 3
 layers), and the timed loop calls every layer of the stack in turn, so the
 weights stream from DRAM as they do when a model decodes one token through all
 its layers.  The vendor yardstick is ``opscope_nb.accel``'s float32 GEMM/GEMV
-on its own stack of dense weights of the same shape.  Timing as ``bench.py``'s
-``time_group``: per round one untimed pass over the stack, then ``reps`` timed
-passes; the best round's median per-pass time, divided by the stack length, is
-the per-call figure.
+on its own stack of dense weights of the same shape.  Timing (``time_stack``):
+per round one untimed pass over the stack, then ``reps`` passes timing every
+call on its own; the best round's median call is the figure (robust to time
+slices lost on a shared machine).
 
 Columns: ``us`` (per layer call), ``x_vendor`` (vendor us / kind us),
 ``GB/s`` (packed weight bytes read per second), ``rel_err`` (rel-L2 of the
@@ -109,8 +109,13 @@ def one_layer(d, size, rng):
     return pack(w, d)
 
 
-def time_stack(calls, reps, rounds, gap):
-    """Best-round median seconds of one pass over ``calls``."""
+def time_stack(calls, reps, rounds, gap, clock=time.perf_counter):
+    """Per-call seconds cycling through ``calls`` (the stack): per round one
+    untimed pass, then ``reps`` passes with every call timed on its own; the
+    round's figure is the median call, the result the best round's.  Timing
+    calls one by one keeps a time slice lost to another process (this
+    machine is shared) out of the median without ever calling the same
+    layer twice in a row."""
     best = math.inf
     for _ in range(rounds):
         time.sleep(gap)
@@ -118,10 +123,10 @@ def time_stack(calls, reps, rounds, gap):
             c()
         ts = []
         for _ in range(reps):
-            t0 = time.perf_counter()
             for c in calls:
+                t0 = clock()
                 c()
-            ts.append(time.perf_counter() - t0)
+                ts.append(clock() - t0)
         best = min(best, float(np.median(ts)))
     return best
 
@@ -130,10 +135,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--m", default="1,32")
-    ap.add_argument("--kinds", default="", help="comma-separated labels (default: all)")
+    ap.add_argument("--kinds", default="",
+                    help="comma-separated Decomp kinds, e.g. dense,sparse24,lowrank "
+                         "(default: all)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cpu", action="store_true",
+                    help="one thread for numba and the vendor, timed with the calling "
+                         "thread's CPU clock (time.thread_time): per-core figures that a "
+                         "busy shared machine does not inflate")
     args = ap.parse_args(argv)
 
     from opscope_nb import accel
@@ -141,15 +152,23 @@ def main(argv=None):
 
     size = args.size
     ms = [int(v) for v in args.m.split(",") if v]
+    clock = time.perf_counter
+    if args.cpu:
+        import numba
+        numba.set_num_threads(1)
+        if accel.available():
+            accel.set_threads(1)
+        clock = time.thread_time
     l3 = l3_bytes()
     need = 2 * l3
     rng = np.random.default_rng(0)
     kinds = menu(size)
     if args.kinds:
         want = set(args.kinds.split(","))
-        kinds = [d for d in kinds if d.label in want]
+        kinds = [d for d in kinds if d.kind in want]
     print(f"# size {size}x{size}, L3 {l3 >> 20} MiB, stacks > {need >> 20} MiB, "
-          f"vendor {accel.backend()}, m = {ms}", flush=True)
+          f"vendor {accel.backend()}, m = {ms}, "
+          f"{'1 thread, CPU clock' if args.cpu else 'all threads, wall clock'}", flush=True)
 
     def nstack(nbytes):
         return max(3, -(-int(1.1 * need) // nbytes))
@@ -162,7 +181,7 @@ def main(argv=None):
         for m in ms:
             x = rng.standard_normal((m, size)).astype(np.float32)
             calls = [accel.sgemm_prepared(x, w) for w in wv]
-            t = time_stack(calls, args.reps, args.rounds, 0.1) / nv
+            t = time_stack(calls, args.reps, args.rounds, 0.1, clock)
             vendor[m] = t
             gbs = 4 * size * size / t / 1e9
             print(f"vendor_f32      m={m:<3d} layers={nv:<4d} us={1e6 * t:9.1f} "
@@ -188,7 +207,7 @@ def main(argv=None):
             ref = x.astype(np.float64) @ wd.T
             err = float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-300))
             calls = [(lambda lin=lin: lin(x)) for lin in stack]
-            t = time_stack(calls, args.reps, args.rounds, 0.1) / n
+            t = time_stack(calls, args.reps, args.rounds, 0.1, clock)
             xv = vendor[m] / t if m in vendor else float("nan")
             gbs = nb / t / 1e9
             print(f"{d.label:<15s} m={m:<3d} layers={n:<4d} us={1e6 * t:9.1f} "
@@ -199,7 +218,8 @@ def main(argv=None):
         del stack, first, wd
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size": size, "l3_bytes": l3, "rows": rows}, f, indent=1)
+            json.dump({"size": size, "l3_bytes": l3, "cpu_clock_1_thread": bool(args.cpu),
+                   "rows": rows}, f, indent=1)
     return 0
 
 

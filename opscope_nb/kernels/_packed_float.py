@@ -34,10 +34,14 @@ are reproducible.
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from .._config import njit, njit_parallel
 from ._matmul import matmul_f32
+from ._simd import USE_AVX2_PMADDWD as _HAS_AVX2
 
 __all__ = [
     "dense_linear",
@@ -48,6 +52,7 @@ __all__ = [
     "tucker_order",
     "tt_linear",
     "tt_split",
+    "sparse24_dot_quads",
 ]
 
 #: Default work (multiply-adds per call) below which a kernel stays serial.
@@ -102,7 +107,7 @@ def _sparse_planes(x, nb8):
 
 
 @njit
-def _sparse_dot(v, ind, xpi, nb8):
+def _sparse_dot(v, ind, xpi, b0, nb8):
     """Sum over the ``4 nb8`` values of full index bytes: value ``4 b + j``
     multiplies input ``8 b + 4 (j // 2) + slot_j``.
 
@@ -126,7 +131,7 @@ def _sparse_dot(v, ind, xpi, nb8):
     p7 = xpi[7]
     half = np.float32(0.5)
     two = np.float32(2.0)
-    for b in range(nb8):
+    for b in range(b0, nb8):
         c = np.float32(ind[b])
         h = np.floor(c * half)
         f0 = c - two * h
@@ -168,6 +173,121 @@ def _sparse_dot(v, ind, xpi, nb8):
     return acc
 
 
+_I8 = ir.IntType(8)
+_I32 = ir.IntType(32)
+#: Software-prefetch distance (bytes) of the 2:4 value stream.
+_PF_BYTES = 2048
+
+
+def _cvec(vals):
+    return ir.Constant(ir.VectorType(_I32, len(vals)), [ir.Constant(_I32, v) for v in vals])
+
+
+def _permps(builder, src, idx):
+    """``src[idx[i]]`` for ``<8 x float>`` ``src`` and ``<8 x i32>`` ``idx``
+    (0..7): ``vpermps`` on AVX2 hosts; elsewhere per-lane extract/insert,
+    which any LLVM target lowers."""
+    f32 = ir.FloatType()
+    v8f = ir.VectorType(f32, 8)
+    if _HAS_AVX2:
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v8f, [v8f, ir.VectorType(_I32, 8)]),
+            "llvm.x86.avx2.permps")
+        return builder.call(fn, [src, idx])
+    out = ir.Constant(v8f, None)
+    for i in range(8):
+        li = builder.extract_element(idx, ir.Constant(_I32, i))
+        out = builder.insert_element(out, builder.extract_element(src, li),
+                                     ir.Constant(_I32, i))
+    return out
+
+
+@intrinsic
+def sparse24_dot_quads(typingctx, v, ind, x, nquad):
+    """``sum`` over the first ``16 nquad`` kept values of one 2:4 row of
+    ``v[t] * x[8 (t // 4) + 4 ((t % 4) // 2) + slot_t]`` (``slot_t`` the 2-bit
+    field ``t % 4`` of byte ``ind[t // 4]``), float32.
+
+    Register-level decode: per two index bytes (8 values, 16 inputs) the
+    bytes are widened and broadcast to 8 int32 lanes, shifted by ``0, 2, 4,
+    6`` and masked to the slots, offset to ``4 (t % 4 // 2)``; one ``vpermps``
+    per 8-input half picks the inputs, a constant blend joins the halves and
+    one fused multiply-add accumulates (two accumulators, a quad = 16 values
+    per step).  ``vpermps`` on AVX2 hosts, portable lane extracts elsewhere.
+
+    Call from ``@njit`` code; ``v`` float32 1-D (``>= 16 nquad``), ``ind``
+    uint8 1-D (``>= 4 nquad``), ``x`` float32 1-D (``>= 32 nquad``), all
+    C-contiguous.
+    """
+    if not (isinstance(v, types.Array) and v.dtype == types.float32
+            and isinstance(ind, types.Array) and ind.dtype == types.uint8
+            and isinstance(x, types.Array) and x.dtype == types.float32):
+        return None
+    sig = types.float32(v, ind, x, types.intp)
+
+    def codegen(context, builder, sig, args):
+        va = context.make_array(sig.args[0])(context, builder, args[0])
+        ia = context.make_array(sig.args[1])(context, builder, args[1])
+        xa = context.make_array(sig.args[2])(context, builder, args[2])
+        n = context.cast(builder, args[3], sig.args[3], types.intp)
+        intp = context.get_value_type(types.intp)
+        f32 = ir.FloatType()
+        v8f = ir.VectorType(f32, 8)
+        v2i8 = ir.VectorType(_I8, 2)
+        v2i32 = ir.VectorType(_I32, 2)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v8f, [v8f, v8f, v8f]), "llvm.fmuladd.v8f32")
+        accs = []
+        for _ in range(2):
+            a = cgutils.alloca_once(builder, v8f)
+            builder.store(ir.Constant(v8f, None), a)
+            accs.append(a)
+        shifts = _cvec([0, 2, 4, 6, 0, 2, 4, 6])
+        three = _cvec([3] * 8)
+        offs = _cvec([0, 0, 4, 4, 0, 0, 4, 4])
+        blend = _cvec([0, 1, 2, 3, 12, 13, 14, 15])
+        rep = _cvec([0, 0, 0, 0, 1, 1, 1, 1])
+
+        def pair(k, acc):
+            """Index bytes 2k, 2k+1: values 8k..8k+7, inputs 16k..16k+15."""
+            pi = builder.gep(ia.data, [builder.mul(k, ir.Constant(intp, 2))], inbounds=True)
+            b2 = builder.load(builder.bitcast(pi, v2i8.as_pointer()), align=1)
+            b8 = builder.shuffle_vector(builder.zext(b2, v2i32), ir.Constant(v2i32, None), rep)
+            idx = builder.add(builder.and_(builder.lshr(b8, shifts), three), offs)
+            px = builder.gep(xa.data, [builder.mul(k, ir.Constant(intp, 16))], inbounds=True)
+            lo = builder.load(builder.bitcast(px, v8f.as_pointer()), align=4)
+            px8 = builder.gep(px, [ir.Constant(intp, 8)], inbounds=True)
+            hi = builder.load(builder.bitcast(px8, v8f.as_pointer()), align=4)
+            pick = builder.shuffle_vector(_permps(builder, lo, idx), _permps(builder, hi, idx),
+                                          blend)
+            pv = builder.gep(va.data, [builder.mul(k, ir.Constant(intp, 8))], inbounds=True)
+            vals = builder.load(builder.bitcast(pv, v8f.as_pointer()), align=4)
+            builder.store(builder.call(fma, [vals, pick, builder.load(acc)]), acc)
+
+        i8p = _I8.as_pointer()
+        pf = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+            "llvm.prefetch.p0i8")
+        with cgutils.for_range(builder, n) as loop:
+            k2 = builder.mul(loop.index, ir.Constant(intp, 2))
+            # software prefetch of the value stream PF_BYTES ahead (one cache
+            # line per step; past the row it is the next row's values).
+            pv = builder.gep(va.data, [builder.add(builder.mul(k2, ir.Constant(intp, 8)),
+                                                   ir.Constant(intp, _PF_BYTES // 4))])
+            builder.call(pf, [builder.bitcast(pv, i8p), ir.Constant(_I32, 0),
+                              ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+            pair(k2, accs[0])
+            pair(builder.add(k2, ir.Constant(intp, 1)), accs[1])
+        tot = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
+        for w in (4, 2, 1):
+            tot = builder.fadd(
+                builder.shuffle_vector(tot, tot, _cvec(list(range(w)) + [0] * 0)),
+                builder.shuffle_vector(tot, tot, _cvec(list(range(w, 2 * w)))))
+        return builder.extract_element(tot, ir.Constant(_I32, 0))
+
+    return sig, codegen
+
+
 @njit
 def _sparse_rows(x, xp, values, indices, y, r0, r1):
     """Rows ``r0..r1-1`` of ``y`` for few samples: per sample one
@@ -175,11 +295,13 @@ def _sparse_rows(x, xp, values, indices, y, r0, r1):
     m = x.shape[0]
     nv = values.shape[1]
     nb8 = xp.shape[2]
+    nq = nb8 // 4
     for r in range(r0, r1):
         v = values[r]
         ind = indices[r]
         for i in range(m):
-            acc = _sparse_dot(v, ind, xp[i], nb8)
+            acc = sparse24_dot_quads(v, ind, x[i], nq)
+            acc += _sparse_dot(v, ind, xp[i], 4 * nq, nb8)
             for t in range(4 * nb8, nv):          # values of a short tail
                 sl = (np.int32(ind[t >> 2]) >> np.int32(2 * (t & 3))) & 3
                 acc += v[t] * x[i, 4 * (t >> 1) + sl]
