@@ -287,3 +287,38 @@ def test_runtime_intn(d, m):
     assert _rel(lin(x, "int8"), ref) <= 2.5e-2
     with pytest.raises(ValueError, match="finite"):
         lin(np.full((1, cols), np.inf, np.float32))
+
+
+# ---------------------------------------------------------------- every SIMD path
+def _tile_caller(tile):
+    @numba.njit(cache=False)
+    def call(xp, cf, w, w2, sf, nun, upf, fmt, mode):
+        return tile(xp, 0, 0, cf, 0, 0, w, 0, w.size // 4,
+                    w2, 0, w2.size // 4, sf, 0, sf.size // 4, nun, upf, fmt, mode, 0, 64)
+    return call
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [p for p in ("avx2", "portable")
+                                  if p != K.LOWBIT_PATH])
+def test_lowbit_paths_agree(path):
+    """The AVX2 (vpmaddubsw) and portable tiles give the host tile's sums bit
+    for bit (CI may run on an AVX2-only part)."""
+    if not K.lowbit_path_supported(path):
+        pytest.skip(f"{path} cannot run here")
+    host = _tile_caller(K.lowbit_tile_1x4)
+    other = _tile_caller(K.make_lowbit_tile(1, 4, path))
+    nun = 6
+    xp = RNG.integers(-127, 128, 4 * 32 * nun).astype(np.int8)
+    for fmt in range(6):
+        w = RNG.integers(0, 256, 4 * 32 * nun).astype(np.uint8)
+        if fmt == 0:   # valid int4 nibbles (-7..7): no -8
+            w = (RNG.integers(-7, 8, w.size) & 15 | (RNG.integers(-7, 8, w.size) & 15) << 4).astype(np.uint8)
+        w2 = RNG.integers(0, 256, 4 * 32 * nun).astype(np.uint8)
+        sf = RNG.random(4 * 2 * nun).astype(np.float32)
+        modes = [(0, 2), (2, 3)] + ([(1, 1)] if K.LOWBIT_UNIT[fmt] == 64 else [])
+        for mode, upf in modes:
+            cf = RNG.integers(-1000, 1000, 8 * nun).astype(np.int32)
+            a = host(xp, cf, w, w2, sf, nun, upf, fmt, mode)
+            b = other(xp, cf, w, w2, sf, nun, upf, fmt, mode)
+            assert a == b, (fmt, mode)

@@ -224,14 +224,14 @@ def _put(y, i, j, t, xq, w, w2, sflat, sstride, group, cols, fmt, region, mode, 
 def _t14(xp, xo, xs, cf, co, cs, wf, wo, ws, w2, w2o, w2s, sf, so, ss, nun, upf, fmt,
          mode):
     return lowbit_tile_1x4(xp, xo, xs, cf, co, cs, wf, wo, ws, w2, w2o, w2s, sf, so, ss,
-                           nun, upf, fmt, mode)
+                           nun, upf, fmt, mode, 8 * ws, 8 * w2s)
 
 
 @njit
 def _t42(xp, xo, xs, cf, co, cs, wf, wo, ws, w2, w2o, w2s, sf, so, ss, nun, upf, fmt,
          mode):
     return lowbit_tile_4x2(xp, xo, xs, cf, co, cs, wf, wo, ws, w2, w2o, w2s, sf, so, ss,
-                           nun, upf, fmt, mode)
+                           nun, upf, fmt, mode, 2 * ws, 2 * w2s)
 
 
 @njit

@@ -57,6 +57,14 @@ from ._simd import _FEATS, _X86, _hsum, _madd16, _shuffle
 
 __all__ = [
     "LOWBIT_PATH",
+    "LOWBIT_PATHS",
+    "LOWBIT_LANES",
+    "LOWBIT_SLOTS",
+    "LOWBIT_UNIT",
+    "LOWBIT_OFFSET",
+    "LOWBIT_PLANE_BYTES",
+    "lowbit_path_supported",
+    "make_lowbit_tile",
     "LOWBIT_UNIT_BYTES",
     "lowbit_tile_1x4",
     "lowbit_tile_4x2",
@@ -86,6 +94,9 @@ def _pick_path() -> str:
 #: (chosen at import from the features numba targets; numba's on-disk cache
 #: is keyed on the same CPU, so a cached kernel matches).
 LOWBIT_PATH = _pick_path()
+#: Every ``u8 x s8`` path the tiles can be compiled for (tests build each one
+#: this machine can execute with ``make_lowbit_tile``).
+LOWBIT_PATHS = ("vnni256", "avxvnni", "avx2", "portable")
 
 #: Packed weight bytes per unit (one step of a tile, per weight row).
 LOWBIT_UNIT_BYTES = 32
@@ -204,16 +215,16 @@ def _decode(builder, dec, b, shift):
     raise AssertionError(dec)
 
 
-def _dot_u8s8(builder, acc, u, s):
+def _dot_u8s8(builder, acc, u, s, path):
     """``acc[l] += sum_{i<4} u[4l+i] * s[4l+i]`` (u unsigned, s signed bytes)."""
     mod = builder.module
-    if LOWBIT_PATH in ("vnni256", "avxvnni"):
+    if path in ("vnni256", "avxvnni"):
         fn = cgutils.get_or_insert_function(
             mod, ir.FunctionType(_V8I32, [_V8I32, _V8I32, _V8I32]),
             "llvm.x86.avx512.vpdpbusd.256")
         return builder.call(fn, [acc, builder.bitcast(u, _V8I32),
                                  builder.bitcast(s, _V8I32)])
-    if LOWBIT_PATH == "avx2":
+    if path == "avx2":
         maddubs = cgutils.get_or_insert_function(
             mod, ir.FunctionType(_V16I16, [_V32I8, _V32I8]), "llvm.x86.avx2.pmadd.ub.sw")
         maddwd = cgutils.get_or_insert_function(
@@ -234,12 +245,23 @@ def _zext16(builder, u, half):
                         _V16I16)
 
 
-def _make_tile(R: int, C: int):
+def lowbit_path_supported(path: str) -> bool:
+    """Whether this machine can run tiles compiled for ``path`` (plain Python)."""
+    need = {"vnni256": ("avx512vnni", "avx512vl", "avx2"), "avxvnni": ("avxvnni", "avx2"),
+            "avx2": ("avx2",), "portable": ()}
+    if path not in need:
+        raise ValueError(f"unknown low-bit path {path!r}; expected one of {LOWBIT_PATHS}")
+    return path == "portable" or (_X86 and all(f in _FEATS for f in need[path]))
+
+
+def _make_tile(R: int, C: int, path: str | None = None):
+    """Build an ``R x C`` low-bit tile for ``path`` (default: the host's)."""
+    path = path or LOWBIT_PATH
     ret = types.UniTuple(types.float64, R * C)
 
     @intrinsic
     def tile(typingctx, xp, xoff, xstride, corr, coff, cstride, w, woff, wstride,
-             w2, w2off, w2stride, sc, soff, sstride, nunits, upf, fmt, mode):
+             w2, w2off, w2stride, sc, soff, sstride, nunits, upf, fmt, mode, pf, pf2):
         if not (isinstance(xp, types.Array) and xp.dtype in (types.int8, types.int16)
                 and isinstance(corr, types.Array) and corr.dtype == types.int32
                 and isinstance(w, types.Array) and w.dtype == types.uint8
@@ -248,7 +270,8 @@ def _make_tile(R: int, C: int):
             return None
         act = "a8" if xp.dtype == types.int8 else "a16"
         ip = types.intp
-        sig = ret(xp, ip, ip, corr, ip, ip, w, ip, ip, w2, ip, ip, sc, ip, ip, ip, ip, ip, ip)
+        sig = ret(xp, ip, ip, corr, ip, ip, w, ip, ip, w2, ip, ip, sc, ip, ip, ip, ip, ip, ip,
+                  ip, ip)
 
         def codegen(context, builder, sig, args):
             xa = context.make_array(sig.args[0])(context, builder, args[0])
@@ -257,8 +280,16 @@ def _make_tile(R: int, C: int):
             w2a = context.make_array(sig.args[9])(context, builder, args[9])
             sa = context.make_array(sig.args[12])(context, builder, args[12])
             (xoff_, xstr, coff_, cstr, woff_, wstr, w2off_, w2str, soff_, sstr, nun, upf_,
-             fmt_, mode_) = [context.cast(builder, args[i], sig.args[i], types.intp)
-                             for i in (1, 2, 4, 5, 7, 8, 10, 11, 13, 14, 15, 16, 17, 18)]
+             fmt_, mode_, pf_, pf2_) = [
+                context.cast(builder, args[i], sig.args[i], types.intp)
+                for i in (1, 2, 4, 5, 7, 8, 10, 11, 13, 14, 15, 16, 17, 18, 19, 20)]
+            i8p = ir.IntType(8).as_pointer()
+            fmuladd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V8F32, [_V8F32, _V8F32, _V8F32]),
+                "llvm.fmuladd.v8f32")
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                "llvm.prefetch.p0i8")
             intp = context.get_value_type(types.intp)
 
             def K(v):
@@ -311,8 +342,14 @@ def _make_tile(R: int, C: int):
                             for plane, dec, shift in planes:
                                 nbyt = _DEC_BYTES[dec]
                                 base = wrow[c] if plane == 0 else w2row[c]
-                                bv = vload(base, builder.mul(u, K(nbyt)),
-                                           ir.VectorType(_I8, nbyt))
+                                uo = builder.mul(u, K(nbyt))
+                                bv = vload(base, uo, ir.VectorType(_I8, nbyt))
+                                pa = builder.gep(base, [builder.add(
+                                    uo, pf_ if plane == 0 else pf2_)], inbounds=False)
+                                builder.call(prefetch, [builder.bitcast(pa, i8p),
+                                                        ir.Constant(_I32, 0),
+                                                        ir.Constant(_I32, 3),
+                                                        ir.Constant(_I32, 1)])
                                 pc += _decode(builder, dec, bv, shift)
                             pieces.append(pc)
                         xbase = builder.mul(u, K(unit_x))
@@ -329,7 +366,7 @@ def _make_tile(R: int, C: int):
                                 if act == "a8":
                                     a = builder.load(iacc[t])
                                     for s in range(P):
-                                        a = _dot_u8s8(builder, a, pieces[c][s], xs[s])
+                                        a = _dot_u8s8(builder, a, pieces[c][s], xs[s], path)
                                     builder.store(a, iacc[t])
                                 else:
                                     aA = builder.load(iacc[2 * t])
@@ -385,9 +422,9 @@ def _make_tile(R: int, C: int):
                                 builder.store(builder.add(builder.load(acc64[t]),
                                                           builder.sext(a, _V8I64)), acc64[t])
                             else:
-                                fm_ = builder.fmul(builder.sitofp(a, _V8F32), svec[c])
-                                builder.store(builder.fadd(builder.load(facc[t]), fm_),
-                                              facc[t])
+                                builder.store(builder.call(fmuladd, [
+                                    builder.sitofp(a, _V8F32), svec[c],
+                                    builder.load(facc[t])]), facc[t])
                 for t in range(R * C):
                     if md == 0:
                         s = _hsum(builder, builder.load(acc64[t]), 8, builder.add)
@@ -436,6 +473,11 @@ def _make_tile(R: int, C: int):
         Units to process and units per flush (``upf >= 1``).
     fmt, mode : int
         Packed format and flush mode (module docstring).
+    pf, pf2 : int
+        Software-prefetch distance in bytes for the ``w`` and ``w2`` rows: while
+        reading unit ``u`` of a row the tile prefetches the same offset
+        ``pf`` bytes further (the caller passes the next tile's rows, so a
+        decode streams its weights ahead of use).  Prefetches never fault.
 
     Returns
     -------
@@ -444,6 +486,15 @@ def _make_tile(R: int, C: int):
         modes 1/2: ``sum_g s_g * sum_(p in g)(x * code)`` (float32 lanes).
     """
     return tile
+
+
+def make_lowbit_tile(R: int, C: int, path: str):
+    """A fresh ``R x C`` low-bit tile intrinsic compiled for ``path`` (one of
+    :data:`LOWBIT_PATHS`; check :func:`lowbit_path_supported` before running
+    it).  The package's kernels use the host path's tiles below."""
+    if path not in LOWBIT_PATHS:
+        raise ValueError(f"unknown low-bit path {path!r}; expected one of {LOWBIT_PATHS}")
+    return _make_tile(R, C, path)
 
 
 lowbit_tile_1x4 = _make_tile(1, 4)
