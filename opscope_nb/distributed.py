@@ -293,6 +293,7 @@ def profile_task(source_path, name, shape, profile_kwargs=None, threads=None) ->
     if rec is None:
         return {"skip": why}
     rec["worker"] = {"host": platform.node(), "pid": os.getpid(), "peak_rss_mb": peak,
+                     "numba_pool": info["numba_pool"],
                      "numba_threads": info["numba_threads"],
                      "blas_threads": info["blas_threads"]}
     return {"record": rec}

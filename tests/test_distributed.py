@@ -206,12 +206,31 @@ def test_local_workers_minilm_equal_serial(minilm_serial, tmp_path):
     pids = set()
     for r in b["layers"]:
         w = r["worker"]
-        assert w["numba_threads"] == s["threads_per_worker"]
+        assert w["numba_threads"] == w["numba_pool"] == s["threads_per_worker"]
         assert all(t == s["threads_per_worker"] for t in w["blas_threads"])
         assert w["peak_rss_mb"] > 0 and w["host"]
         pids.add(w["pid"])
     assert len(pids) == 2 and os.getpid() not in pids
     assert_same_plan(ser / "profile.json", d / "profile.json", tmp_path)
+
+
+@pytest.mark.slow
+def test_local_threads_reach_the_worker(tmp_path):
+    """-T 2 on one worker: numba's pool (read at the worker's import) and OpenBLAS are 2,
+    not Dask's default of 1 BLAS thread, so the pre-spawn environment took effect."""
+    env0 = {k: os.environ.get(k) for k in ("NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    rc, out, err = run(["profile", "--include", "k_proj", "-q", "--out", tmp_path,
+                        "--workers", "1", "--threads-per-worker", "2"])
+    assert rc == 0, err
+    (rec,) = load(tmp_path / "profile.json")["layers"]
+    w = rec["worker"]
+    assert (w["numba_pool"], w["numba_threads"]) == (2, 2)
+    assert w["blas_threads"] and all(t == 2 for t in w["blas_threads"])
+    assert "dask: 1 task(s) on 1 worker process(es)" in out
+    # this process's environment is not left with the workers' settings (main()
+    # itself may set OPENBLAS_NUM_THREADS=1 when unset)
+    assert os.environ.get("NUMBA_NUM_THREADS") == env0["NUMBA_NUM_THREADS"]
+    assert os.environ.get("OPENBLAS_NUM_THREADS") in (env0["OPENBLAS_NUM_THREADS"], "1")
 
 
 @pytest.mark.slow
