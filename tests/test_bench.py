@@ -111,6 +111,9 @@ def test_time_group_is_best_block_median():
 def test_stream_bandwidth_reads_the_array():
     bw = bench.stream_bandwidth(1 << 16, 1, {"rounds": 1, "gap": 0.0})
     assert bw["bytes"] == 1 << 16 and bw["ms"] > 0 and bw["gb_s"] > 0
+    bw = bench.stream_bandwidth(1 << 16, 1, {"rounds": 1, "gap": 0.0}, chunk_bytes=1 << 12)
+    assert bw["chunk_bytes"] == 1 << 12
+    assert bw["gb_s"] == pytest.approx((1 << 12) / (bw["ms"] * 1e6))
     assert bench.machine._stream_sum(np.ones(1001, np.float32), 3) == 1001.0
     with pytest.raises(ValueError, match="nbytes"):
         bench.stream_bandwidth(0)

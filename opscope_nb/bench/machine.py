@@ -108,23 +108,39 @@ def _stream_sum(a, nchunks):
     return part.sum()
 
 
-def stream_bandwidth(nbytes: int, reps: int = 5, timing: dict | None = None) -> dict:
-    """Measured streaming read bandwidth: a plain parallel sum over ``nbytes``.
+def stream_bandwidth(nbytes: int, reps: int = 5, timing: dict | None = None,
+                     chunk_bytes: int = 16 << 20) -> dict:
+    """Measured streaming read bandwidth: a plain parallel sum, from DRAM.
 
     The array (float32, ``nbytes // 4`` elements, filled so every page is
-    resident) should be much larger than the last-level cache so the reads
-    come from DRAM; the sum runs with numba's thread count, one contiguous
-    chunk per thread times 8.
+    resident) should be much larger than the last-level cache.  Each timed
+    call sums the next ``chunk_bytes`` slice of it (cyclically, like the
+    weight stacks of section 8), so no call finds its data in cache while a
+    call stays short enough for a best-block median to dodge a busy
+    machine's time slices.  The sum runs on numba's threads, 8 chunks per
+    thread.
 
     Returns
     -------
-    dict : ``{"bytes": int, "ms": float, "gb_s": float}`` (GB = 1e9 bytes;
-    ms is the best-block median from :func:`time_group`).
+    dict : ``{"bytes": array bytes, "chunk_bytes": bytes per call, "ms": per
+    call, "gb_s": chunk_bytes / ms}`` (GB = 1e9 bytes; ms is the best-block
+    median from :func:`time_group`).
     """
     if nbytes < 4:
         raise ValueError(f"stream_bandwidth needs nbytes >= 4; got {nbytes}")
     a = np.ones(nbytes // 4, np.float32)
+    per = max(1, min(a.size, int(chunk_bytes) // 4))
+    views = [a[i:i + per] for i in range(0, a.size - per + 1, per)] or [a]
     nchunks = 8 * numba.get_num_threads()
-    _stream_sum(a, nchunks)
-    ms = time_group({"read": lambda: _stream_sum(a, nchunks)}, reps, timing)["read"]
-    return {"bytes": int(a.nbytes), "ms": ms, "gb_s": a.nbytes / (ms * 1e-3) / 1e9}
+    _stream_sum(views[0], nchunks)
+    state = [0]
+
+    def step():
+        i = state[0]
+        state[0] = (i + 1) % len(views)
+        return _stream_sum(views[i], nchunks)
+
+    ms = time_group({"read": step}, max(reps, len(views)), timing)["read"]
+    nb = int(views[0].nbytes)
+    return {"bytes": int(a.nbytes), "chunk_bytes": nb, "ms": ms,
+            "gb_s": nb / (ms * 1e-3) / 1e9}

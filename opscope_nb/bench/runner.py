@@ -135,7 +135,8 @@ def _header(quick, res, cfg):
                               f"on this platform")
     bw = res["bandwidth"]
     l3 = mi.get("l3_bytes")
-    print(f"streaming read bandwidth: {bw['gb_s']:.1f} GB/s (parallel sum over "
+    print(f"streaming read bandwidth: {bw['gb_s']:.1f} GB/s (parallel sum, "
+          f"{bw['chunk_bytes'] / 2**20:.0f} MiB per call cycling through "
           f"{bw['bytes'] / 2**20:.0f} MiB"
           + (f" = {bw['bytes'] / l3:.0f}x L3" if l3 else "") + ", "
           f"{mi['numba_threads']} threads)")
