@@ -27,6 +27,9 @@ label                arrays
                      even column in the low nibble); ``scales`` f32 [rows]
 ``int4/g{g}``        ``codes`` as int4/chan; ``scales`` f32 [rows, ceil(cols/g)]
                      (groups along the row, the last one may be short)
+``<q>+gptq``         any quantised label above with GPTQ-chosen codes
+                     (``Decomp.rounding == "gptq"``): the same arrays as
+                     ``<q>``, so the same kernels run it
 ``int6/chan``        ``lo`` u8 [rows, ceil(cols/2)] (nibble plane: bits 0-3 of
                      ``u``); ``hi`` u8 [rows, ceil(cols/4)] (crumb plane: bits
                      4-5 of ``u``); ``scales`` f32 [rows]
@@ -118,6 +121,8 @@ _KINDS = ("dense", "int8", "int4", "int4g", "intn", "ternary", "sparse24", "lowr
 
 #: Bit widths of the ``intn`` kind (int4 and int8 keep their own kinds).
 INTN_BITS = (2, 3, 5, 6)
+#: Data-aware roundings a quantised Decomp may name (None = round to nearest).
+ROUNDINGS = ("gptq",)
 
 
 def _tuple_of_ints(v, name):
@@ -160,6 +165,14 @@ class Decomp:
         TT bond-rank cap.
     bits : int or None
         Code width of ``intn``: 2, 3, 5 or 6 (int4 / int8 are their own kinds).
+    rounding : str or None
+        ``None`` is round-to-nearest; ``"gptq"`` (quantised kinds ``int8``,
+        ``int4``, ``int4g``, ``intn`` only) chooses the codes with GPTQ's
+        error compensation from a calibration gram
+        (:func:`opscope_nb.gptq.gptq_quantize`).  Same kind, same packed
+        arrays and kernels as the round-to-nearest twin; the label gains
+        ``+gptq`` (e.g. ``int4/g128+gptq``).  :func:`pack` /
+        :func:`approximate` need ``gram=`` for it.
     svd_rank, seed : int
         How a low-rank option is computed: the leading ``r`` triplets of one
         ``truncated_svd(w, svd_rank, seed)`` (``svd_rank=None`` means ``r``).
@@ -174,6 +187,7 @@ class Decomp:
     modes: tuple | None = None
     cap: int | None = None
     bits: int | None = None
+    rounding: str | None = None
     svd_rank: int | None = field(default=None, compare=False)
     seed: int = field(default=0, compare=False)
 
@@ -210,6 +224,13 @@ class Decomp:
                                  f"ranks={self.ranks}.")
         if self.kind == "tt" and len(self.modes) < 2:
             raise ValueError(f"TT needs at least 2 modes; got {self.modes}.")
+        if self.rounding is not None:
+            if self.rounding not in ROUNDINGS:
+                raise ValueError(f"Decomp rounding must be None (round to nearest) or one of "
+                                 f"{ROUNDINGS}; got {self.rounding!r}.")
+            if self.kind not in ("int8", "int4", "int4g", "intn"):
+                raise ValueError(f"rounding={self.rounding!r} applies to the quantised kinds "
+                                 f"int8/int4/int4g/intn only; got kind {self.kind!r}.")
         if self.svd_rank is not None:
             object.__setattr__(self, "svd_rank", check_int(self.svd_rank, "svd_rank", 1))
         object.__setattr__(self, "seed", check_int(self.seed, "seed", 0))
@@ -272,8 +293,18 @@ class Decomp:
     # -- naming ------------------------------------------------------------
     @property
     def label(self) -> str:
-        """Stable short name, e.g. ``int4/g128``, ``lowrank(r=12)``,
-        ``tucker(1024x48x64->32,24,32)``, ``tt(32x32x48x64,cap=16)``."""
+        """Stable short name, e.g. ``int4/g128``, ``int4/g128+gptq``,
+        ``lowrank(r=12)``, ``tucker(1024x48x64->32,24,32)``,
+        ``tt(32x32x48x64,cap=16)``."""
+        base = self._base_label()
+        return base if self.rounding is None else f"{base}+{self.rounding}"
+
+    def with_rounding(self, rounding) -> "Decomp":
+        """The same decomposition with another ``rounding`` (None: to nearest)."""
+        import dataclasses
+        return dataclasses.replace(self, rounding=rounding)
+
+    def _base_label(self) -> str:
         k = self.kind
         if k == "dense":
             return "dense"
@@ -320,6 +351,9 @@ class Decomp:
                   "ternary": "ternary", "sparse2:4": "sparse24", "monarch": "monarch"}
         if not isinstance(s, str):
             raise TypeError(f"label must be a str; got {type(s).__name__}.")
+        for rnd in ROUNDINGS:
+            if s.endswith("+" + rnd):
+                return cls.from_label(s[:-len(rnd) - 1]).with_rounding(rnd)
         if s in simple:
             return cls(simple[s])
         for rx, make in cls._LABEL_RES:
@@ -340,6 +374,8 @@ class Decomp:
         for f in ("dims", "ranks", "modes"):
             if getattr(self, f) is not None:
                 d[f] = list(getattr(self, f))
+        if self.rounding is not None:
+            d["rounding"] = self.rounding
         if self.kind == "lowrank":
             d["svd_rank"] = self.svd_rank
             d["seed"] = self.seed
@@ -371,6 +407,11 @@ class DecompOption:
     input on this machine (``profile_layer(..., latency=(1, 32))``); empty when
     not measured.  Not part of equality or hash.  In JSON its keys are strings;
     :meth:`from_dict` restores int keys.
+
+    ``out_err`` is the relative output error on calibration inputs,
+    ``sqrt(tr(dW H dWᵀ) / tr(W H Wᵀ))`` (:func:`opscope_nb.gptq.output_error`);
+    ``None`` when the layer was profiled without a gram.  Not part of
+    equality or hash.
     """
 
     decomp: Decomp
@@ -378,6 +419,7 @@ class DecompOption:
     bytes: int
     flops: int
     latency_us: dict = field(default_factory=dict, compare=False)
+    out_err: float | None = field(default=None, compare=False)
 
     @property
     def label(self) -> str:
@@ -388,13 +430,15 @@ class DecompOption:
                 "rel_err": float(self.rel_err), "bytes": int(self.bytes),
                 "flops": int(self.flops),
                 "latency_us": {str(int(k)): float(v) for k, v in
-                               sorted(self.latency_us.items())}}
+                               sorted(self.latency_us.items())},
+                "out_err": None if self.out_err is None else float(self.out_err)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "DecompOption":
         lat = {int(k): float(v) for k, v in (d.get("latency_us") or {}).items()}
+        oe = d.get("out_err")
         return cls(Decomp.from_dict(d["decomp"]), float(d["rel_err"]), int(d["bytes"]),
-                   int(d["flops"]), lat)
+                   int(d["flops"]), lat, None if oe is None else float(oe))
 
 
 @dataclass
@@ -414,6 +458,11 @@ class LayerProfile:
         Seconds spent per part of :func:`profile_layer` (``quant``,
         ``ternary``, ``sparse``, ``svd``, ``lowrank``, ``monarch``,
         ``tucker``, ``tt``).
+    sensitivity : float or None
+        How much the model's final output moves per unit of this layer's
+        squared relative output error (``d metric / d out_err**2``, measured
+        by :func:`opscope_nb.calib.layer_sensitivity`); ``None`` without
+        calibration.
     """
 
     name: str
@@ -422,6 +471,7 @@ class LayerProfile:
     dense_bytes: int
     options: list
     timings: dict = field(default_factory=dict)
+    sensitivity: float | None = None
 
     def dense(self) -> DecompOption:
         """The dense baseline (``options[0]``)."""
@@ -440,13 +490,16 @@ class LayerProfile:
         return {"name": self.name, "rows": int(self.rows), "cols": int(self.cols),
                 "dense_bytes": int(self.dense_bytes),
                 "options": [o.to_dict() for o in self.options],
-                "timings": {k: float(v) for k, v in self.timings.items()}}
+                "timings": {k: float(v) for k, v in self.timings.items()},
+                "sensitivity": None if self.sensitivity is None else float(self.sensitivity)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayerProfile":
+        sens = d.get("sensitivity")
         return cls(str(d["name"]), int(d["rows"]), int(d["cols"]), int(d["dense_bytes"]),
                    [DecompOption.from_dict(o) for o in d["options"]],
-                   {k: float(v) for k, v in d.get("timings", {}).items()})
+                   {k: float(v) for k, v in d.get("timings", {}).items()},
+                   None if sens is None else float(sens))
 
 
 # ───────────────────────────── shapes and sizes ─────────────────────────────
@@ -582,8 +635,22 @@ def _kern():
     return kernels
 
 
-def _pack(w, d: Decomp, svd=None):
-    """Pack a validated ``w``; ``svd`` optionally supplies ``(U, S, Vt)``."""
+def _quant_codes(w, bits, group, d, gram):
+    """Codes/scales of ``w``: round to nearest, or ``d.rounding`` from ``gram``."""
+    if d.rounding is None:
+        return quantize_groups_sym(w, bits, group)
+    if gram is None:
+        raise ValueError(f"{d.label} chooses its codes from calibration data: pass gram= "
+                         f"(H = X.T @ X of the layer's inputs, [cols, cols] or its diagonal; "
+                         f"see opscope_nb.calib), or use {d.with_rounding(None).label}.")
+    from .gptq import gptq_quantize
+    codes, scales = gptq_quantize(w, gram, bits, group)
+    return codes, np.ascontiguousarray(scales.reshape(w.shape[0], -1))
+
+
+def _pack(w, d: Decomp, svd=None, gram=None):
+    """Pack a validated ``w``; ``svd`` optionally supplies ``(U, S, Vt)``;
+    ``gram`` is the calibration gram a ``rounding="gptq"`` Decomp needs."""
     rows, cols = w.shape
     k = d.kind
     if k == "dense":
@@ -591,7 +658,7 @@ def _pack(w, d: Decomp, svd=None):
     if k in ("int8", "int4", "int4g"):
         bits = 8 if k == "int8" else 4
         group = d.group if k == "int4g" else cols
-        codes, scales = quantize_groups_sym(w, bits, group)
+        codes, scales = _quant_codes(w, bits, group, d, gram)
         if k != "int4g":
             scales = np.ascontiguousarray(scales[:, 0])
         if bits == 4:
@@ -599,7 +666,7 @@ def _pack(w, d: Decomp, svd=None):
         return {"codes": codes, "scales": scales}
     if k == "intn":
         group = cols if d.group is None else d.group
-        codes, scales = quantize_groups_sym(w, d.bits, group)
+        codes, scales = _quant_codes(w, d.bits, group, d, gram)
         if d.group is None:
             scales = np.ascontiguousarray(scales[:, 0])
         lo, hi = pack_intn(codes, d.bits)
@@ -699,7 +766,7 @@ def _as_core_list(cores):
         return list(cores)
 
 
-def pack(w, decomp: Decomp) -> dict:
+def pack(w, decomp: Decomp, *, gram=None) -> dict:
     """The arrays a kernel would hold for ``decomp`` of ``w`` (see the module
     docstring for every layout).
 
@@ -708,6 +775,10 @@ def pack(w, decomp: Decomp) -> dict:
     w : array_like of shape (rows, cols)
         ``[out_features, in_features]``; converted to float32, must be finite.
     decomp : Decomp
+    gram : array_like, optional
+        ``[cols, cols]`` (or ``[cols]`` diagonal) second moment of the layer's
+        inputs; required by ``+gptq`` decompositions (``ValueError`` without),
+        ignored by the others.
 
     Returns
     -------
@@ -719,10 +790,13 @@ def pack(w, decomp: Decomp) -> dict:
         raise TypeError(f"decomp must be a Decomp; got {type(decomp).__name__}. "
                         f"Use e.g. Decomp.int8() or Decomp.from_label('int8/chan').")
     _check_applicable(*w.shape, decomp)
-    return _pack(w, decomp)
+    if gram is not None and decomp.rounding is not None:
+        from .gptq import check_gram
+        gram = check_gram(gram, w.shape[1])
+    return _pack(w, decomp, gram=gram)
 
 
-def approximate(w, decomp: Decomp) -> np.ndarray:
+def approximate(w, decomp: Decomp, *, gram=None) -> np.ndarray:
     """``unpack(pack(w, decomp))``: the weight the compressed kernel computes with.
 
     Parameters
@@ -730,13 +804,15 @@ def approximate(w, decomp: Decomp) -> np.ndarray:
     w : array_like of shape (rows, cols)
         ``[out_features, in_features]``.
     decomp : Decomp
+    gram : array_like, optional
+        As for :func:`pack` (required by ``+gptq`` decompositions).
 
     Returns
     -------
     ndarray of shape (rows, cols), float32
     """
     w = as_matrix(w, "w")
-    return unpack(pack(w, decomp), decomp, w.shape)
+    return unpack(pack(w, decomp, gram=gram), decomp, w.shape)
 
 
 # ───────────────────────────── profiling ─────────────────────────────
@@ -759,7 +835,8 @@ def _int_seq(v, name, what, example):
 
 
 def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
-                  latency=None, intn_bits=(6, 5, 3), int2_groups=(32,)) -> LayerProfile:
+                  latency=None, intn_bits=(6, 5, 3), int2_groups=(32,), gram=None,
+                  gptq=True, sensitivity=None) -> LayerProfile:
     """Measure every applicable compression option of one weight.
 
     Options, in order: dense; then the quantisation ladder by decreasing bits
@@ -801,11 +878,27 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         group); ``()`` gives the int8/int4-only menu.
     int2_groups : sequence of int
         Group lengths of the group-wise int2 options (``()``: none).
+    gram : array_like, optional
+        Calibration second moment of the layer's inputs, ``H = X.T @ X``
+        ``[cols, cols]`` float64, or its diagonal ``[cols]``
+        (:func:`opscope_nb.gptq.check_gram`: shape, finite, symmetric PSD
+        within 1e-6 relative, else ``ValueError``).  With it every option gets
+        ``out_err`` and, when ``gram`` is 2-D and ``gptq`` is true, each
+        quantised option (int8/chan, int6/int5/int4/int3 per channel and per
+        group, int2/g) is followed by its ``+gptq`` twin (same layout and
+        bytes, codes from :func:`opscope_nb.gptq.gptq_quantize`).  A diagonal
+        gram gives no ``+gptq`` options (GPTQ with a diagonal Hessian is round
+        to nearest).
+    gptq : bool
+        Offer the ``+gptq`` twins when a 2-D ``gram`` is given.
+    sensitivity : float, optional
+        Stored as ``LayerProfile.sensitivity`` (finite, ``>= 0``).
 
     Returns
     -------
     LayerProfile
-        ``timings`` holds seconds per part (``latency`` when measured).
+        ``timings`` holds seconds per part (``latency`` when measured,
+        ``gptq`` and ``out_err`` with a gram).
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str; got {type(name).__name__}.")
@@ -826,41 +919,59 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         lat_ms = _check_ms(latency)
     rows, cols = w.shape
     numel = rows * cols
+    if gram is not None:
+        from .gptq import check_gram, output_error
+        gram = check_gram(gram, cols)
+    if sensitivity is not None:
+        sensitivity = float(sensitivity)
+        if not math.isfinite(sensitivity) or sensitivity < 0:
+            raise ValueError(f"sensitivity must be finite and >= 0; got {sensitivity!r}.")
+    with_gptq = bool(gptq) and gram is not None and gram.ndim == 2
     opts = []
     tim = {k: 0.0 for k in ("quant", "ternary", "sparse", "svd", "lowrank", "monarch",
                             "tucker", "tt")}
 
     def add(d, part, svd=None):
         t0 = time.perf_counter()
-        packed = _pack(w, d, svd)
+        packed = _pack(w, d, svd, gram)
         recon = unpack(packed, d, w.shape)
         err = float(_rel_err(w, recon))
         nb = _nbytes(packed)
         if part:
-            tim[part] += time.perf_counter() - t0
+            tim[part] = tim.get(part, 0.0) + time.perf_counter() - t0
+        oerr = None
+        if gram is not None:
+            t0 = time.perf_counter()
+            oerr = output_error(w, recon, gram)
+            tim["out_err"] = tim.get("out_err", 0.0) + time.perf_counter() - t0
         lat = {}
         if lat_ms is not None:
             from .runtime import PackedLinear, measure_latency
             t0 = time.perf_counter()
             lat = measure_latency(PackedLinear(d, packed, w.shape), lat_ms, seed=seed)
             tim["latency"] = tim.get("latency", 0.0) + time.perf_counter() - t0
-        opts.append(DecompOption(d, err, nb, _flops(rows, cols, d), lat))
+        opts.append(DecompOption(d, err, nb, _flops(rows, cols, d), lat, oerr))
+
+    def addq(d):
+        add(d, "quant")
+        if with_gptq:
+            add(d.with_rounding("gptq"), "gptq")
 
     add(Decomp.dense(), None)
-    add(Decomp.int8(), "quant")
+    addq(Decomp.int8())
     for b in (6, 5, 4, 3):
         if b == 4:
-            add(Decomp.int4(), "quant")
+            addq(Decomp.int4())
         elif b in nbits:
-            add(Decomp.intn(b), "quant")
+            addq(Decomp.intn(b))
         else:
             continue
         for g in gs:
             if cols > g:
-                add(Decomp.int4(g) if b == 4 else Decomp.intn(b, g), "quant")
+                addq(Decomp.int4(g) if b == 4 else Decomp.intn(b, g))
     for g in g2s:
         if cols > g:
-            add(Decomp.intn(2, g), "quant")
+            addq(Decomp.intn(2, g))
     add(Decomp.ternary(), "ternary")
     add(Decomp.sparse24(), "sparse")
 
@@ -899,7 +1010,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         if packed_bytes(rows, cols, d) < 4 * numel:
             add(d, "tt")
 
-    return LayerProfile(name, rows, cols, 4 * numel, opts, tim)
+    return LayerProfile(name, rows, cols, 4 * numel, opts, tim, sensitivity)
 
 
 # ───────────────────────────── quant sweep ─────────────────────────────

@@ -1,0 +1,201 @@
+"""Data-aware rounding and output-space error from calibration statistics.
+
+``gram`` is the second-moment matrix of a linear layer's inputs on
+calibration data, ``H = sum_t x_t x_tᵀ`` (``[cols, cols]``, float64, ``cols``
+= in_features), or its diagonal (1-D ``[cols]``) when only that is kept.
+
+* :func:`check_gram` - validate a gram against a weight's ``cols``.
+* :func:`output_error` - ``sqrt(tr(dW H dWᵀ) / tr(W H Wᵀ))`` with ``dW = W - Ŵ``:
+  the relative error of the layer's outputs ``x Wᵀ`` on the calibration inputs.
+* :func:`gptq_quantize` - GPTQ codes and scales (Frantar et al. 2022) in the
+  layout of :func:`opscope_nb.kernels.quantize_groups_sym`, so the
+  ``+gptq`` options pack exactly as their round-to-nearest twins.
+
+Dampening: ``H + damp * mean(diag(H)) * I`` with ``damp = 0.01`` (GPTQ's
+default ``percdamp``); a column with ``H[i, i] = 0`` (an input that is always
+zero) gets ``H[i, i] = 1`` first, so it is rounded to nearest and passes no
+error on.  Columns are processed in their natural order (no act-order: the
+group scales must stay in layout order).  With a diagonal gram GPTQ has
+nothing to compensate and returns exactly the round-to-nearest codes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._validation import as_matrix
+
+__all__ = ["check_gram", "output_error", "gptq_quantize", "hessian_factor", "DAMP"]
+
+#: Default relative dampening of the Hessian diagonal.
+DAMP = 0.01
+
+
+def check_gram(gram, cols, *, name="gram", tol=1e-6) -> np.ndarray:
+    """Validate a calibration gram for a weight with ``cols`` input features.
+
+    Parameters
+    ----------
+    gram : array_like
+        ``[cols, cols]`` symmetric positive semi-definite, or ``[cols]`` (its
+        diagonal, every entry ``>= 0``); finite.
+    cols : int
+    tol : float
+        Relative tolerance: ``|H - Hᵀ| <= tol * max|H|`` and ``H + tol *
+        mean(diag H) * I`` must have a Cholesky factor.
+
+    Returns
+    -------
+    ndarray of float64, C-contiguous, shape (cols, cols) or (cols,)
+
+    Raises
+    ------
+    ValueError
+        Wrong shape, non-finite entries, not symmetric, not PSD, or a negative
+        diagonal entry.
+    """
+    try:
+        g = np.ascontiguousarray(gram, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a numeric array; got {type(gram).__name__}.") from None
+    if g.ndim == 1:
+        if g.shape != (cols,):
+            raise ValueError(f"{name} (diagonal) must have shape ({cols},) = (in_features,); "
+                             f"got {g.shape}. Pass diag(H) of this layer's inputs.")
+        if not np.isfinite(g).all():
+            raise ValueError(f"{name} must be finite; got {np.count_nonzero(~np.isfinite(g))} "
+                             f"NaN/Inf entries. Recompute the calibration statistics.")
+        if (g < 0).any():
+            raise ValueError(f"{name} (diagonal of a second-moment matrix) must be >= 0; got "
+                             f"min {g.min()}. Pass sum of x**2 per input feature.")
+        return g
+    if g.ndim != 2 or g.shape != (cols, cols):
+        raise ValueError(f"{name} must have shape ({cols}, {cols}) = (in_features, in_features) "
+                         f"or ({cols},); got {g.shape}. Pass H = X.T @ X of this layer's inputs.")
+    if not np.isfinite(g).all():
+        raise ValueError(f"{name} must be finite; got {np.count_nonzero(~np.isfinite(g))} "
+                         f"NaN/Inf entries. Recompute the calibration statistics.")
+    amax = float(np.abs(g).max()) if g.size else 0.0
+    asym = float(np.abs(g - g.T).max()) if g.size else 0.0
+    if asym > tol * max(amax, 1e-300):
+        raise ValueError(f"{name} must be symmetric within {tol:g} relative; got max |H - H.T| "
+                         f"= {asym:.3g} (max |H| = {amax:.3g}). Pass H = X.T @ X.")
+    d = np.diag(g)
+    if (d < 0).any():
+        raise ValueError(f"{name} must be positive semi-definite; got a negative diagonal "
+                         f"entry {d.min():.3g}.")
+    if cols:
+        shift = tol * max(float(d.mean()), 1e-300)
+        try:
+            np.linalg.cholesky(0.5 * (g + g.T) + shift * np.eye(cols))
+        except np.linalg.LinAlgError:
+            raise ValueError(f"{name} must be positive semi-definite within {tol:g} relative; "
+                             f"it has a clearly negative eigenvalue (min "
+                             f"{np.linalg.eigvalsh(g).min():.3g}). Pass H = X.T @ X.") from None
+    return g
+
+
+def output_error(w, w_hat, gram) -> float:
+    """Relative output error ``sqrt(tr(dW H dWᵀ) / tr(W H Wᵀ))``, ``dW = w - w_hat``.
+
+    Parameters
+    ----------
+    w, w_hat : ndarray of shape (rows, cols)
+        ``[out, in]``; computed in float64.
+    gram : ndarray of float64, shape (cols, cols) or (cols,)
+        A validated gram (:func:`check_gram`); 1-D means diagonal.
+
+    Returns
+    -------
+    float
+        0 when ``tr(W H Wᵀ) == 0`` and ``dW`` is 0 on the inputs seen; ``inf``
+        when only the error is non-zero.
+    """
+    w = np.asarray(w, dtype=np.float64)
+    dw = w - np.asarray(w_hat, dtype=np.float64)
+    if gram.ndim == 1:
+        num = float(((dw * dw) @ gram).sum())
+        den = float(((w * w) @ gram).sum())
+    else:
+        num = float(np.einsum("ij,ij->", dw @ gram, dw))
+        den = float(np.einsum("ij,ij->", w @ gram, w))
+    num = max(num, 0.0)
+    if den <= 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return float(np.sqrt(num / den))
+
+
+def hessian_factor(gram, damp=DAMP) -> np.ndarray:
+    """Upper Cholesky factor ``u`` of the dampened inverse Hessian (``H^-1 = uᵀ u``).
+
+    Parameters
+    ----------
+    gram : ndarray of float64, shape (cols, cols) or (cols,)
+        Validated (:func:`check_gram`); 1-D is a diagonal.
+    damp : float
+        ``H + damp * mean(diag H) * I`` after zero diagonal entries are set to 1.
+
+    Returns
+    -------
+    ndarray of float64, shape (cols, cols), C-contiguous, upper triangular
+    """
+    h = np.diag(gram) if gram.ndim == 1 else np.array(gram, dtype=np.float64)
+    h = 0.5 * (h + h.T)
+    cols = h.shape[0]
+    d = np.diag(h).copy()
+    dead = d <= 0
+    d[dead] = 1.0
+    h[np.arange(cols), np.arange(cols)] = d
+    h[np.arange(cols), np.arange(cols)] += float(damp) * float(d.mean())
+    # With J the exchange matrix and J H J = L Lᵀ: H^-1 = uᵀ u for the upper
+    # triangular u = J L^-1 J (one Cholesky, one triangular inverse).
+    from scipy.linalg import solve_triangular
+    lo = np.linalg.cholesky(np.ascontiguousarray(h[::-1, ::-1]))
+    linv = solve_triangular(lo, np.eye(cols), lower=True)
+    return np.ascontiguousarray(linv[::-1, ::-1])
+
+
+def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128) -> tuple:
+    """GPTQ codes and scales of ``w`` given its inputs' gram.
+
+    Parameters
+    ----------
+    w : array_like of shape (rows, cols)
+        ``[out_features, in_features]``; finite.
+    gram : array_like of shape (cols, cols) or (cols,)
+        ``H = sum x xᵀ`` of the layer's inputs (validated by :func:`check_gram`).
+    bits : int
+        2..8.
+    group : int, optional
+        Group length along a row; ``None`` is one scale per row (per channel).
+    damp : float
+        Relative dampening (see the module docstring), ``>= 0``.
+    block : int
+        Lazy-update block width (rounded up to a multiple of ``group``).
+
+    Returns
+    -------
+    codes : ndarray of shape (rows, cols), int8
+    scales : ndarray of float32, shape (rows, ceil(cols / group)) or (rows, 1)
+        per channel; as :func:`opscope_nb.kernels.quantize_groups_sym`.
+    """
+    from .kernels._gptq import gptq_core
+    w = as_matrix(w, "w")
+    rows, cols = w.shape
+    g = check_gram(gram, cols)
+    if isinstance(bits, bool) or int(bits) != bits or not 2 <= int(bits) <= 8:
+        raise ValueError(f"bits must be an int in 2..8; got {bits!r}.")
+    grp = cols if group is None else int(group)
+    if grp < 1:
+        raise ValueError(f"group must be >= 1 or None; got {group!r}.")
+    damp = float(damp)
+    if not np.isfinite(damp) or damp < 0:
+        raise ValueError(f"damp must be finite and >= 0; got {damp!r}.")
+    grp = min(grp, max(cols, 1))
+    blk = max(int(block), 1)
+    if grp < cols:
+        blk = max(grp, (blk // grp) * grp)
+    if rows == 0 or cols == 0:
+        return (np.zeros((rows, cols), np.int8),
+                np.ones((rows, (cols + grp - 1) // grp if cols else 0), np.float32))
+    u = hessian_factor(g, damp)
+    return gptq_core(np.array(w, dtype=np.float64), u, int(bits), grp, blk)

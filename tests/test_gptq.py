@@ -1,0 +1,161 @@
+"""GPTQ rounding, output-space error and gram validation vs tests/naive_gptq.py."""
+import json
+
+import numpy as np
+import pytest
+
+import naive_gptq as ng
+from opscope_nb.gptq import check_gram, gptq_quantize, output_error
+from opscope_nb.mining import (Decomp, DecompOption, LayerProfile, approximate, pack,
+                               profile_layer)
+
+
+def _data(rows, cols, n=300, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    mix = rng.standard_normal((cols, cols)) * 0.3 + np.eye(cols)
+    x = rng.standard_normal((n, cols)) @ mix
+    x[:, :3] *= 4.0
+    return w, x, x.T @ x
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, None), (3, 32)])
+def test_gptq_codes_equal_numpy_twin(bits, group):
+    w, _, h = _data(24, 160, seed=bits)
+    codes, scales = gptq_quantize(w, h, bits, group, block=64)
+    c2, s2 = ng.gptq(w, h, bits, group or 160)
+    np.testing.assert_array_equal(scales.reshape(24, -1), s2)
+    np.testing.assert_array_equal(codes, c2)
+
+
+def test_gptq_core_from_njit_caller():
+    from opscope_nb._config import njit
+    from opscope_nb.gptq import hessian_factor
+    from opscope_nb.kernels._gptq import gptq_core
+
+    @njit
+    def call(w, u):
+        return gptq_core(w, u, 4, 32, 64)
+
+    w, _, h = _data(8, 96, seed=3)
+    codes, scales = call(np.array(w, np.float64), hessian_factor(h))
+    c2, s2 = ng.gptq(w, h, 4, 32)
+    np.testing.assert_array_equal(codes, c2)
+    np.testing.assert_array_equal(scales, s2)
+
+
+def test_gptq_diagonal_gram_is_round_to_nearest():
+    w, x, _ = _data(16, 96, seed=5)
+    d = (x * x).sum(axis=0)
+    codes, scales = gptq_quantize(w, d, 4, 32)
+    c2, s2 = ng.rtn(w, 4, 32)
+    np.testing.assert_array_equal(codes, c2)
+    np.testing.assert_array_equal(scales, s2)
+
+
+def test_out_err_matches_explicit_products():
+    w, x, h = _data(20, 64, seed=7)
+    for label in ("int4/g32", "int8/chan", "int3/chan+gptq", "lowrank(r=5)"):
+        d = Decomp.from_label(label)
+        wh = approximate(w, d, gram=h)
+        assert output_error(w, wh, check_gram(h, 64)) == pytest.approx(
+            ng.out_err_explicit(w, wh, x), rel=1e-9)
+    lp = profile_layer("l", w, gram=h, rank_cap=8)
+    for o in lp.options:
+        wh = approximate(w, o.decomp, gram=h)
+        assert o.out_err == pytest.approx(ng.out_err_explicit(w, wh, x), rel=1e-9, abs=1e-15)
+
+
+def test_diag_path_equals_full_path_for_diagonal_gram():
+    w, x, _ = _data(12, 64, seed=9)
+    dg = (x * x).sum(axis=0)
+    a = profile_layer("l", w, gram=dg, rank_cap=4)
+    b = profile_layer("l", w, gram=np.diag(dg), rank_cap=4, gptq=False)
+    assert [o.label for o in a.options] == [o.label for o in b.options]
+    for oa, ob in zip(a.options, b.options):
+        assert oa.out_err == pytest.approx(ob.out_err, rel=1e-12, abs=1e-15)
+    # the diagonal gram offers no +gptq options (nothing to compensate)
+    assert not any("+gptq" in o.label for o in a.options)
+
+
+def test_gptq_beats_round_to_nearest_on_output_error():
+    w, x, h = _data(32, 256, n=600, seed=11)
+    lp = profile_layer("l", w, gram=h, rank_cap=4)
+    by = {o.label: o for o in lp.options}
+    for base in ("int4/g128", "int4/g32", "int3/g32"):
+        assert by[base + "+gptq"].out_err < 0.9 * by[base].out_err
+        assert by[base + "+gptq"].bytes == by[base].bytes
+
+
+def test_gptq_packs_same_layout_and_runs_in_packedlinear():
+    from opscope_nb.runtime import PackedLinear
+    w, x, h = _data(16, 128, seed=13)
+    for label in ("int4/g32+gptq", "int4/g128+gptq", "int8/chan+gptq", "int5/g32+gptq"):
+        d = Decomp.from_label(label)
+        p = pack(w, d, gram=h)
+        q = pack(w, d.with_rounding(None))
+        assert {k: (v.shape, v.dtype) for k, v in p.items()} == \
+            {k: (v.shape, v.dtype) for k, v in q.items()}
+        lin = PackedLinear(d, p, w.shape)
+        xs = np.ascontiguousarray(x[:3], dtype=np.float32)
+        ref = xs.astype(np.float64) @ approximate(w, d, gram=h).T.astype(np.float64)
+        got = lin(xs, act="f32")
+        assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_gptq_needs_gram():
+    w, _, _ = _data(8, 64)
+    with pytest.raises(ValueError, match="gram="):
+        pack(w, Decomp.from_label("int4/g32+gptq"))
+    with pytest.raises(ValueError, match="rounding"):
+        Decomp("lowrank", r=2, rounding="gptq")
+    with pytest.raises(ValueError, match="rounding"):
+        Decomp("int8", rounding="awq-ish")
+
+
+def test_labels_and_fields_round_trip_json():
+    w, _, h = _data(8, 96, seed=2)
+    lp = profile_layer("l", w, gram=h, rank_cap=4, sensitivity=0.25)
+    back = LayerProfile.from_dict(json.loads(json.dumps(lp.to_dict())))
+    assert back.sensitivity == 0.25
+    assert [o.label for o in back.options] == [o.label for o in lp.options]
+    assert [o.out_err for o in back.options] == [o.out_err for o in lp.options]
+    assert [o.decomp for o in back.options] == [o.decomp for o in lp.options]
+    for lab in ("int4/g128+gptq", "int8/chan+gptq", "int3/chan+gptq", "int2/g32+gptq"):
+        d = Decomp.from_label(lab)
+        assert d.label == lab and d.rounding == "gptq"
+        assert Decomp.from_dict(json.loads(json.dumps(d.to_dict()))) == d
+        assert d != d.with_rounding(None)
+    plain = profile_layer("l", w, rank_cap=4)
+    assert all(o.out_err is None for o in plain.options) and plain.sensitivity is None
+    o = DecompOption.from_dict(json.loads(json.dumps(plain.options[1].to_dict())))
+    assert o.out_err is None
+
+
+@pytest.mark.parametrize("bad,match", [
+    (np.ones((5, 5)), "shape"),
+    (np.ones(5), "shape"),
+    (np.ones((6, 6, 1)), "shape"),
+    (np.full((6, 6), np.nan), "finite"),
+    (np.array([1.0, np.inf, 1, 1, 1, 1]), "finite"),
+    (np.triu(np.ones((6, 6))), "symmetric"),
+    (-np.eye(6), "semi-definite"),
+    (np.diag([1.0, 1, 1, 1, 1, -1]), "semi-definite"),
+    (np.array([[1.0, 2, 0, 0, 0, 0], [2, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0],
+               [0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1]]), "semi-definite"),
+    (-np.ones(6), ">= 0"),
+])
+def test_bad_gram_raises(bad, match):
+    w = np.ones((3, 6), np.float32)
+    with pytest.raises(ValueError, match=match):
+        profile_layer("l", w, gram=bad)
+
+
+def test_psd_within_tolerance_accepted_and_zero_gram():
+    w, x, h = _data(4, 16, n=8)  # rank 8 < 16: singular PSD
+    h2 = h.copy()
+    h2[0, 1] += 1e-12 * np.abs(h).max()
+    lp = profile_layer("l", w, gram=h2, rank_cap=2)
+    assert all(np.isfinite(o.out_err) for o in lp.options)
+    z = profile_layer("l", w, gram=np.zeros((16, 16)), rank_cap=2)
+    assert all(o.out_err == 0.0 for o in z.options)
