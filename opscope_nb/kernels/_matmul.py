@@ -775,32 +775,25 @@ def _i8_block(xf, m, k, wf, j0, j1, acc, y, sx, scale, want_y, i0):
         i = i0
         # Raw 4 x 4 tiles on VNNI: the first row group also returns 128 * sum w
         # of each weight row (i8dot_rawc_tile_4x4); later groups reuse it.
-        c0 = c1 = c2 = c3 = np.int32(0)
-        while i + 4 <= m:
-            if i == i0:
-                t20 = i8dot_rawc_tile_4x4(xf, 0, k, wf, wo, k, nch)
-                c0 = t20[16]
-                c1 = t20[17]
-                c2 = t20[18]
-                c3 = t20[19]
-                t = t20[:16]
-            else:
-                t = i8dot_raw_tile_4x4(xf, i * k, k, wf, wo, k, nch)
+        cc = (np.int32(0), np.int32(0), np.int32(0), np.int32(0))
+        if i + 4 <= m:
+            t20 = i8dot_rawc_tile_4x4(xf, i * k, k, wf, wo, k, nch)
+            cc = (t20[16], t20[17], t20[18], t20[19])
             for r in range(4):
-                xo = (i + r) * k
-                a0 = np.int32(t[4 * r] - c0)
-                a1 = np.int32(t[4 * r + 1] - c1)
-                a2 = np.int32(t[4 * r + 2] - c2)
-                a3 = np.int32(t[4 * r + 3] - c3)
-                if tail:
-                    a0 += _i8_tail(xf, xo, wf, wo, kv, k)
-                    a1 += _i8_tail(xf, xo, wf, w1, kv, k)
-                    a2 += _i8_tail(xf, xo, wf, w2, kv, k)
-                    a3 += _i8_tail(xf, xo, wf, w3, kv, k)
-                _put(acc, y, sx, scale, want_y, i + r, j0, a0)
-                _put(acc, y, sx, scale, want_y, i + r, j0 + 1, a1)
-                _put(acc, y, sx, scale, want_y, i + r, j0 + 2, a2)
-                _put(acc, y, sx, scale, want_y, i + r, j0 + 3, a3)
+                for q in range(4):
+                    v = np.int32(t20[4 * r + q] - cc[q])
+                    if tail:
+                        v += _i8_tail(xf, (i + r) * k, wf, wo + q * k, kv, k)
+                    _put(acc, y, sx, scale, want_y, i + r, j0 + q, v)
+            i += 4
+        while i + 4 <= m:
+            t = i8dot_raw_tile_4x4(xf, i * k, k, wf, wo, k, nch)
+            for r in range(4):
+                for q in range(4):
+                    v = np.int32(t[4 * r + q] - cc[q])
+                    if tail:
+                        v += _i8_tail(xf, (i + r) * k, wf, wo + q * k, kv, k)
+                    _put(acc, y, sx, scale, want_y, i + r, j0 + q, v)
             i += 4
         while i + 2 <= m:
             xo = i * k
