@@ -52,7 +52,8 @@ __all__ = [
     "tucker_order",
     "tt_linear",
     "tt_split",
-    "sparse24_dot_quads",
+    "sparse24_dot_quads1",
+    "sparse24_dot_quads4",
 ]
 
 #: Default work (multiply-adds per call) below which a kernel stays serial.
@@ -202,90 +203,122 @@ def _permps(builder, src, idx):
     return out
 
 
-@intrinsic
-def sparse24_dot_quads(typingctx, v, ind, x, nquad):
-    """``sum`` over the first ``16 nquad`` kept values of one 2:4 row of
-    ``v[t] * x[8 (t // 4) + 4 ((t % 4) // 2) + slot_t]`` (``slot_t`` the 2-bit
-    field ``t % 4`` of byte ``ind[t // 4]``), float32.
+def _make_s24(R):
+    """Build the 2:4 row-dot intrinsic for ``R`` samples at once (the slot
+    decode and the value loads are shared by the ``R`` samples)."""
 
-    Register-level decode: per two index bytes (8 values, 16 inputs) the
-    bytes are widened and broadcast to 8 int32 lanes, shifted by ``0, 2, 4,
-    6`` and masked to the slots, offset to ``4 (t % 4 // 2)``; one ``vpermps``
-    per 8-input half picks the inputs, a constant blend joins the halves and
-    one fused multiply-add accumulates (two accumulators, a quad = 16 values
-    per step).  ``vpermps`` on AVX2 hosts, portable lane extracts elsewhere.
+    def typer(typingctx, v, ind, x, xoff, xstride, nquad):
+        if not (isinstance(v, types.Array) and v.dtype == types.float32
+                and isinstance(ind, types.Array) and ind.dtype == types.uint8
+                and isinstance(x, types.Array) and x.dtype == types.float32):
+            return None
+        sig = types.UniTuple(types.float32, R)(v, ind, x, types.intp, types.intp, types.intp)
 
-    Call from ``@njit`` code; ``v`` float32 1-D (``>= 16 nquad``), ``ind``
-    uint8 1-D (``>= 4 nquad``), ``x`` float32 1-D (``>= 32 nquad``), all
-    C-contiguous.
+        def codegen(context, builder, sig, args):
+            va = context.make_array(sig.args[0])(context, builder, args[0])
+            ia = context.make_array(sig.args[1])(context, builder, args[1])
+            xa = context.make_array(sig.args[2])(context, builder, args[2])
+            xoff, xstride, n = [context.cast(builder, args[i], sig.args[i], types.intp)
+                                for i in (3, 4, 5)]
+            intp = context.get_value_type(types.intp)
+            f32 = ir.FloatType()
+            v8f = ir.VectorType(f32, 8)
+            v2i8 = ir.VectorType(_I8, 2)
+            v2i32 = ir.VectorType(_I32, 2)
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(v8f, [v8f, v8f, v8f]),
+                "llvm.fmuladd.v8f32")
+            U = 2 if R == 1 else 1        # accumulator sets (latency hiding)
+            accs = []
+            for _ in range(U * R):
+                a = cgutils.alloca_once(builder, v8f)
+                builder.store(ir.Constant(v8f, None), a)
+                accs.append(a)
+            shifts = _cvec([0, 2, 4, 6, 0, 2, 4, 6])
+            three = _cvec([3] * 8)
+            offs = _cvec([0, 0, 4, 4, 0, 0, 4, 4])
+            blend = _cvec([0, 1, 2, 3, 12, 13, 14, 15])
+            rep = _cvec([0, 0, 0, 0, 1, 1, 1, 1])
+            xrows = [builder.gep(xa.data, [builder.add(
+                xoff, builder.mul(xstride, ir.Constant(intp, r)))], inbounds=True)
+                for r in range(R)]
+
+            def pair(k, aset):
+                """Index bytes 2k, 2k+1: values 8k..8k+7, inputs 16k..16k+15."""
+                pi = builder.gep(ia.data, [builder.mul(k, ir.Constant(intp, 2))],
+                                 inbounds=True)
+                b2 = builder.load(builder.bitcast(pi, v2i8.as_pointer()), align=1)
+                b8 = builder.shuffle_vector(builder.zext(b2, v2i32),
+                                            ir.Constant(v2i32, None), rep)
+                idx = builder.add(builder.and_(builder.lshr(b8, shifts), three), offs)
+                pv = builder.gep(va.data, [builder.mul(k, ir.Constant(intp, 8))],
+                                 inbounds=True)
+                vals = builder.load(builder.bitcast(pv, v8f.as_pointer()), align=4)
+                for r in range(R):
+                    px = builder.gep(xrows[r], [builder.mul(k, ir.Constant(intp, 16))],
+                                     inbounds=True)
+                    lo = builder.load(builder.bitcast(px, v8f.as_pointer()), align=4)
+                    px8 = builder.gep(px, [ir.Constant(intp, 8)], inbounds=True)
+                    hi = builder.load(builder.bitcast(px8, v8f.as_pointer()), align=4)
+                    pick = builder.shuffle_vector(_permps(builder, lo, idx),
+                                                  _permps(builder, hi, idx), blend)
+                    acc = accs[aset * R + r]
+                    builder.store(builder.call(fma, [vals, pick, builder.load(acc)]), acc)
+
+            i8p = _I8.as_pointer()
+            pf = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                "llvm.prefetch.p0i8")
+            with cgutils.for_range(builder, n) as loop:
+                k2 = builder.mul(loop.index, ir.Constant(intp, 2))
+                # software prefetch of the value stream _PF_BYTES ahead (one
+                # cache line per step; past the row it is the next row's values)
+                pv = builder.gep(va.data, [builder.add(
+                    builder.mul(k2, ir.Constant(intp, 8)), ir.Constant(intp, _PF_BYTES // 4))])
+                builder.call(pf, [builder.bitcast(pv, i8p), ir.Constant(_I32, 0),
+                                  ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                pair(k2, 0)
+                pair(builder.add(k2, ir.Constant(intp, 1)), U - 1)
+            outs = []
+            for r in range(R):
+                tot = builder.load(accs[r])
+                if U == 2:
+                    tot = builder.fadd(tot, builder.load(accs[R + r]))
+                for w in (4, 2, 1):
+                    tot = builder.fadd(
+                        builder.shuffle_vector(tot, tot, _cvec(list(range(w)))),
+                        builder.shuffle_vector(tot, tot, _cvec(list(range(w, 2 * w)))))
+                outs.append(builder.extract_element(tot, ir.Constant(_I32, 0)))
+            return context.make_tuple(builder, sig.return_type, outs)
+
+        return sig, codegen
+
+    typer.__name__ = f"sparse24_dot_quads{R}"
+    fn = intrinsic(typer)
+    fn.__doc__ = f"""Dot products of one 2:4 weight row with {R} sample(s), over its
+    first ``16 nquad`` kept values: result ``r`` is ``sum_t v[t] * x[xoff + r
+    xstride + 8 (t // 4) + 4 ((t % 4) // 2) + slot_t]`` (``slot_t`` the 2-bit
+    field ``t % 4`` of byte ``ind[t // 4]``), float32, as a ``{R}``-tuple.
+
+    Register-level decode: per two index bytes (8 values, 16 inputs) the bytes
+    are widened and broadcast to 8 int32 lanes, shifted by ``0, 2, 4, 6``,
+    masked to the slots and offset by ``4 ((t % 4) // 2)``; per sample one
+    ``vpermps`` per 8-input half picks the inputs, a constant blend joins the
+    halves and one fused multiply-add accumulates.  The decode and the value
+    load are shared by the {R} sample(s).  ``vpermps`` on AVX2 hosts,
+    portable lane extracts elsewhere; a software prefetch runs ahead on the
+    value stream.
+
+    Call from ``@njit`` code as ``sparse24_dot_quads{R}(v, ind, x, xoff,
+    xstride, nquad)``: ``v`` float32 1-D (``>= 16 nquad``), ``ind`` uint8 1-D
+    (``>= 4 nquad``), ``x`` float32 1-D (flat samples; sample ``r`` starts at
+    ``xoff + r xstride``, ``>= 32 nquad`` elements each), all C-contiguous.
     """
-    if not (isinstance(v, types.Array) and v.dtype == types.float32
-            and isinstance(ind, types.Array) and ind.dtype == types.uint8
-            and isinstance(x, types.Array) and x.dtype == types.float32):
-        return None
-    sig = types.float32(v, ind, x, types.intp)
+    return fn
 
-    def codegen(context, builder, sig, args):
-        va = context.make_array(sig.args[0])(context, builder, args[0])
-        ia = context.make_array(sig.args[1])(context, builder, args[1])
-        xa = context.make_array(sig.args[2])(context, builder, args[2])
-        n = context.cast(builder, args[3], sig.args[3], types.intp)
-        intp = context.get_value_type(types.intp)
-        f32 = ir.FloatType()
-        v8f = ir.VectorType(f32, 8)
-        v2i8 = ir.VectorType(_I8, 2)
-        v2i32 = ir.VectorType(_I32, 2)
-        fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(v8f, [v8f, v8f, v8f]), "llvm.fmuladd.v8f32")
-        accs = []
-        for _ in range(2):
-            a = cgutils.alloca_once(builder, v8f)
-            builder.store(ir.Constant(v8f, None), a)
-            accs.append(a)
-        shifts = _cvec([0, 2, 4, 6, 0, 2, 4, 6])
-        three = _cvec([3] * 8)
-        offs = _cvec([0, 0, 4, 4, 0, 0, 4, 4])
-        blend = _cvec([0, 1, 2, 3, 12, 13, 14, 15])
-        rep = _cvec([0, 0, 0, 0, 1, 1, 1, 1])
 
-        def pair(k, acc):
-            """Index bytes 2k, 2k+1: values 8k..8k+7, inputs 16k..16k+15."""
-            pi = builder.gep(ia.data, [builder.mul(k, ir.Constant(intp, 2))], inbounds=True)
-            b2 = builder.load(builder.bitcast(pi, v2i8.as_pointer()), align=1)
-            b8 = builder.shuffle_vector(builder.zext(b2, v2i32), ir.Constant(v2i32, None), rep)
-            idx = builder.add(builder.and_(builder.lshr(b8, shifts), three), offs)
-            px = builder.gep(xa.data, [builder.mul(k, ir.Constant(intp, 16))], inbounds=True)
-            lo = builder.load(builder.bitcast(px, v8f.as_pointer()), align=4)
-            px8 = builder.gep(px, [ir.Constant(intp, 8)], inbounds=True)
-            hi = builder.load(builder.bitcast(px8, v8f.as_pointer()), align=4)
-            pick = builder.shuffle_vector(_permps(builder, lo, idx), _permps(builder, hi, idx),
-                                          blend)
-            pv = builder.gep(va.data, [builder.mul(k, ir.Constant(intp, 8))], inbounds=True)
-            vals = builder.load(builder.bitcast(pv, v8f.as_pointer()), align=4)
-            builder.store(builder.call(fma, [vals, pick, builder.load(acc)]), acc)
-
-        i8p = _I8.as_pointer()
-        pf = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
-            "llvm.prefetch.p0i8")
-        with cgutils.for_range(builder, n) as loop:
-            k2 = builder.mul(loop.index, ir.Constant(intp, 2))
-            # software prefetch of the value stream PF_BYTES ahead (one cache
-            # line per step; past the row it is the next row's values).
-            pv = builder.gep(va.data, [builder.add(builder.mul(k2, ir.Constant(intp, 8)),
-                                                   ir.Constant(intp, _PF_BYTES // 4))])
-            builder.call(pf, [builder.bitcast(pv, i8p), ir.Constant(_I32, 0),
-                              ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-            pair(k2, accs[0])
-            pair(builder.add(k2, ir.Constant(intp, 1)), accs[1])
-        tot = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-        for w in (4, 2, 1):
-            tot = builder.fadd(
-                builder.shuffle_vector(tot, tot, _cvec(list(range(w)) + [0] * 0)),
-                builder.shuffle_vector(tot, tot, _cvec(list(range(w, 2 * w)))))
-        return builder.extract_element(tot, ir.Constant(_I32, 0))
-
-    return sig, codegen
+sparse24_dot_quads1 = _make_s24(1)
+sparse24_dot_quads4 = _make_s24(4)
 
 
 @njit
@@ -296,44 +329,32 @@ def _sparse_rows(x, xp, values, indices, y, r0, r1):
     nv = values.shape[1]
     nb8 = xp.shape[2]
     nq = nb8 // 4
+    k = x.shape[1]
+    xf = x.ravel()
     for r in range(r0, r1):
         v = values[r]
         ind = indices[r]
+        i = 0
+        while i + 4 <= m:
+            a0, a1, a2, a3 = sparse24_dot_quads4(v, ind, xf, i * k, k, nq)
+            y[i, r] = a0
+            y[i + 1, r] = a1
+            y[i + 2, r] = a2
+            y[i + 3, r] = a3
+            i += 4
+        while i < m:
+            y[i, r] = sparse24_dot_quads1(v, ind, xf, i * k, k, nq)[0]
+            i += 1
         for i in range(m):
-            acc = sparse24_dot_quads(v, ind, x[i], nq)
-            acc += _sparse_dot(v, ind, xp[i], 4 * nq, nb8)
+            acc = _sparse_dot(v, ind, xp[i], 4 * nq, nb8)
             for t in range(4 * nb8, nv):          # values of a short tail
                 sl = (np.int32(ind[t >> 2]) >> np.int32(2 * (t & 3))) & 3
                 acc += v[t] * x[i, 4 * (t >> 1) + sl]
-            y[i, r] = acc
-
-
-@njit
-def _sparse_rows_batch(xt, values, indices, y, r0, r1, col, acc):
-    """Rows ``r0..r1-1`` of ``y`` for many samples: per weight row the
-    slots are decoded once into input columns ``col``, then every kept value
-    adds ``v * xt[col, :]`` to the ``m`` accumulators (an axpy along the
-    samples of the transposed input ``xt[cols, m]``)."""
-    m = xt.shape[1]
-    nv = values.shape[1]
-    for r in range(r0, r1):
-        v = values[r]
-        ind = indices[r]
-        for t in range(nv):
-            col[t] = 4 * (t >> 1) + ((np.int64(ind[t >> 2]) >> (2 * (t & 3))) & 3)
-        for i in range(m):
-            acc[i] = np.float32(0.0)
-        for t in range(nv):
-            vt = v[t]
-            xr = xt[col[t]]
-            for i in range(m):
-                acc[i] += vt * xr[i]
-        for i in range(m):
-            y[i, r] = acc[i]
+            y[i, r] += acc
 
 
 @njit_parallel
-def sparse24_linear(x, values, indices, min_parallel=PAR_MIN, batch_min=4):
+def sparse24_linear(x, values, indices, min_parallel=PAR_MIN):
     """``y = x @ W_hat.T`` for the ``sparse2:4`` pack, using only the kept
     values.
 
@@ -341,14 +362,17 @@ def sparse24_linear(x, values, indices, min_parallel=PAR_MIN, batch_min=4):
     each group of four consecutive columns, in column order; a short last group
     keeps ``min(2, cols % 4)``), ``indices`` u8 ``[rows, ceil(nv / 4)]`` (value
     ``t``'s 2-bit slot inside its group in bits ``2 (t % 4)`` of byte
-    ``t // 4``), ``nv = 2 (cols // 4) + min(2, cols % 4)``.  Each sample's
-    inputs are first split into eight planes (``x[8 b + e]`` for index byte
-    ``b``); then per weight row and sample one pass over the index bytes picks,
-    for each of a byte's four values, its input out of the four candidates of
-    its group branch-free from the 2-bit slot (no gather, so the loop
-    vectorises; see ``_sparse_dot``), and a short last group is summed scalar: ``rows * nv``
-    multiply-adds per sample, half of dense, reading ``4 nv + nv / 4`` weight
-    bytes per row instead of ``4 cols``.
+    ``t // 4``), ``nv = 2 (cols // 4) + min(2, cols % 4)``.
+
+    Per weight row, samples four at a time (then one at a time) go through
+    ``sparse24_dot_quads4`` / ``sparse24_dot_quads1``: the 2-bit slots are
+    decoded in registers and each value's input picked with ``vpermps`` (no
+    gather, no dense row), for the first ``32 (cols // 32)`` inputs; the
+    remaining full index bytes use a branch-free float pick that LLVM
+    vectorises (``_sparse_dot`` over eight input planes) and a short last
+    group is summed scalar.  ``rows * nv`` multiply-adds per sample, half of
+    dense, reading ``4 nv + nv / 4`` weight bytes per row instead of
+    ``4 cols``.
 
     Parameters
     ----------
@@ -358,8 +382,6 @@ def sparse24_linear(x, values, indices, min_parallel=PAR_MIN, batch_min=4):
     min_parallel : int
         Serial below ``m * rows * nv`` multiply-adds; above, 16 fixed row
         chunks run in ``prange``.
-    batch_min : int
-        Samples from which the decoded-columns axpy path is used.
 
     Returns
     -------
@@ -368,26 +390,13 @@ def sparse24_linear(x, values, indices, min_parallel=PAR_MIN, batch_min=4):
     m = x.shape[0]
     rows, nv = values.shape
     y = np.empty((m, rows), dtype=np.float32)
-    serial = m * rows * nv < min_parallel or rows < 2
-    nc = min(rows, _NCHUNK)
-    if m < batch_min:
-        xp = _sparse_planes(x, x.shape[1] // 8)
-        if serial:
-            _sparse_rows(x, xp, values, indices, y, 0, rows)
-        else:
-            for c in prange(nc):
-                _sparse_rows(x, xp, values, indices, y, c * rows // nc,
-                             (c + 1) * rows // nc)
+    xp = _sparse_planes(x, x.shape[1] // 8)
+    if m * rows * nv < min_parallel or rows < 2:
+        _sparse_rows(x, xp, values, indices, y, 0, rows)
     else:
-        xt = np.ascontiguousarray(x.T)
-        if serial:
-            _sparse_rows_batch(xt, values, indices, y, 0, rows,
-                               np.empty(nv, dtype=np.int64), np.empty(m, dtype=np.float32))
-        else:
-            for c in prange(nc):
-                _sparse_rows_batch(xt, values, indices, y, c * rows // nc,
-                                   (c + 1) * rows // nc, np.empty(nv, dtype=np.int64),
-                                   np.empty(m, dtype=np.float32))
+        nc = min(rows, _NCHUNK)
+        for c in prange(nc):
+            _sparse_rows(x, xp, values, indices, y, c * rows // nc, (c + 1) * rows // nc)
     return y
 
 
