@@ -114,7 +114,9 @@ def test_stream_bandwidth_reads_the_array():
     bw = bench.stream_bandwidth(1 << 16, 1, {"rounds": 1, "gap": 0.0}, chunk_bytes=1 << 12)
     assert bw["chunk_bytes"] == 1 << 12
     assert bw["gb_s"] == pytest.approx((1 << 12) / (bw["ms"] * 1e6))
-    assert bench.machine._stream_sum(np.ones(1001, np.float32), 3) == 1001.0
+    assert bench.machine._stream_sum(np.ones((3, 1001), np.float32)) == 3003.0
+    a = np.arange(64 * 50, dtype=np.float32).reshape(64, 50)
+    assert bench.machine._stream_sum(a) == float(a.astype(np.float64).sum())
     with pytest.raises(ValueError, match="nbytes"):
         bench.stream_bandwidth(0)
 
