@@ -274,6 +274,8 @@ def main(argv=None):
     if a.threads:
         numba.set_num_threads(a.threads)
     STAT["value"] = a.stat
+    if accel.available():  # the vendor sgemm gets the same thread count
+        accel.set_threads(numba.get_num_threads())
     timing = {"rounds": 3 if a.quick else a.rounds, "gap": 0.05}
     reps = 5 if a.quick else 10
     try:
