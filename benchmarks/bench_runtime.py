@@ -138,8 +138,8 @@ def main(argv=None):
     ap.add_argument("--kinds", default="",
                     help="comma-separated Decomp kinds, e.g. dense,sparse24,lowrank "
                          "(default: all)")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu", action="store_true",
                     help="one thread for numba and the vendor, timed with the calling "

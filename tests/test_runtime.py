@@ -291,5 +291,10 @@ def test_measure_latency():
     lin = PackedLinear.pack(_w((8, 12)), Decomp.dense())
     t = measure_latency(lin, [2, 2, 1], rounds=1)
     assert list(t) == [2, 1] and all(v > 0 for v in t.values())
+    t25 = measure_latency(lin, (1,), rounds=1, quantile=0.25)
+    assert set(t25) == {1} and t25[1] > 0
     with pytest.raises(TypeError, match="PackedLinear"):
         measure_latency(np.zeros(3), (1,))
+    for q in (0.0, 1.5):
+        with pytest.raises(ValueError, match="quantile"):
+            measure_latency(lin, (1,), quantile=q)
