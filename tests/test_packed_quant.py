@@ -322,3 +322,25 @@ def test_lowbit_paths_agree(path):
             a = host(xp, cf, w, w2, sf, nun, upf, fmt, mode)
             b = other(xp, cf, w, w2, sf, nun, upf, fmt, mode)
             assert a == b, (fmt, mode)
+
+
+def test_parallel_split_equals_serial():
+    """min_parallel=0 forces the prange split over output blocks: same bits as
+    the serial call (every output is computed by one thread in a fixed order)."""
+    rows, cols = 37, 300
+    packed, sc = _int4(rows, cols, 32)
+    lo, hi, sc6 = _intn(6, rows, cols, 128)
+    tp, al = _ternary(rows, cols)
+    for m in (1, 6):
+        x = RNG.standard_normal((m, cols)).astype(np.float32)
+        for act8 in (False, True):
+            big = 1 << 40
+            np.testing.assert_array_equal(
+                K.packed_int4_linear(x, packed, sc, cols, 32, act8, 0),
+                K.packed_int4_linear(x, packed, sc, cols, 32, act8, big))
+            np.testing.assert_array_equal(
+                K.packed_intn_linear(x, lo, hi, sc6, 6, cols, 128, act8, 0),
+                K.packed_intn_linear(x, lo, hi, sc6, 6, cols, 128, act8, big))
+            np.testing.assert_array_equal(
+                K.packed_ternary_linear(x, tp, al, cols, act8, 0),
+                K.packed_ternary_linear(x, tp, al, cols, act8, big))

@@ -17,7 +17,21 @@ kind              arrays
 ``ternary``       ``codes`` uint8 [rows, ceil(cols/4)] (column ``4t+q`` in bits
                   ``2q..2q+1`` of byte ``t``: 0 -> 0, 1 -> +1, 3 -> -1);
                   ``alpha`` float32 [1]
+``int{b}/chan``,  (b = 2, 3, 5, 6) offset codes ``u = code + 2**(b-1)``:
+``int{b}/g{g}``   ``lo`` uint8 [rows, ceil(cols*lb/8)] (low ``lb`` bits, lb = 2
+                  for b <= 3 else 4), ``hi`` uint8 [rows, ceil(cols*(b-lb)/8)]
+                  (the rest; absent for b = 2); column ``j`` in byte
+                  ``j // (8/f)`` at bit ``f * (j % (8/f))`` of a plane of
+                  ``f``-bit fields; ``scales`` float32 [rows] or
+                  [rows, ceil(cols/g)]
 ================  ==========================================================
+
+``act="auto"`` (runtime) runs the int8-activation path for every kind here:
+measured on the Zen 4 development machine (benchmarks/bench_packed_quant.py),
+it is at least as fast as the int16 path at m = 1 (both stream the same
+weight bytes; the A8 inner step is one ``vpdpbusd`` per 32 weights against
+two zero-extends and two ``vpmaddwd``) and faster at m = 32.  Use
+``act="f32"`` when the ~1 % int8 activation error matters.
 
 Activations
 -----------
@@ -38,7 +52,7 @@ each nibble/crumb field lines up with its activation lane, and the offset is
 removed exactly with one precomputed ``offset * sum(x)`` per scale group.
 int8 activations use ``vpdpbusd`` (AVX-512 VNNI / AVX-VNNI) or
 ``vpmaddubsw`` + ``vpmaddwd`` (AVX2); int16 activations use ``vpmaddwd``.
-Columns past the last whole unit (64 columns for int4, 128 for ternary) or
+Columns past the last whole unit (64 columns; 128 for ternary) or
 group, and group sizes that are neither 32 nor a multiple of the unit, take a
 scalar path with the same integer sums.
 
