@@ -243,6 +243,11 @@ def test_cores_from_njit_caller():
     # the parallel branch equals the serial one bit for bit
     np.testing.assert_array_equal(out[1], K.sparse24_linear(x, sp["values"], sp["indices"],
                                                             1 << 40))
+    x20 = _x(20, 51)                    # TT: chunks of 8 samples in prange
+    np.testing.assert_array_equal(K.tt_linear(x20, flat, shapes, split, 0),
+                                  K.tt_linear(x20, flat, shapes, split, 1 << 40))
+    assert nv.rel(K.tt_linear(x20, flat, shapes, split, 0),
+                  nv.linear(x20, nv.unpack(tt, "tt", (35, 51), modes=dtt.modes))) <= 1e-5
     # both contraction orders are exercised by FLOAT_CASES:
     # (3*17*2 + 17*2*5 = 272) < (3*17*5 + 3*2*5 = 285): u1 first
     assert tuple(K.tucker_order((35, 3, 17), (4, 2, 5))) == (1, 272 + 40 + 35 * 4)

@@ -60,6 +60,8 @@ __all__ = [
 PAR_MIN = 1 << 17
 #: Fixed number of row chunks a parallel kernel splits its outputs into.
 _NCHUNK = 16
+#: Samples per parallel chunk of the TT kernel.
+_TT_BATCH = 8
 
 
 # --------------------------------------------------------------------------
@@ -672,16 +674,21 @@ def tt_split(shapes, rows):
 
 
 @njit
-def _tt_one(x, i, flat, shapes, offs, split, bufa, bufb, y):
+def _tt_chunk(x, i0, i1, flat, shapes, offs, split, bufa, bufb, y):
+    """Samples ``i0..i1-1`` through the TT operator together (the batch is
+    part of the prefix on the input side and the innermost, contiguous axis
+    on the output side, so every inner loop runs over ``batch x`` more
+    elements)."""
     n = shapes.shape[0]
-    # Input side: v[(P, d), b] -> v'[P, a] with core t (a, d, b), t = n-1 .. split.
+    mb = i1 - i0
+    cols = x.shape[1]
     cur = bufa
     nxt = bufb
-    ln = x.shape[1]
-    for p in range(ln):
-        cur[p] = x[i, p]
-    rb = 1              # trailing bond of cur
-    pp = ln             # number of (prefix, d) * rb entries / rb
+    for i in range(mb):
+        for p in range(cols):
+            cur[i * cols + p] = x[i0 + i, p]
+    # Input side, t = n-1 .. split: v[(P, d), b] -> v'[P, a] = sum G[a, d, b] v.
+    pp = mb * cols
     for t in range(n - 1, split - 1, -1):
         ra = shapes[t, 0]
         d = shapes[t, 1]
@@ -699,10 +706,15 @@ def _tt_one(x, i, flat, shapes, offs, split, bufa, bufb, y):
                 nxt[q * ra + a] = acc
         cur, nxt = nxt, cur
         pp = npre
-        rb = ra
-    # cur holds u[b] (length rb = bond at split).  Output side, t = split-1 .. 0:
-    # u_t[a, (i_t, rest)] = sum_b G_t[a, i_t, b] u_{t+1}[b, rest].
-    qlen = 1
+    # cur is u[i, b] (mb x r_split): make the batch innermost, u[b, i].
+    rs = shapes[split, 0]
+    for i in range(mb):
+        for b in range(rs):
+            nxt[b * mb + i] = cur[i * rs + b]
+    cur, nxt = nxt, cur
+    # Output side, t = split-1 .. 0:
+    # u_t[a, (i_t, rest, i)] = sum_b G_t[a, i_t, b] u_{t+1}[b, (rest, i)].
+    qlen = mb
     for t in range(split - 1, -1, -1):
         ra = shapes[t, 0]
         d = shapes[t, 1]
@@ -722,8 +734,10 @@ def _tt_one(x, i, flat, shapes, offs, split, bufa, bufb, y):
                         nxt[o + e] += c * cur[ob + e]
         cur, nxt = nxt, cur
         qlen = span
-    for e in range(qlen):
-        y[i, e] = cur[e]
+    rows = qlen // mb
+    for r in range(rows):
+        for i in range(mb):
+            y[i0 + i, r] = cur[r * mb + i]
 
 
 @njit
@@ -749,11 +763,14 @@ def tt_linear(x, flat, shapes, split, min_parallel=PAR_MIN):
     ``split`` modes multiplying to ``rows`` (outputs) and the rest to ``cols``
     (inputs).
 
-    Contraction order (no dense ``W_hat``): the sample, viewed as a tensor over
-    the input modes, is contracted with the input cores **right to left**
-    (``core{n-1}`` first, each step a batch of contiguous dot products of
-    length ``d_k r_next``), leaving a bond vector; the output cores then expand
-    it, again right to left (axpy sweeps).  Multiply-adds per sample:
+    Contraction order (no dense ``W_hat``): the samples, viewed as a tensor
+    over the input modes, are contracted with the input cores **right to
+    left** (``core{n-1}`` first, each step contiguous dot products of length
+    ``d_k r_next``), leaving one bond vector per sample; the output cores then
+    expand them, again right to left, with the samples as the innermost axis
+    (axpy sweeps over ``prod(d[t+1..split-1]) x batch`` elements).  Samples
+    are processed together (in chunks of 8 in ``prange`` above
+    ``min_parallel``).  Multiply-adds per sample:
     ``sum_{t >= split} prod(d[split..t]) r_t r_{t+1} + sum_{t < split}
     r_t r_{t+1} prod(d[t..split-1])`` (``mining``'s ``flops``).
 
@@ -769,8 +786,8 @@ def tt_linear(x, flat, shapes, split, min_parallel=PAR_MIN):
     split : int
         Output modes (see :func:`tt_split`), ``1 <= split < n``.
     min_parallel : int
-        Serial below ``m * cols`` multiply-adds... per call of this size;
-        above, samples run in ``prange``.
+        Serial below ``m * (params + cols + rows)`` of this size (or fewer
+        than 16 samples); above, chunks of 8 samples run in ``prange``.
 
     Returns
     -------
@@ -786,14 +803,16 @@ def tt_linear(x, flat, shapes, split, min_parallel=PAR_MIN):
             rows *= shapes[k, 1]
     y = np.empty((m, rows), dtype=np.float32)
     nb = _tt_buffer(shapes, split, cols, rows)
-    if m < 2 or m * (offs[n] + cols + rows) < min_parallel:
-        bufa = np.empty(nb, dtype=np.float32)
-        bufb = np.empty(nb, dtype=np.float32)
-        for i in range(m):
-            _tt_one(x, i, flat, shapes, offs, split, bufa, bufb, y)
+    if m < 2 * _TT_BATCH or m * (offs[n] + cols + rows) < min_parallel:
+        bufa = np.empty(nb * m, dtype=np.float32)
+        bufb = np.empty(nb * m, dtype=np.float32)
+        _tt_chunk(x, 0, m, flat, shapes, offs, split, bufa, bufb, y)
     else:
-        for i in prange(m):
-            bufa = np.empty(nb, dtype=np.float32)
-            bufb = np.empty(nb, dtype=np.float32)
-            _tt_one(x, i, flat, shapes, offs, split, bufa, bufb, y)
+        nc = (m + _TT_BATCH - 1) // _TT_BATCH
+        for c in prange(nc):
+            i0 = c * _TT_BATCH
+            i1 = min(m, i0 + _TT_BATCH)
+            bufa = np.empty(nb * (i1 - i0), dtype=np.float32)
+            bufb = np.empty(nb * (i1 - i0), dtype=np.float32)
+            _tt_chunk(x, i0, i1, flat, shapes, offs, split, bufa, bufb, y)
     return y
