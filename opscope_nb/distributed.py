@@ -48,6 +48,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 
 __all__ = [
     "INSTALL_LINE",
@@ -412,7 +413,11 @@ def connect(workers: int | None = None, threads_per_worker: int | None = None,
     pre.pop("MALLOC_TRIM_THRESHOLD_", None)
     pre.update(env)
     try:
-        with dask.config.set({"distributed.nanny.pre-spawn-environ": pre}):
+        with dask.config.set({"distributed.nanny.pre-spawn-environ": pre}), \
+                warnings.catch_warnings():
+            # the scheduler's health/metrics HTTP server binds 127.0.0.1:8787, or a
+            # free port when another cluster has it (a warning we do not print)
+            warnings.filterwarnings("ignore", message="Port .* is already in use")
             local = distributed.LocalCluster(
                 n_workers=int(workers), threads_per_worker=1, processes=True,
                 host="127.0.0.1", scheduler_port=0, dashboard_address=None,
