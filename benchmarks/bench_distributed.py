@@ -179,7 +179,11 @@ def main():
     ap.add_argument("--skip-gguf", action="store_true")
     ap.add_argument("--skip-synthetic", action="store_true")
     ap.add_argument("--keep", metavar="DIR", help="keep checkpoints/outputs here")
+    ap.add_argument("--write-only", metavar="DIR", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.write_only:
+        write_synthetic(args.write_only, args.layers)
+        return
     tmp = args.keep or tempfile.mkdtemp(prefix="bench_dist_")
     os.makedirs(tmp, exist_ok=True)
     print(f"cores {os.cpu_count()} (shared with other work: noisy), workers {args.workers}")
@@ -196,7 +200,12 @@ def main():
         syn = None
         if not args.skip_synthetic:
             t = time.perf_counter()
-            d = write_synthetic(os.path.join(tmp, "synthetic"), args.layers)
+            # written by a child process: Linux carries a process's peak RSS across
+            # fork+exec, so generating ~1 GB here would inflate every later
+            # command's reported peak RSS
+            d = os.path.join(tmp, "synthetic")
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--write-only", d,
+                            "--layers", str(args.layers)], check=True)
             print(f"\n(wrote {args.layers} bf16 matrices to {d} in "
                   f"{time.perf_counter() - t:.1f} s)")
             syn = bench_pair("synthetic", d, args.workers, tmp)
