@@ -243,6 +243,9 @@ def test_cores_from_njit_caller():
     # the parallel branch equals the serial one bit for bit
     np.testing.assert_array_equal(out[1], K.sparse24_linear(x, sp["values"], sp["indices"],
                                                             1 << 40))
+    ref_sp = nv.linear(x[:3], nv.unpack(sp, "sparse24", (37, 51)))
+    assert nv.rel(K.sparse24_linear(x[:3], sp["values"], sp["indices"], 0, True),
+                  ref_sp) <= 1e-5
     x20 = _x(20, 51)                    # TT: chunks of 8 samples in prange
     np.testing.assert_array_equal(K.tt_linear(x20, flat, shapes, split, 0),
                                   K.tt_linear(x20, flat, shapes, split, 1 << 40))

@@ -42,6 +42,10 @@ from numba.extending import intrinsic
 from .._config import njit, njit_parallel
 from ._matmul import matmul_f32
 from ._simd import USE_AVX2_PMADDWD as _HAS_AVX2
+from ._simd import _FEATS, _X86
+
+#: AVX-512F host: the 2:4 pick uses vpermi2ps over 32 inputs (16 values/step).
+_HAS_AVX512 = _X86 and "avx512f" in _FEATS
 
 __all__ = [
     "dense_linear",
@@ -52,8 +56,9 @@ __all__ = [
     "tucker_order",
     "tt_linear",
     "tt_split",
-    "sparse24_dot_quads1",
-    "sparse24_dot_quads4",
+    "sparse24_dot_1x1",
+    "sparse24_dot_1x4",
+    "sparse24_dot_4x1",
 ]
 
 #: Default work (multiply-adds per call) below which a kernel stays serial.
@@ -205,158 +210,226 @@ def _permps(builder, src, idx):
     return out
 
 
-def _make_s24(R):
-    """Build the 2:4 row-dot intrinsic for ``R`` samples at once (the slot
-    decode and the value loads are shared by the ``R`` samples)."""
+def _make_s24(R, C=1):
+    """Build the 2:4 row-dot intrinsic for ``R`` samples x ``C`` weight rows
+    at once (a row's slot decode and value loads are shared by the ``R``
+    samples; ``C`` rows keep ``2 C`` memory streams in flight)."""
 
-    def typer(typingctx, v, ind, x, xoff, xstride, nquad):
+    def typer(typingctx, v, voff, vstride, ind, ioff, istride, x, xoff, xstride, nquad):
         if not (isinstance(v, types.Array) and v.dtype == types.float32
                 and isinstance(ind, types.Array) and ind.dtype == types.uint8
                 and isinstance(x, types.Array) and x.dtype == types.float32):
             return None
-        sig = types.UniTuple(types.float32, R)(v, ind, x, types.intp, types.intp, types.intp)
+        ip = types.intp
+        sig = types.UniTuple(types.float32, R * C)(v, ip, ip, ind, ip, ip, x, ip, ip, ip)
 
         def codegen(context, builder, sig, args):
             va = context.make_array(sig.args[0])(context, builder, args[0])
-            ia = context.make_array(sig.args[1])(context, builder, args[1])
-            xa = context.make_array(sig.args[2])(context, builder, args[2])
-            xoff, xstride, n = [context.cast(builder, args[i], sig.args[i], types.intp)
-                                for i in (3, 4, 5)]
+            ia = context.make_array(sig.args[3])(context, builder, args[3])
+            xa = context.make_array(sig.args[6])(context, builder, args[6])
+            voff, vstride, ioff, istride, xoff, xstride, n = [
+                context.cast(builder, args[i], sig.args[i], types.intp)
+                for i in (1, 2, 4, 5, 7, 8, 9)]
             intp = context.get_value_type(types.intp)
+
+            def c_(v):
+                return ir.Constant(intp, v)
+
             f32 = ir.FloatType()
-            v8f = ir.VectorType(f32, 8)
-            v2i8 = ir.VectorType(_I8, 2)
-            v2i32 = ir.VectorType(_I32, 2)
+            wide = _HAS_AVX512
+            L = 16 if wide else 8           # lanes per step (values)
+            vf = ir.VectorType(f32, L)
+            vi = ir.VectorType(_I32, L)
+            nb = L // 4                      # index bytes per step
+            vbi8 = ir.VectorType(_I8, nb)
+            vbi32 = ir.VectorType(_I32, nb)
             fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(v8f, [v8f, v8f, v8f]),
-                "llvm.fmuladd.v8f32")
-            U = 2 if R == 1 else 1        # accumulator sets (latency hiding)
-            accs = []
-            for _ in range(U * R):
-                a = cgutils.alloca_once(builder, v8f)
-                builder.store(ir.Constant(v8f, None), a)
-                accs.append(a)
-            shifts = _cvec([0, 2, 4, 6, 0, 2, 4, 6])
-            three = _cvec([3] * 8)
-            offs = _cvec([0, 0, 4, 4, 0, 0, 4, 4])
+                builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fmuladd.v{L}f32")
+            # two accumulator sets when there are few independent chains
+            U = 2 if R * C < 4 else 1
+            accs = {}
+            for u in range(U):
+                for c in range(C):
+                    for r in range(R):
+                        a = cgutils.alloca_once(builder, vf)
+                        builder.store(ir.Constant(vf, None), a)
+                        accs[u, c, r] = a
+            rep = _cvec([t >> 2 for t in range(L)])
+            shifts = _cvec([2 * (t & 3) for t in range(L)])
+            three = _cvec([3] * L)
+            # input column of value t inside the step: 8 (t // 4) + 4 ((t % 4) // 2)
+            offs = _cvec([8 * (t >> 2) + 4 * ((t >> 1) & 1) for t in range(L)])
+            if wide:
+                perm = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(vf, [vf, vi, vf]),
+                    "llvm.x86.avx512.vpermi2var.ps.512")
             blend = _cvec([0, 1, 2, 3, 12, 13, 14, 15])
-            rep = _cvec([0, 0, 0, 0, 1, 1, 1, 1])
-            xrows = [builder.gep(xa.data, [builder.add(
-                xoff, builder.mul(xstride, ir.Constant(intp, r)))], inbounds=True)
-                for r in range(R)]
-
-            def pair(k, aset):
-                """Index bytes 2k, 2k+1: values 8k..8k+7, inputs 16k..16k+15."""
-                pi = builder.gep(ia.data, [builder.mul(k, ir.Constant(intp, 2))],
-                                 inbounds=True)
-                b2 = builder.load(builder.bitcast(pi, v2i8.as_pointer()), align=1)
-                b8 = builder.shuffle_vector(builder.zext(b2, v2i32),
-                                            ir.Constant(v2i32, None), rep)
-                idx = builder.add(builder.and_(builder.lshr(b8, shifts), three), offs)
-                pv = builder.gep(va.data, [builder.mul(k, ir.Constant(intp, 8))],
-                                 inbounds=True)
-                vals = builder.load(builder.bitcast(pv, v8f.as_pointer()), align=4)
-                for r in range(R):
-                    px = builder.gep(xrows[r], [builder.mul(k, ir.Constant(intp, 16))],
-                                     inbounds=True)
-                    lo = builder.load(builder.bitcast(px, v8f.as_pointer()), align=4)
-                    px8 = builder.gep(px, [ir.Constant(intp, 8)], inbounds=True)
-                    hi = builder.load(builder.bitcast(px8, v8f.as_pointer()), align=4)
-                    pick = builder.shuffle_vector(_permps(builder, lo, idx),
-                                                  _permps(builder, hi, idx), blend)
-                    acc = accs[aset * R + r]
-                    builder.store(builder.call(fma, [vals, pick, builder.load(acc)]), acc)
-
+            vrow = [builder.gep(va.data, [builder.add(voff, builder.mul(vstride, c_(c)))],
+                                inbounds=True) for c in range(C)]
+            irow = [builder.gep(ia.data, [builder.add(ioff, builder.mul(istride, c_(c)))],
+                                inbounds=True) for c in range(C)]
+            xrow = [builder.gep(xa.data, [builder.add(xoff, builder.mul(xstride, c_(r)))],
+                                inbounds=True) for r in range(R)]
             i8p = _I8.as_pointer()
             pf = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
                 "llvm.prefetch.p0i8")
-            with cgutils.for_range(builder, n) as loop:
-                k2 = builder.mul(loop.index, ir.Constant(intp, 2))
-                # software prefetch of the value stream _PF_BYTES ahead (one
-                # cache line per step; past the row it is the next row's values)
-                pv = builder.gep(va.data, [builder.add(
-                    builder.mul(k2, ir.Constant(intp, 8)), ir.Constant(intp, _PF_BYTES // 4))])
-                builder.call(pf, [builder.bitcast(pv, i8p), ir.Constant(_I32, 0),
-                                  ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-                pair(k2, 0)
-                pair(builder.add(k2, ir.Constant(intp, 1)), U - 1)
+
+            def load(ptr, off, ty, align):
+                p = builder.gep(ptr, [off], inbounds=True)
+                return builder.load(builder.bitcast(p, ty.as_pointer()), align=align)
+
+            def step(k, u):
+                """Step k: index bytes nb k.., values L k.., inputs 2 L k.."""
+                picks = []
+                xs = []
+                for r in range(R):
+                    xo = builder.mul(k, c_(2 * L))
+                    lo = load(xrow[r], xo, vf, 4)
+                    hi = load(xrow[r], builder.add(xo, c_(L)), vf, 4)
+                    xs.append((lo, hi))
+                for c in range(C):
+                    b = load(irow[c], builder.mul(k, c_(nb)), vbi8, 1)
+                    bw = builder.shuffle_vector(builder.zext(b, vbi32),
+                                                ir.Constant(vbi32, None), rep)
+                    idx = builder.add(builder.and_(builder.lshr(bw, shifts), three), offs)
+                    vals = load(vrow[c], builder.mul(k, c_(L)), vf, 4)
+                    for r in range(R):
+                        lo, hi = xs[r]
+                        if wide:
+                            pick = builder.call(perm, [lo, idx, hi])
+                        else:
+                            pick = builder.shuffle_vector(_permps(builder, lo, idx),
+                                                          _permps(builder, hi, idx), blend)
+                        a = accs[u, c, r]
+                        builder.store(builder.call(fma, [vals, pick, builder.load(a)]), a)
+                    picks.append(None)
+
+            def prefetch(k):
+                # the value streams _PF_BYTES ahead (past a row: the next rows)
+                for c in range(C):
+                    p = builder.gep(vrow[c], [builder.add(builder.mul(k, c_(L)),
+                                                          c_(_PF_BYTES // 4))])
+                    builder.call(pf, [builder.bitcast(p, i8p), ir.Constant(_I32, 0),
+                                      ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+            # a "quad" is 4 index bytes = 16 values: 1 wide step or 2 narrow ones
+            if wide:
+                nsteps = n
+            else:
+                nsteps = builder.mul(n, c_(2))
+            nmain = builder.udiv(nsteps, c_(U)) if U > 1 else nsteps
+            with cgutils.for_range(builder, nmain) as loop:
+                base = builder.mul(loop.index, c_(U)) if U > 1 else loop.index
+                for u in range(U):
+                    if wide or u == 0:      # one cache line of values per 16
+                        prefetch(builder.add(base, c_(u)))
+                    step(builder.add(base, c_(u)), u)
+            if U > 1:
+                done = builder.mul(nmain, c_(U))
+                with cgutils.for_range(builder, builder.sub(nsteps, done)) as loop:
+                    step(builder.add(done, loop.index), 0)
             outs = []
-            for r in range(R):
-                tot = builder.load(accs[r])
-                if U == 2:
-                    tot = builder.fadd(tot, builder.load(accs[R + r]))
-                for w in (4, 2, 1):
-                    tot = builder.fadd(
-                        builder.shuffle_vector(tot, tot, _cvec(list(range(w)))),
-                        builder.shuffle_vector(tot, tot, _cvec(list(range(w, 2 * w)))))
-                outs.append(builder.extract_element(tot, ir.Constant(_I32, 0)))
+            for c in range(C):
+                for r in range(R):
+                    tot = builder.load(accs[0, c, r])
+                    for u in range(1, U):
+                        tot = builder.fadd(tot, builder.load(accs[u, c, r]))
+                    w = L
+                    while w > 1:
+                        w //= 2
+                        tot = builder.fadd(
+                            builder.shuffle_vector(tot, tot, _cvec(list(range(w)))),
+                            builder.shuffle_vector(tot, tot, _cvec(list(range(w, 2 * w)))))
+                    outs.append(builder.extract_element(tot, ir.Constant(_I32, 0)))
             return context.make_tuple(builder, sig.return_type, outs)
 
         return sig, codegen
 
-    typer.__name__ = f"sparse24_dot_quads{R}"
+    typer.__name__ = f"sparse24_dot_{R}x{C}"
     fn = intrinsic(typer)
-    fn.__doc__ = f"""Dot products of one 2:4 weight row with {R} sample(s), over its
-    first ``16 nquad`` kept values: result ``r`` is ``sum_t v[t] * x[xoff + r
-    xstride + 8 (t // 4) + 4 ((t % 4) // 2) + slot_t]`` (``slot_t`` the 2-bit
-    field ``t % 4`` of byte ``ind[t // 4]``), float32, as a ``{R}``-tuple.
+    fn.__doc__ = f"""2:4 row dots, {R} sample(s) x {C} weight row(s), over each row's
+    first ``16 nquad`` kept values: result ``c * {R} + r`` is ``sum_t v[voff + c
+    vstride + t] * x[xoff + r xstride + 8 (t // 4) + 4 ((t % 4) // 2) + slot_t]``
+    with ``slot_t`` the 2-bit field ``t % 4`` of byte ``ind[ioff + c istride + t
+    // 4]``; float32, a ``{R * C}``-tuple.
 
-    Register-level decode: per two index bytes (8 values, 16 inputs) the bytes
-    are widened and broadcast to 8 int32 lanes, shifted by ``0, 2, 4, 6``,
-    masked to the slots and offset by ``4 ((t % 4) // 2)``; per sample one
-    ``vpermps`` per 8-input half picks the inputs, a constant blend joins the
-    halves and one fused multiply-add accumulates.  The decode and the value
-    load are shared by the {R} sample(s).  ``vpermps`` on AVX2 hosts,
-    portable lane extracts elsewhere; a software prefetch runs ahead on the
-    value stream.
+    Register-level decode (no gather, no dense row): the index bytes of a step
+    are widened, broadcast four lanes each, shifted by ``0, 2, 4, 6``, masked to
+    the slots and offset to the input column inside the step; one permute per
+    sample picks the inputs (AVX-512: ``vpermi2ps`` over 32 inputs, 16 values
+    per step; AVX2: two ``vpermps`` + a blend, 8 values per step; elsewhere
+    portable lane extracts), one fused multiply-add accumulates.  A row's
+    decode and value load serve all {R} sample(s); a software prefetch runs
+    ahead on each value stream.
 
-    Call from ``@njit`` code as ``sparse24_dot_quads{R}(v, ind, x, xoff,
-    xstride, nquad)``: ``v`` float32 1-D (``>= 16 nquad``), ``ind`` uint8 1-D
-    (``>= 4 nquad``), ``x`` float32 1-D (flat samples; sample ``r`` starts at
-    ``xoff + r xstride``, ``>= 32 nquad`` elements each), all C-contiguous.
+    Call from ``@njit`` code as ``f(v, voff, vstride, ind, ioff, istride, x,
+    xoff, xstride, nquad)`` with flat C-contiguous ``v`` float32, ``ind`` uint8
+    and ``x`` float32 1-D arrays (each row / sample must hold ``16 nquad``
+    values, ``4 nquad`` index bytes, ``32 nquad`` inputs from its offset).
     """
     return fn
 
 
-sparse24_dot_quads1 = _make_s24(1)
-sparse24_dot_quads4 = _make_s24(4)
+sparse24_dot_1x1 = _make_s24(1, 1)
+sparse24_dot_1x4 = _make_s24(1, 4)
+sparse24_dot_4x1 = _make_s24(4, 1)
 
 
 @njit
-def _sparse_rows(x, xp, values, indices, y, r0, r1):
-    """Rows ``r0..r1-1`` of ``y`` for few samples: per sample one
-    vectorised pass (:func:`_sparse_dot`) plus the short tail."""
+def _sparse_rows(x, xp, values, indices, y, r0, r1, rows4):
+    """Rows ``r0..r1-1`` of ``y``: register-decoded dots for the first
+    ``32 (cols // 32)`` inputs (4 samples x 1 row; with ``rows4`` and fewer
+    than 4 samples, 1 sample x 4 rows), then the
+    vectorised float pick for the remaining full index bytes and a scalar
+    short last group."""
     m = x.shape[0]
     nv = values.shape[1]
     nb8 = xp.shape[2]
     nq = nb8 // 4
     k = x.shape[1]
     xf = x.ravel()
-    for r in range(r0, r1):
-        v = values[r]
-        ind = indices[r]
+    vf = values.ravel()
+    fi = indices.ravel()
+    sv = values.shape[1]
+    si = indices.shape[1]
+    r = r0
+    if m < 4 and rows4:
+        while r + 4 <= r1:
+            for i in range(m):
+                a0, a1, a2, a3 = sparse24_dot_1x4(vf, r * sv, sv, fi, r * si, si,
+                                                  xf, i * k, k, nq)
+                y[i, r] = a0
+                y[i, r + 1] = a1
+                y[i, r + 2] = a2
+                y[i, r + 3] = a3
+            r += 4
+    for rr in range(r, r1):
         i = 0
         while i + 4 <= m:
-            a0, a1, a2, a3 = sparse24_dot_quads4(v, ind, xf, i * k, k, nq)
-            y[i, r] = a0
-            y[i + 1, r] = a1
-            y[i + 2, r] = a2
-            y[i + 3, r] = a3
+            a0, a1, a2, a3 = sparse24_dot_4x1(vf, rr * sv, sv, fi, rr * si, si,
+                                              xf, i * k, k, nq)
+            y[i, rr] = a0
+            y[i + 1, rr] = a1
+            y[i + 2, rr] = a2
+            y[i + 3, rr] = a3
             i += 4
         while i < m:
-            y[i, r] = sparse24_dot_quads1(v, ind, xf, i * k, k, nq)[0]
+            y[i, rr] = sparse24_dot_1x1(vf, rr * sv, sv, fi, rr * si, si, xf, i * k, k, nq)[0]
             i += 1
+    for rr in range(r0, r1):
+        v = values[rr]
+        ind = indices[rr]
         for i in range(m):
             acc = _sparse_dot(v, ind, xp[i], 4 * nq, nb8)
             for t in range(4 * nb8, nv):          # values of a short tail
                 sl = (np.int32(ind[t >> 2]) >> np.int32(2 * (t & 3))) & 3
                 acc += v[t] * x[i, 4 * (t >> 1) + sl]
-            y[i, r] += acc
+            y[i, rr] += acc
 
 
 @njit_parallel
-def sparse24_linear(x, values, indices, min_parallel=PAR_MIN):
+def sparse24_linear(x, values, indices, min_parallel=PAR_MIN, rows4=False):
     """``y = x @ W_hat.T`` for the ``sparse2:4`` pack, using only the kept
     values.
 
@@ -366,10 +439,11 @@ def sparse24_linear(x, values, indices, min_parallel=PAR_MIN):
     ``t``'s 2-bit slot inside its group in bits ``2 (t % 4)`` of byte
     ``t // 4``), ``nv = 2 (cols // 4) + min(2, cols % 4)``.
 
-    Per weight row, samples four at a time (then one at a time) go through
-    ``sparse24_dot_quads4`` / ``sparse24_dot_quads1``: the 2-bit slots are
-    decoded in registers and each value's input picked with ``vpermps`` (no
-    gather, no dense row), for the first ``32 (cols // 32)`` inputs; the
+    Samples four at a time per weight row (``sparse24_dot_4x1``), then
+    single samples (``sparse24_dot_1x1``; ``rows4``: four weight rows per
+    sample): the 2-bit slots are decoded in
+    registers and each value's input picked with ``vpermi2ps`` / ``vpermps``
+    (no gather, no dense row), for the first ``32 (cols // 32)`` inputs; the
     remaining full index bytes use a branch-free float pick that LLVM
     vectorises (``_sparse_dot`` over eight input planes) and a short last
     group is summed scalar.  ``rows * nv`` multiply-adds per sample, half of
@@ -384,6 +458,11 @@ def sparse24_linear(x, values, indices, min_parallel=PAR_MIN):
     min_parallel : int
         Serial below ``m * rows * nv`` multiply-adds; above, 16 fixed row
         chunks run in ``prange``.
+    rows4 : bool
+        For fewer than 4 samples, decode 4 weight rows per step
+        (``sparse24_dot_1x4``).  Faster from cache, slower when the weights
+        stream from DRAM (measured here: 4096 x 4096, 1 thread, 2.7 vs 2.0 ms),
+        hence off by default.
 
     Returns
     -------
@@ -394,11 +473,12 @@ def sparse24_linear(x, values, indices, min_parallel=PAR_MIN):
     y = np.empty((m, rows), dtype=np.float32)
     xp = _sparse_planes(x, x.shape[1] // 8)
     if m * rows * nv < min_parallel or rows < 2:
-        _sparse_rows(x, xp, values, indices, y, 0, rows)
+        _sparse_rows(x, xp, values, indices, y, 0, rows, rows4)
     else:
         nc = min(rows, _NCHUNK)
         for c in prange(nc):
-            _sparse_rows(x, xp, values, indices, y, c * rows // nc, (c + 1) * rows // nc)
+            _sparse_rows(x, xp, values, indices, y, c * rows // nc, (c + 1) * rows // nc,
+                         rows4)
     return y
 
 
