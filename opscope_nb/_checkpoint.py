@@ -420,7 +420,8 @@ def read_plan(plan_path, method=None) -> tuple:
     return method, out, doc
 
 
-def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None) -> dict:
+def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
+               grams=None) -> dict:
     """Compress ``source`` as ``plan.json`` says and write the checkpoint to ``out_path``.
 
     Parameters
@@ -436,6 +437,9 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None) 
     make_progress : callable or None
         ``make_progress(n_tensors, total_elements)`` -> a bar with ``show(i, name)``
         / ``advance(work)`` / ``close()`` (the CLI's stderr bar).
+    grams : dict of str -> ndarray, optional
+        Calibration grams by tensor name (:func:`opscope_nb.calib.load_grams`),
+        needed by planned ``+gptq`` layers.
 
     Returns
     -------
@@ -485,7 +489,8 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None) 
             sha[e.name] = _sha(a)
             ent = plan.get(e.name)
             if ent is not None and ent[0].kind != "dense":
-                w.add_layer(e.name, PackedLinear.pack(a, ent[0]))
+                g = None if grams is None or ent[0].rounding is None else grams.get(e.name)
+                w.add_layer(e.name, PackedLinear.pack(a, ent[0], gram=g))
             else:
                 dense_layers += ent is not None
                 w.add_tensor(e.name, a)

@@ -277,6 +277,45 @@ class Allocation:
         return d
 
 
+#: Objectives the allocators minimise (see the solvers' ``objective`` parameter).
+OBJECTIVES = ("weight", "output", "sensitivity")
+
+
+def _objective_errors(layers, flat_e, objective):
+    """Per-option objective terms (flattened like ``flat_e``) and ``extra`` facts."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}; got {objective!r}.")
+    if objective == "weight":
+        return flat_e, {}
+    sens = [getattr(lp, "sensitivity", None) for lp in layers]
+    cal = [s for s, lp in zip(sens, layers)
+           if s is not None and all(getattr(o, "out_err", None) is not None
+                                    for o in lp.options)]
+    mean_s = float(np.mean(cal)) if cal else 1.0
+    out, fallback = [], 0
+    for lp, s in zip(layers, sens):
+        oe = [getattr(o, "out_err", None) for o in lp.options]
+        has_out = all(v is not None for v in oe)
+        if objective == "output":
+            fb = not has_out
+            scale = 1.0
+        else:
+            fb = not has_out or s is None
+            scale = mean_s if fb else float(s)
+            if s is not None and not (math.isfinite(float(s)) and float(s) >= 0):
+                raise ValueError(f"layer {lp.name!r} sensitivity must be finite and >= 0; "
+                                 f"got {s!r}.")
+        fallback += fb
+        for o, v in zip(lp.options, oe):
+            e = float(v) if has_out else float(o.rel_err)
+            if not (math.isfinite(e) and e >= 0):
+                raise ValueError(f"layer {lp.name!r} option {o.label}: out_err must be "
+                                 f"finite and >= 0; got {e}.")
+            out.append(scale * e * e)
+    return np.asarray(out, dtype=np.float64), {
+        "objective": objective, "objective_fallback_layers": int(fallback)}
+
+
 def _decimal(value) -> Fraction:
     """The exact rational of a float's shortest decimal form (``0.2`` -> 1/5)."""
     return Fraction(repr(float(value)))
@@ -400,7 +439,7 @@ class _Problem:
     """Validated, padded option tables shared by the three solvers."""
 
     def __init__(self, layers, budget_frac, weights, budget_bpw=None, latency_frac=None,
-                 latency_m=1):
+                 latency_m=1, objective="weight"):
         if isinstance(layers, (str, bytes)) or not hasattr(layers, "__len__"):
             raise TypeError(f"layers must be a sequence of LayerProfile; got "
                             f"{type(layers).__name__}.")
@@ -445,6 +484,7 @@ class _Problem:
         if not np.isfinite(flat_e).all() or (flat_e < 0).any():
             bad = flat_e[~(np.isfinite(flat_e) & (flat_e >= 0))][0]
             raise ValueError(f"option rel_err must be finite and >= 0; got {bad}.")
+        flat_e, self.obj_extra = _objective_errors(layers, flat_e, objective)
         col = np.concatenate([np.arange(k) for k in nopt])
         row = np.repeat(np.arange(nl), nopt)
         cost[row, col] = wts[row] * flat_e
@@ -612,7 +652,7 @@ class _Problem:
                        dense_bytes=self.dense, feasible=feasible,
                        lower_bound=lb, gap=gap, method=method,
                        budget_bytes=self.budget, budget_frac=self.frac,
-                       extra=dict(extra or {}), budget_bpw=self.bpw,
+                       extra={**self.obj_extra, **(extra or {})}, budget_bpw=self.bpw,
                        n_weights=self.n_weights, bound=bound)
         if self.use_lat:
             a.latency_m = self.lat_m
@@ -639,11 +679,22 @@ _COMMON_PARAMS = """budget_frac : float, optional
         no latency at ``latency_m`` are left out of the plan (counted in
         ``extra["options_without_latency"]``).
     latency_m : int
-        Rows of the activation the latency budget is measured at (default 1)."""
+        Rows of the activation the latency budget is measured at (default 1).
+    objective : {"weight", "output", "sensitivity"}
+        What is summed over layers (times ``weights``): ``"weight"`` the
+        weight-space ``rel_err`` (default); ``"output"`` the squared output
+        error ``out_err**2`` on calibration data; ``"sensitivity"``
+        ``LayerProfile.sensitivity * out_err**2`` (predicted model-output
+        metric).  A layer profiled without calibration (``out_err`` None)
+        falls back to ``rel_err**2`` (``"output"``) or ``rel_err**2`` times the
+        mean sensitivity of the calibrated layers (``"sensitivity"``; a layer
+        with ``out_err`` but no sensitivity uses that mean too); the number of
+        such layers is in ``extra["objective_fallback_layers"]``.  ``total_err``,
+        ``lower_bound`` and ``gap`` are all in the chosen objective."""
 
 
 def greedy_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
-                    latency_frac=None, latency_m=1) -> Allocation:
+                    latency_frac=None, latency_m=1, objective="weight") -> Allocation:
     """Greedy Lagrangian allocation (the upstream rule).
 
     Start with every layer dense (option 0); while the plan exceeds the
@@ -663,7 +714,8 @@ def greedy_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
     -------
     Allocation
     """
-    pb = _Problem(layers, budget_frac, weights, budget_bpw, latency_frac, latency_m)
+    pb = _Problem(layers, budget_frac, weights, budget_bpw, latency_frac, latency_m,
+                  objective)
     if not pb.feasible:
         return pb.result(pb.smallest(), "greedy")
     return pb.result(pb.greedy(), "greedy")
@@ -671,7 +723,7 @@ def greedy_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
 
 def dado_allocate(layers, budget_frac=None, cfg: DadoConfig = DadoConfig(), *,
                   budget_bpw=None, weights=None, latency_frac=None,
-                  latency_m=1) -> Allocation:
+                  latency_m=1, objective="weight") -> Allocation:
     """DADO allocation: greedy warm start refined by cross-entropy search.
 
     Per-layer categorical marginals start at ``0.4/K`` plus ``0.6`` on the
@@ -700,7 +752,8 @@ def dado_allocate(layers, budget_frac=None, cfg: DadoConfig = DadoConfig(), *,
     if not math.isfinite(pen) or pen < 0:
         raise ValueError(f"cfg.penalty must be finite and >= 0; got {cfg.penalty!r}.")
     seed = check_int(cfg.seed, "cfg.seed", 0) & 0xFFFFFFFFFFFFFFFF
-    pb = _Problem(layers, budget_frac, weights, budget_bpw, latency_frac, latency_m)
+    pb = _Problem(layers, budget_frac, weights, budget_bpw, latency_frac, latency_m,
+                  objective)
     if not pb.feasible:
         return pb.result(pb.smallest(), "dado")
     g = np.asarray(pb.greedy(), dtype=np.int64)
@@ -746,7 +799,8 @@ def _pareto_reduce(pb):
 
 
 def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
-                   time_limit=60.0, latency_frac=None, latency_m=1) -> Allocation:
+                   time_limit=60.0, latency_frac=None, latency_m=1,
+                   objective="weight") -> Allocation:
     """The optimal plan, from a MILP solved by HiGHS (:func:`scipy.optimize.milp`).
 
     Binaries ``x_ij`` (one per non-dominated option), ``sum_j x_ij = 1`` per
@@ -795,7 +849,8 @@ def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
     if not (math.isfinite(float(time_limit)) and float(time_limit) > 0):
         raise ValueError(f"time_limit must be a finite number of seconds > 0; got "
                          f"{time_limit!r}.")
-    pb = _Problem(layers, budget_frac, weights, budget_bpw, latency_frac, latency_m)
+    pb = _Problem(layers, budget_frac, weights, budget_bpw, latency_frac, latency_m,
+                  objective)
     if not pb.feasible:
         return pb.result(pb.smallest(), "exact",
                          extra={"solver": "highs", "status": "infeasible"})

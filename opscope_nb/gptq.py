@@ -154,6 +154,21 @@ def hessian_factor(gram, damp=DAMP) -> np.ndarray:
     return np.ascontiguousarray(linv[::-1, ::-1])
 
 
+_LAST_FACTOR = []   # [(gram array, damp, u)]: the factor of the last gram seen
+
+
+def _cached_factor(g, damp):
+    """:func:`hessian_factor`, reused while the same gram array (and damp) comes back
+    (a layer's menu quantises one weight many times with one gram)."""
+    if _LAST_FACTOR:
+        g0, d0, u0 = _LAST_FACTOR[0]
+        if d0 == damp and g0.shape == g.shape and (g0 is g or np.array_equal(g0, g)):
+            return u0
+    u = hessian_factor(g, damp)
+    _LAST_FACTOR[:] = [(g, damp, u)]
+    return u
+
+
 def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128) -> tuple:
     """GPTQ codes and scales of ``w`` given its inputs' gram.
 
@@ -190,6 +205,14 @@ def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128) -> tuple:
     damp = float(damp)
     if not np.isfinite(damp) or damp < 0:
         raise ValueError(f"damp must be finite and >= 0; got {damp!r}.")
+    return gptq_validated(w, g, int(bits), grp, damp, block)
+
+
+def gptq_validated(w, g, bits, grp, damp=DAMP, block=128):
+    """:func:`gptq_quantize` on already-validated input (``w`` float32 2-D finite,
+    ``g`` from :func:`check_gram`, ``grp >= 1``); no checks."""
+    from .kernels._gptq import gptq_core
+    rows, cols = w.shape
     grp = min(grp, max(cols, 1))
     blk = max(int(block), 1)
     if grp < cols:
@@ -197,5 +220,5 @@ def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128) -> tuple:
     if rows == 0 or cols == 0:
         return (np.zeros((rows, cols), np.int8),
                 np.ones((rows, (cols + grp - 1) // grp if cols else 0), np.float32))
-    u = hessian_factor(g, damp)
+    u = _cached_factor(g, damp)
     return gptq_core(np.array(w, dtype=np.float64), u, int(bits), grp, blk)

@@ -643,8 +643,8 @@ def _quant_codes(w, bits, group, d, gram):
         raise ValueError(f"{d.label} chooses its codes from calibration data: pass gram= "
                          f"(H = X.T @ X of the layer's inputs, [cols, cols] or its diagonal; "
                          f"see opscope_nb.calib), or use {d.with_rounding(None).label}.")
-    from .gptq import gptq_quantize
-    codes, scales = gptq_quantize(w, gram, bits, group)
+    from .gptq import gptq_validated
+    codes, scales = gptq_validated(w, gram, bits, group)
     return codes, np.ascontiguousarray(scales.reshape(w.shape[0], -1))
 
 

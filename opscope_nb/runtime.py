@@ -210,11 +210,12 @@ class PackedLinear:
         self._arrays = got
 
     @classmethod
-    def pack(cls, w, decomp) -> "PackedLinear":
+    def pack(cls, w, decomp, *, gram=None) -> "PackedLinear":
         """Pack ``w`` (``[out, in]``, converted to float32, finite) as ``decomp``
-        with :func:`opscope_nb.mining.pack` and wrap the arrays."""
+        with :func:`opscope_nb.mining.pack` and wrap the arrays (``gram``: the
+        calibration gram a ``+gptq`` decomp needs)."""
         d = _as_decomp(decomp)
-        arrays = mining.pack(w, d)
+        arrays = mining.pack(w, d, gram=gram)
         w_shape = np.shape(w)
         return cls(d, arrays, w_shape)
 

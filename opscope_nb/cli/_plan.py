@@ -22,7 +22,8 @@ BOUND_NAMES = {"optimum": "exact optimum (proven by HiGHS)",
                "lp": "LP relaxation", "none": "none (infeasible)"}
 
 OPTIONS_CSV_COLUMNS = ("layer", "index", "kind", "rows", "cols", "option", "label",
-                       "decomp", "rel_err", "bytes", "flops", "dense_bytes", "bytes_frac")
+                       "decomp", "rel_err", "bytes", "flops", "dense_bytes", "bytes_frac",
+                       "out_err", "sensitivity")
 
 
 def add_budget_args(p) -> None:
@@ -38,6 +39,12 @@ def add_budget_args(p) -> None:
                         "all-dense latency (needs a profile made with --latency)")
     p.add_argument("--latency-m", type=positive_int, default=1, metavar="M",
                    help="activation rows the latency budget is measured at (default 1)")
+    p.add_argument("--objective", choices=("weight", "output", "sensitivity"),
+                   default="weight",
+                   help="what the plan minimises: weight-space rel_err (default), the "
+                        "squared output error on calibration data, or sensitivity x "
+                        "squared output error (needs a profile made with --calib; layers "
+                        "without calibration fall back to weight error)")
     p.add_argument("--method", choices=(*METHODS, "all"), default="all",
                    help="allocator(s) to run (default: all)")
     p.add_argument("--time-limit", type=positive_float, default=60.0, metavar="SEC",
@@ -56,6 +63,8 @@ def budget_spec(args) -> dict:
     if args.latency_budget is not None:
         spec["latency_frac"] = args.latency_budget
         spec["latency_m"] = args.latency_m
+    if getattr(args, "objective", "weight") != "weight":
+        spec["objective"] = args.objective
     return spec
 
 
@@ -223,6 +232,7 @@ def plan_dict(layers, allocs: dict, spec, source=None) -> dict:
            "latency_budget": spec.get("latency_frac"),
            "latency_m": spec.get("latency_m") if spec.get("latency_frac") is not None
            else None,
+           "objective": spec.get("objective", "weight"),
            "dense_bytes": dense,
            "n_weights": int(sum(int(lp.rows) * int(lp.cols) for lp in layers)),
            "n_layers": len(layers),
@@ -261,7 +271,10 @@ def options_csv(layers) -> str:
             w.writerow([lp.name, "" if idx is None else idx, kind, lp.rows, lp.cols, j,
                         o.decomp.label, kd.get("kind", ""),
                         repr(float(o.rel_err)), int(o.bytes), int(o.flops),
-                        int(lp.dense_bytes), repr(o.bytes / max(lp.dense_bytes, 1))]
+                        int(lp.dense_bytes), repr(o.bytes / max(lp.dense_bytes, 1)),
+                        "" if getattr(o, "out_err", None) is None else repr(float(o.out_err)),
+                        "" if getattr(lp, "sensitivity", None) is None
+                        else repr(float(lp.sensitivity))]
                        + ["" if t is None else repr(t) for t in lat])
     return buf.getvalue()
 

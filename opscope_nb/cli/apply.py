@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
                         "else the first)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.safetensors",
                    help="compressed checkpoint to write")
+    p.add_argument("--grams", metavar="calib.npz", default=None,
+                   help="calibration grams for +gptq layers (default: calib.npz next to "
+                        "PLAN, written by 'profile --calib --out')")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -37,11 +40,27 @@ def run(args) -> int:
     if os.path.isdir(out):
         raise CliError(f"{out}: is a directory; give a file name such as model.opscope.safetensors.")
     show = progress_enabled(args)
+    gpath = args.grams or os.path.join(os.path.dirname(os.path.abspath(args.plan)),
+                                       "calib.npz")
+    grams = None
+    if os.path.exists(gpath):
+        from ..calib import load_grams
+        try:
+            grams, _ = load_grams(gpath)
+        except (OSError, ValueError, KeyError) as exc:
+            raise CliError(f"{gpath}: cannot read calibration grams ({exc}).") from None
+    elif args.grams:
+        raise CliError(f"{args.grams}: no such file.")
     try:
         r = apply_plan(args.source, args.plan, out, method=args.method,
-                       make_progress=lambda n, w: Progress(n, w, show))
+                       make_progress=lambda n, w: Progress(n, w, show), grams=grams)
     except PlanError as exc:
         raise CliError(str(exc)) from None
+    except ValueError as exc:
+        if "gram" not in str(exc):
+            raise
+        raise CliError(f"{args.plan}: a +gptq layer needs calibration grams: {exc} "
+                       f"(looked for {gpath}).") from None
     print(f"{r['method']}: {r['layers']} layers packed, {r['dense_layers']} planned dense, "
           f"{r['tensors']} tensors stored plain"
           + (f", {len(r['skipped'])} non-float tensors not copied ({', '.join(r['skipped'][:3])}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import time
 
 from ._common import (PROFILE_FORMAT, PROG, CliError, __version__, add_source_args,
@@ -32,6 +33,19 @@ def add_parser(sub) -> None:
                         "1,32 (stored in profile.json; needed by --latency-budget)")
     p.add_argument("--out", metavar="DIR",
                    help="write profile.json, plan.json and options.csv here")
+    c = p.add_argument_group("calibration (data-aware menu and objectives)")
+    c.add_argument("--calib", action="store_true",
+                   help="run the dense model on calibration text: per-layer input grams "
+                        "H = sum x x^T (out_err per option, +gptq options), per-layer "
+                        "sensitivity; grams saved to DIR/calib.npz for 'apply'")
+    c.add_argument("--calib-text", metavar="FILE", default=None,
+                   help="calibration text, one passage per line (default: the built-in "
+                        "sample: 2545 MiniLM tokens in its sentences)")
+    c.add_argument("--calib-tokens", type=positive_int, default=None, metavar="N",
+                   help="cap on calibration tokens (default: all of the text)")
+    c.add_argument("--imatrix", metavar="FILE", default=None,
+                   help="llama.cpp importance matrix (GGUF imatrix or legacy .dat) as "
+                        "diag(H) per tensor (out_err only; no +gptq, no sensitivity)")
     p.add_argument("--resume", action="store_true",
                    help="reuse layers already in DIR/profile.json (same name, shape and "
                         "settings)")
@@ -55,6 +69,8 @@ def profile_entry(e, kw):
     tensor is skipped (NaN/Inf, non-float dtype; see ``load_checked``).
     """
     from .. import mining
+    if callable(kw):
+        kw = kw(e.name)
     t0 = time.perf_counter()
     w, why = load_checked(e)
     t_load = time.perf_counter() - t0
@@ -99,6 +115,69 @@ def _profile_kwargs(args) -> dict:
     return kw
 
 
+def _calibration(args, src, chosen, kw, dist):
+    """Run --calib / read --imatrix; returns (settings record or None, kw or kw(name))."""
+    if not args.calib and not args.imatrix:
+        if args.calib_text or args.calib_tokens:
+            raise CliError("--calib-text/--calib-tokens need --calib.")
+        if getattr(args, "objective", "weight") != "weight":
+            warn(f"--objective {args.objective} without --calib/--imatrix: no layer has "
+                 f"out_err, every layer falls back to weight error.")
+        return None, kw
+    if dist is not None:
+        raise CliError("--calib/--imatrix run in this process; drop --workers/--scheduler.")
+    grams, sens, rec = {}, {}, {}
+    names = {e.name for e in chosen}
+    if args.calib:
+        from ..calib import calibrate, save_grams
+        from ..models import ModelError, UnsupportedModelError
+        t = time.perf_counter()
+        try:
+            show = progress_enabled(args)
+            cal = calibrate(args.source, text=args.calib_text, max_tokens=args.calib_tokens,
+                            log=(lambda m: print(m, file=sys.stderr, flush=True)) if show
+                            else (lambda m: None))
+        except (ModelError, UnsupportedModelError) as exc:
+            raise CliError(f"--calib: {exc}")
+        grams.update(cal.grams)
+        sens.update(cal.sensitivity)
+        rec = {"text": args.calib_text, "max_tokens": args.calib_tokens,
+               **cal.summary(), "wall_seconds": time.perf_counter() - t}
+        print(f"calibration: {cal.tokens} tokens, {len(cal.grams)} linear layers "
+              f"({rec['full_grams']} full grams, {rec['diag_grams']} diagonal), "
+              f"sensitivity on {cal.sens_tokens} tokens ({cal.metric}), "
+              f"{rec['wall_seconds']:.1f}s")
+        if args.out:
+            save_grams(os.path.join(ensure_outdir(args.out), "calib.npz"), cal.grams, rec)
+    if args.imatrix:
+        from ..imatrix import ImatrixError, read_imatrix
+        try:
+            im = read_imatrix(args.imatrix, names=sorted(names))
+        except ImatrixError as exc:
+            raise CliError(str(exc))
+        if im.unknown:
+            warn(f"{args.imatrix}: {len(im.unknown)} imatrix tensor(s) match no profiled "
+                 f"weight: {', '.join(im.unknown[:5])}{' ...' if len(im.unknown) > 5 else ''}")
+        for n, d in im.diag.items():
+            grams.setdefault(n, d)
+        rec["imatrix"] = {"file": os.path.abspath(args.imatrix), "layers": len(im.diag),
+                          "unknown": im.unknown, "chunks": im.chunks}
+    missing = sorted(names - set(grams))
+    if missing:
+        warn(f"{len(missing)} profiled tensor(s) have no calibration data (e.g. "
+             f"{missing[0]}); they get no out_err and fall back to weight error.")
+
+    def per_layer(name):
+        k = dict(kw)
+        if name in grams:
+            k["gram"] = grams[name]
+        if name in sens:
+            k["sensitivity"] = sens[name]
+        return k
+
+    return rec, per_layer
+
+
 def run(args) -> int:
     spec = budget_spec(args)
     dist = None
@@ -116,12 +195,15 @@ def run(args) -> int:
     src, chosen, skipped_sel = open_and_select(args)
     from ..mining import LayerProfile
     kw = _profile_kwargs(args)
+    calib_settings, kw = _calibration(args, src, chosen, kw, dist)
     latency = list(args.latency) if args.latency else None
     settings = {"rank_cap": args.rank_cap, "seed": args.seed,
                 "budget": spec.get("budget_frac"), "bpw": spec.get("budget_bpw"),
                 "latency": latency,
                 "include": args.include, "exclude": args.exclude,
                 "include_embeddings": args.include_embeddings}
+    if calib_settings is not None:
+        settings["calib"] = calib_settings
     source = source_info(src)
     out = ensure_outdir(args.out) if args.out else None
     if args.resume and not out:
@@ -132,8 +214,8 @@ def run(args) -> int:
     if args.resume and os.path.exists(prof_path):
         doc = load_profile_doc(prof_path)
         old = doc.get("settings", {})
-        if ((old.get("rank_cap"), old.get("seed"), old.get("latency"))
-                != (args.rank_cap, args.seed, latency)):
+        if ((old.get("rank_cap"), old.get("seed"), old.get("latency"), old.get("calib"))
+                != (args.rank_cap, args.seed, latency, calib_settings)):
             warn(f"{prof_path} was made with rank_cap={old.get('rank_cap')}, "
                  f"seed={old.get('seed')}, latency={old.get('latency')}; "
                  f"re-profiling every layer.")
