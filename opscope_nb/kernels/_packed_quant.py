@@ -71,6 +71,15 @@ import numpy as np
 from numba import prange
 
 from .._config import njit, njit_parallel
+
+# The public cores below are plain @njit functions that call a parallel
+# (prange) kernel.  Loaded from numba's on-disk cache in a fresh process, such a
+# caller does not start numba's threading layer, and the first call segfaulted
+# (e.g. ``w4a8_matmul`` before any other parallel function had run).  Start it
+# here, as the first parallel call would.
+from numba.np.ufunc.parallel import _launch_threads
+
+_launch_threads()
 from ._matmul import PAR_MIN, matmul_w8a16, matmul_w8a8, quantize_rows_i8, quantize_rows_i16
 from ._simd_lowbit import (LOWBIT_LANES, LOWBIT_OFFSET, LOWBIT_SLOTS, LOWBIT_UNIT,
                            lowbit_tile_1x4, lowbit_tile_4x2)
@@ -176,7 +185,18 @@ def _arrange(xq, nunits, fmt, upf, mode):
     nfl = (nunits + upf - 1) // upf
     corr = np.zeros((m, max(nfl, 1) * 8), dtype=np.int32)
     for i in range(m):
-        for u in range(nunits):
+        if fmt == 0:
+            # int4 nibbles: slot s of a unit = columns 2t + s (a plain deinterleave,
+            # same as the table below, without the per-element lookup)
+            for u in range(nunits):
+                b = u * 64
+                for t in range(32):
+                    xp[i, b + t] = xq[i, b + 2 * t]
+                    xp[i, b + 32 + t] = xq[i, b + 2 * t + 1]
+            nu0 = nunits
+        else:
+            nu0 = 0
+        for u in range(nu0, nunits):
             b = u * unit
             bx = u * 32 * P
             for s in range(P):
@@ -224,6 +244,16 @@ def _tail(xq, i, w, w2, j, p0, cols, fmt, sflat, soff, group, scaled):
 
 
 @njit
+def _fin(t, sxi, s0, mode):
+    """``_put`` without a tail: the same float64 arithmetic (``t + 0.0`` as
+    there, so even the sign of a zero matches)."""
+    v = t + np.float64(0.0)
+    if mode == 0:
+        return np.float32(v * np.float64(sxi) * np.float64(s0))
+    return np.float32(v * np.float64(sxi))
+
+
+@njit
 def _put(y, i, j, t, xq, w, w2, sflat, sstride, group, cols, fmt, region, mode, sx):
     soff = j * sstride
     if mode == 0:
@@ -262,6 +292,9 @@ def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, 
     w2b = w2.shape[1]
     w2f = w2.ravel()
     region = nunits * _UNIT[fmt]
+    # no scalar tail: finish in place (``_put`` is an out-of-line call taking six
+    # arrays, ~50 ns per output -- it dominated small-k prefill)
+    tail = region < cols
     # mode 1 scales: two per unit starting at the row's first scale
     for b in range(b0, b1):
         j0 = b * _NB
@@ -282,8 +315,12 @@ def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, 
                             for c in range(2):
                                 j = jh + c
                                 if j >= j0:
-                                    _put(y, i, j, t[r * 2 + c], xq, w, w2, sflat, sstride,
-                                         group, cols, fmt, region, mode, sx)
+                                    if tail:
+                                        _put(y, i, j, t[r * 2 + c], xq, w, w2, sflat,
+                                             sstride, group, cols, fmt, region, mode, sx)
+                                    else:
+                                        y[i, j] = _fin(t[r * 2 + c], sx[i], sflat[j * sstride],
+                                                       mode)
             else:
                 for i in range(m):
                     t = _t14(xpf, i * xst, xst, cf, i * cst, cst, wf, js * wb, wb,
@@ -291,8 +328,11 @@ def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, 
                     for c in range(_NB):
                         j = js + c
                         if j >= j0:
-                            _put(y, i, j, t[c], xq, w, w2, sflat, sstride, group, cols, fmt,
-                                 region, mode, sx)
+                            if tail:
+                                _put(y, i, j, t[c], xq, w, w2, sflat, sstride, group, cols,
+                                     fmt, region, mode, sx)
+                            else:
+                                y[i, j] = _fin(t[c], sx[i], sflat[j * sstride], mode)
         else:
             # fewer than 4 outputs: one output row per call (stride 0)
             for j in range(rows):
