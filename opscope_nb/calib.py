@@ -169,7 +169,7 @@ def calibrate(source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS
     seed : int
         Seed of the probe noise (one generator per layer: ``seed + index``).
     sens_tokens : int
-        Token cap for the sensitivity forwards.
+        Token cap for the sensitivity forwards (also capped by ``max_tokens``).
     act : {"f32", "auto", "int8"}
         Activation mode of the dense ``PackedLinear`` calls.
     batch : int
@@ -255,7 +255,8 @@ def _encoder_runner(model, passages, builtin, max_tokens, sens_tokens, rec, act,
         return keep, tot
 
     cal, ntok = cap(max_tokens) if max_tokens is not None else (texts, sum(lens))
-    sens_texts, nsens = cap(int(sens_tokens))
+    sens_texts, nsens = cap(int(sens_tokens) if max_tokens is None
+                            else min(int(sens_tokens), int(max_tokens)))
 
     def embed(ts):
         out = []

@@ -141,3 +141,58 @@ def test_options_csv_has_out_err_and_sensitivity():
     assert df[df.layer == "l2"].sensitivity.isna().all()
     rows = list(csv.DictReader(io.StringIO(options_csv(layers))))
     assert rows[1]["label"] == "int8/chan"
+
+
+@needs_minilm
+@pytest.mark.slow
+def test_cli_profile_calib_allocate_apply(tmp_path):
+    """profile --calib on two MiniLM layers with a few tokens -> allocate --objective
+    sensitivity -> apply (a +gptq plan packs with the saved grams)."""
+    import json
+    from opscope_nb import cli
+    from opscope_nb._checkpoint import load
+    from opscope_nb.mining import Decomp, approximate
+    from opscope_nb.calib import load_grams
+    from opscope_nb import io as tio
+    out = tmp_path / "o"
+    rc = cli.main(["profile", MINILM, "--include", r"layer\.0\.attention\.self\.(query|value)",
+                   "--calib", "--calib-tokens", "24", "--rank-cap", "4", "--method", "exact",
+                   "--out", str(out), "-q"])
+    assert rc == 0
+    prof = json.loads((out / "profile.json").read_text())
+    assert prof["settings"]["calib"]["tokens"] <= 40   # whole sentences, at least one
+    for r in prof["layers"]:
+        p = r["profile"]
+        assert p["sensitivity"] > 0
+        assert all(o["out_err"] is not None for o in p["options"])
+        assert "int4/g128+gptq" in [o["label"] for o in p["options"]]  # cols 384 > 128
+        assert "int4/g32+gptq" in [o["label"] for o in p["options"]]
+    assert (out / "calib.npz").is_file()
+    plan_dir = tmp_path / "p"
+    rc = cli.main(["allocate", str(out / "profile.json"), "--budget", "0.2", "--objective",
+                   "sensitivity", "--method", "exact", "--out", str(plan_dir)])
+    assert rc == 0
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    assert plan["objective"] == "sensitivity"
+    assert plan["methods"]["exact"]["extra"]["objective"] == "sensitivity"
+    # force a +gptq layer into the plan and apply it with the saved grams
+    row = plan["methods"]["exact"]["layers"][0]
+    d = Decomp.from_label("int4/g32+gptq")
+    lp = next(r for r in prof["layers"] if r["name"] == row["name"])["profile"]
+    j = [o["label"] for o in lp["options"]].index("int4/g32+gptq")
+    row.update(option=j, label=d.label, bytes=lp["options"][j]["bytes"],
+               rel_err=lp["options"][j]["rel_err"])
+    plan["methods"]["exact"]["choice"][0] = j
+    (plan_dir / "plan.json").write_text(json.dumps(plan))
+    ck = tmp_path / "c.safetensors"
+    assert cli.main(["apply", MINILM, str(plan_dir / "plan.json"), "-o", str(ck), "-q",
+                     "--grams", str(out / "calib.npz")]) == 0
+    layers, _ = load(str(ck))
+    grams, _ = load_grams(str(out / "calib.npz"))
+    w = next(e for e in tio.open_source(MINILM).entries if e.name == row["name"]).load()
+    np.testing.assert_array_equal(layers[row["name"]].dense(),
+                                  approximate(w, d, gram=grams[row["name"]]))
+    # without grams: one-line error, exit 2
+    assert cli.main(["apply", MINILM, str(plan_dir / "plan.json"), "-o",
+                     str(tmp_path / "d.safetensors"), "-q", "--grams",
+                     str(tmp_path / "none.npz")]) == 2
