@@ -25,6 +25,8 @@ SHAPES = [
     (2, 3, 70, 48),         # group not a multiple of the unit: scalar path; rows < 4
     (4, 5, 257, 64),        # m == 4 (one 4-row tile), rows overlap block
     (1, 4, 1000, None),     # several mode-0 flushes
+    (1, 9, 256, 32),        # g32 with int8 activations: 128-col double units (mode 3), m = 1
+    (33, 6, 270, 32),       # mode 3 on the 4-row tile + 14-col tail group
 ]
 
 
@@ -317,11 +319,25 @@ def test_lowbit_paths_agree(path):
         w2 = RNG.integers(0, 256, 4 * 32 * nun).astype(np.uint8)
         sf = RNG.random(4 * 2 * nun).astype(np.float32)
         modes = [(0, 2), (2, 3)] + ([(1, 1)] if K.LOWBIT_UNIT[fmt] == 64 else [])
+        if fmt == 0:    # 128-column double units: nun // 2 of them
+            modes.append((3, 1))
         for mode, upf in modes:
             cf = RNG.integers(-1000, 1000, 8 * nun).astype(np.int32)
-            a = host(xp, cf, w, w2, sf, nun, upf, fmt, mode)
-            b = other(xp, cf, w, w2, sf, nun, upf, fmt, mode)
+            nu = nun // 2 if mode == 3 else nun
+            a = host(xp, cf, w, w2, sf, nu, upf, fmt, mode)
+            b = other(xp, cf, w, w2, sf, nu, upf, fmt, mode)
             assert a == b, (fmt, mode)
+
+
+def test_w4a8_g32_plan_uses_double_units():
+    """int4/g32 with int8 activations and an even number of 64-column units
+    runs 128-column double units (mode 3); odd counts and int16 activations
+    keep mode 1 (the twins above check the sums of both)."""
+    from opscope_nb.kernels._packed_quant import _plan
+    assert _plan(256, 8, 32, K.FMT_INT4, True) == (3, 2, 1)
+    assert _plan(270, 9, 32, K.FMT_INT4, True) == (3, 2, 1)
+    assert _plan(200, 7, 32, K.FMT_INT4, True) == (1, 3, 1)
+    assert _plan(256, 8, 32, K.FMT_INT4, False) == (1, 4, 1)
 
 
 def test_parallel_split_equals_serial():

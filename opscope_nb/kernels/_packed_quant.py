@@ -56,6 +56,12 @@ Columns past the last whole unit (64 columns; 128 for ternary) or
 group, and group sizes that are neither 32 nor a multiple of the unit, take a
 scalar path with the same integer sums.
 
+int4/g32 with int8 activations (the W4A8 format of ONNX Runtime's
+``MatMulNBits``) steps through 128-column double units whenever the number of
+64-column units is even (tile mode 3: the two 32-byte weight loads are
+dword-permuted so every int32 lane sums 16 columns of one group, halving the
+per-group convert/scale work); otherwise 64-column units (mode 1).
+
 Decode (``m < 4``) uses a 1 row x 4 outputs tile; prefill (``m >= 4``) a
 4 rows x 2 outputs tile, so each unpacked weight vector is reused by four
 activation rows from registers.  Output blocks of four run in parallel
@@ -160,11 +166,16 @@ def _code_at(w, w2, j, p, fmt):
 
 
 @njit
-def _plan(cols, ng, group, fmt):
-    """(mode, nunits, upf): flush mode, whole units on the SIMD path, units/flush."""
+def _plan(cols, ng, group, fmt, a8=False):
+    """(mode, nunits, upf): flush mode, whole units on the SIMD path, units/flush.
+
+    Mode 3 (int4/g32 with int8 activations, an even number of 64-column units)
+    counts 128-column double units."""
     unit = _UNIT[fmt]
     if ng == 1:
         return 0, cols // unit, _UPF0
+    if a8 and fmt == 0 and group == 32 and (cols // 64) % 2 == 0:
+        return 3, cols // 128, 1
     if unit == 64 and group == 32:
         return 1, cols // 64, 1
     if group % unit == 0:
@@ -174,9 +185,42 @@ def _plan(cols, ng, group, fmt):
 
 
 @njit
+def _arrange3(xq, nunits):
+    """Mode 3 (int4/g32, int8 activations) arrangement and corrections.
+
+    Double unit ``d`` (columns ``128 d ..``) becomes four 32-byte vectors
+    ``v = 2 h + s``; byte ``b`` of vector ``v`` (lane ``l = b // 4``, ``e = b % 4``)
+    holds column ``2 q + s`` of the unit with packed byte ``q = 16 (l // 2) +
+    8 h + 4 (l % 2) + e`` (the dword permute of the tile); ``corr`` lane ``2 g``
+    = ``8 * sum`` of group ``g`` of the double unit, lane ``2 g + 1`` = 0.
+    """
+    m = xq.shape[0]
+    xp = np.empty((m, max(nunits * 128, 1)), dtype=xq.dtype)
+    corr = np.zeros((m, max(nunits, 1) * 8), dtype=np.int32)
+    for i in range(m):
+        for d in range(nunits):
+            c0 = d * 128
+            for h in range(2):
+                for l in range(8):
+                    q0 = 16 * (l // 2) + 8 * h + 4 * (l % 2)
+                    for e in range(4):
+                        q = q0 + e
+                        xp[i, c0 + 64 * h + 4 * l + e] = xq[i, c0 + 2 * q]
+                        xp[i, c0 + 64 * h + 32 + 4 * l + e] = xq[i, c0 + 2 * q + 1]
+            for g in range(4):
+                sg = np.int64(0)
+                for p in range(c0 + 32 * g, c0 + 32 * g + 32):
+                    sg += xq[i, p]
+                corr[i, 8 * d + 2 * g] = 8 * sg
+    return xp, corr
+
+
+@njit
 def _arrange(xq, nunits, fmt, upf, mode):
     """Per-unit field order of the activations and the offset corrections."""
     m = xq.shape[0]
+    if mode == 3:
+        return _arrange3(xq, nunits)
     P = _SLOTS[fmt]
     unit = _UNIT[fmt]
     off = _OFF[fmt]
@@ -291,7 +335,7 @@ def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, 
     wf = w.ravel()
     w2b = w2.shape[1]
     w2f = w2.ravel()
-    region = nunits * _UNIT[fmt]
+    region = nunits * _UNIT[fmt] * (2 if mode == 3 else 1)
     # no scalar tail: finish in place (``_put`` is an out-of-line call taking six
     # arrays, ~50 ns per output -- it dominated small-k prefill)
     tail = region < cols
@@ -356,7 +400,7 @@ def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
     rows = w.shape[0]
     ng = _ngroups(cols, group)
     g = group if ng > 1 else max(cols, 1)
-    mode, nunits, upf = _plan(cols, ng, g, fmt)
+    mode, nunits, upf = _plan(cols, ng, g, fmt, xq.itemsize == 1)
     xp, corr = _arrange(xq, nunits, fmt, upf, mode)
     y = np.empty((m, rows), dtype=np.float32)
     nb = (rows + _NB - 1) // _NB

@@ -43,7 +43,16 @@ fmt   name       P     off   unpack (``b`` = 32 packed bytes)
   first group and lanes 4-7 its second; flushed every unit as
   ``float(lanes) * [s0 x4, s1 x4]`` into float32 accumulators;
 * mode 2: groups of ``upf`` units: flushed every group as
-  ``float(lanes) * s_g``.
+  ``float(lanes) * s_g``;
+* mode 3 (int4, groups of 32, int8 activations only): *double units* of 128
+  columns (64 packed bytes, groups A-D); the 16 dwords of the two 32-byte
+  loads are permuted so that dword ``4g + 2h + (l % 2)`` goes to lane ``l =
+  2g + (l % 2)`` of vector ``h``; activations are arranged to match (vector
+  ``(h, s)`` of slot ``s``, see ``_arrange`` in :mod:`._packed_quant`), lane
+  ``l`` of the int32 accumulator sums 16 columns of group ``l // 2``, ``corr``
+  holds the group's ``off * sum(x)`` in lane ``2g`` (0 in ``2g + 1``), and one
+  flush ``float(lanes) * [sA sA sB sB sC sC sD sD]`` per double unit; ``nunits``
+  counts double units.
 """
 from __future__ import annotations
 
@@ -433,6 +442,65 @@ def _make_tile(R: int, C: int, path: str | None = None):
                         v = builder.fpext(builder.load(facc[t]), _V8F64)
                         builder.store(_hsum(builder, v, 8, builder.fadd), res[t])
 
+            def emit3():
+                # int4 nibbles, groups of 32, a8: a double unit of 128 columns
+                # (64 packed bytes = groups A-D) per step.  The two 32-byte
+                # loads are dword-permuted so that lane l of both vectors
+                # belongs to group l // 2: every lane sums 16 columns of one
+                # group (four vpdpbusd) and one flush of 8 lanes covers four
+                # groups (half the sub/convert/fma of mode 1 per column).
+                idx = [ir.Constant(_I32, 4 * (l // 2) + 2 * h + (l % 2))
+                       for h in range(2) for l in range(8)]
+                perm = [ir.Constant(ir.VectorType(_I32, 8), idx[8 * h:8 * h + 8])
+                        for h in range(2)]
+                for t in range(R * C):
+                    builder.store(ir.Constant(_V8F32, None), facc[t])
+                with cgutils.for_range(builder, nun) as dl:
+                    d = dl.index
+                    pieces = []
+                    for c in range(C):
+                        uo = builder.mul(d, K(64))
+                        b0 = builder.bitcast(vload(wrow[c], uo, _V32I8), _V8I32)
+                        b1 = builder.bitcast(vload(wrow[c], builder.add(uo, K(32)), _V32I8),
+                                             _V8I32)
+                        pa = builder.gep(wrow[c], [builder.add(uo, pf_)], inbounds=False)
+                        builder.call(prefetch, [builder.bitcast(pa, i8p), ir.Constant(_I32, 0),
+                                                ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                        pc = []
+                        for h in range(2):
+                            v = builder.bitcast(builder.shuffle_vector(b0, b1, perm[h]), _V32I8)
+                            pc += _decode(builder, "nib4x", v, 0)
+                        pieces.append(pc)
+                    sp = []
+                    for c in range(C):
+                        p4 = builder.gep(srow[c], [builder.mul(d, K(4))], inbounds=True)
+                        v4 = builder.load(builder.bitcast(p4, ir.VectorType(_F32, 4).as_pointer()),
+                                          align=4)
+                        sp.append(_shuffle(builder, v4, [0, 0, 1, 1, 2, 2, 3, 3]))
+                    xbase = builder.mul(d, K(128))
+                    foff = builder.mul(d, K(8))
+                    for r in range(R):
+                        xs = [vload(xrow[r], builder.add(xbase, K(32 * v)), _V32I8)
+                              for v in range(4)]
+                        cv = vload(crow[r], foff, _V8I32)
+                        nc = builder.sub(ir.Constant(_V8I32, None), cv)
+                        for c in range(C):
+                            t = r * C + c
+                            a = nc
+                            for v in range(4):
+                                a = _dot_u8s8(builder, a, pieces[c][v], xs[v], path)
+                            builder.store(builder.call(fmuladd, [
+                                builder.sitofp(a, _V8F32), sp[c], builder.load(facc[t])]),
+                                facc[t])
+                for t in range(R * C):
+                    v = builder.fpext(builder.load(facc[t]), _V8F64)
+                    builder.store(_hsum(builder, v, 8, builder.fadd), res[t])
+
+            if act == "a8":
+                cond = builder.and_(builder.icmp_signed("==", fmt_, K(0)),
+                                    builder.icmp_signed("==", mode_, K(3)))
+                with builder.if_then(cond):
+                    emit3()
             for fm in _FMTS:
                 modes = (0, 1, 2) if _FMTS[fm][0] == 64 else (0,)
                 for md in modes:
