@@ -2,6 +2,8 @@
 """Packed quantised kernels vs vendor float32, streamed like a real decode.
 
 ``python benchmarks/bench_packed_quant.py [--quick] [--json FILE] [--kinds a,b]``
+``python benchmarks/bench_packed_quant.py --ort [--threads T] [--ms 1,32]``
+(W4A8 int4/g32 vs ONNX Runtime ``MatMulNBits`` only, see :func:`ort_compare`)
 
 For each kind a *stack* of different ``[n, n]`` weights (n = 4096, ``--quick``
 1024) whose packed bytes exceed twice the L3 cache is cycled call after call
@@ -96,6 +98,63 @@ def _time_pair(ours, vend, rounds):
     return statistics.median(bo) * 1e6, statistics.median(bv) * 1e6
 
 
+def _best_block(fn, reps, blocks):
+    """Best per-call time (s) over ``blocks`` blocks of ``reps`` calls."""
+    b = float("inf")
+    for _ in range(blocks):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        b = min(b, (time.perf_counter() - t0) / reps)
+    return b
+
+
+def ort_compare(threads, ms=(1, 32), shapes=((1024, 1024), (1024, 3072), (3072, 1024),
+                                             (4096, 4096)), rounds=3):
+    """Our W4A8 int4/g32 (``PackedLinear(x, act="int8")``, activation quantisation
+    included) vs ONNX Runtime ``MatMulNBits`` (4-bit, block 32, accuracy level 4)
+    on the same weight (random Gaussian, Linear layout ``[n, k]``), both on
+    ``threads`` threads; each figure the best block of the ``rounds`` rounds in
+    which ours and ORT alternate.  Returns rows (dicts) of k, n, m, us, ort_us,
+    x_ort (ORT time / ours), GOP/s and rel-L2 errors vs float64."""
+    import numba
+    from opscope_nb import mining
+    from opscope_nb.bench.peers import ort_sessions, peers_available
+    why = peers_available()
+    if why:
+        print(f"ORT comparison skipped: {why}")
+        return []
+    numba.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    out = []
+    for k, n in shapes:
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        p4 = mining.pack(w, Decomp.int4(32))
+        sess = ort_sessions(w, threads, packed4=p4)["MatMulNBits 4b/32"]
+        lin = PackedLinear(Decomp.int4(32), p4, w.shape)
+        dense_t = lin.dense().astype(np.float64).T
+        for m in ms:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            ours = (lambda: lin(x, act="int8"))
+            ort = (lambda: sess.run(["Y"], {"X": x}))
+            ref = x.astype(np.float64) @ dense_t
+            err = [float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+                   for y in (ours(), ort()[0])]
+            reps = max(1, int(2e8 / (m * k * n)))
+            t1 = t2 = float("inf")
+            for _ in range(rounds):
+                t1 = min(t1, _best_block(ours, reps, 3))
+                t2 = min(t2, _best_block(ort, reps, 3))
+            r = dict(k=k, n=n, m=m, threads=threads, us=t1 * 1e6, ort_us=t2 * 1e6,
+                     x_ort=t2 / t1, gop_s=2 * m * k * n / t1 / 1e9, err=err[0],
+                     ort_err=err[1])
+            out.append(r)
+            print(f"W4A8 int4/g32 k={k:5d} n={n:5d} m={m:<3d} ours {r['us']:9.1f} us  "
+                  f"ORT MatMulNBits {r['ort_us']:9.1f} us  x ORT {r['x_ort']:5.2f}  "
+                  f"{r['gop_s']:6.1f} GOP/s  err {err[0]:.4f} (ORT {err[1]:.4f})", flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -106,8 +165,18 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=0,
                     help="numba and vendor thread count (0: leave numba's default and "
                          "give the vendor the same)")
+    ap.add_argument("--ort", action="store_true",
+                    help="only W4A8 int4/g32 vs ONNX Runtime MatMulNBits on the issue-9 "
+                         "shapes at --ms (threads: --threads, default 1)")
     a = ap.parse_args(argv)
     import numba
+    if a.ort:
+        rows = ort_compare(a.threads or 1, [int(v) for v in a.ms.split(",")],
+                           rounds=a.rounds)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"path": K.LOWBIT_PATH, "rows": rows}, f, indent=1)
+        return 0
     if a.threads:
         numba.set_num_threads(a.threads)
     accel.set_threads(numba.get_num_threads())
