@@ -22,6 +22,13 @@ compile time): they are function arguments.
 from __future__ import annotations
 
 import numba
+from numba.np.ufunc.parallel import _launch_threads
+
+# Start numba's thread pool now.  A serial @njit function loaded from the
+# on-disk cache that calls a parallel kernel does not start it by itself, and
+# the first such call in a fresh process would crash; every kernel module
+# imports this one, so the pool is up before any kernel runs.
+_launch_threads()
 
 #: LLVM fast-math flags: everything except ``nnan``, ``ninf`` and ``arcp``.
 FASTMATH = frozenset({"nsz", "contract", "afn", "reassoc"})

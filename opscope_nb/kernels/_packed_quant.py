@@ -79,13 +79,8 @@ from numba import prange
 from .._config import njit, njit_parallel
 
 # The public cores below are plain @njit functions that call a parallel
-# (prange) kernel.  Loaded from numba's on-disk cache in a fresh process, such a
-# caller does not start numba's threading layer, and the first call segfaulted
-# (e.g. ``w4a8_matmul`` before any other parallel function had run).  Start it
-# here, as the first parallel call would.
-from numba.np.ufunc.parallel import _launch_threads
-
-_launch_threads()
+# (prange) kernel; numba's thread pool is started by ``_config`` at import
+# (a cached serial caller would not start it, and its first call crashed).
 from ._matmul import PAR_MIN, matmul_w8a16, matmul_w8a8, quantize_rows_i8, quantize_rows_i16
 from ._simd_lowbit import (LOWBIT_LANES, LOWBIT_OFFSET, LOWBIT_SLOTS, LOWBIT_UNIT,
                            lowbit_tile_1x4, lowbit_tile_4x2)
