@@ -284,17 +284,14 @@ def test_killed_worker_still_full_profile(minilm_serial, tmp_path):
         proc = _cli_subprocess(["profile", p, "--include", MINILM_INC, "--out", d, "-q",
                                 "--scheduler", c.sched_file], tmp_path)
         try:
-            # wait until both workers have delivered a layer (so the killed one is
-            # busy with a task of its own), then SIGKILL one worker process
-            t = time.monotonic()
-            while True:
-                layers = _wait_layers(d / "profile.json", proc, 1)
-                assert layers is not None, proc.communicate()
-                pids = {r["worker"]["pid"] for r in layers}
-                if len(pids) >= 2 or time.monotonic() - t > 300:
-                    break
-                time.sleep(0.05)
-            victim = c.workers[0]
+            # kill the worker that delivered the first layer as soon as it has:
+            # its next queued task is then in flight, and 11 of the 12 layers
+            # are still to come (waiting for both workers to report raced the
+            # end of the run on a quiet machine)
+            layers = _wait_layers(d / "profile.json", proc, 1)
+            assert layers is not None, proc.communicate()
+            first = layers[0]["worker"]["pid"]
+            victim = next(w for w in c.workers if w.pid == first)
             n_before = len(layers)
             assert n_before < 12, "run finished before the kill; use more layers"
             os.kill(victim.pid, signal.SIGKILL)
@@ -305,9 +302,10 @@ def test_killed_worker_still_full_profile(minilm_serial, tmp_path):
                 proc.kill()
         assert proc.returncode == 0, err
     _, b = assert_same_profile(ser, d)
-    # layers finished after the kill came from the survivor
-    assert victim.pid in {r["worker"]["pid"] for r in b["layers"]}
-    assert {r["worker"]["pid"] for r in b["layers"][n_before:]} - {victim.pid}
+    # the victim delivered before it died; the survivor finished the rest
+    pids = [r["worker"]["pid"] for r in b["layers"]]
+    assert victim.pid in pids
+    assert pids.count(victim.pid) < len(pids) - 5
 
 
 @pytest.mark.slow

@@ -72,12 +72,11 @@ _TT_BATCH = 8
 # --------------------------------------------------------------------------
 # dense
 # --------------------------------------------------------------------------
-# dense_linear / lowrank_linear call matmul_f32, which lives in another file:
-# numba's on-disk cache of a caller is keyed on the caller's file only, so a
-# cached wrapper goes stale (here: crashed) when _matmul.py or _simd.py
-# change.  They are therefore compiled per process (cache=False); the runtime
-# calls matmul_f32 itself, so only numba callers of these wrappers pay that.
-@njit(cache=False)
+# dense_linear / lowrank_linear call matmul_f32, which lives in another file.
+# Note for developers: numba's on-disk cache of a caller is keyed on the
+# caller's file only, so after editing _matmul.py or _simd.py touch this file
+# (or clear __pycache__); an installed package changes all files together.
+@njit
 def dense_linear(x, w, min_parallel=PAR_MIN):
     """``y[m, rows] = x[m, cols] @ w.T`` for the ``dense`` pack (``w`` f32
     ``[rows, cols]`` is already the output-major ``wt[n, k]`` that
@@ -485,7 +484,7 @@ def sparse24_linear(x, values, indices, min_parallel=PAR_MIN, rows4=False):
 # --------------------------------------------------------------------------
 # low-rank
 # --------------------------------------------------------------------------
-@njit(cache=False)
+@njit
 def lowrank_linear(x, a, b, min_parallel=PAR_MIN):
     """``y = (x @ b.T) @ a.T`` for the ``lowrank`` pack ``W_hat = a @ b``.
 
