@@ -14,29 +14,26 @@ Example
 ...     u, v = factorize(w, 4, 0)
 ...     return quant_error(w, 8), u.shape[1]
 """
-from ._coerce import *     # noqa: F401,F403
-from ._probe import *      # noqa: F401,F403
-from ._rng import *        # noqa: F401,F403
-from ._pack import *       # noqa: F401,F403
-from ._svd import *        # noqa: F401,F403
-from ._lowrank import *    # noqa: F401,F403
-from ._monarch import *    # noqa: F401,F403
-from ._tucker import *     # noqa: F401,F403
-from ._tt import *         # noqa: F401,F403
-from ._matmul import *     # noqa: F401,F403
-from ._simd import *       # noqa: F401,F403
-from ._dado import *       # noqa: F401,F403
+from ._coerce import *        # noqa: F401,F403
+from ._probe import *         # noqa: F401,F403
+from ._rng import *           # noqa: F401,F403
+from ._pack import *          # noqa: F401,F403
+from ._svd import *           # noqa: F401,F403
+from ._lowrank import *       # noqa: F401,F403
+from ._monarch import *       # noqa: F401,F403
+from ._tucker import *        # noqa: F401,F403
+from ._tt import *            # noqa: F401,F403
+from ._matmul import *        # noqa: F401,F403
+from ._simd import *          # noqa: F401,F403
+from ._dado import *          # noqa: F401,F403
 from ._packed_float import *  # noqa: F401,F403
+from ._simd_lowbit import *   # noqa: F401,F403
+from ._packed_quant import *  # noqa: F401,F403
+from ._gptq import *          # noqa: F401,F403
 
-from . import _coerce, _probe, _rng, _pack, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd, _dado
+from . import (_coerce, _probe, _rng, _pack, _svd, _lowrank, _monarch, _tucker, _tt,
+               _matmul, _simd, _dado, _packed_float, _simd_lowbit, _packed_quant, _gptq)
 
 __all__ = sorted(set().union(*(m.__all__ for m in (
-    _coerce, _probe, _rng, _pack, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd, _dado))))
-
-from . import _packed_float  # noqa: E402
-__all__ = sorted(set(__all__) | set(_packed_float.__all__))
-
-from ._simd_lowbit import *   # noqa: F401,F403,E402
-from ._packed_quant import *  # noqa: F401,F403,E402
-from . import _simd_lowbit, _packed_quant  # noqa: E402
-__all__ = sorted(set(__all__) | set(_simd_lowbit.__all__) | set(_packed_quant.__all__))
+    _coerce, _probe, _rng, _pack, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd,
+    _dado, _packed_float, _simd_lowbit, _packed_quant, _gptq))))
