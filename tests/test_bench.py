@@ -213,12 +213,16 @@ def test_menu_matches_profile_layer():
     from opscope_nb.mining import profile_layer
 
     w = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)
-    prof = {o.decomp.kind: o.decomp for o in profile_layer("l", w).options}
-    mine = {d.kind: d for d in menu(64, 64, 8)}
-    assert set(mine) == {"dense", "int8", "int4", "int4g", "ternary", "sparse24",
-                         "lowrank", "monarch", "tucker", "tt"}
-    for kind in ("tucker", "tt", "monarch", "int4g"):
-        assert mine[kind] == prof[kind], kind
+    prof = {o.decomp.label: o.decomp for o in profile_layer("l", w).options}
+    mine = {d.label: d for d in menu(64, 64, 8)}
+    assert {d.kind for d in mine.values()} == {
+        "dense", "int8", "intn", "int4", "int4g", "ternary", "sparse24", "lowrank",
+        "monarch", "tucker", "tt"}
+    # int6/g128 needs cols > 128: not on a 64-wide layer
+    assert {"int5/g32", "int3/g32", "int2/g32"} <= set(mine) and "int6/g128" not in mine
+    for label, d in mine.items():
+        if d.kind in ("tucker", "tt", "monarch", "int4g", "intn"):
+            assert prof[label] == d, label
 
 
 def test_build_stack_distinct_layers_over_target():

@@ -43,22 +43,31 @@ from ._util import fmt, rel_l2, table, time_group
 __all__ = ["section8", "menu", "build_stack", "stack_caller"]
 
 #: Kinds with an integer-activation path (timed with both ``act`` values).
-QUANT_KINDS = ("int8", "int4", "int4g", "ternary")
+QUANT_KINDS = ("int8", "int4", "int4g", "ternary", "intn")
 #: Kinds whose stack is random factors in the packed layout.
 FACTOR_KINDS = ("lowrank", "monarch", "tucker", "tt")
 
 
-def menu(rows, cols, r, group=32):
+#: The int2/3/5/6 options section 8 times (one of each bit-width; the
+#: targets of the issue that added them): int6/g128, int5/g32, int3/g32, int2/g32.
+LOWBIT_MENU = ((6, 128), (5, 32), (3, 32), (2, 32))
+
+
+def menu(rows, cols, r, group=32, lowbit=LOWBIT_MENU):
     """The menu of ``profile_layer`` for one shape (one low-rank ``r``).
 
     Returns
     -------
-    list of Decomp : dense, int8/chan, int4/chan, int4/g``group``, ternary,
-    sparse2:4, lowrank(r), Monarch (square with a perfect-square side),
-    Tucker and TT with the shapes and ranks ``profile_layer`` uses.
+    list of Decomp : dense, int8/chan, int6/g128, int5/g32, int4/chan,
+    int4/g``group``, int3/g32, int2/g32 (``lowbit``: ``(bits, group)`` pairs,
+    kept where ``cols > group``), ternary, sparse2:4, lowrank(r), Monarch
+    (square with a perfect-square side), Tucker and TT with the shapes and
+    ranks ``profile_layer`` uses.
     """
-    out = [Decomp.dense(), Decomp.int8(), Decomp.int4(), Decomp.int4(group),
-           Decomp.ternary(), Decomp.sparse24(), Decomp.lowrank(r)]
+    low = [Decomp.intn(b, g) for b, g in lowbit if cols > g]
+    out = ([Decomp.dense(), Decomp.int8()] + [d for d in low if d.bits > 4]
+           + [Decomp.int4(), Decomp.int4(group)] + [d for d in low if d.bits < 4]
+           + [Decomp.ternary(), Decomp.sparse24(), Decomp.lowrank(r)])
     m = math.isqrt(rows)
     if rows == cols and m * m == rows and rows > 1:
         out.append(Decomp.monarch())
