@@ -24,6 +24,47 @@ from __future__ import annotations
 import numba
 from numba.np.ufunc.parallel import _launch_threads
 
+
+def _drop_stale_cache() -> None:
+    """Delete the package's numba cache files when any of its sources changed.
+
+    numba keys a cached function on the content of *its own* file, but a
+    kernel inlines intrinsics and callees from other files (``_simd*.py``,
+    ``_matmul.py``): after editing one of those, a caller in an unchanged file
+    would silently load stale machine code.  A fingerprint of every source
+    file of the package (and numba's version) is kept next to the cache; on a
+    mismatch every ``*.nbi``/``*.nbc`` of the package is removed, so the next
+    call compiles afresh.  Costs one read of the sources (~1 MB) per process;
+    an installed package whose files never change keeps its cache.  Best
+    effort: a read-only install (numba then caches elsewhere) is left alone.
+    """
+    import hashlib
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent
+    try:
+        files = sorted(root.rglob("*.py"))
+        h = hashlib.sha256(numba.__version__.encode())
+        for f in files:
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+        digest = h.hexdigest()
+        stamp = root / "__pycache__" / "opscope_sources.sha256"
+        if stamp.exists() and stamp.read_text().strip() == digest:
+            return
+        for pat in ("*.nbi", "*.nbc"):
+            for f in root.rglob(f"__pycache__/{pat}"):
+                f.unlink(missing_ok=True)
+        stamp.parent.mkdir(exist_ok=True)
+        tmp = stamp.with_suffix(f".{__import__('os').getpid()}.tmp")
+        tmp.write_text(digest + "\n")
+        tmp.replace(stamp)
+    except OSError:
+        pass
+
+
+_drop_stale_cache()
+
 # Start numba's thread pool now.  A serial @njit function loaded from the
 # on-disk cache that calls a parallel kernel does not start it by itself, and
 # the first such call in a fresh process would crash; every kernel module

@@ -211,6 +211,9 @@ def test_runtime_bad_x(d):
 # ---------------------------------------------------------------- intN planes
 INTN_SHAPES = [
     (1, 9, 131, None),
+    (1, 8, 512, 32),       # whole big units, no tail (modes 4-6 only)
+    (5, 4, 768, 256),
+    (2, 5, 384, None),
     (7, 13, 200, 32),
     (33, 6, 300, 128),
     (2, 3, 70, 48),
@@ -321,9 +324,11 @@ def test_lowbit_paths_agree(path):
         modes = [(0, 2), (2, 3)] + ([(1, 1)] if K.LOWBIT_UNIT[fmt] == 64 else [])
         if fmt == 0:    # 128-column double units: nun // 2 of them
             modes.append((3, 1))
+        if fmt >= 2:    # intN big units (128 columns, hi plane merged): nun // 2
+            modes += [(4, 1), (5, 2), (6, 2)]
         for mode, upf in modes:
             cf = RNG.integers(-1000, 1000, 8 * nun).astype(np.int32)
-            nu = nun // 2 if mode == 3 else nun
+            nu = nun // 2 if mode >= 3 else nun
             a = host(xp, cf, w, w2, sf, nu, upf, fmt, mode)
             b = other(xp, cf, w, w2, sf, nu, upf, fmt, mode)
             assert a == b, (fmt, mode)
@@ -338,6 +343,20 @@ def test_w4a8_g32_plan_uses_double_units():
     assert _plan(270, 9, 32, K.FMT_INT4, True) == (3, 2, 1)
     assert _plan(200, 7, 32, K.FMT_INT4, True) == (1, 3, 1)
     assert _plan(256, 8, 32, K.FMT_INT4, False) == (1, 4, 1)
+
+
+def test_intn_a8_plan_uses_big_units():
+    """intN with int8 activations runs 128-column big units (hi plane merged in
+    registers): mode 4 for groups of 32, 5 per row, 6 for multiples of 128;
+    other groups, narrow rows and int16 activations keep the 64-column modes."""
+    from opscope_nb.kernels._packed_quant import _plan
+    f5 = K.intn_fmt(5)
+    assert _plan(512, 16, 32, f5, True) == (4, 4, 1)
+    assert _plan(300, 1, 300, f5, True) == (5, 2, 8)
+    assert _plan(640, 3, 256, f5, True) == (6, 4, 2)
+    assert _plan(640, 14, 48, f5, True)[0] == -1
+    assert _plan(100, 4, 32, f5, True) == (1, 1, 1)
+    assert _plan(512, 16, 32, f5, False) == (1, 8, 1)
 
 
 def test_parallel_split_equals_serial():

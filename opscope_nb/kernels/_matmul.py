@@ -34,9 +34,9 @@ thread.  The work split never depends on the thread count, and every output
 is computed by one thread in a fixed order, so results are reproducible.
 
 These cores assume valid input (see each docstring); they only check shape
-agreement, in O(1), with constant messages.  Note for developers: numba's
-on-disk cache is keyed on this file's timestamp, so after editing
-``_simd.py`` touch this file (or clear ``__pycache__``).
+agreement, in O(1), with constant messages.  (numba keys its on-disk cache
+on each function's own file; ``_config`` drops the package's cache whenever
+any source file changes, so an edit of ``_simd.py`` is never masked.)
 """
 from __future__ import annotations
 

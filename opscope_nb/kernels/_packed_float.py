@@ -73,9 +73,8 @@ _TT_BATCH = 8
 # dense
 # --------------------------------------------------------------------------
 # dense_linear / lowrank_linear call matmul_f32, which lives in another file.
-# Note for developers: numba's on-disk cache of a caller is keyed on the
-# caller's file only, so after editing _matmul.py or _simd.py touch this file
-# (or clear __pycache__); an installed package changes all files together.
+# (numba keys a caller's cache on the caller's file only; _config drops the
+# package's cache whenever any of its sources changes.)
 @njit
 def dense_linear(x, w, min_parallel=PAR_MIN):
     """``y[m, rows] = x[m, cols] @ w.T`` for the ``dense`` pack (``w`` f32

@@ -62,6 +62,13 @@ int4/g32 with int8 activations (the W4A8 format of ONNX Runtime's
 dword-permuted so every int32 lane sums 16 columns of one group, halving the
 per-group convert/scale work); otherwise 64-column units (mode 1).
 
+intN (int2/3/5/6) with int8 activations steps through 128-column *big
+units* whose four slot vectors carry the whole offset code (the ``hi`` plane is
+merged into the ``lo`` fields in registers; tile modes 4-6 of
+:mod:`._simd_lowbit`), so a unit costs four ``vpdpbusd`` per weight row for
+every bit width; groups that are neither 32 nor a multiple of 128, rows
+narrower than 128 columns and int16 activations keep the 64-column modes.
+
 Decode (``m < 4``) uses a 1 row x 4 outputs tile; prefill (``m >= 4``) a
 4 rows x 2 outputs tile, so each unpacked weight vector is reused by four
 activation rows from registers.  Output blocks of four run in parallel
@@ -82,8 +89,8 @@ from .._config import njit, njit_parallel
 # (prange) kernel; numba's thread pool is started by ``_config`` at import
 # (a cached serial caller would not start it, and its first call crashed).
 from ._matmul import PAR_MIN, matmul_w8a16, matmul_w8a8, quantize_rows_i8, quantize_rows_i16
-from ._simd_lowbit import (LOWBIT_LANES, LOWBIT_OFFSET, LOWBIT_SLOTS, LOWBIT_UNIT,
-                           lowbit_tile_1x4, lowbit_tile_4x2)
+from ._simd_lowbit import (LOWBIT_BIG_LANES, LOWBIT_BIG_UNIT, LOWBIT_LANES, LOWBIT_OFFSET,
+                           LOWBIT_SLOTS, LOWBIT_UNIT, lowbit_tile_1x4, lowbit_tile_4x2)
 
 __all__ = [
     "FMT_INT4",
@@ -115,6 +122,8 @@ _UPF0 = 8
 
 
 _LANES = LOWBIT_LANES
+_BIGL = LOWBIT_BIG_LANES
+_BIGU = LOWBIT_BIG_UNIT
 _SLOTS = LOWBIT_SLOTS
 _UNIT = LOWBIT_UNIT
 _OFF = LOWBIT_OFFSET
@@ -167,6 +176,17 @@ def _plan(cols, ng, group, fmt, a8=False):
     Mode 3 (int4/g32 with int8 activations, an even number of 64-column units)
     counts 128-column double units."""
     unit = _UNIT[fmt]
+    if a8 and fmt >= 2 and cols >= _BIGU:
+        # intN with int8 activations: 128-column big units, hi plane merged in
+        # registers (modes 4-6; groups that are neither 32 nor a multiple of
+        # 128 keep the 64-column modes below)
+        if ng == 1:
+            return 5, cols // _BIGU, _UPF0
+        if group == 32:
+            return 4, cols // _BIGU, 1
+        if group % _BIGU == 0:
+            upf = group // _BIGU
+            return 6, (cols // group) * upf, upf
     if ng == 1:
         return 0, cols // unit, _UPF0
     if a8 and fmt == 0 and group == 32 and (cols // 64) % 2 == 0:
@@ -211,11 +231,49 @@ def _arrange3(xq, nunits):
 
 
 @njit
+def _arrange_big(xq, nunits, fmt, upf, mode):
+    """Big-unit (modes 4-6) arrangement and corrections.
+
+    ``xp[i, 128 u + 32 k + l] = xq[i, 128 u + LOWBIT_BIG_LANES[fmt, k, l]]``;
+    mode 4: ``corr[i, 8 u + 2 g] = off * sum`` of group ``g`` (columns
+    ``128 u + 32 g ..``), odd lanes 0; modes 5/6: ``corr[i, 8 f] = off * sum``
+    over the columns of flush ``f`` (``upf`` units), other lanes 0.
+    """
+    m = xq.shape[0]
+    off = _OFF[fmt]
+    xp = np.empty((m, max(nunits * _BIGU, 1)), dtype=xq.dtype)
+    nfl = (nunits + upf - 1) // upf
+    corr = np.zeros((m, max(nfl, 1) * 8), dtype=np.int32)
+    for i in range(m):
+        for u in range(nunits):
+            b = u * _BIGU
+            for k in range(4):
+                for t in range(32):
+                    xp[i, b + 32 * k + t] = xq[i, b + _BIGL[fmt, k, t]]
+        if mode == 4:
+            for u in range(nunits):
+                for g in range(4):
+                    sg = np.int64(0)
+                    for p in range(u * _BIGU + 32 * g, u * _BIGU + 32 * g + 32):
+                        sg += xq[i, p]
+                    corr[i, 8 * u + 2 * g] = off * sg
+        else:
+            for f in range(nfl):
+                sg = np.int64(0)
+                for p in range(f * upf * _BIGU, min(nunits, (f + 1) * upf) * _BIGU):
+                    sg += xq[i, p]
+                corr[i, 8 * f] = off * sg
+    return xp, corr
+
+
+@njit
 def _arrange(xq, nunits, fmt, upf, mode):
     """Per-unit field order of the activations and the offset corrections."""
     m = xq.shape[0]
     if mode == 3:
         return _arrange3(xq, nunits)
+    if mode >= 4:
+        return _arrange_big(xq, nunits, fmt, upf, mode)
     P = _SLOTS[fmt]
     unit = _UNIT[fmt]
     off = _OFF[fmt]
@@ -287,7 +345,7 @@ def _fin(t, sxi, s0, mode):
     """``_put`` without a tail: the same float64 arithmetic (``t + 0.0`` as
     there, so even the sign of a zero matches)."""
     v = t + np.float64(0.0)
-    if mode == 0:
+    if mode == 0 or mode == 5:
         return np.float32(v * np.float64(sxi) * np.float64(s0))
     return np.float32(v * np.float64(sxi))
 
@@ -295,7 +353,7 @@ def _fin(t, sxi, s0, mode):
 @njit
 def _put(y, i, j, t, xq, w, w2, sflat, sstride, group, cols, fmt, region, mode, sx):
     soff = j * sstride
-    if mode == 0:
+    if mode == 0 or mode == 5:
         v = t + _tail(xq, i, w, w2, j, region, cols, fmt, sflat, soff, group, False)
         y[i, j] = np.float32(v * np.float64(sx[i]) * np.float64(sflat[soff]))
     else:
@@ -330,7 +388,7 @@ def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, 
     wf = w.ravel()
     w2b = w2.shape[1]
     w2f = w2.ravel()
-    region = nunits * _UNIT[fmt] * (2 if mode == 3 else 1)
+    region = nunits * (_UNIT[fmt] * 2 if mode == 3 else _BIGU if mode >= 4 else _UNIT[fmt])
     # no scalar tail: finish in place (``_put`` is an out-of-line call taking six
     # arrays, ~50 ns per output -- it dominated small-k prefill)
     tail = region < cols

@@ -52,7 +52,24 @@ fmt   name       P     off   unpack (``b`` = 32 packed bytes)
   ``l`` of the int32 accumulator sums 16 columns of group ``l // 2``, ``corr``
   holds the group's ``off * sum(x)`` in lane ``2g`` (0 in ``2g + 1``), and one
   flush ``float(lanes) * [sA sA sB sB sC sC sD sD]`` per double unit; ``nunits``
-  counts double units.
+  counts double units;
+* modes 4-6 (intN fmts 2-5, int8 activations only): *big units* of 128
+  columns with the ``hi`` plane merged into the ``lo`` fields in registers
+  (one byte shuffle per row picks each lane's ``hi`` byte, a bit test per
+  field bit ORs ``1 << (lo_bits + i)`` into the code), so every unit is four
+  ``vpdpbusd`` per weight row whatever the bit width -- the 64-column modes
+  spend a second set of dot products on the ``hi`` plane.  ``lo`` crumbs
+  (int2/int3): slot ``q`` byte ``t`` = column ``4 t + q``; ``lo`` nibbles
+  (int5/int6): the mode-3 dword permute.  Either way int32 lane ``l`` sums
+  columns of group ``l // 2`` (``LOWBIT_BIG_LANES`` gives every lane's
+  column).  Mode 4: groups of 32, one flush per unit as mode 3 (``corr``
+  lane ``2 g``); mode 5: one scale per row, exact int64 sums every ``upf``
+  units; mode 6: groups of ``128 * upf`` columns, one scale per flush.
+
+Every unit prefetches the same offset ``pf`` bytes further into **L2**
+(``prefetcht1``): prefetching the next tile's rows into L1 evicted lines
+before their use and cost 20-30 % of the streamed decode rate on the Zen 4
+development machine (``benchmarks/bench_packed_quant.py``).
 """
 from __future__ import annotations
 
@@ -68,6 +85,8 @@ __all__ = [
     "LOWBIT_PATH",
     "LOWBIT_PATHS",
     "LOWBIT_LANES",
+    "LOWBIT_BIG_LANES",
+    "LOWBIT_BIG_UNIT",
     "LOWBIT_SLOTS",
     "LOWBIT_UNIT",
     "LOWBIT_OFFSET",
@@ -175,6 +194,40 @@ def _lane_table():
 #: ``LOWBIT_OFFSET[fmt]`` offset of the unsigned codes,
 #: ``LOWBIT_PLANE_BYTES[fmt, plane]`` packed bytes per unit and plane.
 LOWBIT_LANES, LOWBIT_SLOTS, LOWBIT_UNIT, LOWBIT_OFFSET, LOWBIT_PLANE_BYTES = _lane_table()
+
+# Big units (modes 4-6, int8 activations, intN fmts 2-5): 128 columns per
+# unit and four 32-lane slot vectors that already hold the *whole* offset code
+# (the hi plane is merged into the lo fields in registers), so a unit costs
+# four ``vpdpbusd`` per weight row whatever the bit width, and every int32 lane
+# sums columns of one group of 32 (lane ``l`` -> group ``l // 2``).
+# fmt -> (lo decoder, lo bytes per unit, hi decoder or None, hi bytes per unit)
+_BIG = {2: ("crumb4", 32, None, 0), 3: ("crumb4", 32, "bit", 16),
+        4: ("nib", 64, "bit", 16), 5: ("nib", 64, "crumb", 32)}
+_LO_BITS = {2: 2, 3: 2, 4: 4, 5: 4}
+#: Columns per big unit.
+LOWBIT_BIG_UNIT = 128
+
+
+def _big_lane_cols(lo):
+    """Column (inside a 128-column unit) of every lane of the 4 slot vectors."""
+    if lo == "crumb4":   # byte t of the 32 lo bytes holds columns 4t .. 4t+3
+        return [[4 * t + q for t in range(32)] for q in range(4)]
+    # nibbles: 64 lo bytes, the two 32-byte loads dword-permuted (as mode 3):
+    # vector v = 2 h + s, byte 4 l + e <- packed byte 16 (l // 2) + 8 h + 4 (l % 2) + e
+    return [[2 * (16 * (l // 2) + 8 * h + 4 * (l % 2) + e) + s
+             for l in range(8) for e in range(4)] for h in range(2) for s in range(2)]
+
+
+def _big_table():
+    tab = np.zeros((max(_FMTS) + 1, 4, 32), dtype=np.int64)
+    for f, (lo, _, _, _) in _BIG.items():
+        tab[f] = _big_lane_cols(lo)
+    return tab
+
+
+#: ``LOWBIT_BIG_LANES[fmt, slot, lane]``: column inside a 128-column big unit
+#: that activation slot ``slot`` holds in lane ``lane`` (modes 4-6).
+LOWBIT_BIG_LANES = _big_table()
 
 
 def _splat8(v):
@@ -357,7 +410,7 @@ def _make_tile(R: int, C: int, path: str | None = None):
                                     uo, pf_ if plane == 0 else pf2_)], inbounds=False)
                                 builder.call(prefetch, [builder.bitcast(pa, i8p),
                                                         ir.Constant(_I32, 0),
-                                                        ir.Constant(_I32, 3),
+                                                        ir.Constant(_I32, 2),
                                                         ir.Constant(_I32, 1)])
                                 pc += _decode(builder, dec, bv, shift)
                             pieces.append(pc)
@@ -442,6 +495,11 @@ def _make_tile(R: int, C: int, path: str | None = None):
                         v = builder.fpext(builder.load(facc[t]), _V8F64)
                         builder.store(_hsum(builder, v, 8, builder.fadd), res[t])
 
+            idx3 = [ir.Constant(_I32, 4 * (l // 2) + 2 * h + (l % 2))
+                    for h in range(2) for l in range(8)]
+            perm3 = [ir.Constant(ir.VectorType(_I32, 8), idx3[8 * h:8 * h + 8])
+                     for h in range(2)]
+
             def emit3():
                 # int4 nibbles, groups of 32, a8: a double unit of 128 columns
                 # (64 packed bytes = groups A-D) per step.  The two 32-byte
@@ -465,7 +523,7 @@ def _make_tile(R: int, C: int, path: str | None = None):
                                              _V8I32)
                         pa = builder.gep(wrow[c], [builder.add(uo, pf_)], inbounds=False)
                         builder.call(prefetch, [builder.bitcast(pa, i8p), ir.Constant(_I32, 0),
-                                                ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                                                ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
                         pc = []
                         for h in range(2):
                             v = builder.bitcast(builder.shuffle_vector(b0, b1, perm[h]), _V32I8)
@@ -496,11 +554,158 @@ def _make_tile(R: int, C: int, path: str | None = None):
                     v = builder.fpext(builder.load(facc[t]), _V8F64)
                     builder.store(_hsum(builder, v, 8, builder.fadd), res[t])
 
+            def big_slots(fm, c, u):
+                """The 4 slot vectors (whole offset codes) of big unit ``u``,
+                weight row ``c`` of the tile."""
+                lo, lob, hi, hib = _BIG[fm]
+                uo = builder.mul(u, K(lob))
+                if lo == "crumb4":
+                    bv = vload(wrow[c], uo, _V32I8)
+                    sl = [builder.and_(bv, _splat8(3))]
+                    for q in (1, 2):
+                        sl.append(builder.and_(builder.lshr(bv, _splat8(2 * q)), _splat8(3)))
+                    sl.append(builder.lshr(bv, _splat8(6)))
+                else:
+                    b0 = builder.bitcast(vload(wrow[c], uo, _V32I8), _V8I32)
+                    b1 = builder.bitcast(vload(wrow[c], builder.add(uo, K(32)), _V32I8),
+                                         _V8I32)
+                    sl = []
+                    for h in range(2):
+                        v = builder.bitcast(builder.shuffle_vector(b0, b1, perm3[h]), _V32I8)
+                        sl += _decode(builder, "nib", v, 0)
+                pa = builder.gep(wrow[c], [builder.add(uo, pf_)], inbounds=False)
+                builder.call(prefetch, [builder.bitcast(pa, i8p), ir.Constant(_I32, 0),
+                                        ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+                if hi is None:
+                    return sl
+                ho = builder.mul(u, K(hib))
+                hv = vload(w2row[c], ho, ir.VectorType(_I8, hib))
+                pa = builder.gep(w2row[c], [builder.add(ho, pf2_)], inbounds=False)
+                builder.call(prefetch, [builder.bitcast(pa, i8p), ir.Constant(_I32, 0),
+                                        ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+                # hi fields: per lane, pick the byte holding its column's field
+                # (one byte shuffle, shared by slots with the same byte pattern),
+                # test each field bit and OR ``1 << (lo_bits + bit)`` into the code
+                fb = 1 if hi == "bit" else 2
+                per = 8 // fb
+                lb = _LO_BITS[fm]
+                cache = {}
+                for k, cols in enumerate(_big_lane_cols(lo)):
+                    idx = tuple(cc // per for cc in cols)
+                    if idx not in cache:
+                        cache[idx] = builder.shuffle_vector(hv, hv, ir.Constant(
+                            ir.VectorType(_I32, 32), [ir.Constant(_I32, i) for i in idx]))
+                    sh = cache[idx]
+                    for i in range(fb):
+                        msk = [1 << (fb * (cc % per) + i) for cc in cols]
+                        mv = ir.Constant(_V32I8, [ir.Constant(_I8, q if q < 128 else q - 256)
+                                                  for q in msk])
+                        nz = builder.icmp_unsigned("!=", builder.and_(sh, mv), _splat8(0))
+                        sl[k] = builder.select(nz, builder.or_(sl[k], _splat8(1 << (lb + i))),
+                                               sl[k])
+                return sl
+
+            def emit_big4(fm):
+                # groups of 32: one flush per unit, started at -corr (as emit3)
+                for t in range(R * C):
+                    builder.store(ir.Constant(_V8F32, None), facc[t])
+                with cgutils.for_range(builder, nun) as dl:
+                    d = dl.index
+                    pieces = [big_slots(fm, c, d) for c in range(C)]
+                    sp = []
+                    for c in range(C):
+                        p4 = builder.gep(srow[c], [builder.mul(d, K(4))], inbounds=True)
+                        v4 = builder.load(builder.bitcast(p4, ir.VectorType(_F32, 4).as_pointer()),
+                                          align=4)
+                        sp.append(_shuffle(builder, v4, [0, 0, 1, 1, 2, 2, 3, 3]))
+                    xbase = builder.mul(d, K(128))
+                    foff = builder.mul(d, K(8))
+                    for r in range(R):
+                        xs = [vload(xrow[r], builder.add(xbase, K(32 * v)), _V32I8)
+                              for v in range(4)]
+                        nc = builder.sub(ir.Constant(_V8I32, None), vload(crow[r], foff, _V8I32))
+                        for c in range(C):
+                            t = r * C + c
+                            a = nc
+                            for v in range(4):
+                                a = _dot_u8s8(builder, a, pieces[c][v], xs[v], path)
+                            builder.store(builder.call(fmuladd, [
+                                builder.sitofp(a, _V8F32), sp[c], builder.load(facc[t])]),
+                                facc[t])
+                for t in range(R * C):
+                    v = builder.fpext(builder.load(facc[t]), _V8F64)
+                    builder.store(_hsum(builder, v, 8, builder.fadd), res[t])
+
+            def emit_big(fm, md):
+                # md 5: one scale per row (exact int64 sums); md 6: one scale per
+                # flush of ``upf`` units (groups of 128 * upf columns)
+                for t in range(R * C):
+                    builder.store(ir.Constant(_V8I64, None), acc64[t])
+                    builder.store(ir.Constant(_V8F32, None), facc[t])
+                nfl = builder.udiv(builder.add(nun, builder.sub(upf_, K(1))), upf_)
+                with cgutils.for_range(builder, nfl) as fl:
+                    f = fl.index
+                    foff = builder.mul(f, K(8))
+                    for r in range(R):
+                        nc = builder.sub(ir.Constant(_V8I32, None), vload(crow[r], foff, _V8I32))
+                        for c in range(C):
+                            builder.store(nc, iacc[r * C + c])
+                    u0 = builder.mul(f, upf_)
+                    rem = builder.sub(nun, u0)
+                    cnt = builder.select(builder.icmp_signed("<", rem, upf_), rem, upf_)
+                    with cgutils.for_range(builder, cnt) as ul:
+                        u = builder.add(u0, ul.index)
+                        pieces = [big_slots(fm, c, u) for c in range(C)]
+                        xbase = builder.mul(u, K(128))
+                        for r in range(R):
+                            xs = [vload(xrow[r], builder.add(xbase, K(32 * v)), _V32I8)
+                                  for v in range(4)]
+                            for c in range(C):
+                                t = r * C + c
+                                a = builder.load(iacc[t])
+                                for v in range(4):
+                                    a = _dot_u8s8(builder, a, pieces[c][v], xs[v], path)
+                                builder.store(a, iacc[t])
+                    svec = []
+                    if md == 6:
+                        for c in range(C):
+                            s0 = builder.load(builder.gep(srow[c], [f], inbounds=True))
+                            v = builder.insert_element(ir.Constant(_V8F32, None), s0,
+                                                       ir.Constant(_I32, 0))
+                            svec.append(_shuffle(builder, v, [0] * 8))
+                    for r in range(R):
+                        for c in range(C):
+                            t = r * C + c
+                            a = builder.load(iacc[t])
+                            if md == 5:
+                                builder.store(builder.add(builder.load(acc64[t]),
+                                                          builder.sext(a, _V8I64)), acc64[t])
+                            else:
+                                builder.store(builder.call(fmuladd, [
+                                    builder.sitofp(a, _V8F32), svec[c],
+                                    builder.load(facc[t])]), facc[t])
+                for t in range(R * C):
+                    if md == 5:
+                        s = _hsum(builder, builder.load(acc64[t]), 8, builder.add)
+                        builder.store(builder.sitofp(s, _F64), res[t])
+                    else:
+                        v = builder.fpext(builder.load(facc[t]), _V8F64)
+                        builder.store(_hsum(builder, v, 8, builder.fadd), res[t])
+
             if act == "a8":
                 cond = builder.and_(builder.icmp_signed("==", fmt_, K(0)),
                                     builder.icmp_signed("==", mode_, K(3)))
                 with builder.if_then(cond):
                     emit3()
+                for fm in _BIG:
+                    for md in (4, 5, 6):
+                        cond = builder.and_(builder.icmp_signed("==", fmt_, K(fm)),
+                                            builder.icmp_signed("==", mode_, K(md)))
+                        with builder.if_then(cond):
+                            if md == 4:
+                                emit_big4(fm)
+                            else:
+                                emit_big(fm, md)
             for fm in _FMTS:
                 modes = (0, 1, 2) if _FMTS[fm][0] == 64 else (0,)
                 for md in modes:
