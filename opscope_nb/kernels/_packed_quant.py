@@ -90,7 +90,7 @@ from .._config import njit, njit_parallel
 # (a cached serial caller would not start it, and its first call crashed).
 from ._matmul import PAR_MIN, matmul_w8a16, matmul_w8a8, quantize_rows_i8, quantize_rows_i16
 from ._simd_lowbit import (LOWBIT_BIG_LANES, LOWBIT_BIG_UNIT, LOWBIT_LANES, LOWBIT_OFFSET,
-                           LOWBIT_SLOTS, LOWBIT_UNIT, lowbit_tile_1x4, lowbit_tile_4x2)
+                           LOWBIT_PLANE_BYTES, LOWBIT_SLOTS, LOWBIT_UNIT, lowbit_tile_1x4, lowbit_tile_4x2)
 
 __all__ = [
     "FMT_INT4",
@@ -123,6 +123,7 @@ _UPF0 = 8
 
 _LANES = LOWBIT_LANES
 _BIGL = LOWBIT_BIG_LANES
+_PBYTES = LOWBIT_PLANE_BYTES
 _BIGU = LOWBIT_BIG_UNIT
 _SLOTS = LOWBIT_SLOTS
 _UNIT = LOWBIT_UNIT
@@ -375,11 +376,110 @@ def _t42(xp, xo, xs, cf, co, cs, wf, wo, ws, w2, w2o, w2s, sf, so, ss, nun, upf,
                            nun, upf, fmt, mode, 2 * ws, 2 * w2s)
 
 
+#: Prefill k-blocking: activation columns per k-block (int8; half for int16),
+#: so a block of ``m`` activation rows stays in L1 while a group of
+#: ``_KB_G`` output blocks streams its weights through it.
+_KB_COLS = 2048
+_KB_G = 16
+
+
+@njit
+def _unit_geom(fmt, mode):
+    """(columns, arranged activations, lo bytes, hi bytes) per unit of a mode."""
+    if mode == 3:
+        return 128, 128, 64, 0
+    if mode >= 4:
+        return _BIGU, _BIGU, (32 if fmt <= 3 else 64), (0, 0, 0, 16, 16, 32)[fmt]
+    return _UNIT[fmt], 32 * _SLOTS[fmt], _PBYTES[fmt, 0], _PBYTES[fmt, 1]
+
+
+@njit
+def _scale_off(mode, u0, upf):
+    """Offset of unit ``u0``'s first scale in a weight row's scales."""
+    if mode == 1:
+        return 2 * u0
+    if mode == 3 or mode == 4:
+        return 4 * u0
+    if mode == 2 or mode == 6:
+        return u0 // upf
+    return 0
+
+
+@njit
+def _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
+               sx, y, b0, b1):
+    """Prefill (``m >= 4``) over output blocks ``b0..b1``, k-blocked.
+
+    Without blocking every 4 x 2 tile re-reads its four activation rows over
+    the full depth from L2 (0.5-0.6 byte per multiply-add: the L2 port, not
+    the dot products, set the pace, and two threads did not beat one).  Here
+    the depth is cut into blocks of ``_KB_COLS`` columns (whole flushes); for
+    each k-block the tiles of ``_KB_G`` output blocks run against the same
+    L1-resident activation block, and the partial sums (exact integers, or
+    per-group scaled float32 lanes) are added in float64.
+    """
+    m = xq.shape[0]
+    rows = w.shape[0]
+    wb = w.shape[1]
+    xst = xp.shape[1]
+    cst = corr.shape[1]
+    xpf = xp.ravel()
+    cf = corr.ravel()
+    wf = w.ravel()
+    w2b = w2.shape[1]
+    w2f = w2.ravel()
+    ucols, xpu, lob, hib = _unit_geom(fmt, mode)
+    tail = nunits * ucols < cols
+    region = nunits * ucols
+    kbc = _KB_COLS if xq.itemsize == 1 else _KB_COLS // 2
+    kbu = max(1, kbc // ucols)
+    kbu = max(upf, kbu // upf * upf)
+    acc = np.zeros((m, _NB * _KB_G))
+    for g0 in range(b0, b1, _KB_G):
+        g1 = min(b1, g0 + _KB_G)
+        acc[:] = 0.0
+        for u0 in range(0, nunits, kbu):
+            nu = min(kbu, nunits - u0)
+            so = _scale_off(mode, u0, upf)
+            co = (u0 // upf) * 8
+            for b in range(g0, g1):
+                js = min(b * _NB, rows - _NB)
+                for h in range(2):
+                    jh = js + 2 * h
+                    for i0 in range(0, m, 4):
+                        i_s = min(i0, m - 4)
+                        t = _t42(xpf, i_s * xst + u0 * xpu, xst, cf, i_s * cst + co, cst, wf,
+                                 jh * wb + u0 * lob, wb, w2f, jh * w2b + u0 * hib, w2b,
+                                 sflat, jh * sstride + so, sstride, nu, upf, fmt, mode)
+                        for r in range(4):
+                            i = i_s + r
+                            if i >= i0:
+                                for c in range(2):
+                                    acc[i, (b - g0) * _NB + 2 * h + c] += t[r * 2 + c]
+        for b in range(g0, g1):
+            j0 = b * _NB
+            js = min(j0, rows - _NB)
+            for q in range(_NB):
+                j = js + q
+                if j >= j0:
+                    for i in range(m):
+                        v = acc[i, (b - g0) * _NB + q]
+                        if tail:
+                            _put(y, i, j, v, xq, w, w2, sflat, sstride, group, cols, fmt,
+                                 region, mode, sx)
+                        else:
+                            y[i, j] = _fin(v, sx[i], sflat[j * sstride], mode)
+
+
 @njit
 def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
             sx, y, b0, b1):
     m = xq.shape[0]
     rows = w.shape[0]
+    if m >= 4 and rows >= _NB and nunits > 0 and mode >= 0:
+        _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
+                   sx, y, b0, b1)
+        return
     wb = w.shape[1]
     xst = xp.shape[1]
     cst = corr.shape[1]

@@ -349,6 +349,10 @@ _KINDS = {
 }
 
 
+#: Rows ahead that the one-row (decode) tiles prefetch their weights.
+_PF_ROWS = 8
+
+
 def _make_tile(R: int, C: int, kind: str, path: str | None = None, raw: bool = False,
                corr_out: bool = False):
     """Build the intrinsic for an ``R x C`` dot tile of the given kind
@@ -426,9 +430,29 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None, raw: bool = F
                 woff, builder.mul(wstride, ir.Constant(intp, c)))], inbounds=True)
                 for c in range(C)]
 
+            # Decode tiles (one activation row) stream their weights once:
+            # every 64-byte line of a weight row is prefetched into L2
+            # (prefetcht1) _PF_ROWS rows ahead, i.e. two 1 x 4 tiles ahead --
+            # the lines the next calls will read.  Prefetches never fault.
+            pf = None
+            if R == 1:
+                pf = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(),
+                                                                    _I32, _I32, _I32]),
+                    "llvm.prefetch.p0i8")
+                pfd = builder.mul(wstride, ir.Constant(intp, _PF_ROWS))
+            elbytes = {"i8": 1, "w16": 1, "w8": 1, "f32": 4}[kind]
+            per_line = max(1, 64 // (step * elbytes))
+
             def step_at(chunk, aset):
                 """One step over elements [chunk*step, (chunk+1)*step)."""
                 off = builder.mul(chunk, ir.Constant(intp, step))
+                if pf is not None and aset % per_line == 0:
+                    for b in wrow:
+                        p = builder.gep(b, [builder.add(off, pfd)])
+                        builder.call(pf, [builder.bitcast(p, ir.IntType(8).as_pointer()),
+                                          ir.Constant(_I32, 0), ir.Constant(_I32, 2),
+                                          ir.Constant(_I32, 1)])
 
                 def load(base, elty, widen):
                     vty = ir.VectorType(elty, step)
