@@ -78,7 +78,7 @@ FASTMATH = frozenset({"nsz", "contract", "afn", "reassoc"})
 CACHE = True
 
 #: Options for serial kernels.
-JIT = dict(nogil=True, cache=CACHE, fastmath=set(FASTMATH))
+JIT = dict(nogil=True, cache=CACHE, fastmath=set(FASTMATH), error_model="numpy")
 
 #: Options for kernels with ``prange`` loops.
 JIT_PARALLEL = dict(JIT, parallel=True)

@@ -44,7 +44,7 @@ import numpy as np
 from numba import prange
 
 from .._config import njit, njit_parallel
-from ._probe import div_f32, round_half_away
+from ._probe import absmax_f32, div_f32, round_half_away
 from ._simd import (F32_CHUNK, I8_CHUNK, i8dot_raw_tile_4x4, i8dot_rawc_tile_4x4, f32dot_tile_1x1, f32dot_tile_1x4,
                     f32dot_tile_2x4, i8dot_tile_1x1, i8dot_tile_1x4,
                     i8dot_tile_2x1, i8dot_tile_2x4, W16_CHUNK,
@@ -325,11 +325,7 @@ def quantize_cols_t(w):
     wtq = np.empty((n, k), dtype=np.int8)
     scale = np.empty(n, dtype=np.float32)
     for j in prange(n):
-        amax = np.float32(0.0)
-        for p in range(k):
-            a = np.abs(wt[j, p])
-            if a > amax:
-                amax = a
+        amax = absmax_f32(wt[j], 0, k)
         s = _scale_of(amax)
         scale[j] = s
         for p in range(k):
@@ -341,11 +337,7 @@ def quantize_cols_t(w):
 def _q8_rows(x, xq, sx, i0, i1):
     k = x.shape[1]
     for i in range(i0, i1):
-        amax = np.float32(0.0)
-        for p in range(k):
-            a = np.abs(x[i, p])
-            if a > amax:
-                amax = a
+        amax = absmax_f32(x[i], 0, k)
         s = _scale_of(amax)
         sx[i] = s
         for p in range(k):
@@ -396,10 +388,7 @@ def quantize_row_i8(x):
     m, k = x.shape
     amax = np.float32(0.0)
     for i in range(m):
-        for p in range(k):
-            a = np.abs(x[i, p])
-            if a > amax:
-                amax = a
+        amax = max(amax, absmax_f32(x[i], 0, k))
     s = _scale_of(amax)
     xq = np.empty((m, k), dtype=np.int8)
     for i in range(m):
@@ -541,11 +530,7 @@ def a16_levels(k):
 def _q16_rows(x, lv, xq, sx, i0, i1):
     k = x.shape[1]
     for i in range(i0, i1):
-        amax = np.float32(0.0)
-        for p in range(k):
-            a = np.abs(x[i, p])
-            if a > amax:
-                amax = a
+        amax = absmax_f32(x[i], 0, k)
         s = np.float32(1.0)
         if amax >= 1e-20:
             s = np.float32(div_f32(amax, lv))

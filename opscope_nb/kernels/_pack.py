@@ -42,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._config import njit
-from ._probe import div_f32, round_half_away
+from ._probe import absmax_f32, div_f32, round_half_away
 
 __all__ = [
     "quantize_groups_sym",
@@ -99,11 +99,7 @@ def quantize_groups_sym(x, bits, group):
         for g in range(ng):
             lo = g * group
             hi = min(lo + group, cols)
-            amax = np.float32(0.0)
-            for j in range(lo, hi):
-                a = abs(x[i, j])
-                if a > amax:
-                    amax = a
+            amax = absmax_f32(x[i], lo, hi)
             sc = div_f32(amax, flev) if amax >= np.float32(1e-20) else np.float32(1.0)
             scales[i, g] = sc
             for j in range(lo, hi):

@@ -37,7 +37,9 @@ Numerics
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
 
 from .._config import njit, njit_parallel
 
@@ -133,6 +135,51 @@ def div_f32(a, b):
     return np.float32(a) / np.float32(b)
 
 
+@intrinsic
+def _f32_from_bits(typingctx, v):
+    """Reinterpret an int32 bit pattern as float32 (no conversion)."""
+    if v != types.int32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _require_f32_array(typingctx, r):
+    """Typing guard: compiles only for float32 arrays (a float64 row viewed as
+    int32 would give wrong maxima silently)."""
+    if not (isinstance(r, types.Array) and r.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return context.get_dummy_value()
+
+    return types.none(r), codegen
+
+
+@njit
+def absmax_f32(r, lo, hi):
+    """``max |r[lo:hi]|`` of a float32 1-D C-contiguous array (0 when empty).
+
+    Compares the IEEE bit patterns with the sign bit cleared as int32: for
+    finite floats (and infinities) that order is the float order, and an
+    integer max reduction vectorises, whereas the float ``if a > m`` loop does
+    not without ``nnan`` (about 9x slower; it bounded every quantiser of
+    activations).  A NaN maps above ``inf``, so it is not silently skipped.
+    """
+    _require_f32_array(r)
+    ri = r.view(np.int32)
+    m = np.int32(0)
+    for j in range(lo, hi):
+        a = np.int32(ri[j] & np.int32(0x7FFFFFFF))
+        if a > m:
+            m = a
+    return _f32_from_bits(np.int32(m))
+
+
 @njit
 def row_absmax(x):
     """Per-row ``max |x|``.
@@ -148,12 +195,7 @@ def row_absmax(x):
     rows, cols = x.shape
     out = np.zeros(rows, dtype=np.float32)
     for i in range(rows):
-        m = np.float32(0.0)
-        for j in range(cols):
-            a = abs(x[i, j])
-            if a > m:
-                m = a
-        out[i] = m
+        out[i] = absmax_f32(x[i], 0, cols)
     return out
 
 
