@@ -122,7 +122,7 @@ def _calibration(args, src, chosen, kw, dist):
             raise CliError("--calib-text/--calib-tokens need --calib.")
         if getattr(args, "objective", "weight") != "weight":
             warn(f"--objective {args.objective} without --calib/--imatrix: no layer has "
-                 f"out_err, every layer falls back to weight error.")
+                 f"out_err, every layer uses its squared weight error (sum of rel_err^2).")
         return None, kw
     if dist is not None:
         raise CliError("--calib/--imatrix run in this process; drop --workers/--scheduler.")

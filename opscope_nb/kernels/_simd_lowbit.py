@@ -447,6 +447,7 @@ def _make_tile(R: int, C: int, path: str | None = None):
                     svec = []
                     if md == 1:
                         for c in range(C):
+                            prefetch_scales(c, builder.mul(f, K(2)))
                             p0 = builder.gep(srow[c], [builder.mul(f, K(2))], inbounds=True)
                             s0 = builder.load(p0)
                             s1 = builder.load(builder.gep(p0, [K(1)], inbounds=True))
@@ -457,6 +458,7 @@ def _make_tile(R: int, C: int, path: str | None = None):
                             svec.append(v)
                     elif md == 2:
                         for c in range(C):
+                            prefetch_scales(c, f)
                             s0 = builder.load(builder.gep(srow[c], [f], inbounds=True))
                             v = builder.insert_element(ir.Constant(_V8F32, None), s0,
                                                        ir.Constant(_I32, 0))
@@ -500,6 +502,17 @@ def _make_tile(R: int, C: int, path: str | None = None):
             perm3 = [ir.Constant(ir.VectorType(_I32, 8), idx3[8 * h:8 * h + 8])
                      for h in range(2)]
 
+            # scales stream too (one float per 32 columns and row): prefetch
+            # them into L2 as many rows ahead as the weights (pf / wstride rows)
+            pf_rows = builder.sdiv(pf_, builder.select(
+                builder.icmp_signed(">", wstr, K(0)), wstr, K(1)))
+            spf = builder.mul(pf_rows, sstr)
+
+            def prefetch_scales(c, off):
+                pa = builder.gep(srow[c], [builder.add(off, spf)], inbounds=False)
+                builder.call(prefetch, [builder.bitcast(pa, i8p), ir.Constant(_I32, 0),
+                                        ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+
             def emit3():
                 # int4 nibbles, groups of 32, a8: a double unit of 128 columns
                 # (64 packed bytes = groups A-D) per step.  The two 32-byte
@@ -531,6 +544,7 @@ def _make_tile(R: int, C: int, path: str | None = None):
                         pieces.append(pc)
                     sp = []
                     for c in range(C):
+                        prefetch_scales(c, builder.mul(d, K(4)))
                         p4 = builder.gep(srow[c], [builder.mul(d, K(4))], inbounds=True)
                         v4 = builder.load(builder.bitcast(p4, ir.VectorType(_F32, 4).as_pointer()),
                                           align=4)
@@ -614,6 +628,7 @@ def _make_tile(R: int, C: int, path: str | None = None):
                     pieces = [big_slots(fm, c, d) for c in range(C)]
                     sp = []
                     for c in range(C):
+                        prefetch_scales(c, builder.mul(d, K(4)))
                         p4 = builder.gep(srow[c], [builder.mul(d, K(4))], inbounds=True)
                         v4 = builder.load(builder.bitcast(p4, ir.VectorType(_F32, 4).as_pointer()),
                                           align=4)
@@ -669,6 +684,7 @@ def _make_tile(R: int, C: int, path: str | None = None):
                     svec = []
                     if md == 6:
                         for c in range(C):
+                            prefetch_scales(c, f)
                             s0 = builder.load(builder.gep(srow[c], [f], inbounds=True))
                             v = builder.insert_element(ir.Constant(_V8F32, None), s0,
                                                        ir.Constant(_I32, 0))
