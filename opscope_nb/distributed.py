@@ -521,6 +521,13 @@ def run_profile(cluster: Cluster, source_path, jobs, profile_kwargs, on_result, 
                 if f.status == "finished":
                     on_result(i, e, f.result())
                     continue
+                if f.status in ("lost", "pending"):
+                    # finished on a worker that died before we read the result:
+                    # we still hold the future, so the scheduler recomputes it
+                    # on a live worker -- wait for it again
+                    pending.add(f)
+                    ac.add(f)
+                    continue
                 exc = f.exception() if f.status == "error" else None
                 if exc is not None and not _lost(exc):
                     raise exc
