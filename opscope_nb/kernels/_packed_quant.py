@@ -77,7 +77,8 @@ against the same L1-resident activation block, weight pair outer and
 activation rows inner, and the partial sums are added in float64 -- without
 it every tile re-read its activation rows over the full depth from the
 caches and two threads ran no faster than one (W4A8 32 x 4096 x 4096 on the
-Zen 4 development machine: 6.4 ms -> 4.0 ms, ``benchmarks/bench_packed_quant.py``).  Output blocks of four run in parallel
+Zen 4 development machine, ``python bench.py`` section 9, this blocking plus
+the L2 prefetches: 6.90 ms -> 3.69 ms).  Output blocks of four run in parallel
 (``prange``) above ``min_parallel`` multiply-adds; the split never depends on
 the thread count and every output is computed by one thread in a fixed
 order, so results are reproducible.
