@@ -78,7 +78,7 @@ activation rows inner, and the partial sums are added in float64 -- without
 it every tile re-read its activation rows over the full depth from the
 caches and two threads ran no faster than one (W4A8 32 x 4096 x 4096 on the
 Zen 4 development machine, ``python bench.py`` section 9, this blocking plus
-the L2 prefetches: 6.90 ms -> 3.69 ms).  Output blocks of four run in parallel
+the scale-row prefetch: 6.90 ms -> 3.69 ms).  Output blocks of four run in parallel
 (``prange``) above ``min_parallel`` multiply-adds; the split never depends on
 the thread count and every output is computed by one thread in a fixed
 order, so results are reproducible.
