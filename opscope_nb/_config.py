@@ -13,6 +13,11 @@ Every ``@njit`` in the package takes its options from here (never a literal
   element costs far less than the memory traffic of the same loop.
 * ``cache=True`` everywhere numba allows it, so a second process loads the
   compiled machine code from ``__pycache__`` instead of recompiling.
+* ``error_model="numpy"``: float division by zero gives inf/NaN as in NumPy
+  instead of a Python exception, so divisions carry no zero check and loops
+  with them vectorise (kernels assume validated input anyway).
+* The cache is dropped when any source file of the package changes
+  (:func:`_drop_stale_cache`): numba keys it on each function's own file only.
 * Parallel kernels are cached too (numba supports caching ``parallel=True``
   functions); a test checks that a second process does not recompile.
 
@@ -25,7 +30,7 @@ import numba
 from numba.np.ufunc.parallel import _launch_threads
 
 
-def _drop_stale_cache() -> None:
+def _drop_stale_cache(root=None) -> None:
     """Delete the package's numba cache files when any of its sources changed.
 
     numba keys a cached function on the content of *its own* file, but a
@@ -37,11 +42,13 @@ def _drop_stale_cache() -> None:
     call compiles afresh.  Costs one read of the sources (~1 MB) per process;
     an installed package whose files never change keeps its cache.  Best
     effort: a read-only install (numba then caches elsewhere) is left alone.
+    ``root`` (tests): the package directory to check, default this package.
     """
     import hashlib
+    import os
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parent
+    root = pathlib.Path(root or pathlib.Path(__file__).resolve().parent)
     try:
         files = sorted(root.rglob("*.py"))
         h = hashlib.sha256(numba.__version__.encode())
@@ -56,7 +63,7 @@ def _drop_stale_cache() -> None:
             for f in root.rglob(f"__pycache__/{pat}"):
                 f.unlink(missing_ok=True)
         stamp.parent.mkdir(exist_ok=True)
-        tmp = stamp.with_suffix(f".{__import__('os').getpid()}.tmp")
+        tmp = stamp.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(digest + "\n")
         tmp.replace(stamp)
     except OSError:

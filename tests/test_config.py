@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from opscope_nb import _config
@@ -82,3 +83,43 @@ def test_second_process_loads_from_cache(tmp_path):
     assert second["compiled"], "the workload touched no kernel"
     assert second["misses"] == 0, f"second process recompiled: {second['recompiled']}"
     assert second["hits"] >= len(second["compiled"])
+
+
+def test_drop_stale_cache_on_source_change(tmp_path):
+    """A changed source file removes every numba cache file under the package
+    root (and only then); the fingerprint is rewritten, so a second call with
+    unchanged sources keeps the cache."""
+    from opscope_nb import _config
+    pkg = tmp_path / "pkg"
+    (pkg / "sub" / "__pycache__").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    _config._drop_stale_cache(pkg)
+    cached = [pkg / "sub" / "__pycache__" / "b.f-1.py311.nbi",
+              pkg / "sub" / "__pycache__" / "b.f-1.py311.1.nbc"]
+    for f in cached:
+        f.write_bytes(b"x")
+    _config._drop_stale_cache(pkg)          # nothing changed: cache kept
+    assert all(f.exists() for f in cached)
+    (pkg / "sub" / "b.py").write_text("y = 3\n")
+    _config._drop_stale_cache(pkg)          # a source changed: cache dropped
+    assert not any(f.exists() for f in cached)
+    assert (pkg / "sub" / "b.py").exists()
+
+
+def test_absmax_f32_matches_numpy():
+    """The int32-bit-pattern max equals max |x| (signed zeros, inf, subnormals,
+    empty ranges) and refuses non-float32 arrays at compile time."""
+    import numba
+    from opscope_nb.kernels._probe import absmax_f32
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(1000).astype(np.float32) * 1e3
+    x[[5, 9]] = [-0.0, np.float32(1e-42)]
+    assert absmax_f32(x, 0, 1000) == np.abs(x).max()
+    assert absmax_f32(x, 3, 17) == np.abs(x[3:17]).max()
+    assert absmax_f32(x, 4, 4) == 0.0
+    x[700] = -np.inf
+    assert absmax_f32(x, 0, 1000) == np.inf
+    assert absmax_f32(np.array([-0.0, -1e-42], np.float32), 0, 2) == np.float32(1e-42)
+    with pytest.raises(numba.core.errors.TypingError):
+        absmax_f32(np.ones(4), 0, 4)

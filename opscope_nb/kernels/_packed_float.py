@@ -43,6 +43,7 @@ from .._config import njit, njit_parallel
 from ._matmul import matmul_f32
 from ._simd import USE_AVX2_PMADDWD as _HAS_AVX2
 from ._simd import _FEATS, _X86
+from ._simd import prefetch as _prefetch
 
 #: AVX-512F host: the 2:4 pick uses vpermi2ps over 32 inputs (16 values/step).
 _HAS_AVX512 = _X86 and "avx512f" in _FEATS
@@ -268,10 +269,6 @@ def _make_s24(R, C=1):
                                 inbounds=True) for c in range(C)]
             xrow = [builder.gep(xa.data, [builder.add(xoff, builder.mul(xstride, c_(r)))],
                                 inbounds=True) for r in range(R)]
-            i8p = _I8.as_pointer()
-            pf = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
-                "llvm.prefetch.p0i8")
 
             def load(ptr, off, ty, align):
                 p = builder.gep(ptr, [off], inbounds=True)
@@ -308,8 +305,7 @@ def _make_s24(R, C=1):
                 for c in range(C):
                     p = builder.gep(vrow[c], [builder.add(builder.mul(k, c_(L)),
                                                           c_(_PF_BYTES // 4))])
-                    builder.call(pf, [builder.bitcast(p, i8p), ir.Constant(_I32, 0),
-                                      ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                    _prefetch(builder, p, 3)
 
             # a "quad" is 4 index bytes = 16 values: 1 wide step or 2 narrow ones
             if wide:

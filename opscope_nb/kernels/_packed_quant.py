@@ -208,43 +208,12 @@ def _plan(cols, ng, group, fmt, a8=False):
 
 
 @njit
-def _arrange3(xq, nunits):
-    """Mode 3 (int4/g32, int8 activations) arrangement and corrections.
-
-    Double unit ``d`` (columns ``128 d ..``) becomes four 32-byte vectors
-    ``v = 2 h + s``; byte ``b`` of vector ``v`` (lane ``l = b // 4``, ``e = b % 4``)
-    holds column ``2 q + s`` of the unit with packed byte ``q = 16 (l // 2) +
-    8 h + 4 (l % 2) + e`` (the dword permute of the tile); ``corr`` lane ``2 g``
-    = ``8 * sum`` of group ``g`` of the double unit, lane ``2 g + 1`` = 0.
-    """
-    m = xq.shape[0]
-    xp = np.empty((m, max(nunits * 128, 1)), dtype=xq.dtype)
-    corr = np.zeros((m, max(nunits, 1) * 8), dtype=np.int32)
-    for i in range(m):
-        for d in range(nunits):
-            c0 = d * 128
-            for h in range(2):
-                for l in range(8):
-                    q0 = 16 * (l // 2) + 8 * h + 4 * (l % 2)
-                    for e in range(4):
-                        q = q0 + e
-                        xp[i, c0 + 64 * h + 4 * l + e] = xq[i, c0 + 2 * q]
-                        xp[i, c0 + 64 * h + 32 + 4 * l + e] = xq[i, c0 + 2 * q + 1]
-            for g in range(4):
-                sg = np.int64(0)
-                for p in range(c0 + 32 * g, c0 + 32 * g + 32):
-                    sg += xq[i, p]
-                corr[i, 8 * d + 2 * g] = 8 * sg
-    return xp, corr
-
-
-@njit
 def _arrange_big(xq, nunits, fmt, upf, mode):
-    """Big-unit (modes 4-6) arrangement and corrections.
+    """128-column unit (modes 3-6) arrangement and corrections.
 
     ``xp[i, 128 u + 32 k + l] = xq[i, 128 u + LOWBIT_BIG_LANES[fmt, k, l]]``;
-    mode 4: ``corr[i, 8 u + 2 g] = off * sum`` of group ``g`` (columns
-    ``128 u + 32 g ..``), odd lanes 0; modes 5/6: ``corr[i, 8 f] = off * sum``
+    modes 3/4 (groups of 32): ``corr[i, 8 u + 2 g] = off * sum`` of group ``g``
+    (columns ``128 u + 32 g ..``), odd lanes 0; modes 5/6: ``corr[i, 8 f] = off * sum``
     over the columns of flush ``f`` (``upf`` units), other lanes 0.
     """
     m = xq.shape[0]
@@ -258,7 +227,7 @@ def _arrange_big(xq, nunits, fmt, upf, mode):
             for k in range(4):
                 for t in range(32):
                     xp[i, b + 32 * k + t] = xq[i, b + _BIGL[fmt, k, t]]
-        if mode == 4:
+        if mode <= 4:
             for u in range(nunits):
                 for g in range(4):
                     sg = np.int64(0)
@@ -278,9 +247,7 @@ def _arrange_big(xq, nunits, fmt, upf, mode):
 def _arrange(xq, nunits, fmt, upf, mode):
     """Per-unit field order of the activations and the offset corrections."""
     m = xq.shape[0]
-    if mode == 3:
-        return _arrange3(xq, nunits)
-    if mode >= 4:
+    if mode >= 3:
         return _arrange_big(xq, nunits, fmt, upf, mode)
     P = _SLOTS[fmt]
     unit = _UNIT[fmt]
@@ -417,9 +384,9 @@ def _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, up
                sx, y, b0, b1):
     """Prefill (``m >= 4``) over output blocks ``b0..b1``, k-blocked.
 
-    Without blocking every 4 x 2 tile re-reads its four activation rows over
-    the full depth from L2 (0.5-0.6 byte per multiply-add: the L2 port, not
-    the dot products, set the pace, and two threads did not beat one).  Here
+    Without blocking every 4 x 2 tile re-read its four activation rows over
+    the full depth from the caches, and two threads ran no faster than one
+    (the cause was not pinned down; the blocking fixed it).  Here
     the depth is cut into blocks of ``_KB_COLS`` columns (whole flushes); for
     each k-block the tiles of ``_KB_G`` output blocks run against the same
     L1-resident activation block, and the partial sums (exact integers, or
@@ -483,7 +450,7 @@ def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, 
             sx, y, b0, b1):
     m = xq.shape[0]
     rows = w.shape[0]
-    if m >= 4 and rows >= _NB and nunits > 0 and mode >= 0:
+    if m >= 4 and rows >= _NB:
         _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
                    sx, y, b0, b1)
         return
@@ -495,48 +462,26 @@ def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, 
     wf = w.ravel()
     w2b = w2.shape[1]
     w2f = w2.ravel()
-    region = nunits * (_UNIT[fmt] * 2 if mode == 3 else _BIGU if mode >= 4 else _UNIT[fmt])
+    region = nunits * _unit_geom(fmt, mode)[0]
     # no scalar tail: finish in place (``_put`` is an out-of-line call taking six
     # arrays, ~50 ns per output -- it dominated small-k prefill)
     tail = region < cols
-    # mode 1 scales: two per unit starting at the row's first scale
+    # decode (m < 4): one 1 x 4 tile per activation row and output block
     for b in range(b0, b1):
         j0 = b * _NB
         if rows >= _NB:
             js = min(j0, rows - _NB)
-            if m >= 4:
-                for i0 in range(0, m, 4):
-                    i_s = min(i0, m - 4)
-                    for h in range(2):
-                        jh = js + 2 * h
-                        t = _t42(xpf, i_s * xst, xst, cf, i_s * cst, cst, wf,
-                                 jh * wb, wb, w2f, jh * w2b, w2b, sflat, jh * sstride, sstride,
-                                 nunits, upf, fmt, mode)
-                        for r in range(4):
-                            i = i_s + r
-                            if i < i0:
-                                continue
-                            for c in range(2):
-                                j = jh + c
-                                if j >= j0:
-                                    if tail:
-                                        _put(y, i, j, t[r * 2 + c], xq, w, w2, sflat,
-                                             sstride, group, cols, fmt, region, mode, sx)
-                                    else:
-                                        y[i, j] = _fin(t[r * 2 + c], sx[i], sflat[j * sstride],
-                                                       mode)
-            else:
-                for i in range(m):
-                    t = _t14(xpf, i * xst, xst, cf, i * cst, cst, wf, js * wb, wb,
-                             w2f, js * w2b, w2b, sflat, js * sstride, sstride, nunits, upf, fmt, mode)
-                    for c in range(_NB):
-                        j = js + c
-                        if j >= j0:
-                            if tail:
-                                _put(y, i, j, t[c], xq, w, w2, sflat, sstride, group, cols,
-                                     fmt, region, mode, sx)
-                            else:
-                                y[i, j] = _fin(t[c], sx[i], sflat[j * sstride], mode)
+            for i in range(m):
+                t = _t14(xpf, i * xst, xst, cf, i * cst, cst, wf, js * wb, wb,
+                         w2f, js * w2b, w2b, sflat, js * sstride, sstride, nunits, upf, fmt, mode)
+                for c in range(_NB):
+                    j = js + c
+                    if j >= j0:
+                        if tail:
+                            _put(y, i, j, t[c], xq, w, w2, sflat, sstride, group, cols,
+                                 fmt, region, mode, sx)
+                        else:
+                            y[i, j] = _fin(t[c], sx[i], sflat[j * sstride], mode)
         else:
             # fewer than 4 outputs: one output row per call (stride 0)
             for j in range(rows):

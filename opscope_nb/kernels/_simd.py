@@ -177,6 +177,19 @@ def _const_vec(n, idx):
     return ir.Constant(ir.VectorType(_I32, n), [ir.Constant(_I32, i) for i in idx])
 
 
+def prefetch(builder, ptr, locality=2):
+    """Emit a read prefetch of the byte ``ptr`` points at (any pointer type;
+    never faults).  ``locality`` 2 = into L2 (``prefetcht1``: the streaming
+    decode tiles use it -- into L1 the next tile's lines were evicted before
+    use), 3 = into L1."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(_I32, 0),
+                      ir.Constant(_I32, locality), ir.Constant(_I32, 1)])
+
+
 def _shuffle(builder, v, idx):
     return builder.shuffle_vector(v, v, _const_vec(len(idx), idx))
 
@@ -434,25 +447,16 @@ def _make_tile(R: int, C: int, kind: str, path: str | None = None, raw: bool = F
             # every 64-byte line of a weight row is prefetched into L2
             # (prefetcht1) _PF_ROWS rows ahead, i.e. two 1 x 4 tiles ahead --
             # the lines the next calls will read.  Prefetches never fault.
-            pf = None
-            if R == 1:
-                pf = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(),
-                                                                    _I32, _I32, _I32]),
-                    "llvm.prefetch.p0i8")
-                pfd = builder.mul(wstride, ir.Constant(intp, _PF_ROWS))
+            pfd = builder.mul(wstride, ir.Constant(intp, _PF_ROWS)) if R == 1 else None
             elbytes = {"i8": 1, "w16": 1, "w8": 1, "f32": 4}[kind]
             per_line = max(1, 64 // (step * elbytes))
 
             def step_at(chunk, aset):
                 """One step over elements [chunk*step, (chunk+1)*step)."""
                 off = builder.mul(chunk, ir.Constant(intp, step))
-                if pf is not None and aset % per_line == 0:
+                if pfd is not None and aset % per_line == 0:
                     for b in wrow:
-                        p = builder.gep(b, [builder.add(off, pfd)])
-                        builder.call(pf, [builder.bitcast(p, ir.IntType(8).as_pointer()),
-                                          ir.Constant(_I32, 0), ir.Constant(_I32, 2),
-                                          ir.Constant(_I32, 1)])
+                        prefetch(builder, builder.gep(b, [builder.add(off, pfd)]))
 
                 def load(base, elty, widen):
                     vty = ir.VectorType(elty, step)

@@ -83,6 +83,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._simd import _FEATS, _X86, _hsum, _madd16, _shuffle
+from ._simd import prefetch as _prefetch
 
 __all__ = [
     "LOWBIT_PATH",
@@ -204,7 +205,8 @@ LOWBIT_LANES, LOWBIT_SLOTS, LOWBIT_UNIT, LOWBIT_OFFSET, LOWBIT_PLANE_BYTES = _la
 # four ``vpdpbusd`` per weight row whatever the bit width, and every int32 lane
 # sums columns of one group of 32 (lane ``l`` -> group ``l // 2``).
 # fmt -> (lo decoder, lo bytes per unit, hi decoder or None, hi bytes per unit)
-_BIG = {2: ("crumb4", 32, None, 0), 3: ("crumb4", 32, "bit", 16),
+_BIG = {0: ("nib4x", 64, None, 0),
+        2: ("crumb4", 32, None, 0), 3: ("crumb4", 32, "bit", 16),
         4: ("nib", 64, "bit", 16), 5: ("nib", 64, "crumb", 32)}
 _LO_BITS = {2: 2, 3: 2, 4: 4, 5: 4}
 #: Columns per big unit.
@@ -348,13 +350,9 @@ def _make_tile(R: int, C: int, path: str | None = None):
              fmt_, mode_, pf_, pf2_) = [
                 context.cast(builder, args[i], sig.args[i], types.intp)
                 for i in (1, 2, 4, 5, 7, 8, 10, 11, 13, 14, 15, 16, 17, 18, 19, 20)]
-            i8p = ir.IntType(8).as_pointer()
             fmuladd = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_V8F32, [_V8F32, _V8F32, _V8F32]),
                 "llvm.fmuladd.v8f32")
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
-                "llvm.prefetch.p0i8")
             intp = context.get_value_type(types.intp)
 
             def K(v):
@@ -384,6 +382,26 @@ def _make_tile(R: int, C: int, path: str | None = None):
                 p = builder.gep(base, [off], inbounds=True)
                 return builder.load(builder.bitcast(p, vty.as_pointer()), align=1)
 
+            def flush(t, a, exact, sv):
+                """Fold int32 lanes ``a`` into output ``t``: exact int64 sums, or
+                ``float(a) * sv`` into the float32 accumulators."""
+                if exact:
+                    builder.store(builder.add(builder.load(acc64[t]),
+                                              builder.sext(a, _V8I64)), acc64[t])
+                else:
+                    builder.store(builder.call(fmuladd, [
+                        builder.sitofp(a, _V8F32), sv, builder.load(facc[t])]), facc[t])
+
+            def finish(exact):
+                """Horizontal sums of the accumulators into the results."""
+                for t in range(R * C):
+                    if exact:
+                        s = _hsum(builder, builder.load(acc64[t]), 8, builder.add)
+                        builder.store(builder.sitofp(s, _F64), res[t])
+                    else:
+                        v = builder.fpext(builder.load(facc[t]), _V8F64)
+                        builder.store(_hsum(builder, v, 8, builder.fadd), res[t])
+
             def emit(fm, md):
                 planes = _FMTS[fm][2]
                 P = sum(_DEC_SLOTS[d] for _, d, _ in planes)
@@ -411,10 +429,7 @@ def _make_tile(R: int, C: int, path: str | None = None):
                                 bv = vload(base, uo, ir.VectorType(_I8, nbyt))
                                 pa = builder.gep(base, [builder.add(
                                     uo, pf_ if plane == 0 else pf2_)], inbounds=False)
-                                builder.call(prefetch, [builder.bitcast(pa, i8p),
-                                                        ir.Constant(_I32, 0),
-                                                        ir.Constant(_I32, 2),
-                                                        ir.Constant(_I32, 1)])
+                                _prefetch(builder, pa)
                                 pc += _decode(builder, dec, bv, shift)
                             pieces.append(pc)
                         xbase = builder.mul(u, K(unit_x))
@@ -484,21 +499,9 @@ def _make_tile(R: int, C: int, path: str | None = None):
                                     a = builder.add(ev, od)
                                 else:
                                     a = builder.add(aA, aB)
-                            a = builder.sub(a, cv[r])
-                            if md == 0:
-                                builder.store(builder.add(builder.load(acc64[t]),
-                                                          builder.sext(a, _V8I64)), acc64[t])
-                            else:
-                                builder.store(builder.call(fmuladd, [
-                                    builder.sitofp(a, _V8F32), svec[c],
-                                    builder.load(facc[t])]), facc[t])
-                for t in range(R * C):
-                    if md == 0:
-                        s = _hsum(builder, builder.load(acc64[t]), 8, builder.add)
-                        builder.store(builder.sitofp(s, _F64), res[t])
-                    else:
-                        v = builder.fpext(builder.load(facc[t]), _V8F64)
-                        builder.store(_hsum(builder, v, 8, builder.fadd), res[t])
+                            flush(t, builder.sub(a, cv[r]), md == 0,
+                                  svec[c] if md else None)
+                finish(md == 0)
 
             idx3 = [ir.Constant(_I32, 4 * (l // 2) + 2 * h + (l % 2))
                     for h in range(2) for l in range(8)]
@@ -513,63 +516,7 @@ def _make_tile(R: int, C: int, path: str | None = None):
 
             def prefetch_scales(c, off):
                 pa = builder.gep(srow[c], [builder.add(off, spf)], inbounds=False)
-                builder.call(prefetch, [builder.bitcast(pa, i8p), ir.Constant(_I32, 0),
-                                        ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
-
-            def emit3():
-                # int4 nibbles, groups of 32, a8: a double unit of 128 columns
-                # (64 packed bytes = groups A-D) per step.  The two 32-byte
-                # loads are dword-permuted so that lane l of both vectors
-                # belongs to group l // 2: every lane sums 16 columns of one
-                # group (four vpdpbusd) and one flush of 8 lanes covers four
-                # groups (half the sub/convert/fma of mode 1 per column).
-                idx = [ir.Constant(_I32, 4 * (l // 2) + 2 * h + (l % 2))
-                       for h in range(2) for l in range(8)]
-                perm = [ir.Constant(ir.VectorType(_I32, 8), idx[8 * h:8 * h + 8])
-                        for h in range(2)]
-                for t in range(R * C):
-                    builder.store(ir.Constant(_V8F32, None), facc[t])
-                with cgutils.for_range(builder, nun) as dl:
-                    d = dl.index
-                    pieces = []
-                    for c in range(C):
-                        uo = builder.mul(d, K(64))
-                        b0 = builder.bitcast(vload(wrow[c], uo, _V32I8), _V8I32)
-                        b1 = builder.bitcast(vload(wrow[c], builder.add(uo, K(32)), _V32I8),
-                                             _V8I32)
-                        pa = builder.gep(wrow[c], [builder.add(uo, pf_)], inbounds=False)
-                        builder.call(prefetch, [builder.bitcast(pa, i8p), ir.Constant(_I32, 0),
-                                                ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
-                        pc = []
-                        for h in range(2):
-                            v = builder.bitcast(builder.shuffle_vector(b0, b1, perm[h]), _V32I8)
-                            pc += _decode(builder, "nib4x", v, 0)
-                        pieces.append(pc)
-                    sp = []
-                    for c in range(C):
-                        prefetch_scales(c, builder.mul(d, K(4)))
-                        p4 = builder.gep(srow[c], [builder.mul(d, K(4))], inbounds=True)
-                        v4 = builder.load(builder.bitcast(p4, ir.VectorType(_F32, 4).as_pointer()),
-                                          align=4)
-                        sp.append(_shuffle(builder, v4, [0, 0, 1, 1, 2, 2, 3, 3]))
-                    xbase = builder.mul(d, K(128))
-                    foff = builder.mul(d, K(8))
-                    for r in range(R):
-                        xs = [vload(xrow[r], builder.add(xbase, K(32 * v)), _V32I8)
-                              for v in range(4)]
-                        cv = vload(crow[r], foff, _V8I32)
-                        nc = builder.sub(ir.Constant(_V8I32, None), cv)
-                        for c in range(C):
-                            t = r * C + c
-                            a = nc
-                            for v in range(4):
-                                a = _dot_u8s8(builder, a, pieces[c][v], xs[v], path)
-                            builder.store(builder.call(fmuladd, [
-                                builder.sitofp(a, _V8F32), sp[c], builder.load(facc[t])]),
-                                facc[t])
-                for t in range(R * C):
-                    v = builder.fpext(builder.load(facc[t]), _V8F64)
-                    builder.store(_hsum(builder, v, 8, builder.fadd), res[t])
+                _prefetch(builder, pa)
 
             def big_slots(fm, c, u):
                 """The 4 slot vectors (whole offset codes) of big unit ``u``,
@@ -589,17 +536,15 @@ def _make_tile(R: int, C: int, path: str | None = None):
                     sl = []
                     for h in range(2):
                         v = builder.bitcast(builder.shuffle_vector(b0, b1, perm3[h]), _V32I8)
-                        sl += _decode(builder, "nib", v, 0)
+                        sl += _decode(builder, lo, v, 0)
                 pa = builder.gep(wrow[c], [builder.add(uo, pf_)], inbounds=False)
-                builder.call(prefetch, [builder.bitcast(pa, i8p), ir.Constant(_I32, 0),
-                                        ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+                _prefetch(builder, pa)
                 if hi is None:
                     return sl
                 ho = builder.mul(u, K(hib))
                 hv = vload(w2row[c], ho, ir.VectorType(_I8, hib))
                 pa = builder.gep(w2row[c], [builder.add(ho, pf2_)], inbounds=False)
-                builder.call(prefetch, [builder.bitcast(pa, i8p), ir.Constant(_I32, 0),
-                                        ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+                _prefetch(builder, pa)
                 # hi fields: per lane, pick the byte holding its column's field
                 # (one byte shuffle, shared by slots with the same byte pattern),
                 # test each field bit and OR ``1 << (lo_bits + bit)`` into the code
@@ -623,7 +568,8 @@ def _make_tile(R: int, C: int, path: str | None = None):
                 return sl
 
             def emit_big4(fm):
-                # groups of 32: one flush per unit, started at -corr (as emit3)
+                # groups of 32 (mode 3: int4, mode 4: intN): one flush per
+                # unit of 128 columns, each int32 chain started at -corr
                 for t in range(R * C):
                     builder.store(ir.Constant(_V8F32, None), facc[t])
                 with cgutils.for_range(builder, nun) as dl:
@@ -647,12 +593,8 @@ def _make_tile(R: int, C: int, path: str | None = None):
                             a = nc
                             for v in range(4):
                                 a = _dot_u8s8(builder, a, pieces[c][v], xs[v], path)
-                            builder.store(builder.call(fmuladd, [
-                                builder.sitofp(a, _V8F32), sp[c], builder.load(facc[t])]),
-                                facc[t])
-                for t in range(R * C):
-                    v = builder.fpext(builder.load(facc[t]), _V8F64)
-                    builder.store(_hsum(builder, v, 8, builder.fadd), res[t])
+                            flush(t, a, False, sp[c])
+                finish(False)
 
             def emit_big(fm, md):
                 # md 5: one scale per row (exact int64 sums); md 6: one scale per
@@ -695,28 +637,16 @@ def _make_tile(R: int, C: int, path: str | None = None):
                     for r in range(R):
                         for c in range(C):
                             t = r * C + c
-                            a = builder.load(iacc[t])
-                            if md == 5:
-                                builder.store(builder.add(builder.load(acc64[t]),
-                                                          builder.sext(a, _V8I64)), acc64[t])
-                            else:
-                                builder.store(builder.call(fmuladd, [
-                                    builder.sitofp(a, _V8F32), svec[c],
-                                    builder.load(facc[t])]), facc[t])
-                for t in range(R * C):
-                    if md == 5:
-                        s = _hsum(builder, builder.load(acc64[t]), 8, builder.add)
-                        builder.store(builder.sitofp(s, _F64), res[t])
-                    else:
-                        v = builder.fpext(builder.load(facc[t]), _V8F64)
-                        builder.store(_hsum(builder, v, 8, builder.fadd), res[t])
+                            flush(t, builder.load(iacc[t]), md == 5,
+                                  svec[c] if md == 6 else None)
+                finish(md == 5)
 
             if act == "a8":
                 cond = builder.and_(builder.icmp_signed("==", fmt_, K(0)),
                                     builder.icmp_signed("==", mode_, K(3)))
                 with builder.if_then(cond):
-                    emit3()
-                for fm in _BIG:
+                    emit_big4(0)
+                for fm in (2, 3, 4, 5):
                     for md in (4, 5, 6):
                         cond = builder.and_(builder.icmp_signed("==", fmt_, K(fm)),
                                             builder.icmp_signed("==", mode_, K(md)))
