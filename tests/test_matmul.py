@@ -325,3 +325,47 @@ def test_w8a16_error_with_outlier_channels(k, bound):
         ref = naive_matmul_w8a16_f32act(xo, wtq, sc)
         worst = max(worst, naive_rel_l2(ref, K.matmul_w8a16(xo, wtq, sc)))
     assert 1e-4 < worst <= bound, worst  # outliers do break 1e-4: the test can fail
+
+
+@pytest.mark.parametrize("m,k,n", [(16, 64, 6), (17, 67, 13), (32, 1024, 64), (48, 130, 50),
+                                   (100, 257, 37), (31, 4, 6), (64, 3, 12)])
+def test_w8a8_prefill_panel_bit_exact(m, k, n):
+    """Prefill shapes (m >= 16: the panel path on a VNNI host): 32- and
+    16-row blocks, leftover rows, the k % 4 tail, the n % 6 outputs, serial
+    and parallel, with and without the precomputed weight sums."""
+    rng = np.random.default_rng(m * 1000 + k)
+    xq = rng.integers(-127, 128, (m, k)).astype(np.int8)
+    wtq = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    xq[1, :] = -127
+    wtq[0, :] = 127
+    ref = naive_i8i8_i32(xq, wtq)
+    ws = K.i8_row_sums(wtq)
+    np.testing.assert_array_equal(ws, wtq.astype(np.int64).sum(1))
+    for mp in (1, 1 << 60):
+        np.testing.assert_array_equal(K.matmul_i8i8_i32(xq, wtq, mp), ref)
+        np.testing.assert_array_equal(K.matmul_i8i8_i32(xq, wtq, mp, ws), ref)
+    sx = rng.uniform(0.001, 0.1, m).astype(np.float32)
+    sc = rng.uniform(0.001, 0.1, n).astype(np.float32)
+    y = K.matmul_w8a8(xq, sx, wtq, sc, wsum=ws)
+    _close(naive_matmul_w8a8(xq, sx, wtq, sc), y)
+    np.testing.assert_array_equal(y, K.matmul_w8a8(xq, sx, wtq, sc))
+    # negative control: wrong sums must change the result (the path reads them)
+    if K.I8_PANEL and k >= 4:
+        assert not np.array_equal(K.matmul_i8i8_i32(xq, wtq, wsum=ws + 1), ref)
+
+
+def test_w8a8_panel_extremes_and_bad_wsum():
+    """The +128 offset lanes wrap at the largest k; the result is still exact."""
+    k = K._matmul.I8_MAX_K
+    xq = np.full((16, k), 127, np.int8)
+    xq[1::2] = -127
+    wtq = np.full((6, k), 127, np.int8)
+    wtq[3] = -127
+    ref = naive_i8i8_i32(xq, wtq)
+    np.testing.assert_array_equal(K.matmul_i8i8_i32(xq, wtq), ref)
+    np.testing.assert_array_equal(K.matmul_i8i8_i32(xq, wtq, wsum=K.i8_row_sums(wtq)), ref)
+    with pytest.raises(ValueError, match="wsum"):
+        K.matmul_i8i8_i32(xq[:, :8].copy(), wtq[:, :8].copy(), wsum=np.zeros(5, np.int32))
+    with pytest.raises(ValueError, match="wsum"):
+        K.matmul_w8a8(xq[:, :8].copy(), np.ones(16, np.float32), wtq[:, :8].copy(), np.ones(6, np.float32),
+                      wsum=np.zeros(7, np.int32))

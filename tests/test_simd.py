@@ -122,3 +122,74 @@ def test_raw_tile_offset_contract():
         ref = ref + 128 * wtq[:, :kv].astype(np.int64).sum(1)[None, :]
     ref = ((ref + 2**31) % 2**32) - 2**31
     np.testing.assert_array_equal(got, ref)
+
+
+# --------------------------------------------------------------------------
+# outer-product panel tiles (W8A8 prefill)
+# --------------------------------------------------------------------------
+_PANEL_RUNNERS = {}
+
+
+def _panel_runner(path, rows):
+    """@njit: pack ``rows`` activation rows into a panel, run the ``path``'s
+    panel tile against 6 weight rows, return the raw offset sums [rows, 6]."""
+    if (path, rows) in _PANEL_RUNNERS:
+        return _PANEL_RUNNERS[path, rows]
+    tile = S.make_i8_panel_tile(rows, path)
+    L = S._PANEL_LANES[path]
+    J = S.I8_PANEL_J
+
+    @numba.njit
+    def run(xq, wtq):
+        k4 = xq.shape[1] // 4
+        P = np.empty(rows * k4, dtype=np.int32)
+        K.pack_i8_panel(xq, 0, rows, k4, P, 0)
+        buf = np.empty(rows * J, dtype=np.int32)
+        tile(P, 0, wtq.ravel(), 0, wtq.shape[1], k4, buf, 0)
+        out = np.empty((rows, J), dtype=np.int32)
+        for r in range(rows):
+            for j in range(J):
+                out[r, j] = buf[((r // L) * J + j) * L + r % L]
+        return out
+
+    _PANEL_RUNNERS[path, rows] = run
+    return run
+
+
+@pytest.mark.parametrize("path", S.I8_PATHS)
+def test_i8_panel_tile_bit_exact(path):
+    """Every panel tile returns sum (x + 128) w over the first 4 * (k // 4)
+    elements (wrapping int32), bit for bit with NumPy, on every path the CPU
+    runs -- the padded rows (past m) hold code 0."""
+    _skip_unless(path)
+    L = S._PANEL_LANES[path]
+    rng = np.random.default_rng(11)
+    for rows in (2 * L, 4 * L) if L == 8 else (L, 2 * L):
+        run = _panel_runner(path, rows)
+        for m, k in ((rows, 4), (rows, 1024 + 3), (rows - 3, 37)):
+            xq = rng.integers(-128, 128, (m, k)).astype(np.int8)
+            wtq = rng.integers(-128, 128, (S.I8_PANEL_J, k)).astype(np.int8)
+            xq[0] = -128
+            wtq[1] = -128
+            got = run(xq, wtq).astype(np.int64)
+            kv = k // 4 * 4
+            xp = np.zeros((rows, kv), np.int64)
+            xp[:m] = xq[:, :kv]
+            ref = (xp + 128) @ wtq[:, :kv].astype(np.int64).T
+            ref = ((ref + 2**31) % 2**32) - 2**31
+            np.testing.assert_array_equal(got, ref)
+        # extremes: the offset lanes wrap, the difference is exact
+        k = 4096
+        xq = np.full((rows, k), 127, np.int8)
+        wtq = np.full((S.I8_PANEL_J, k), -127, np.int8)
+        got = run(xq, wtq).astype(np.int64)
+        corr = 128 * wtq.astype(np.int64).sum(1)
+        exact = ((got - corr[None, :] + 2**31) % 2**32) - 2**31
+        np.testing.assert_array_equal(exact, naive_i8i8_i32(xq, wtq))
+
+
+def test_i8_panel_tile_rejects():
+    with pytest.raises(ValueError, match="unknown int8 path"):
+        S.make_i8_panel_tile(32, "sse9")
+    with pytest.raises(ValueError, match="multiple of"):
+        S.make_i8_panel_tile(12, "avx512vnni256")

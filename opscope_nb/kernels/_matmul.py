@@ -49,7 +49,8 @@ from ._simd import (F32_CHUNK, I8_CHUNK, i8dot_raw_tile_4x4, i8dot_rawc_tile_4x4
                     f32dot_tile_2x4, i8dot_tile_1x1, i8dot_tile_1x4,
                     i8dot_tile_2x1, i8dot_tile_2x4, W16_CHUNK,
                     w16dot_tile_1x1, w16dot_tile_1x4, w16dot_tile_2x1,
-                    w16dot_tile_2x4)
+                    w16dot_tile_2x4, I8_PANEL, I8_PANEL_J, I8_PANEL_LANES,
+                    i8panel_tile_16, i8panel_tile_32)
 
 __all__ = [
     "dense_matmul",
@@ -66,6 +67,8 @@ __all__ = [
     "matmul_w8a16",
     "matmul_w8a8",
     "matmul_i8i8_i32",
+    "pack_i8_panel",
+    "i8_row_sums",
 ]
 
 #: Outputs per column block (the C of the register tiles).
@@ -849,14 +852,210 @@ def _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
         _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y, 0)
 
 
+@njit
+def _pack_panel_part(xq, i0, rows, kk0, kk1, P, poff):
+    """:func:`pack_i8_panel` for the four-element groups ``kk0..kk1-1``."""
+    m = xq.shape[0]
+    live = max(0, min(rows, m - i0))
+    for r in range(live):
+        i = i0 + r
+        for kk in range(kk0, kk1):
+            b = 4 * kk
+            # four consecutive bytes, first lowest (LLVM folds them into one
+            # 32-bit load)
+            w = (np.uint32(np.uint8(xq[i, b]))
+                 | (np.uint32(np.uint8(xq[i, b + 1])) << np.uint32(8))
+                 | (np.uint32(np.uint8(xq[i, b + 2])) << np.uint32(16))
+                 | (np.uint32(np.uint8(xq[i, b + 3])) << np.uint32(24)))
+            P[poff + kk * rows + r] = np.int32(w ^ np.uint32(0x80808080))
+    for r in range(live, rows):
+        for kk in range(kk0, kk1):
+            P[poff + kk * rows + r] = np.int32(-2139062144)   # 0x80808080: code 0
+
+
+#: Four-element groups per panel-packing block (32 rows x 64 groups = 8 KiB:
+#: the strided panel writes stay in L1).
+_PACK_KB = 64
+
+
+@njit
+def pack_i8_panel(xq, i0, rows, k4, P, poff):
+    """Write rows ``i0 .. i0+rows-1`` of ``xq[m, k]`` (int8, C-contiguous) into
+    the activation panel of the ``i8panel_tile_*`` intrinsics.
+
+    ``P[poff + kk * rows + r]`` (int32) receives the four codes
+    ``xq[i0 + r, 4kk:4kk+4] ^ 0x80`` (``x + 128`` as unsigned bytes, first
+    byte lowest) for ``kk < k4``.  Rows at or past ``m`` get ``0x80808080``
+    (code 0); the caller discards their sums.  No validation.
+    """
+    for kk0 in range(0, k4, _PACK_KB):
+        _pack_panel_part(xq, i0, rows, kk0, min(kk0 + _PACK_KB, k4), P, poff)
+
+
+@njit
+def _tail_sum(wf, wo, p0, k):
+    a = np.int32(0)
+    for p in range(p0, k):
+        a += np.int32(wf[wo + p])
+    return a
+
+
+@njit
+def _wsum6(wf, wo, k, kv, ones):
+    """``sum_p wf[wo + q*k + p]`` for ``p < kv`` and the six rows ``q`` of a
+    panel tile, exact int32 (the ``128 * sum w`` correction of the offset
+    activations).  Streaming the rows here also pulls them into L1/L2 just
+    before the tile reads them."""
+    nch = kv // I8_CHUNK
+    a0, a1, a2, a3 = i8dot_tile_1x4(ones, 0, 0, wf, wo, k, nch)
+    a4 = i8dot_tile_1x1(ones, 0, 0, wf, wo + 4 * k, k, nch)[0]
+    a5 = i8dot_tile_1x1(ones, 0, 0, wf, wo + 5 * k, k, nch)[0]
+    for p in range(nch * I8_CHUNK, kv):
+        a0 += wf[wo + p]
+        a1 += wf[wo + k + p]
+        a2 += wf[wo + 2 * k + p]
+        a3 += wf[wo + 3 * k + p]
+        a4 += wf[wo + 4 * k + p]
+        a5 += wf[wo + 5 * k + p]
+    return (np.int32(a0), np.int32(a1), np.int32(a2), np.int32(a3), np.int32(a4),
+            np.int32(a5))
+
+
 @njit_parallel
-def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN):
+def i8_row_sums(wtq):
+    """Exact per-output sums of int8 weight codes: ``wsum[j] = sum_p wtq[j, p]``.
+
+    The ``wsum`` argument of :func:`matmul_w8a8` / :func:`matmul_i8i8_i32`:
+    computed once per weight matrix (as ONNX Runtime pre-packs its ``B``), it
+    spares the prefill kernels one streaming pass over the weights per call.
+
+    Parameters
+    ----------
+    wtq : ndarray of int8, shape (n, k), C-contiguous (output-major codes)
+
+    Returns
+    -------
+    ndarray of int32, shape (n,)
+    """
+    n, k = wtq.shape
+    out = np.zeros(n, dtype=np.int32)
+    for j in prange(n):
+        a = np.int32(0)
+        for p in range(k):
+            a += np.int32(wtq[j, p])
+        out[j] = a
+    return out
+
+
+@njit
+def _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, t0, t1, buf, ones, wsum):
+    """Panel tiles ``t0..t1-1`` (outputs ``6t .. 6t+5``): rows ``0..mp-1``
+    through the outer-product tiles (blocks of 32 rows, then one of 16), the
+    last ``m - mp < 16`` rows through the 4-output dot tiles."""
+    J = I8_PANEL_J
+    L = I8_PANEL_LANES
+    k4 = k // 4
+    kv = 4 * k4
+    tail = kv < k
+    for t in range(t0, t1):
+        j0 = t * J
+        wo = j0 * k
+        if wsum.shape[0] == 0:
+            ws = _wsum6(wf, wo, k, kv, ones)
+        else:
+            # the panel covers p < kv: drop the k % 4 tail from the given sums
+            ws = (np.int32(wsum[j0] - _tail_sum(wf, wo, kv, k)),
+                  np.int32(wsum[j0 + 1] - _tail_sum(wf, wo + k, kv, k)),
+                  np.int32(wsum[j0 + 2] - _tail_sum(wf, wo + 2 * k, kv, k)),
+                  np.int32(wsum[j0 + 3] - _tail_sum(wf, wo + 3 * k, kv, k)),
+                  np.int32(wsum[j0 + 4] - _tail_sum(wf, wo + 4 * k, kv, k)),
+                  np.int32(wsum[j0 + 5] - _tail_sum(wf, wo + 5 * k, kv, k)))
+        i0 = 0
+        while i0 < mp:
+            rows = 32 if mp - i0 >= 32 else 16
+            if rows == 32:
+                i8panel_tile_32(P, i0 * k4, wf, wo, k, k4, buf, 0)
+            else:
+                i8panel_tile_16(P, i0 * k4, wf, wo, k, k4, buf, 0)
+            for r in range(rows):
+                i = i0 + r
+                base = (r // L) * J * L + r % L
+                for q in range(J):
+                    # wrapping int32: the offset sums may wrap, the exact
+                    # product (|sum| < 2^31 for k <= I8_MAX_K) does not
+                    v = np.int32(np.int32(buf[base + q * L])
+                                 - np.int32(np.int32(128) * ws[q]))
+                    if tail:
+                        v += _i8_tail(xf, i * k, wf, wo + q * k, kv, k)
+                    _put(acc, y, sx, scale, want_y, i, j0 + q, v)
+            i0 += rows
+        if mp < m:
+            _i8_block(xf, m, k, wf, j0, j0 + 4, acc, y, sx, scale, want_y, mp)
+            _i8_block(xf, m, k, wf, j0 + 4, j0 + 6, acc, y, sx, scale, want_y, mp)
+
+
+@njit_parallel
+def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
+    """W8A8 prefill (``m >= 16`` on a VNNI host): the activation panel is
+    built once per call, then chunks of 6-output tiles run in parallel; the
+    ``n % 6`` last outputs go through the 4-output dot tiles."""
+    m, k = xq.shape
+    n = wtq.shape[0]
+    k4 = k // 4
+    mp = m // 16 * 16
+    P = np.empty(mp * k4, dtype=np.int32)
+    nblk = (mp + 31) // 32
+    nkb = (k4 + _PACK_KB - 1) // _PACK_KB
+    if mp * k < min_parallel:
+        for b in range(nblk):
+            rows = 32 if mp - 32 * b >= 32 else 16
+            pack_i8_panel(xq, 32 * b, rows, k4, P, 32 * b * k4)
+    else:
+        for t in prange(nblk * nkb):
+            b = t // nkb
+            kk0 = (t % nkb) * _PACK_KB
+            rows = 32 if mp - 32 * b >= 32 else 16
+            _pack_panel_part(xq, 32 * b, rows, kk0, min(kk0 + _PACK_KB, k4), P, 32 * b * k4)
+    xf = xq.ravel()
+    wf = wtq.ravel()
+    ones = np.ones(max(k, 1), dtype=np.int8)
+    nt = n // I8_PANEL_J
+    nc = _chunks(nt)
+    bsz = 2 * 16 * I8_PANEL_J
+    if m * k * n < min_parallel:
+        buf = np.empty(bsz, dtype=np.int32)
+        _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, 0, nt, buf, ones,
+                     wsum)
+    else:
+        for c in prange(nc):
+            buf = np.empty(bsz, dtype=np.int32)
+            _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y,
+                         c * nt // nc, (c + 1) * nt // nc, buf, ones, wsum)
+    for j0 in range(nt * I8_PANEL_J, n, _NB):
+        _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y, 0)
+
+
+#: Smallest m that takes the panel path (on a VNNI host; below it the dot
+#: tiles with their horizontal sums win, see :func:`_w8a8_panel`).
+I8_PANEL_MIN_M = 16
+
+
+@njit_parallel
+def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN, wsum=None):
     """Exact integer core of W8A8: ``acc[m, n] = xq[m, k] @ wtq[n, k].T`` in int32.
 
     Lowered through the ``i8dot_tile_*`` intrinsics on the host's int8 path
     (:func:`simd_path`: ``vpdpbusd`` with AVX-512 VNNI / AVX-VNNI, ``vpmaddubsw``
     + ``vpmaddwd`` on AVX2, portable IR elsewhere); rows go four at a time
-    through a 4 x 4 register tile, then 2 x 4, then 1 x 4.  Equals
+    through a 4 x 4 register tile, then 2 x 4, then 1 x 4.  On a VNNI host a
+    prefill (``m >= I8_PANEL_MIN_M = 16``) instead runs the outer-product
+    panel tiles (:func:`~opscope_nb.kernels.make_i8_panel_tile`): the
+    activations of 32 (or 16) rows are packed once per call with the ``+128``
+    offset, and each step broadcasts four weight bytes of 6 outputs against
+    them -- every ``vpdpbusd`` lane is an output, so no horizontal sums, and
+    10 loads feed 24 ``vpdpbusd`` instead of 8 feeding 16.  The rows past the
+    last multiple of 16 and the last ``n % 6`` outputs use the dot tiles.
+    Equals
     ``xq.astype(np.int32) @ wtq.astype(np.int32).T`` bit for bit for codes in
     [-127, 127] and ``k <= I8_MAX_K = 133144`` (a larger ``k`` raises
     ``ValueError``).  ``-128`` is outside the contract and not checked here
@@ -871,6 +1070,12 @@ def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN):
     wtq : ndarray of int8, shape (n, k), C-contiguous (output-major)
     min_parallel : int, optional
         Below ``m * k * n`` of this size the call stays on the calling thread.
+    wsum : ndarray of int32, shape (n,), optional
+        ``i8_row_sums(wtq)``, computed once per weight matrix.  The panel path
+        needs ``sum_p wtq[j, p]`` for its offset correction; without
+        ``wsum`` it sums each 6-row weight tile just before using it (about
+        one more pass over the weights per call).  Sums that do not match
+        ``wtq`` give wrong results; they are not checked.
 
     Returns
     -------
@@ -879,6 +1084,8 @@ def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN):
     m, k = xq.shape
     if wtq.shape[1] != k:
         raise ValueError("matmul_i8i8_i32: xq.shape[1] must equal wtq.shape[1]")
+    if wsum is not None and wsum.shape[0] != wtq.shape[0]:
+        raise ValueError("matmul_i8i8_i32: wsum must have shape (n,) (i8_row_sums(wtq))")
     if k > I8_MAX_K:
         raise ValueError("matmul_i8i8_i32: k exceeds I8_MAX_K = 133144 (int32 sums "
                          "could overflow); split k and add the partial products")
@@ -886,6 +1093,10 @@ def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN):
     acc = np.empty((m, n), dtype=np.int32)
     dummy_y = np.empty((0, 0), dtype=np.float32)
     dummy_s = np.empty(0, dtype=np.float32)
+    if I8_PANEL and m >= I8_PANEL_MIN_M and n >= I8_PANEL_J and k >= 4:
+        ws = np.empty(0, dtype=np.int32) if wsum is None else wsum
+        _w8a8_panel(xq, wtq, acc, dummy_y, dummy_s, dummy_s, False, min_parallel, ws)
+        return acc
     xf = xq.ravel()
     wf = wtq.ravel()
     nb = (n + _NB - 1) // _NB
@@ -900,7 +1111,7 @@ def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN):
 
 
 @njit_parallel
-def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN):
+def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN, wsum=None):
     """W8A8: ``y[i, j] = float(sum_p xq[i, p] * wtq[j, p]) * sx[i] * scale[j]``.
 
     The integer sums are exact int32 (see :func:`matmul_i8i8_i32`, including
@@ -916,6 +1127,8 @@ def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN):
     scale : ndarray of float32, shape (n,)
     min_parallel : int, optional
         Below ``m * k * n`` of this size the call stays on the calling thread.
+    wsum : ndarray of int32, shape (n,), optional
+        ``i8_row_sums(wtq)``; see :func:`matmul_i8i8_i32`.
 
     Returns
     -------
@@ -924,12 +1137,18 @@ def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN):
     m, k = xq.shape
     if wtq.shape[1] != k or sx.shape[0] != m or scale.shape[0] != wtq.shape[0]:
         raise ValueError("matmul_w8a8: need xq[m,k], sx[m], wtq[n,k], scale[n]")
+    if wsum is not None and wsum.shape[0] != wtq.shape[0]:
+        raise ValueError("matmul_w8a8: wsum must have shape (n,) (i8_row_sums(wtq))")
     if k > I8_MAX_K:
         raise ValueError("matmul_w8a8: k exceeds I8_MAX_K = 133144 (int32 sums "
                          "could overflow); split k and add the partial products")
     n = wtq.shape[0]
     acc = np.empty((0, 0), dtype=np.int32)
     y = np.empty((m, n), dtype=np.float32)
+    if I8_PANEL and m >= I8_PANEL_MIN_M and n >= I8_PANEL_J and k >= 4:
+        ws = np.empty(0, dtype=np.int32) if wsum is None else wsum
+        _w8a8_panel(xq, wtq, acc, y, sx, scale, True, min_parallel, ws)
+        return y
     xf = xq.ravel()
     wf = wtq.ravel()
     nb = (n + _NB - 1) // _NB

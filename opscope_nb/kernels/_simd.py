@@ -55,6 +55,12 @@ __all__ = [
     "i8_dot_accumulate",
     "i8_abs",
     "make_i8_tile",
+    "make_i8_panel_tile",
+    "I8_PANEL",
+    "I8_PANEL_J",
+    "I8_PANEL_LANES",
+    "i8panel_tile_32",
+    "i8panel_tile_16",
     "path_supported",
     "I8_PATHS",
     "I8_STEP",
@@ -633,3 +639,130 @@ w16dot_tile_1x1 = _make_tile(1, 1, "w16")
 w16dot_tile_1x4 = _make_tile(1, 4, "w16")
 w16dot_tile_2x1 = _make_tile(2, 1, "w16")
 w16dot_tile_2x4 = _make_tile(2, 4, "w16")
+
+
+# --------------------------------------------------------------------------
+# outer-product int8 tile (prefill): broadcast weights x activation panel
+# --------------------------------------------------------------------------
+#: Weight rows (outputs) per panel tile.  Six streams: 12 measured half as
+#: fast (weight rows 4 KiB apart alias in L1), 4 and 8 slower than 6.
+I8_PANEL_J = 6
+#: Whether the host's int8 path runs the panel tiles (``vpdpbusd``: the u8
+#: operand of a VNNI product carries the offset activations for free).
+I8_PANEL = HOST_I8_PATH in ("avx512vnni", "avx512vnni256", "avxvnni")
+#: int32 lanes (activation rows) per panel vector of each int8 path.
+_PANEL_LANES = {"avx512vnni": 16, "avx512vnni256": 8, "avxvnni": 8, "avx2": 8, "portable": 8}
+#: Lanes of the host's panel vectors.
+I8_PANEL_LANES = _PANEL_LANES[HOST_I8_PATH]
+
+
+def _dpbusd(builder, acc, u8, s8, path):
+    """``acc + vpdpbusd(u8, s8)`` on a VNNI path; widen-multiply-add elsewhere
+    (bit for bit the same int32 result, wrapping)."""
+    if path in ("avx512vnni", "avx512vnni256", "avxvnni"):
+        return _vpdpbusd(builder, acc, u8, s8)
+    lanes = acc.type.count
+    v8 = ir.VectorType(_I8, 4 * lanes)
+    vn = ir.VectorType(_I32, 4 * lanes)
+    prod = builder.mul(builder.zext(builder.bitcast(u8, v8), vn),
+                       builder.sext(builder.bitcast(s8, v8), vn))
+    out = acc
+    for t in range(4):
+        out = builder.add(out, _shuffle(builder, prod, [4 * i + t for i in range(lanes)]))
+    return out
+
+
+def make_i8_panel_tile(rows: int, path: str | None = None):
+    """Build the outer-product int8 tile for ``rows`` activation rows x
+    :data:`I8_PANEL_J` outputs on an int8 ``path`` (default the host's).
+
+    The returned intrinsic is called from ``@njit`` code as
+    ``tile(P, poff, w, woff, wstride, nkk, out, ooff)`` and returns 0:
+
+    * ``P`` int32, C-contiguous: an activation panel from
+      :func:`opscope_nb.kernels.pack_i8_panel` -- for each group of four k-elements ``kk``,
+      ``rows`` int32 words, word ``r`` holding the four int8 codes
+      ``x[r, 4kk:4kk+4] ^ 0x80`` (i.e. ``x + 128`` as unsigned bytes);
+      ``poff`` is the word offset of the tile's first ``kk``.
+    * ``w`` int8, C-contiguous: output-major weights ``wt[n, k]``; ``woff``
+      the flat offset of output ``j0`` at ``k = 4 * kk0``, ``wstride`` the
+      distance between outputs (``k``).
+    * ``nkk``: number of four-element groups.
+    * ``out`` int32, C-contiguous: receives ``rows * I8_PANEL_J`` sums at
+      ``ooff``; sum ``(v * J + j) * L + l`` (``L`` lanes per vector) is
+      ``sum_kk sum_t (x[v*L + l, 4kk+t] + 128) * w[j0 + j, 4kk+t]`` in
+      wrapping int32 -- subtract ``128 * sum_p w[j0 + j, p]`` over the same
+      ``p`` for the exact product.
+
+    Each step loads ``rows / L`` panel vectors and broadcasts four weight
+    bytes per output (``vpbroadcastd``), then issues ``rows / L *
+    I8_PANEL_J`` ``vpdpbusd`` -- no horizontal sums, every lane is an
+    output.  No bounds or input validation.
+    """
+    path = path or HOST_I8_PATH
+    if path not in I8_PATHS:
+        raise ValueError(f"unknown int8 path {path!r}; expected one of {I8_PATHS}")
+    lanes = _PANEL_LANES[path]
+    if rows % lanes:
+        raise ValueError(f"rows must be a multiple of {lanes} on path {path!r}, got {rows}")
+    RV, J = rows // lanes, I8_PANEL_J
+
+    @intrinsic
+    def tile(typingctx, P, poff, w, woff, wstride, nkk, out, ooff):
+        if not (isinstance(P, types.Array) and P.dtype == types.int32
+                and isinstance(w, types.Array) and w.dtype == types.int8
+                and isinstance(out, types.Array) and out.dtype == types.int32):
+            return None
+        sig = types.int32(P, types.intp, w, types.intp, types.intp, types.intp,
+                          out, types.intp)
+
+        def codegen(context, builder, sig, args):
+            pa = context.make_array(sig.args[0])(context, builder, args[0])
+            wa = context.make_array(sig.args[2])(context, builder, args[2])
+            oa = context.make_array(sig.args[6])(context, builder, args[6])
+            poff, woff, wst, nkk, ooff = [
+                context.cast(builder, args[i], sig.args[i], types.intp) for i in (1, 3, 4, 5, 7)]
+            intp = context.get_value_type(types.intp)
+            vt = ir.VectorType(_I32, lanes)
+            accs = []
+            for _ in range(RV * J):
+                a = cgutils.alloca_once(builder, vt)
+                builder.store(ir.Constant(vt, None), a)
+                accs.append(a)
+            wrow = [builder.gep(wa.data, [builder.add(
+                woff, builder.mul(wst, ir.Constant(intp, j)))], inbounds=True)
+                for j in range(J)]
+            pbase = builder.gep(pa.data, [poff], inbounds=True)
+            splat = _const_vec(lanes, [0] * lanes)
+            with cgutils.for_range(builder, nkk) as loop:
+                kk = loop.index
+                po = builder.mul(kk, ir.Constant(intp, rows))
+                xv = []
+                for v in range(RV):
+                    p = builder.gep(pbase, [builder.add(po, ir.Constant(intp, v * lanes))],
+                                    inbounds=True)
+                    xv.append(builder.load(builder.bitcast(p, vt.as_pointer()), align=4))
+                wo = builder.mul(kk, ir.Constant(intp, 4))
+                for j in range(J):
+                    p = builder.gep(wrow[j], [wo], inbounds=True)
+                    s32 = builder.load(builder.bitcast(p, _I32.as_pointer()), align=1)
+                    b = builder.insert_element(ir.Constant(vt, None), s32, ir.Constant(_I32, 0))
+                    b = builder.shuffle_vector(b, b, splat)
+                    for v in range(RV):
+                        a = accs[v * J + j]
+                        builder.store(_dpbusd(builder, builder.load(a), xv[v], b, path), a)
+            ob = builder.gep(oa.data, [ooff], inbounds=True)
+            for t in range(RV * J):
+                p = builder.gep(ob, [ir.Constant(intp, t * lanes)], inbounds=True)
+                builder.store(builder.load(accs[t]), builder.bitcast(p, vt.as_pointer()), align=4)
+            return ir.Constant(_I32, 0)
+
+        return sig, codegen
+
+    return tile
+
+
+#: Host panel tiles: 32 activation rows (the prefill block) and 16 (the last
+#: block of 16..31 rows) x :data:`I8_PANEL_J` outputs.
+i8panel_tile_32 = make_i8_panel_tile(32)
+i8panel_tile_16 = make_i8_panel_tile(16)
