@@ -103,6 +103,21 @@ def _vec(x, name, n):
     return v
 
 
+def _wsum(wsum, wtq):
+    """``None`` or exactly ``sum(wtq, axis=1)`` as int32 ``[n]``."""
+    if wsum is None:
+        return None
+    if not isinstance(wsum, np.ndarray) or wsum.dtype != np.int32 or wsum.shape != (wtq.shape[0],):
+        raise ValueError(
+            f"wsum must be an int32 array of shape ({wtq.shape[0]},); got "
+            f"{getattr(wsum, 'dtype', type(wsum).__name__)} {getattr(wsum, 'shape', '')}. "
+            f"Pass kernels.i8_row_sums(wtq), or None.")
+    if not np.array_equal(wsum, wtq.sum(axis=1, dtype=np.int64)):
+        raise ValueError("wsum must equal wtq.sum(axis=1) (kernels.i8_row_sums(wtq)); "
+                         "sums of other weights give wrong products.")
+    return np.ascontiguousarray(wsum)
+
+
 def _minpar(min_parallel):
     return check_int(min_parallel, "min_parallel", 0)
 
@@ -199,22 +214,24 @@ def matmul_w8a16(x, wtq, scale, min_parallel=PAR_MIN) -> np.ndarray:
     return _k.matmul_w8a16(x, wtq, scale, _minpar(min_parallel))
 
 
-def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN) -> np.ndarray:
+def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN, wsum=None) -> np.ndarray:
     """Exact ``xq[m, k] @ wtq[n, k].T`` in int32 (int8 codes in [-127, 127],
-    ``k <= I8_MAX_K``)."""
+    ``k <= I8_MAX_K``).  ``wsum``: optional ``kernels.i8_row_sums(wtq)``
+    (checked here; the njit core trusts it)."""
     xq, wtq = _codes(xq, "xq"), _codes(wtq, "wtq")
     _same(xq.shape[1], wtq.shape[1], "xq.shape[1] must equal wtq.shape[1]",
           "Pass xq[m, k] and output-major wtq[n, k].")
     _check_k(xq.shape[1], "matmul_i8i8_i32")
-    return _k.matmul_i8i8_i32(xq, wtq, _minpar(min_parallel))
+    return _k.matmul_i8i8_i32(xq, wtq, _minpar(min_parallel), _wsum(wsum, wtq))
 
 
-def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN) -> np.ndarray:
-    """W8A8: ``float(xq[m, k] @ wtq[n, k].T) * sx[m, None] * scale[None, n]``."""
+def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN, wsum=None) -> np.ndarray:
+    """W8A8: ``float(xq[m, k] @ wtq[n, k].T) * sx[m, None] * scale[None, n]``
+    (``wsum`` as in :func:`matmul_i8i8_i32`)."""
     xq, wtq = _codes(xq, "xq"), _codes(wtq, "wtq")
     _same(xq.shape[1], wtq.shape[1], "xq.shape[1] must equal wtq.shape[1]",
           "Pass xq[m, k] and output-major wtq[n, k].")
     _check_k(xq.shape[1], "matmul_w8a8")
     sx = _vec(sx, "sx", xq.shape[0])
     scale = _vec(scale, "scale", wtq.shape[0])
-    return _k.matmul_w8a8(xq, sx, wtq, scale, _minpar(min_parallel))
+    return _k.matmul_w8a8(xq, sx, wtq, scale, _minpar(min_parallel), _wsum(wsum, wtq))

@@ -377,7 +377,14 @@ def _act8(lin, act):
 
 def _fwd_int8(lin, x, act):
     a = lin._arrays
-    return _k.packed_int8_linear(x, a["codes"], a["scales"], _act8(lin, act))
+    act8 = _act8(lin, act)
+    if act8 and lin._aux is None:
+        # per-output code sums for the prefill kernel's offset correction:
+        # derived from the codes once (4 bytes per output, not part of the
+        # format), so prefill calls skip a pass over the weights
+        lin._aux = _k.i8_row_sums(a["codes"])
+    wsum = lin._aux if act8 else None
+    return _k.packed_int8_linear(x, a["codes"], a["scales"], act8, wsum=wsum)
 
 
 def _fwd_int4(lin, x, act):

@@ -11,6 +11,7 @@ from naive_matmul import (naive_a16_levels, naive_matmul_w8a16_f32act,
                           naive_quantize_rows_i8, naive_rel_l2,
                           naive_sparse_skip_matmul)
 from opscope_nb import kernels as K
+from opscope_nb import matmul as M
 
 # (m, k, n): 1x1, decode rows, k = 1, k not a multiple of any SIMD width
 # (8 floats, 16/32 int8), n not a multiple of the 4-output blocks, odd m.
@@ -369,3 +370,16 @@ def test_w8a8_panel_extremes_and_bad_wsum():
     with pytest.raises(ValueError, match="wsum"):
         K.matmul_w8a8(xq[:, :8].copy(), np.ones(16, np.float32), wtq[:, :8].copy(), np.ones(6, np.float32),
                       wsum=np.zeros(7, np.int32))
+
+
+def test_public_wsum_validated():
+    rng = np.random.default_rng(3)
+    xq = rng.integers(-127, 128, (20, 40)).astype(np.int8)
+    wtq = rng.integers(-127, 128, (7, 40)).astype(np.int8)
+    ws = K.i8_row_sums(wtq)
+    np.testing.assert_array_equal(M.matmul_i8i8_i32(xq, wtq, wsum=ws), naive_i8i8_i32(xq, wtq))
+    for bad in (ws.astype(np.int64), ws[:6], ws + 1, [1] * 7):
+        with pytest.raises(ValueError, match="wsum"):
+            M.matmul_i8i8_i32(xq, wtq, wsum=bad)
+    with pytest.raises(ValueError, match="wsum"):
+        M.matmul_w8a8(xq, np.ones(20, np.float32), wtq, np.ones(7, np.float32), wsum=ws - 1)

@@ -642,15 +642,16 @@ def ternary_matmul_a16(x, codes, alpha, cols, min_parallel=PAR_MIN):
 
 
 @njit
-def packed_int8_linear(x, codes, scales, act8, min_parallel=PAR_MIN):
+def packed_int8_linear(x, codes, scales, act8, min_parallel=PAR_MIN, wsum=None):
     """``x[m, cols] @ (codes * scales[:, None]).T`` for the int8/chan layout.
 
     ``act8``: W8A8 (``quantize_rows_i8`` + exact int32 sums); else W8A16.
-    ``codes`` int8 ``[rows, cols]``, ``scales`` float32 ``[rows]``.
+    ``codes`` int8 ``[rows, cols]``, ``scales`` float32 ``[rows]``; ``wsum``
+    optional int32 ``[rows]`` = ``i8_row_sums(codes)`` (see ``matmul_w8a8``).
     """
     if act8:
         xq, sx = quantize_rows_i8(x, min_parallel)
-        return matmul_w8a8(xq, sx, codes, scales, min_parallel)
+        return matmul_w8a8(xq, sx, codes, scales, min_parallel, wsum)
     return matmul_w8a16(x, codes, scales, min_parallel)
 
 
