@@ -64,6 +64,10 @@ def machine_info() -> dict:
         "llvm_cpu": numba.config.CPU_NAME or llb.get_host_cpu_name(),
         "simd_features": simd,
         "int8_path": K.simd_path(),
+        "int8_prefill": (f"W8A8 m >= 16: outer-product panel tiles (32/16 rows x "
+                         f"{K.I8_PANEL_J} outputs, {K.I8_PANEL_LANES}-lane vpdpbusd, "
+                         f"broadcast weights)" if K.I8_PANEL else
+                         "W8A8 m >= 16: 4 x 4 dot tiles (no VNNI: no panel tiles)"),
         "numba": numba.__version__,
         "numba_threads": numba.get_num_threads(),
         "threading_layer": numba.config.THREADING_LAYER,

@@ -120,6 +120,7 @@ def _header(quick, res, cfg):
     print(f"CPU: {mi['cpu']}  |  LLVM target: {mi['llvm_cpu']}  |  SIMD: "
           f"{' '.join(mi['simd_features']) or 'n/a'}")
     print(f"int8 dot path: {mi['int8_path']}")
+    print(f"int8 prefill: {mi['int8_prefill']}")
     print(f"threads: numba {mi['numba_threads']} ({mi['threading_layer']} layer), "
           f"{mi['cpu_count']} CPUs  |  numba {mi['numba']}, Python {mi['python']}")
     vi = mi["vendor_info"]
