@@ -306,3 +306,20 @@ def test_measure_latency():
     for q in (0.0, 1.5):
         with pytest.raises(ValueError, match="quantile"):
             measure_latency(lin, (1,), quantile=q)
+
+
+def test_int8_prefill_caches_weight_sums():
+    """int8/chan with int8 activations: the first call caches the code sums the
+    prefill kernel needs; results equal the kernel run without them."""
+    w = _w((45, 68), seed=3)
+    lin = PackedLinear.pack(w, Decomp.int8())
+    x = _x(33, 68, seed=4)
+    assert lin._aux is None
+    lin(x, "f32")
+    assert lin._aux is None                      # W8A16 does not need them
+    y = lin(x, "int8")
+    codes = lin.arrays["codes"]
+    np.testing.assert_array_equal(lin._aux, codes.astype(np.int64).sum(1))
+    xq, sx = K.quantize_rows_i8(x)
+    np.testing.assert_array_equal(y, K.matmul_w8a8(xq, sx, codes, lin.arrays["scales"]))
+    np.testing.assert_array_equal(lin(x, "int8"), y)

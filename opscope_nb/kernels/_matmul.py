@@ -894,6 +894,7 @@ def pack_i8_panel(xq, i0, rows, k4, P, poff):
 
 @njit
 def _tail_sum(wf, wo, p0, k):
+    """``sum wf[wo + p]`` for ``p0 <= p < k`` (int32)."""
     a = np.int32(0)
     for p in range(p0, k):
         a += np.int32(wf[wo + p])
@@ -910,15 +911,13 @@ def _wsum6(wf, wo, k, kv, ones):
     a0, a1, a2, a3 = i8dot_tile_1x4(ones, 0, 0, wf, wo, k, nch)
     a4 = i8dot_tile_1x1(ones, 0, 0, wf, wo + 4 * k, k, nch)[0]
     a5 = i8dot_tile_1x1(ones, 0, 0, wf, wo + 5 * k, k, nch)[0]
-    for p in range(nch * I8_CHUNK, kv):
-        a0 += wf[wo + p]
-        a1 += wf[wo + k + p]
-        a2 += wf[wo + 2 * k + p]
-        a3 += wf[wo + 3 * k + p]
-        a4 += wf[wo + 4 * k + p]
-        a5 += wf[wo + 5 * k + p]
-    return (np.int32(a0), np.int32(a1), np.int32(a2), np.int32(a3), np.int32(a4),
-            np.int32(a5))
+    p0 = nch * I8_CHUNK
+    return (np.int32(a0 + _tail_sum(wf, wo, p0, kv)),
+            np.int32(a1 + _tail_sum(wf, wo + k, p0, kv)),
+            np.int32(a2 + _tail_sum(wf, wo + 2 * k, p0, kv)),
+            np.int32(a3 + _tail_sum(wf, wo + 3 * k, p0, kv)),
+            np.int32(a4 + _tail_sum(wf, wo + 4 * k, p0, kv)),
+            np.int32(a5 + _tail_sum(wf, wo + 5 * k, p0, kv)))
 
 
 @njit_parallel
@@ -1018,7 +1017,8 @@ def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
             _pack_panel_part(xq, 32 * b, rows, kk0, min(kk0 + _PACK_KB, k4), P, 32 * b * k4)
     xf = xq.ravel()
     wf = wtq.ravel()
-    ones = np.ones(max(k, 1), dtype=np.int8)
+    # all-ones activations for _wsum6, only when the caller gave no sums
+    ones = np.ones(k if wsum.shape[0] == 0 else 0, dtype=np.int8)
     nt = n // I8_PANEL_J
     nc = _chunks(nt)
     bsz = 2 * 16 * I8_PANEL_J
@@ -1041,6 +1041,28 @@ I8_PANEL_MIN_M = 16
 
 
 @njit_parallel
+def _w8a8_run(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
+    """The W8A8 core behind both entry points (validated input; ``wsum``
+    empty when the caller gave none): panel tiles for a prefill on a VNNI
+    host, else the dot tiles over blocks of 4 outputs."""
+    m, k = xq.shape
+    n = wtq.shape[0]
+    if I8_PANEL and m >= I8_PANEL_MIN_M and n >= I8_PANEL_J and k >= 4:
+        _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum)
+        return
+    xf = xq.ravel()
+    wf = wtq.ravel()
+    nb = (n + _NB - 1) // _NB
+    if m * k * n < min_parallel:
+        _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, 0, nb)
+    else:
+        nc = _chunks(nb)
+        for c in prange(nc):
+            _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y,
+                         c * nb // nc, (c + 1) * nb // nc)
+
+
+@njit
 def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN, wsum=None):
     """Exact integer core of W8A8: ``acc[m, n] = xq[m, k] @ wtq[n, k].T`` in int32.
 
@@ -1093,24 +1115,12 @@ def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN, wsum=None):
     acc = np.empty((m, n), dtype=np.int32)
     dummy_y = np.empty((0, 0), dtype=np.float32)
     dummy_s = np.empty(0, dtype=np.float32)
-    if I8_PANEL and m >= I8_PANEL_MIN_M and n >= I8_PANEL_J and k >= 4:
-        ws = np.empty(0, dtype=np.int32) if wsum is None else wsum
-        _w8a8_panel(xq, wtq, acc, dummy_y, dummy_s, dummy_s, False, min_parallel, ws)
-        return acc
-    xf = xq.ravel()
-    wf = wtq.ravel()
-    nb = (n + _NB - 1) // _NB
-    if m * k * n < min_parallel:
-        _w8a8_blocks(xf, m, k, wf, n, acc, dummy_y, dummy_s, dummy_s, False, 0, nb)
-    else:
-        nc = _chunks(nb)
-        for c in prange(nc):
-            _w8a8_blocks(xf, m, k, wf, n, acc, dummy_y, dummy_s, dummy_s, False,
-                         c * nb // nc, (c + 1) * nb // nc)
+    ws = np.empty(0, dtype=np.int32) if wsum is None else wsum
+    _w8a8_run(xq, wtq, acc, dummy_y, dummy_s, dummy_s, False, min_parallel, ws)
     return acc
 
 
-@njit_parallel
+@njit
 def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN, wsum=None):
     """W8A8: ``y[i, j] = float(sum_p xq[i, p] * wtq[j, p]) * sx[i] * scale[j]``.
 
@@ -1145,20 +1155,8 @@ def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN, wsum=None):
     n = wtq.shape[0]
     acc = np.empty((0, 0), dtype=np.int32)
     y = np.empty((m, n), dtype=np.float32)
-    if I8_PANEL and m >= I8_PANEL_MIN_M and n >= I8_PANEL_J and k >= 4:
-        ws = np.empty(0, dtype=np.int32) if wsum is None else wsum
-        _w8a8_panel(xq, wtq, acc, y, sx, scale, True, min_parallel, ws)
-        return y
-    xf = xq.ravel()
-    wf = wtq.ravel()
-    nb = (n + _NB - 1) // _NB
-    if m * k * n < min_parallel:
-        _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, True, 0, nb)
-    else:
-        nc = _chunks(nb)
-        for c in prange(nc):
-            _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, True,
-                         c * nb // nc, (c + 1) * nb // nc)
+    ws = np.empty(0, dtype=np.int32) if wsum is None else wsum
+    _w8a8_run(xq, wtq, acc, y, sx, scale, True, min_parallel, ws)
     return y
 
 

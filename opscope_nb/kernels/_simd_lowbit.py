@@ -475,12 +475,7 @@ def _make_tile(R: int, C: int, path: str | None = None):
                                                            ir.Constant(_I32, l))
                             svec.append(v)
                     elif md == 2:
-                        for c in range(C):
-                            prefetch_scales(c, f)
-                            s0 = builder.load(builder.gep(srow[c], [f], inbounds=True))
-                            v = builder.insert_element(ir.Constant(_V8F32, None), s0,
-                                                       ir.Constant(_I32, 0))
-                            svec.append(_shuffle(builder, v, [0] * 8))
+                        svec = [splat_scale(c, f) for c in range(C)]
                     for r in range(R):
                         for c in range(C):
                             t = r * C + c
@@ -517,6 +512,14 @@ def _make_tile(R: int, C: int, path: str | None = None):
             def prefetch_scales(c, off):
                 pa = builder.gep(srow[c], [builder.add(off, spf)], inbounds=False)
                 _prefetch(builder, pa)
+
+            def splat_scale(c, f):
+                """Scale ``f`` of weight row ``c`` in all 8 lanes (one scale
+                per flush: channel-wise or one group per flush)."""
+                prefetch_scales(c, f)
+                s0 = builder.load(builder.gep(srow[c], [f], inbounds=True))
+                v = builder.insert_element(ir.Constant(_V8F32, None), s0, ir.Constant(_I32, 0))
+                return _shuffle(builder, v, [0] * 8)
 
             def big_slots(fm, c, u):
                 """The 4 slot vectors (whole offset codes) of big unit ``u``,
@@ -626,14 +629,7 @@ def _make_tile(R: int, C: int, path: str | None = None):
                                 for v in range(4):
                                     a = _dot_u8s8(builder, a, pieces[c][v], xs[v], path)
                                 builder.store(a, iacc[t])
-                    svec = []
-                    if md == 6:
-                        for c in range(C):
-                            prefetch_scales(c, f)
-                            s0 = builder.load(builder.gep(srow[c], [f], inbounds=True))
-                            v = builder.insert_element(ir.Constant(_V8F32, None), s0,
-                                                       ir.Constant(_I32, 0))
-                            svec.append(_shuffle(builder, v, [0] * 8))
+                    svec = [splat_scale(c, f) for c in range(C)] if md == 6 else []
                     for r in range(R):
                         for c in range(C):
                             t = r * C + c
