@@ -28,12 +28,14 @@ from ._simd import *          # noqa: F401,F403
 from ._dado import *          # noqa: F401,F403
 from ._packed_float import *  # noqa: F401,F403
 from ._simd_lowbit import *   # noqa: F401,F403
+from ._w4panel import *       # noqa: F401,F403
 from ._packed_quant import *  # noqa: F401,F403
 from ._gptq import *          # noqa: F401,F403
 
 from . import (_coerce, _probe, _rng, _pack, _svd, _lowrank, _monarch, _tucker, _tt,
-               _matmul, _simd, _dado, _packed_float, _simd_lowbit, _packed_quant, _gptq)
+               _matmul, _simd, _dado, _packed_float, _simd_lowbit, _w4panel, _packed_quant,
+               _gptq)
 
 __all__ = sorted(set().union(*(m.__all__ for m in (
     _coerce, _probe, _rng, _pack, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd,
-    _dado, _packed_float, _simd_lowbit, _packed_quant, _gptq))))
+    _dado, _packed_float, _simd_lowbit, _w4panel, _packed_quant, _gptq))))

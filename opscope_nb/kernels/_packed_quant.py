@@ -96,6 +96,7 @@ from .._config import njit, njit_parallel
 # (prange) kernel; numba's thread pool is started by ``_config`` at import
 # (a cached serial caller would not start it, and its first call crashed).
 from ._matmul import PAR_MIN, matmul_w8a16, matmul_w8a8, quantize_rows_i8, quantize_rows_i16
+from ._w4panel import W4_PANEL, W4_PANEL_J, w4a8_panel_matmul
 from ._simd_lowbit import (LOWBIT_BIG_LANES, LOWBIT_BIG_UNIT, LOWBIT_LANES, LOWBIT_OFFSET,
                            LOWBIT_PLANE_BYTES, LOWBIT_SLOTS, LOWBIT_UNIT, lowbit_tile_1x4, lowbit_tile_4x2)
 
@@ -105,6 +106,7 @@ __all__ = [
     "lowbit_matmul_a8",
     "lowbit_matmul_a16",
     "w4a8_matmul",
+    "W4_PANEL_MIN_M",
     "w4a16_matmul",
     "ternary_matmul_a8",
     "ternary_matmul_a16",
@@ -520,6 +522,37 @@ def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
     return y
 
 
+#: Smallest ``m`` that takes the W4A8 panel (on a ``vpdpbusd`` host): at m = 8 the
+#: 16-row panel and the 4 x 2 dot tiles tied (1024 x 1024 and 4096 x 4096, Zen 4),
+#: at m = 12 the panel was 1.4-1.6x faster.
+W4_PANEL_MIN_M = 9
+
+
+@njit
+def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
+    """:func:`_run` for int8 activations: int4 prefill on a VNNI host goes
+    through the outer-product panel (:mod:`._w4panel`), its ``n % 6`` last
+    outputs through the dot tiles."""
+    m = xq.shape[0]
+    rows = w.shape[0]
+    ng = _ngroups(cols, group)
+    if (W4_PANEL and fmt == FMT_INT4 and m >= W4_PANEL_MIN_M and rows >= W4_PANEL_J
+            and cols >= 32 and (ng == 1 or group % 32 == 0)):
+        y = np.empty((m, rows), dtype=np.float32)
+        w4a8_panel_matmul(xq, sx, w, sflat, sstride, cols, group, min_parallel, y)
+        j6 = rows // W4_PANEL_J * W4_PANEL_J
+        if j6 < rows:
+            # the last outputs: 4-output blocks covering them (the first may
+            # recompute a panel output; rows >= 6 > 4 keeps the blocks in range)
+            g = group if ng > 1 else max(cols, 1)
+            mode, nunits, upf = _plan(cols, ng, g, fmt, True)
+            xp, corr = _arrange(xq, nunits, fmt, upf, mode)
+            _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx,
+                    y, j6 // _NB, (rows + _NB - 1) // _NB)
+        return y
+    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel)
+
+
 @njit
 def lowbit_matmul_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel=PAR_MIN):
     """Generic int8-activation product from packed low-bit weights.
@@ -553,7 +586,7 @@ def lowbit_matmul_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parall
         ``y[i, j] = sx[i] * sum_g scale[j, g] * sum_(p in g) xq[i, p] * code[j, p]``;
         the integer sums are exact, the sum over groups is float32/float64.
     """
-    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel)
+    return _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel)
 
 
 @njit
@@ -602,8 +635,8 @@ def w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel=PAR_MIN):
     """
     rows = codes.shape[0]
     sf = scales.ravel()
-    return _run(xq, sx, codes, codes, sf, sf.size // max(rows, 1), cols, group, 0,
-                min_parallel)
+    return _run_a8(xq, sx, codes, codes, sf, sf.size // max(rows, 1), cols, group, 0,
+                   min_parallel)
 
 
 @njit
