@@ -49,7 +49,7 @@ from ._simd import (F32_CHUNK, I8_CHUNK, i8dot_raw_tile_4x4, i8dot_rawc_tile_4x4
                     f32dot_tile_2x4, i8dot_tile_1x1, i8dot_tile_1x4,
                     i8dot_tile_2x1, i8dot_tile_2x4, W16_CHUNK,
                     w16dot_tile_1x1, w16dot_tile_1x4, w16dot_tile_2x1,
-                    w16dot_tile_2x4, I8_PANEL, I8_PANEL_J, I8_PANEL_LANES,
+                    w16dot_tile_2x4, I8_PANEL, I8_PANEL_J, I8_PANEL_LANES, panel_pack8,
                     i8panel_tile_16, i8panel_tile_32)
 
 __all__ = [
@@ -853,13 +853,13 @@ def _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
 
 
 @njit
-def _pack_panel_part(xq, i0, rows, kk0, kk1, P, poff):
-    """:func:`pack_i8_panel` for the four-element groups ``kk0..kk1-1``."""
+def _pack_panel_words(xq, i, r, rows, kk0, kk1, P, poff):
+    """Scalar panel words ``kk0..kk1-1`` of row ``r`` (= ``xq`` row ``i``,
+    code 0 past ``m``)."""
     m = xq.shape[0]
-    live = max(0, min(rows, m - i0))
-    for r in range(live):
-        i = i0 + r
-        for kk in range(kk0, kk1):
+    for kk in range(kk0, kk1):
+        w = np.uint32(0)
+        if i < m:
             b = 4 * kk
             # four consecutive bytes, first lowest (LLVM folds them into one
             # 32-bit load)
@@ -867,10 +867,29 @@ def _pack_panel_part(xq, i0, rows, kk0, kk1, P, poff):
                  | (np.uint32(np.uint8(xq[i, b + 1])) << np.uint32(8))
                  | (np.uint32(np.uint8(xq[i, b + 2])) << np.uint32(16))
                  | (np.uint32(np.uint8(xq[i, b + 3])) << np.uint32(24)))
-            P[poff + kk * rows + r] = np.int32(w ^ np.uint32(0x80808080))
-    for r in range(live, rows):
-        for kk in range(kk0, kk1):
-            P[poff + kk * rows + r] = np.int32(-2139062144)   # 0x80808080: code 0
+        P[poff + kk * rows + r] = np.int32(w ^ np.uint32(0x80808080))
+
+
+@njit
+def _pack_panel_part(xq, i0, rows, kk0, kk1, P, poff):
+    """:func:`pack_i8_panel` for the four-element groups ``kk0..kk1-1``:
+    blocks of 8 live rows x 8 groups through the ``panel_pack8`` transpose
+    (32 x 3072 panel: 20.5 -> 4.0 us against word-by-word stores, Zen 4),
+    the rest word by word."""
+    m, k = xq.shape
+    nch = (kk1 - kk0) // 8
+    kv = kk0 + 8 * nch
+    xf = xq.ravel()
+    S = np.empty(8 * max(nch, 1), dtype=np.int32)
+    for r0 in range(0, rows, 8):
+        if i0 + r0 + 8 <= m and nch > 0:
+            panel_pack8(xf, (i0 + r0) * k + 4 * kk0, k, nch, P, poff + kk0 * rows + r0, rows,
+                        S, 0, 1)
+            for r in range(r0, r0 + 8):
+                _pack_panel_words(xq, i0 + r, r, rows, kv, kk1, P, poff)
+        else:
+            for r in range(r0, r0 + 8):
+                _pack_panel_words(xq, i0 + r, r, rows, kk0, kk1, P, poff)
 
 
 #: Four-element groups per panel-packing block (32 rows x 64 groups = 8 KiB:

@@ -61,6 +61,7 @@ __all__ = [
     "I8_PANEL_LANES",
     "i8panel_tile_32",
     "i8panel_tile_16",
+    "panel_pack8",
     "path_supported",
     "I8_PATHS",
     "I8_STEP",
@@ -763,6 +764,87 @@ def make_i8_panel_tile(rows: int, path: str | None = None):
         return sig, codegen
 
     return tile
+
+
+def _sh(builder, a, b, idx):
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(idx)),
+                                                   [ir.Constant(_I32, i) for i in idx]))
+
+
+@intrinsic
+def panel_pack8(typingctx, xq, xoff, xstride, nch, P, poff, prows, S, soff, flip):
+    """Transpose 8 activation rows into panel words, 32 columns per step
+    (the panel packing of the W8A8 and W4A8 outer-product tiles).
+
+    ``xq`` int8 (flat, C order), ``P`` and ``S`` int32.  For ``c < nch`` and
+    ``q < 8``: ``P[poff + (8c + q) * prows + r]`` = the int32 word of bytes
+    ``xq[xoff + r * xstride + 32c + 4q .. +4]`` (``r < 8``, first byte lowest),
+    XORed with ``0x80808080`` when ``flip`` is nonzero (``x + 128`` as
+    unsigned bytes), and ``S[soff + 8c + r]`` = the sum of those 32 signed
+    bytes (before the flip).  Per step: eight 32-byte loads, an 8 x 8 dword
+    transpose (unpack lo/hi 32 and 64, lane permutes), eight 32-byte stores,
+    and the row sums as ``vpdpbusd`` of ones by the transposed words.  No
+    bounds checks."""
+    if not (isinstance(xq, types.Array) and xq.dtype == types.int8
+            and isinstance(P, types.Array) and P.dtype == types.int32
+            and isinstance(S, types.Array) and S.dtype == types.int32):
+        return None
+    ip = types.intp
+    sig = types.int32(xq, ip, ip, ip, P, ip, ip, S, ip, ip)
+
+    def codegen(context, builder, sig, args):
+        xa = context.make_array(sig.args[0])(context, builder, args[0])
+        pa = context.make_array(sig.args[4])(context, builder, args[4])
+        sa = context.make_array(sig.args[7])(context, builder, args[7])
+        xoff, xst, nch, poff, prows, soff, flip = [
+            context.cast(builder, args[i], sig.args[i], types.intp)
+            for i in (1, 2, 3, 5, 6, 8, 9)]
+        intp = context.get_value_type(types.intp)
+        vi = ir.VectorType(_I32, 8)
+        ones = ir.Constant(vi, [ir.Constant(_I32, 0x01010101)] * 8)
+        fl = builder.select(builder.icmp_signed("!=", flip, ir.Constant(intp, 0)),
+                            ir.Constant(_I32, -2139062144), ir.Constant(_I32, 0))
+        fv = builder.shuffle_vector(builder.insert_element(ir.Constant(vi, None), fl,
+                                                           ir.Constant(_I32, 0)),
+                                    ir.Constant(vi, None), _const_vec(8, [0] * 8))
+
+        def c(v):
+            return ir.Constant(intp, v)
+
+        rowp = [builder.gep(xa.data, [builder.add(xoff, builder.mul(xst, c(r)))],
+                            inbounds=True) for r in range(8)]
+        with cgutils.for_range(builder, nch) as loop:
+            o = builder.mul(loop.index, c(32))
+            r = [builder.load(builder.bitcast(builder.gep(rowp[t], [o], inbounds=True),
+                                              vi.as_pointer()), align=1) for t in range(8)]
+            lo32, hi32 = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
+            lo64, hi64 = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
+            p20, p31 = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
+            t = []
+            for h in (0, 4):
+                t += [_sh(builder, r[h], r[h + 1], lo32), _sh(builder, r[h], r[h + 1], hi32),
+                      _sh(builder, r[h + 2], r[h + 3], lo32),
+                      _sh(builder, r[h + 2], r[h + 3], hi32)]
+            u = []
+            for h in (0, 4):
+                u += [_sh(builder, t[h], t[h + 2], lo64), _sh(builder, t[h], t[h + 2], hi64),
+                      _sh(builder, t[h + 1], t[h + 3], lo64),
+                      _sh(builder, t[h + 1], t[h + 3], hi64)]
+            cols = [_sh(builder, u[q], u[q + 4], p20) for q in range(4)]
+            cols += [_sh(builder, u[q], u[q + 4], p31) for q in range(4)]
+            kk0 = builder.mul(loop.index, c(8))
+            acc = ir.Constant(vi, None)
+            for q in range(8):
+                pi = builder.add(poff, builder.mul(builder.add(kk0, c(q)), prows))
+                p = builder.gep(pa.data, [pi], inbounds=True)
+                builder.store(builder.xor(cols[q], fv), builder.bitcast(p, vi.as_pointer()),
+                              align=4)
+                acc = _dpbusd(builder, acc, ones, cols[q], HOST_I8_PATH)
+            p = builder.gep(sa.data, [builder.add(soff, kk0)], inbounds=True)
+            builder.store(acc, builder.bitcast(p, vi.as_pointer()), align=4)
+        return ir.Constant(_I32, 0)
+
+    return sig, codegen
 
 
 #: Host panel tiles: 32 activation rows (the prefill block) and 16 (the last
