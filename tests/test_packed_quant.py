@@ -27,6 +27,7 @@ SHAPES = [
     (1, 4, 1000, None),     # several mode-0 flushes
     (1, 9, 256, 32),        # g32 with int8 activations: 128-col double units (mode 3), m = 1
     (33, 6, 270, 32),       # mode 3 on the 4-row tile + 14-col tail group
+    (3, 10, 512, 32),       # mode 3 decode without tail: the literal-specialised loop
 ]
 
 
@@ -332,6 +333,31 @@ def test_lowbit_paths_agree(path):
             a = host(xp, cf, w, w2, sf, nu, upf, fmt, mode)
             b = other(xp, cf, w, w2, sf, nu, upf, fmt, mode)
             assert a == b, (fmt, mode)
+
+
+def test_lowbit_tile_literal_variant_equals_dispatch():
+    """A tile call with constant ``fmt``/``mode`` emits only that variant; it
+    must give the run-time-dispatched tile's sums bit for bit."""
+    tile = K.lowbit_tile_1x4
+
+    @numba.njit
+    def lit(xp, cf, w, sf, nun):
+        return tile(xp, 0, 0, cf, 0, 0, w, 0, w.size // 4, w, 0, w.size // 4, sf, 0,
+                    sf.size // 4, nun, 1, 0, 3, 0, 0)
+
+    @numba.njit
+    def dyn(xp, cf, w, sf, nun, fmt, mode):
+        return tile(xp, 0, 0, cf, 0, 0, w, 0, w.size // 4, w, 0, w.size // 4, sf, 0,
+                    sf.size // 4, nun, 1, fmt, mode, 0, 0)
+
+    nun = 5
+    xp = RNG.integers(-127, 128, 128 * nun).astype(np.int8)
+    w = RNG.integers(0, 256, 4 * 64 * nun).astype(np.uint8)
+    cf = RNG.integers(-1000, 1000, 8 * nun).astype(np.int32)
+    sf = RNG.random(4 * 4 * nun).astype(np.float32)
+    a = lit(xp, cf, w, sf, nun)
+    assert a == dyn(xp, cf, w, sf, nun, 0, 3)
+    assert any(v != 0 for v in a)
 
 
 def test_w4a8_g32_plan_uses_double_units():

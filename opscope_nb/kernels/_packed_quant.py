@@ -538,8 +538,9 @@ def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
     y = np.empty((m, rows), dtype=np.float32)
     nb = (rows + _NB - 1) // _NB
     if m * cols * rows < min_parallel or nb < 2:
+        # np.int64(0): a literal 0 would compile a second _blocks
         _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx, y,
-                0, nb)
+                np.int64(0), nb)
     else:
         nc = min(nb, _NCHUNK)
         for c in prange(nc):
@@ -576,7 +577,7 @@ def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
             _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx,
                     y, j6 // _NB, (rows + _NB - 1) // _NB)
         return y
-    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel)
+    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel))
 
 
 @njit
@@ -612,7 +613,7 @@ def lowbit_matmul_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parall
         ``y[i, j] = sx[i] * sum_g scale[j, g] * sum_(p in g) xq[i, p] * code[j, p]``;
         the integer sums are exact, the sum over groups is float32/float64.
     """
-    return _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel)
+    return _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel))
 
 
 @njit
@@ -639,7 +640,7 @@ def lowbit_matmul_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel=P
     ndarray of float32, shape (m, rows)
     """
     xq, sx = quantize_rows_i16(x, _a16_levels(cols, group, fmt), min_parallel)
-    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel)
+    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel))
 
 
 @njit
@@ -662,7 +663,7 @@ def w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel=PAR_MIN):
     rows = codes.shape[0]
     sf = scales.ravel()
     return _run_a8(xq, sx, codes, codes, sf, sf.size // max(rows, 1), cols, group, 0,
-                   min_parallel)
+                   np.int64(min_parallel))
 
 
 @njit
@@ -691,7 +692,7 @@ def ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel=PAR_MIN):
     -------
     ndarray of float32, shape (m, rows): ``sx[i] * alpha * sum_p xq[i,p] * t[j,p]``.
     """
-    return _run(xq, sx, codes, codes, alpha, 0, cols, 0, 1, min_parallel)
+    return _run(xq, sx, codes, codes, alpha, 0, cols, 0, 1, np.int64(min_parallel))
 
 
 @njit
@@ -771,7 +772,7 @@ def intn_matmul_a8(xq, sx, lo, hi, scales, bits, cols, group, min_parallel=PAR_M
     rows = lo.shape[0]
     sf = scales.ravel()
     return _run(xq, sx, lo, hi, sf, sf.size // max(rows, 1), cols, group, intn_fmt(bits),
-                min_parallel)
+                np.int64(min_parallel))
 
 
 @njit

@@ -326,7 +326,10 @@ def _make_tile(R: int, C: int, path: str | None = None):
     path = path or LOWBIT_PATH
     ret = types.UniTuple(types.float64, R * C)
 
-    @intrinsic
+    # prefer_literal: a call with constant ``fmt`` and ``mode`` emits that
+    # variant only (no run-time dispatch over every format and mode: smaller
+    # code that LLVM inlines into the caller's loop, and a shorter compile)
+    @intrinsic(prefer_literal=True)
     def tile(typingctx, xp, xoff, xstride, corr, coff, cstride, w, woff, wstride,
              w2, w2off, w2stride, sc, soff, sstride, nunits, upf, fmt, mode, pf, pf2):
         if not (isinstance(xp, types.Array) and xp.dtype in (types.int8, types.int16)
@@ -336,6 +339,8 @@ def _make_tile(R: int, C: int, path: str | None = None):
                 and isinstance(sc, types.Array) and sc.dtype == types.float32):
             return None
         act = "a8" if xp.dtype == types.int8 else "a16"
+        lit = (fmt.literal_value, mode.literal_value) if (
+            isinstance(fmt, types.IntegerLiteral) and isinstance(mode, types.IntegerLiteral)) else None
         ip = types.intp
         sig = ret(xp, ip, ip, corr, ip, ip, w, ip, ip, w2, ip, ip, sc, ip, ip, ip, ip, ip, ip,
                   ip, ip)
@@ -637,27 +642,26 @@ def _make_tile(R: int, C: int, path: str | None = None):
                                   svec[c] if md == 6 else None)
                 finish(md == 5)
 
+            variants = []
             if act == "a8":
-                cond = builder.and_(builder.icmp_signed("==", fmt_, K(0)),
-                                    builder.icmp_signed("==", mode_, K(3)))
-                with builder.if_then(cond):
-                    emit_big4(0)
+                variants.append((0, 3, lambda: emit_big4(0)))
                 for fm in (2, 3, 4, 5):
                     for md in (4, 5, 6):
-                        cond = builder.and_(builder.icmp_signed("==", fmt_, K(fm)),
-                                            builder.icmp_signed("==", mode_, K(md)))
-                        with builder.if_then(cond):
-                            if md == 4:
-                                emit_big4(fm)
-                            else:
-                                emit_big(fm, md)
+                        variants.append((fm, md, (lambda fm=fm: emit_big4(fm)) if md == 4
+                                         else (lambda fm=fm, md=md: emit_big(fm, md))))
             for fm in _FMTS:
                 modes = (0, 1, 2) if _FMTS[fm][0] == 64 else (0,)
                 for md in modes:
-                    cond = builder.and_(builder.icmp_signed("==", fmt_, K(fm)),
-                                        builder.icmp_signed("==", mode_, K(md)))
-                    with builder.if_then(cond):
-                        emit(fm, md)
+                    variants.append((fm, md, lambda fm=fm, md=md: emit(fm, md)))
+            for fm, md, body in variants:
+                if lit is not None:
+                    if (fm, md) == lit:
+                        body()
+                    continue
+                cond = builder.and_(builder.icmp_signed("==", fmt_, K(fm)),
+                                    builder.icmp_signed("==", mode_, K(md)))
+                with builder.if_then(cond):
+                    body()
             vals = [builder.load(a) for a in res]
             return context.make_tuple(builder, sig.return_type, vals)
 
