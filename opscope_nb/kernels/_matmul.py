@@ -860,7 +860,7 @@ def _w8a8_decode(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
     """Blocks ``b0..b1-1`` for ``m < 4``: one 1 x 4 tile per row and block in
     a loop of its own.  Through :func:`_i8_block` (which also carries the
     4 x 4 and 2 x 4 tiles) the same tiles ran 20-50 % slower on one Zen 4
-    core (1 x 1024 x 3072: 80.4 vs 53.6 us, /work/scratch/d8.py)."""
+    core (1 x 1024 x 3072: 80.4 vs 53.6 us, one-off timing)."""
     nch = k // I8_CHUNK
     kv = nch * I8_CHUNK
     tail = kv < k

@@ -69,6 +69,13 @@ merged into the ``lo`` fields in registers; tile modes 4-6 of
 every bit width; groups that are neither 32 nor a multiple of 128, rows
 narrower than 128 columns and int16 activations keep the 64-column modes.
 
+int4 with int8 activations at ``m >= W4_PANEL_MIN_M`` on a ``vpdpbusd`` host
+(per channel, or groups that are a multiple of 32) runs the outer-product
+panel of :mod:`._w4panel` instead of the dot tiles below (6 outputs unpacked
+once per tile and broadcast against 16 activation rows; 32 x 4096 x 4096
+int4/g32 on the Zen 4 development machine, 2 threads: 3.5-3.9 ms -> 1.7-1.8 ms
+in one-off timings); its ``n % 6`` last outputs take the dot tiles.
+
 Decode (``m < 4``) uses a 1 row x 4 outputs tile; prefill (``m >= 4``) a
 4 rows x 2 outputs tile, so each unpacked weight vector is reused by four
 activation rows from registers.  Prefill is k-blocked (``_blocks_kb``): for
@@ -453,8 +460,8 @@ def _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b
     called with literal ``fmt`` / ``mode`` so LLVM keeps only that variant and
     inlines it into the loop.  Through the generic call (run-time ``fmt`` and
     ``mode``, every variant in one out-of-line function) each tile cost about
-    30-40 ns more: 1 x 1024 x 3072 one thread 81.5 -> 57.4 us of tile loop
-    (Zen 4, /work/scratch/dec4.py and t18.py)."""
+    30-40 ns more: 1 x 1024 x 3072 on one Zen 4 core, 81.5 us through the
+    generic call against 57.4 us for a loop like this one (one-off timing)."""
     m = y.shape[0]
     rows = y.shape[1]
     for b in range(b0, b1):
