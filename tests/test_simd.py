@@ -193,3 +193,52 @@ def test_i8_panel_tile_rejects():
         S.make_i8_panel_tile(32, "sse9")
     with pytest.raises(ValueError, match="multiple of"):
         S.make_i8_panel_tile(12, "avx512vnni256")
+
+
+@pytest.mark.parametrize("path", S.I8_PATHS)
+def test_i8_panel_finishing_tile(path):
+    """The panel tile that finishes in registers writes
+    ``(float32(sum - 128 * ws) * sx) * scale`` output-major, bit for bit with
+    NumPy's float32 in that order (no reassociation), on every path the CPU runs."""
+    _skip_unless(path)
+    L = S._PANEL_LANES[path]
+    rows = 2 * L
+    tile = S.make_i8_panel_tile(rows, path).finish_t
+    J = S.I8_PANEL_J
+
+    @numba.njit
+    def run(xq, wtq, ws, sx, sc):
+        k4 = xq.shape[1] // 4
+        P = np.empty(rows * k4, dtype=np.int32)
+        K.pack_i8_panel(xq, 0, rows, k4, P, 0)
+        yt = np.full(J * rows + 3, np.float32(-1.0))
+        tile(P, 0, wtq.ravel(), 0, wtq.shape[1], k4, ws, sx, 0, sc, 0, yt, 3, rows)
+        return yt
+
+    rng = np.random.default_rng(12)
+    k = 516
+    xq = rng.integers(-127, 128, (rows, k)).astype(np.int8)
+    wtq = rng.integers(-127, 128, (J, k)).astype(np.int8)
+    ws = wtq.astype(np.int64).sum(1).astype(np.int32)
+    sx = rng.random(rows).astype(np.float32)
+    sc = rng.random(J).astype(np.float32)
+    yt = run(xq, wtq, ws, sx, sc)
+    exact = (xq.astype(np.int64) @ wtq.astype(np.int64).T).astype(np.float32)
+    want = (exact * sx[:, None]) * sc[None, :]           # float32, this order
+    np.testing.assert_array_equal(yt[3:].reshape(J, rows), want.T)
+    assert (yt[:3] == -1).all()
+
+
+def test_f32_transpose8():
+    @numba.njit
+    def run(src, dst):
+        S.f32_transpose8(src, 5, 11, dst, 2, 9)
+        return dst
+
+    src = np.arange(100, dtype=np.float32)
+    dst = run(src, np.zeros(80, np.float32))
+    want = np.zeros(80, np.float32)
+    for q in range(8):
+        for r in range(8):
+            want[2 + r * 9 + q] = src[5 + q * 11 + r]
+    np.testing.assert_array_equal(dst, want)

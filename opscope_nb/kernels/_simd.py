@@ -61,6 +61,9 @@ __all__ = [
     "I8_PANEL_LANES",
     "i8panel_tile_32",
     "i8panel_tile_16",
+    "i8panel_ttile_32",
+    "i8panel_ttile_16",
+    "f32_transpose8",
     "panel_pack8",
     "path_supported",
     "I8_PATHS",
@@ -711,6 +714,39 @@ def make_i8_panel_tile(rows: int, path: str | None = None):
         raise ValueError(f"rows must be a multiple of {lanes} on path {path!r}, got {rows}")
     RV, J = rows // lanes, I8_PANEL_J
 
+    def accumulate(context, builder, pa, wa, poff, woff, wst, nkk):
+        """The k loop: ``RV * J`` int32 accumulators (loaded values)."""
+        intp = context.get_value_type(types.intp)
+        vt = ir.VectorType(_I32, lanes)
+        accs = []
+        for _ in range(RV * J):
+            a = cgutils.alloca_once(builder, vt)
+            builder.store(ir.Constant(vt, None), a)
+            accs.append(a)
+        wrow = [builder.gep(wa.data, [builder.add(
+            woff, builder.mul(wst, ir.Constant(intp, j)))], inbounds=True)
+            for j in range(J)]
+        pbase = builder.gep(pa.data, [poff], inbounds=True)
+        splat = _const_vec(lanes, [0] * lanes)
+        with cgutils.for_range(builder, nkk) as loop:
+            kk = loop.index
+            po = builder.mul(kk, ir.Constant(intp, rows))
+            xv = []
+            for v in range(RV):
+                p = builder.gep(pbase, [builder.add(po, ir.Constant(intp, v * lanes))],
+                                inbounds=True)
+                xv.append(builder.load(builder.bitcast(p, vt.as_pointer()), align=4))
+            wo = builder.mul(kk, ir.Constant(intp, 4))
+            for j in range(J):
+                p = builder.gep(wrow[j], [wo], inbounds=True)
+                s32 = builder.load(builder.bitcast(p, _I32.as_pointer()), align=1)
+                b = builder.insert_element(ir.Constant(vt, None), s32, ir.Constant(_I32, 0))
+                b = builder.shuffle_vector(b, b, splat)
+                for v in range(RV):
+                    a = accs[v * J + j]
+                    builder.store(_dpbusd(builder, builder.load(a), xv[v], b, path), a)
+        return [builder.load(a) for a in accs]
+
     @intrinsic
     def tile(typingctx, P, poff, w, woff, wstride, nkk, out, ooff):
         if not (isinstance(P, types.Array) and P.dtype == types.int32
@@ -728,40 +764,72 @@ def make_i8_panel_tile(rows: int, path: str | None = None):
                 context.cast(builder, args[i], sig.args[i], types.intp) for i in (1, 3, 4, 5, 7)]
             intp = context.get_value_type(types.intp)
             vt = ir.VectorType(_I32, lanes)
-            accs = []
-            for _ in range(RV * J):
-                a = cgutils.alloca_once(builder, vt)
-                builder.store(ir.Constant(vt, None), a)
-                accs.append(a)
-            wrow = [builder.gep(wa.data, [builder.add(
-                woff, builder.mul(wst, ir.Constant(intp, j)))], inbounds=True)
-                for j in range(J)]
-            pbase = builder.gep(pa.data, [poff], inbounds=True)
-            splat = _const_vec(lanes, [0] * lanes)
-            with cgutils.for_range(builder, nkk) as loop:
-                kk = loop.index
-                po = builder.mul(kk, ir.Constant(intp, rows))
-                xv = []
-                for v in range(RV):
-                    p = builder.gep(pbase, [builder.add(po, ir.Constant(intp, v * lanes))],
-                                    inbounds=True)
-                    xv.append(builder.load(builder.bitcast(p, vt.as_pointer()), align=4))
-                wo = builder.mul(kk, ir.Constant(intp, 4))
-                for j in range(J):
-                    p = builder.gep(wrow[j], [wo], inbounds=True)
-                    s32 = builder.load(builder.bitcast(p, _I32.as_pointer()), align=1)
-                    b = builder.insert_element(ir.Constant(vt, None), s32, ir.Constant(_I32, 0))
-                    b = builder.shuffle_vector(b, b, splat)
-                    for v in range(RV):
-                        a = accs[v * J + j]
-                        builder.store(_dpbusd(builder, builder.load(a), xv[v], b, path), a)
+            accs = accumulate(context, builder, pa, wa, poff, woff, wst, nkk)
             ob = builder.gep(oa.data, [ooff], inbounds=True)
             for t in range(RV * J):
                 p = builder.gep(ob, [ir.Constant(intp, t * lanes)], inbounds=True)
-                builder.store(builder.load(accs[t]), builder.bitcast(p, vt.as_pointer()), align=4)
+                builder.store(accs[t], builder.bitcast(p, vt.as_pointer()), align=4)
             return ir.Constant(_I32, 0)
 
         return sig, codegen
+
+    @intrinsic
+    def tile_t(typingctx, P, poff, w, woff, wstride, nkk, ws, sx, sxoff, sc, scoff, yt, ytoff,
+               ytstride):
+        if not (isinstance(P, types.Array) and P.dtype == types.int32
+                and isinstance(w, types.Array) and w.dtype == types.int8
+                and isinstance(ws, types.Array) and ws.dtype == types.int32
+                and isinstance(sx, types.Array) and sx.dtype == types.float32
+                and isinstance(sc, types.Array) and sc.dtype == types.float32
+                and isinstance(yt, types.Array) and yt.dtype == types.float32):
+            return None
+        ip = types.intp
+        sig = types.int32(P, ip, w, ip, ip, ip, ws, sx, ip, sc, ip, yt, ip, ip)
+
+        def codegen(context, builder, sig, args):
+            pa, wa, wsa, sxa, sca, ya = [
+                context.make_array(sig.args[i])(context, builder, args[i])
+                for i in (0, 2, 6, 7, 9, 11)]
+            poff, woff, wst, nkk, sxoff, scoff, yoff, yst = [
+                context.cast(builder, args[i], sig.args[i], types.intp)
+                for i in (1, 3, 4, 5, 8, 10, 12, 13)]
+            intp = context.get_value_type(types.intp)
+            vt = ir.VectorType(_I32, lanes)
+            vf = ir.VectorType(ir.FloatType(), lanes)
+            fence = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vf, [vf]), f"llvm.arithmetic.fence.v{lanes}f32")
+            accs = accumulate(context, builder, pa, wa, poff, woff, wst, nkk)
+
+            def c(v):
+                return ir.Constant(intp, v)
+
+            def splat(val, ty):
+                e = builder.insert_element(ir.Constant(ty, None), val, ir.Constant(_I32, 0))
+                return builder.shuffle_vector(e, e, _const_vec(lanes, [0] * lanes))
+
+            for j in range(J):
+                wj = builder.load(builder.gep(wsa.data, [c(j)], inbounds=True))
+                corr = splat(builder.mul(wj, ir.Constant(_I32, 128)), vt)
+                scl = splat(builder.load(builder.gep(sca.data, [builder.add(scoff, c(j))],
+                                                     inbounds=True)), vf)
+                yrow = builder.gep(ya.data, [builder.add(yoff, builder.mul(yst, c(j)))],
+                                   inbounds=True)
+                for v in range(RV):
+                    p = builder.gep(sxa.data, [builder.add(sxoff, c(v * lanes))], inbounds=True)
+                    sxv = builder.load(builder.bitcast(p, vf.as_pointer()), align=4)
+                    # (float(sum - 128 * wsum) * sx) * scale in this order, as
+                    # the scalar finish; the fence stops numba's fast-math pass
+                    # from reassociating it into float(.) * (sx * scale)
+                    f = builder.call(fence, [builder.fmul(builder.sitofp(
+                        builder.sub(accs[v * J + j], corr), vf), sxv)])
+                    f = builder.fmul(f, scl)
+                    p = builder.gep(yrow, [c(v * lanes)], inbounds=True)
+                    builder.store(f, builder.bitcast(p, vf.as_pointer()), align=4)
+            return ir.Constant(_I32, 0)
+
+        return sig, codegen
+
+    tile.finish_t = tile_t
 
     return tile
 
@@ -771,8 +839,28 @@ def _sh(builder, a, b, idx):
                                                    [ir.Constant(_I32, i) for i in idx]))
 
 
+def _transpose8(builder, r):
+    """8 x 8 transpose of eight 8-element vectors (any element type): output
+    ``q`` holds element ``q`` of every input (unpack lo/hi of 32-bit then
+    64-bit pairs, then 128-bit lane permutes)."""
+    lo32, hi32 = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
+    lo64, hi64 = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
+    p20, p31 = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
+    t = []
+    for h in (0, 4):
+        t += [_sh(builder, r[h], r[h + 1], lo32), _sh(builder, r[h], r[h + 1], hi32),
+              _sh(builder, r[h + 2], r[h + 3], lo32), _sh(builder, r[h + 2], r[h + 3], hi32)]
+    u = []
+    for h in (0, 4):
+        u += [_sh(builder, t[h], t[h + 2], lo64), _sh(builder, t[h], t[h + 2], hi64),
+              _sh(builder, t[h + 1], t[h + 3], lo64), _sh(builder, t[h + 1], t[h + 3], hi64)]
+    return ([_sh(builder, u[q], u[q + 4], p20) for q in range(4)]
+            + [_sh(builder, u[q], u[q + 4], p31) for q in range(4)])
+
+
 @intrinsic
-def panel_pack8(typingctx, xq, xoff, xstride, nch, P, poff, prows, S, soff, flip):
+def panel_pack8(
+typingctx, xq, xoff, xstride, nch, P, poff, prows, S, soff, flip):
     """Transpose 8 activation rows into panel words, 32 columns per step
     (the panel packing of the W8A8 and W4A8 outer-product tiles).
 
@@ -817,21 +905,7 @@ def panel_pack8(typingctx, xq, xoff, xstride, nch, P, poff, prows, S, soff, flip
             o = builder.mul(loop.index, c(32))
             r = [builder.load(builder.bitcast(builder.gep(rowp[t], [o], inbounds=True),
                                               vi.as_pointer()), align=1) for t in range(8)]
-            lo32, hi32 = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
-            lo64, hi64 = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
-            p20, p31 = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
-            t = []
-            for h in (0, 4):
-                t += [_sh(builder, r[h], r[h + 1], lo32), _sh(builder, r[h], r[h + 1], hi32),
-                      _sh(builder, r[h + 2], r[h + 3], lo32),
-                      _sh(builder, r[h + 2], r[h + 3], hi32)]
-            u = []
-            for h in (0, 4):
-                u += [_sh(builder, t[h], t[h + 2], lo64), _sh(builder, t[h], t[h + 2], hi64),
-                      _sh(builder, t[h + 1], t[h + 3], lo64),
-                      _sh(builder, t[h + 1], t[h + 3], hi64)]
-            cols = [_sh(builder, u[q], u[q + 4], p20) for q in range(4)]
-            cols += [_sh(builder, u[q], u[q + 4], p31) for q in range(4)]
+            cols = _transpose8(builder, r)
             kk0 = builder.mul(loop.index, c(8))
             acc = ir.Constant(vi, None)
             for q in range(8):
@@ -851,3 +925,44 @@ def panel_pack8(typingctx, xq, xoff, xstride, nch, P, poff, prows, S, soff, flip
 #: block of 16..31 rows) x :data:`I8_PANEL_J` outputs.
 i8panel_tile_32 = make_i8_panel_tile(32)
 i8panel_tile_16 = make_i8_panel_tile(16)
+#: The same tiles finishing the W8A8 result in registers: ``tile(P, poff, w,
+#: woff, wstride, nkk, ws, sx, sxoff, sc, scoff, yt, ytoff, ytstride)`` writes
+#: ``yt[ytoff + j * ytstride + r] = (float(sum - 128 * ws[j]) * sx[sxoff + r])
+#: * sc[scoff + j]`` (float32) for the tile's rows ``r`` and 6 outputs ``j``:
+#: output-major, one vector store per 8 (16) rows; ``ws`` int32 [6] holds the
+#: weight rows' code sums over the same k.
+i8panel_ttile_32 = i8panel_tile_32.finish_t
+i8panel_ttile_16 = i8panel_tile_16.finish_t
+
+
+@intrinsic
+def f32_transpose8(typingctx, src, soff, sstride, dst, doff, dstride):
+    """``dst[doff + r * dstride + q] = src[soff + q * sstride + r]`` for
+    ``q, r < 8`` (float32 flat arrays): eight 32-byte loads, the 8 x 8
+    register transpose, eight 32-byte stores.  No bounds checks."""
+    if not (isinstance(src, types.Array) and src.dtype == types.float32
+            and isinstance(dst, types.Array) and dst.dtype == types.float32):
+        return None
+    ip = types.intp
+    sig = types.int32(src, ip, ip, dst, ip, ip)
+
+    def codegen(context, builder, sig, args):
+        sa = context.make_array(sig.args[0])(context, builder, args[0])
+        da = context.make_array(sig.args[3])(context, builder, args[3])
+        soff, sst, doff, dst_ = [context.cast(builder, args[i], sig.args[i], types.intp)
+                                 for i in (1, 2, 4, 5)]
+        intp = context.get_value_type(types.intp)
+        vf = ir.VectorType(ir.FloatType(), 8)
+        r = []
+        for q in range(8):
+            p = builder.gep(sa.data, [builder.add(soff, builder.mul(sst, ir.Constant(intp, q)))],
+                            inbounds=True)
+            r.append(builder.load(builder.bitcast(p, vf.as_pointer()), align=4))
+        cols = _transpose8(builder, r)
+        for q in range(8):
+            p = builder.gep(da.data, [builder.add(doff, builder.mul(dst_, ir.Constant(intp, q)))],
+                            inbounds=True)
+            builder.store(cols[q], builder.bitcast(p, vf.as_pointer()), align=4)
+        return ir.Constant(_I32, 0)
+
+    return sig, codegen
