@@ -3,8 +3,9 @@
 ``y[m, n] = x[m, k] @ What.T`` for the int4 pack layout (``codes`` uint8
 ``[n, ceil(k/2)]``, two's-complement nibbles, column ``2t`` in the low nibble of
 byte ``t``; ``scales`` float32 ``[n]`` per channel or ``[n, ceil(k/g)]`` for
-groups ``g`` that are a multiple of 32).  Used for ``m >= 16`` on hosts with
-``vpdpbusd`` (:data:`~opscope_nb.kernels.I8_PANEL`).
+groups ``g`` that are a multiple of 32).  The int8-activation int4 entry points
+use it for ``m >= W4_PANEL_MIN_M`` (9) on hosts with ``vpdpbusd``
+(:data:`W4_PANEL`).
 
 Why it is built this way (the 4 rows x 2 outputs dot tiles it replaces
 re-unpack every nibble for each block of four rows and reduce every sum
