@@ -36,6 +36,7 @@ import numpy as np
 from . import mining
 from .mining import Decomp
 from . import kernels as _k
+from .kernels._probe import absmax_f32 as _absmax_f32
 
 __all__ = ["PackedLinear", "expected_arrays", "measure_latency", "has_kernel", "ACTS"]
 
@@ -274,7 +275,10 @@ class PackedLinear:
         if x2.shape[1] != cols:
             raise ValueError(f"x must have {cols} columns (in_features of this "
                              f"{self._shape[0]}x{cols} layer); got shape {np.shape(x)}.")
-        if not np.isfinite(x2).all():
+        # one vectorised max over the |x| bit patterns (NaN sorts above inf):
+        # np.isfinite(x2).all() built a bool array first, 1.5 us of a 1 x 1024
+        # decode and 12 us at 32 x 4096
+        if x2.size and not math.isfinite(_absmax_f32(x2.reshape(-1), 0, x2.size)):
             raise ValueError(f"x must be finite; it holds "
                              f"{int(x2.size - np.isfinite(x2).sum())} NaN/Inf element(s).")
         if x2.shape[0] == 0:
