@@ -899,9 +899,10 @@ def _w8a8_decode(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
 
 
 @njit
-def _pack_panel_words(xq, i, r, rows, kk0, kk1, P, poff):
+def _pack_panel_words(xq, i, r, rows, kk0, kk1, P, poff, flip=True):
     """Scalar panel words ``kk0..kk1-1`` of row ``r`` (= ``xq`` row ``i``,
-    code 0 past ``m``)."""
+    code 0 past ``m``), XORed with ``0x80808080`` when ``flip`` (the W8A8
+    panel; the W4A8 panel keeps the signed codes)."""
     m = xq.shape[0]
     for kk in range(kk0, kk1):
         w = np.uint32(0)
@@ -913,7 +914,9 @@ def _pack_panel_words(xq, i, r, rows, kk0, kk1, P, poff):
                  | (np.uint32(np.uint8(xq[i, b + 1])) << np.uint32(8))
                  | (np.uint32(np.uint8(xq[i, b + 2])) << np.uint32(16))
                  | (np.uint32(np.uint8(xq[i, b + 3])) << np.uint32(24)))
-        P[poff + kk * rows + r] = np.int32(w ^ np.uint32(0x80808080))
+        if flip:
+            w ^= np.uint32(0x80808080)
+        P[poff + kk * rows + r] = np.int32(w)
 
 
 @njit

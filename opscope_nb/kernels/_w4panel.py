@@ -41,6 +41,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .._config import njit, njit_parallel
+from ._matmul import _pack_panel_words
 from ._simd import HOST_I8_PATH, I8_PATHS, _PANEL_LANES, _dpbusd, I8_PANEL, panel_pack8
 
 __all__ = [
@@ -267,15 +268,7 @@ def pack_w4_panel(xq, i0, rows, nch, cpg, P, poff, C, coff):
             # last rows of x: fill the block in scalar code, zeros past m
             for r in range(8):
                 i = i0 + r0 + r
-                for kk in range(8 * nch):
-                    w = np.uint32(0)
-                    if r < live:
-                        b = 4 * kk
-                        w = (np.uint32(np.uint8(xq[i, b]))
-                             | (np.uint32(np.uint8(xq[i, b + 1])) << np.uint32(8))
-                             | (np.uint32(np.uint8(xq[i, b + 2])) << np.uint32(16))
-                             | (np.uint32(np.uint8(xq[i, b + 3])) << np.uint32(24)))
-                    P[poff + kk * rows + r0 + r] = np.int32(w)
+                _pack_panel_words(xq, i, r0 + r, rows, 0, 8 * nch, P, poff, False)
                 for ch in range(nch):
                     sg = np.int32(0)
                     if r < live:
