@@ -47,6 +47,7 @@ __all__ = [
     "matmul_f32",
     "matmul_w8a16",
     "matmul_w8a8",
+    "dynamic_matmul_w8a8",
     "matmul_i8i8_i32",
     "simd_path",
 ]
@@ -235,3 +236,17 @@ def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN, wsum=None) -> np.ndarr
     sx = _vec(sx, "sx", xq.shape[0])
     scale = _vec(scale, "scale", wtq.shape[0])
     return _k.matmul_w8a8(xq, sx, wtq, scale, _minpar(min_parallel), _wsum(wsum, wtq))
+
+
+def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None) -> np.ndarray:
+    """W8A8 from float activations (ONNX Runtime's ``DynamicQuantizeMatMul``):
+    ``x[m, k]`` float32 quantised per row, against int8 ``wtq[n, k]`` with
+    ``scale[n]``; equals ``matmul_w8a8(*quantize_rows_i8(x), wtq, scale)`` bit
+    for bit (``wsum`` as in :func:`matmul_i8i8_i32`)."""
+    x = _f32(x, "x", 2)
+    wtq = _codes(wtq, "wtq")
+    _same(x.shape[1], wtq.shape[1], "x.shape[1] must equal wtq.shape[1]",
+          "Pass x[m, k] and output-major wtq[n, k].")
+    _check_k(x.shape[1], "dynamic_matmul_w8a8")
+    scale = _vec(scale, "scale", wtq.shape[0])
+    return _k.dynamic_matmul_w8a8(x, wtq, scale, _minpar(min_parallel), _wsum(wsum, wtq))

@@ -142,6 +142,12 @@ def naive_matmul_w8a8(xq, sx, wtq, scale):
             * np.asarray(scale, np.float64)[None, :]).astype(np.float32)
 
 
+def naive_matmul_w8a8_f32(xq, sx, wtq, scale):
+    """W8A8 finished in float32 in the kernels' order: ``(float32(acc) * sx) * scale``."""
+    acc = naive_i8i8_i32(xq, wtq).astype(np.float32)
+    return (acc * np.asarray(sx, np.float32)[:, None]) * np.asarray(scale, np.float32)[None, :]
+
+
 def naive_quant_matmul(x, w):
     wtq, s = naive_quantize_cols_t(w)
     return naive_matmul_w8a16(x, wtq, s)

@@ -52,6 +52,9 @@ _WORKLOAD = textwrap.dedent("""
     wtq, sc = kernels.quantize_cols_t(np.ascontiguousarray(w.T))
     xq, sx = kernels.quantize_rows_i8(x)
     kernels.matmul_f32(x, wt); kernels.matmul_w8a16(x, wtq, sc); kernels.matmul_w8a8(xq, sx, wtq, sc)
+    # the fused W8A8 (row split on a VNNI host: reads the thread count)
+    kernels.dynamic_matmul_w8a8(sample(Dist.GAUSSIAN, 32, 96, seed=4), wtq, sc, 0,
+                                kernels.i8_row_sums(wtq))
 
     hits = misses = 0
     compiled, recompiled = [], []

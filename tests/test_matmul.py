@@ -5,7 +5,7 @@ import pytest
 
 from naive_matmul import (naive_a16_levels, naive_matmul_w8a16_f32act,
                           naive_quantize_rows_i16, naive_codes, naive_dense_matmul, naive_factored_matmul,
-                          naive_i8i8_i32, naive_matmul_f32, naive_matmul_w8a8,
+                          naive_i8i8_i32, naive_matmul_f32, naive_matmul_w8a8, naive_matmul_w8a8_f32,
                           naive_matmul_w8a16, naive_quant_matmul,
                           naive_quantize_cols_t, naive_quantize_row_i8,
                           naive_quantize_rows_i8, naive_rel_l2,
@@ -383,3 +383,97 @@ def test_public_wsum_validated():
             M.matmul_i8i8_i32(xq, wtq, wsum=bad)
     with pytest.raises(ValueError, match="wsum"):
         M.matmul_w8a8(xq, np.ones(20, np.float32), wtq, np.ones(7, np.float32), wsum=ws - 1)
+
+
+def _threads_to_try():
+    return sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), numba.config.NUMBA_NUM_THREADS})
+
+
+@pytest.mark.parametrize("m,k,n", [(32, 1024, 64), (33, 256, 100), (64, 512, 7), (96, 128, 66),
+                                   (130, 256, 512), (47, 64, 13), (16, 4, 6), (48, 64, 64)])
+def test_dynamic_w8a8_and_row_split_bit_exact(m, k, n):
+    """``dynamic_matmul_w8a8`` = ``quantize_rows_i8`` + ``matmul_w8a8`` bit for
+    bit, and both equal the float32-order twin, on every thread count (the
+    row split depends on it: 16/32-row blocks, m % 16 rest rows, n % 6
+    outputs; 48 rows on 2 threads stays on the output split)."""
+    rng = np.random.default_rng(m * 7 + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[2] *= 50.0
+    wtq = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    wtq[1] = -127
+    sc = rng.uniform(0.001, 0.1, n).astype(np.float32)
+    ws = K.i8_row_sums(wtq)
+    xq, sx = naive_quantize_rows_i8(x)
+    ref = naive_matmul_w8a8_f32(xq, sx, wtq, sc)
+    keep = numba.get_num_threads()
+    try:
+        for t in _threads_to_try():
+            numba.set_num_threads(t)
+            for mp in (0, 1 << 60):
+                for w in (ws, None):
+                    np.testing.assert_array_equal(K.dynamic_matmul_w8a8(x, wtq, sc, mp, w), ref)
+                    np.testing.assert_array_equal(
+                        K.matmul_w8a8(xq.astype(np.int8), sx.astype(np.float32), wtq, sc, mp, w),
+                        ref)
+    finally:
+        numba.set_num_threads(keep)
+
+
+def test_w8a8_row_plan():
+    """Which prefill calls take the row split (the plan is pure arithmetic)."""
+    plan = K._matmul._w8a8_row_plan
+    if not K.I8_PANEL:
+        assert plan(32, 1024, 1024, 0, True, 2) == 0
+        return
+    assert plan(32, 1024, 1024, 0, True, 2) == 16
+    assert plan(33, 1024, 1024, 0, True, 2) == 16      # the rest row joins the last block
+    assert plan(64, 1024, 1024, 0, True, 2) == 32
+    assert plan(96, 1024, 1024, 0, True, 2) == 16      # 3 x 32 would leave a thread idle
+    assert plan(128, 1024, 1024, 0, True, 4) == 32
+    assert plan(48, 1024, 1024, 0, True, 2) == 0       # 3 blocks on 2 threads: output split
+    assert plan(32, 1024, 1024, 0, True, 4) == 0       # 2 blocks cannot feed 4 threads
+    assert plan(32, 1024, 1024, 0, False, 2) == 0      # no weight sums
+    assert plan(32, 1022, 1024, 0, True, 2) == 0       # k % 4
+    assert plan(32, 4096, 4096, 0, True, 2) == 0       # 16 MiB of weights
+    assert plan(32, 2048, 4096, 0, True, 2) == 16      # 8 MiB
+    assert plan(32, 1024, 1024, 0, True, 1) == 0       # one thread
+    assert plan(32, 1024, 1024, 1 << 40, True, 2) == 0 # below min_parallel
+    assert plan(15, 1024, 1024, 0, True, 2) == 0
+
+
+@numba.njit
+def _user_dynamic(x, wtq, sc, ws):
+    return K.dynamic_matmul_w8a8(x, wtq, sc, 0, ws)
+
+
+def test_dynamic_w8a8_from_user_njit_and_public_validation():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((32, 64)).astype(np.float32)
+    wtq = rng.integers(-127, 128, (12, 64)).astype(np.int8)
+    sc = rng.uniform(0.01, 0.1, 12).astype(np.float32)
+    ws = K.i8_row_sums(wtq)
+    xq, sx = naive_quantize_rows_i8(x)
+    ref = naive_matmul_w8a8_f32(xq, sx, wtq, sc)
+    np.testing.assert_array_equal(_user_dynamic(x, wtq, sc, ws), ref)
+    np.testing.assert_array_equal(M.dynamic_matmul_w8a8(x.astype(np.float64), wtq, sc, wsum=ws),
+                                  ref)
+    np.testing.assert_array_equal(M.dynamic_matmul_w8a8(np.asfortranarray(x), wtq, sc), ref)
+    bad = x.copy()
+    bad[3, 5] = np.nan
+    with pytest.raises(ValueError, match="finite"):
+        M.dynamic_matmul_w8a8(bad, wtq, sc)
+    with pytest.raises(TypeError, match="int8"):
+        M.dynamic_matmul_w8a8(x, wtq.astype(np.int16), sc)
+    with pytest.raises(ValueError, match="shape"):
+        M.dynamic_matmul_w8a8(x[:, :60], wtq, sc)
+    with pytest.raises(ValueError, match="scale"):
+        M.dynamic_matmul_w8a8(x, wtq, sc[:5])
+    with pytest.raises(ValueError, match="wsum"):
+        M.dynamic_matmul_w8a8(x, wtq, sc, wsum=ws + 1)
+    with pytest.raises(ValueError, match="empty"):
+        M.dynamic_matmul_w8a8(np.zeros((0, 64), np.float32), wtq, sc)
+    # 1 x 1 and all-zero rows
+    np.testing.assert_array_equal(M.dynamic_matmul_w8a8(np.zeros((1, 1)), np.ones((1, 1), np.int8),
+                                                        np.ones(1)), np.zeros((1, 1), np.float32))
+    with pytest.raises(ValueError, match="wsum"):
+        K.dynamic_matmul_w8a8(x, wtq, sc, 0, ws[:3])

@@ -66,7 +66,7 @@ def machine_info() -> dict:
         "int8_path": K.simd_path(),
         "int8_prefill": (f"W8A8 m >= 16: outer-product panel tiles (32/16 rows x "
                          f"{K.I8_PANEL_J} outputs, {K.I8_PANEL_LANES}-lane vpdpbusd, "
-                         f"broadcast weights); W4A8 m >= {K.W4_PANEL_MIN_M}: panel tiles "
+                         f"broadcast weights; weights <= {K.I8_ROWSPLIT_MAX_W >> 20} MiB with sums: row split, each thread quantises and packs its own rows); W4A8 m >= {K.W4_PANEL_MIN_M}: panel tiles "
                          f"({K.W4_PANEL_ROWS} rows x {K.W4_PANEL_J} outputs, int4 unpacked "
                          f"once per tile, per-group float32 scaling)" if K.I8_PANEL else
                          "W8A8 / W4A8 prefill: dot tiles (no VNNI: no panel tiles)"),

@@ -10,9 +10,10 @@ same activations ``x[m, k]``, in the same interleaved best-block loop:
 ONNX Runtime                           ours
 =====================================  ==========================================
 ``MatMul`` f32, ``W = w.T [k, n]``     ``matmul_f32(x, w)`` (output-major)
-``DynamicQuantizeMatMul`` (int8 B      W8A8: ``quantize_rows_i8(x)`` +
-``[k, n]`` = our int8/chan codes,      ``matmul_w8a8`` -- the activation
-per-column ``b_scale [n]``)            quantisation is inside the timed call;
+``DynamicQuantizeMatMul`` (int8 B      W8A8: ``dynamic_matmul_w8a8`` (=
+``[k, n]`` = our int8/chan codes,      ``quantize_rows_i8`` + ``matmul_w8a8``,
+per-column ``b_scale [n]``)            fused) -- the activation quantisation
+                                       is inside the timed call;
                                        the weight code sums (``i8_row_sums``)
                                        are computed once, as ORT pre-packs B
 ``MatMulNBits`` bits=4, block 32,      W4A8: ``PackedLinear`` int4/g32,
@@ -152,8 +153,7 @@ def section9(cfg, comp, res):
             x = sample(Dist.GAUSSIAN, m, k, 50 + i)
             feed = {"X": x}
             fns = {"ours f32": lambda: K.matmul_f32(x, w),
-                   "ours W8A8": lambda: K.matmul_w8a8(*K.quantize_rows_i8(x), codes8, sc8,
-                                                      wsum=ws8)}
+                   "ours W8A8": lambda: K.dynamic_matmul_w8a8(x, codes8, sc8, wsum=ws8)}
             if w4 is not None:
                 fns["ours W4A8"] = lambda: w4(x)
             for name, s in sess.items():
@@ -184,7 +184,7 @@ def section9(cfg, comp, res):
                          fmt(r["err"].get("ORT MatMulNBits 4b/32"), ".4f")])
     table(f"9. Peers: ONNX Runtime {ort.__version__} (MLAS, {threads} intra-op threads = "
           f"our {threads} numba threads) vs ours; x = ORT time / our time (> 1: ours "
-          f"faster); W8A8 includes quantize_rows_i8; same int8 / int4-g32 codes for both",
+          f"faster); W8A8 = dynamic_matmul_w8a8 (activation quantisation included); same int8 / int4-g32 codes for both",
           ["m x k x n", "our f32 ms", "ORT MatMul ms", "x", "our W8A8 ms",
            "ORT DQMatMul ms", "x", "our W4A8 ms", "ORT NBits ms", "x",
            "err W8A8", "err ORT DQ", "err W4A8", "err ORT NBits"], rows)

@@ -102,7 +102,8 @@ from .._config import njit, njit_parallel
 # The public cores below are plain @njit functions that call a parallel
 # (prange) kernel; numba's thread pool is started by ``_config`` at import
 # (a cached serial caller would not start it, and its first call crashed).
-from ._matmul import PAR_MIN, matmul_w8a16, matmul_w8a8, quantize_rows_i8, quantize_rows_i16
+from ._matmul import (PAR_MIN, dynamic_matmul_w8a8, matmul_w8a16, quantize_rows_i8,
+                      quantize_rows_i16)
 from ._w4panel import W4_PANEL, W4_PANEL_J, w4a8_panel_matmul
 from ._simd_lowbit import (LOWBIT_BIG_LANES, LOWBIT_BIG_UNIT, LOWBIT_LANES, LOWBIT_OFFSET,
                            LOWBIT_PLANE_BYTES, LOWBIT_SLOTS, LOWBIT_UNIT, lowbit_tile_1x4, lowbit_tile_4x2)
@@ -712,13 +713,13 @@ def ternary_matmul_a16(x, codes, alpha, cols, min_parallel=PAR_MIN):
 def packed_int8_linear(x, codes, scales, act8, min_parallel=PAR_MIN, wsum=None):
     """``x[m, cols] @ (codes * scales[:, None]).T`` for the int8/chan layout.
 
-    ``act8``: W8A8 (``quantize_rows_i8`` + exact int32 sums); else W8A16.
+    ``act8``: W8A8 (:func:`dynamic_matmul_w8a8`: ``quantize_rows_i8`` + exact
+    int32 sums); else W8A16.
     ``codes`` int8 ``[rows, cols]``, ``scales`` float32 ``[rows]``; ``wsum``
     optional int32 ``[rows]`` = ``i8_row_sums(codes)`` (see ``matmul_w8a8``).
     """
     if act8:
-        xq, sx = quantize_rows_i8(x, min_parallel)
-        return matmul_w8a8(xq, sx, codes, scales, min_parallel, wsum)
+        return dynamic_matmul_w8a8(x, codes, scales, min_parallel, wsum)
     return matmul_w8a16(x, codes, scales, min_parallel)
 
 
