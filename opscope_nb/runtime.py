@@ -36,6 +36,8 @@ import numpy as np
 from . import mining
 from .mining import Decomp
 from . import kernels as _k
+from ._config import njit as _njit
+from .kernels._matmul import PAR_MIN as _PAR_MIN
 from .kernels._probe import absmax_f32 as _absmax_f32
 
 __all__ = ["PackedLinear", "expected_arrays", "measure_latency", "has_kernel", "ACTS"]
@@ -275,21 +277,27 @@ class PackedLinear:
         if x2.shape[1] != cols:
             raise ValueError(f"x must have {cols} columns (in_features of this "
                              f"{self._shape[0]}x{cols} layer); got shape {np.shape(x)}.")
-        # one vectorised max over the |x| bit patterns (NaN sorts above inf):
-        # np.isfinite(x2).all() built a bool array first, 1.5 us of a 1 x 1024
-        # decode and 12 us at 32 x 4096
-        if x2.size and not math.isfinite(_absmax_f32(x2.reshape(-1), 0, x2.size)):
+        if x2.shape[0] == 0:
+            return np.zeros((0, self._shape[0]), np.float32)
+        fn = _FORWARD.get(self._kind)
+        if fn is None:
+            raise NotImplementedError(
+                f"no kernel registered for {self._decomp.label} yet "
+                f"(runtime._FORWARD has {sorted(_FORWARD)}).")
+        if self._kind in _CHECKED:
+            # the compiled forward checks finiteness itself (None if not):
+            # one dispatch instead of two, about 1 us of a decode call
+            y = fn(self, x2, act)
+        elif math.isfinite(_absmax_f32(x2.reshape(-1), 0, x2.size)):
+            # one vectorised max over the |x| bit patterns (NaN sorts above
+            # inf): np.isfinite(x2).all() built a bool array first, 1.5 us of
+            # a 1 x 1024 decode and 12 us at 32 x 4096
+            y = fn(self, x2, act)
+        else:
+            y = None
+        if y is None:
             raise ValueError(f"x must be finite; it holds "
                              f"{int(x2.size - np.isfinite(x2).sum())} NaN/Inf element(s).")
-        if x2.shape[0] == 0:
-            y = np.zeros((0, self._shape[0]), np.float32)
-        else:
-            fn = _FORWARD.get(self._kind)
-            if fn is None:
-                raise NotImplementedError(
-                    f"no kernel registered for {self._decomp.label} yet "
-                    f"(runtime._FORWARD has {sorted(_FORWARD)}).")
-            y = fn(self, x2, act)
         return y[0] if one else y
 
 
@@ -379,6 +387,30 @@ def _act8(lin, act):
     return act == "int8" or (act == "auto" and lin._kind in _AUTO_INT8)
 
 
+_NO_SUMS = np.zeros(0, np.int32)
+
+
+@_njit
+def _finite(x):
+    return math.isfinite(_absmax_f32(x.ravel(), 0, x.size))
+
+
+@_njit
+def _int8_checked(x, codes, scales, act8, wsum):
+    """``packed_int8_linear`` after the finiteness check, or ``None``."""
+    if not _finite(x):
+        return None
+    return _k.packed_int8_linear(x, codes, scales, act8, _PAR_MIN, wsum)
+
+
+@_njit
+def _int4_checked(x, codes, scales, cols, group, act8):
+    """``packed_int4_linear`` after the finiteness check, or ``None``."""
+    if not _finite(x):
+        return None
+    return _k.packed_int4_linear(x, codes, scales, cols, group, act8, _PAR_MIN)
+
+
 def _fwd_int8(lin, x, act):
     a = lin._arrays
     act8 = _act8(lin, act)
@@ -387,15 +419,14 @@ def _fwd_int8(lin, x, act):
         # derived from the codes once (4 bytes per output, not part of the
         # format), so prefill calls skip a pass over the weights
         lin._aux = _k.i8_row_sums(a["codes"])
-    wsum = lin._aux if act8 else None
-    return _k.packed_int8_linear(x, a["codes"], a["scales"], act8, wsum=wsum)
+    # W8A16 ignores the sums: an empty array keeps one compiled signature
+    return _int8_checked(x, a["codes"], a["scales"], act8, lin._aux if act8 else _NO_SUMS)
 
 
 def _fwd_int4(lin, x, act):
     a = lin._arrays
     g = lin._decomp.group if lin._kind == "int4g" else 0
-    return _k.packed_int4_linear(x, a["codes"], a["scales"], lin._shape[1], g,
-                                 _act8(lin, act))
+    return _int4_checked(x, a["codes"], a["scales"], lin._shape[1], g, _act8(lin, act))
 
 
 def _fwd_ternary(lin, x, act):
@@ -414,7 +445,8 @@ def _fwd_intn(lin, x, act):
 
 #: Forward function per ``Decomp.kind``: ``fn(lin, x2d, act) -> y`` with
 #: ``x2d`` float32 C-contiguous finite ``[m >= 1, cols]`` and ``y`` float32
-#: ``[m, rows]``.  Quantised kinds ("int8", "int4", "int4g", "ternary",
+#: ``[m, rows]`` (kinds in :data:`_CHECKED` get ``x2d`` unchecked and return
+#: ``None`` when it is not finite).  Quantised kinds ("int8", "int4", "int4g", "ternary",
 #: "intn", ...) are registered by their kernel module below.
 _FORWARD = {
     "dense": _fwd_dense,
@@ -430,6 +462,10 @@ _FORWARD = {
     "ternary": _fwd_ternary,
     "intn": _fwd_intn,
 }
+
+
+#: Kinds whose forward checks finiteness inside its compiled call.
+_CHECKED = frozenset({"int8", "int4", "int4g"})
 
 
 # ─────────────────────────── latency measurement ───────────────────────────
