@@ -28,6 +28,7 @@ SHAPES = [
     (1, 9, 256, 32),        # g32 with int8 activations: 128-col double units (mode 3), m = 1
     (33, 6, 270, 32),       # mode 3 on the 4-row tile + 14-col tail group
     (3, 10, 512, 32),       # mode 3 decode without tail: the literal-specialised loop
+    (1, 21, 256, 32),       # mode 3 decode: 1 x 8 tiles, then 4-blocks, the last overlapping
 ]
 
 
@@ -358,6 +359,29 @@ def test_lowbit_tile_literal_variant_equals_dispatch():
     a = lit(xp, cf, w, sf, nun)
     assert a == dyn(xp, cf, w, sf, nun, 0, 3)
     assert any(v != 0 for v in a)
+
+
+def test_lowbit_tile_1x8_equals_two_1x4():
+    """The 1 x 8 tile of the int4/g32 decode gives the 1 x 4 tile's results for
+    each half bit for bit (each output keeps its own accumulation order)."""
+    t4, t8 = K.lowbit_tile_1x4, K.lowbit_tile_1x8
+
+    @numba.njit
+    def both(xp, cf, w, wb, sf, ss, nun):
+        a = t8(xp, 0, 0, cf, 0, 0, w, 0, wb, w, 0, wb, sf, 0, ss, nun, 1, 0, 3, 0, 0)
+        b = t4(xp, 0, 0, cf, 0, 0, w, 0, wb, w, 0, wb, sf, 0, ss, nun, 1, 0, 3, 0, 0)
+        c = t4(xp, 0, 0, cf, 0, 0, w, 4 * wb, wb, w, 0, wb, sf, 4 * ss, ss, nun, 1, 0, 3, 0, 0)
+        return a, b, c
+
+    nun = 3
+    wb = 64 * nun
+    xp = RNG.integers(-127, 128, 128 * nun).astype(np.int8)
+    w = RNG.integers(0, 256, 8 * wb).astype(np.uint8)
+    cf = RNG.integers(-1000, 1000, 8 * nun).astype(np.int32)
+    sf = RNG.random(8 * 4 * nun).astype(np.float32)
+    a, b, c = both(xp, cf, w, wb, sf, 4 * nun, nun)
+    assert a == b + c
+    assert len(set(a)) == 8
 
 
 def test_w4a8_g32_plan_uses_double_units():

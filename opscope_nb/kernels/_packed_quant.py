@@ -106,7 +106,8 @@ from ._matmul import (PAR_MIN, dynamic_matmul_w8a8, matmul_w8a16, quantize_rows_
                       quantize_rows_i16)
 from ._w4panel import W4_PANEL, W4_PANEL_J, w4a8_panel_matmul
 from ._simd_lowbit import (LOWBIT_BIG_LANES, LOWBIT_BIG_UNIT, LOWBIT_LANES, LOWBIT_OFFSET,
-                           LOWBIT_PLANE_BYTES, LOWBIT_SLOTS, LOWBIT_UNIT, lowbit_tile_1x4, lowbit_tile_4x2)
+                           LOWBIT_PLANE_BYTES, LOWBIT_SLOTS, LOWBIT_UNIT, lowbit_tile_1x4,
+                           lowbit_tile_1x8, lowbit_tile_4x2)
 
 __all__ = [
     "FMT_INT4",
@@ -462,11 +463,24 @@ def _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b
     inlines it into the loop.  Through the generic call (run-time ``fmt`` and
     ``mode``, every variant in one out-of-line function) each tile cost about
     30-40 ns more: 1 x 1024 x 3072 on one Zen 4 core, 81.5 us through the
-    generic call against 57.4 us for a loop like this one (one-off timing)."""
+    generic call against 57.4 us for a loop like this one (one-off timing).
+    Outputs go eight at a time (1 x 8 tiles: each activation load feeds eight
+    weight rows; 55.7 against 59.7 us for 1 x 4 on that shape), the last
+    block of four through a 1 x 4 tile."""
     m = y.shape[0]
     rows = y.shape[1]
-    for b in range(b0, b1):
-        j0 = b * _NB
+    j1 = min(b1 * _NB, rows)
+    j0 = b0 * _NB
+    while j0 + 8 <= j1:
+        for i in range(m):
+            t = lowbit_tile_1x8(xpf, i * xst, xst, cf, i * cst, cst, wf, j0 * wb, wb,
+                                wf, j0 * wb, wb, sflat, j0 * sstride, sstride, nunits, 1,
+                                0, 3, 8 * wb, 8 * wb)
+            for c in range(8):
+                y[i, j0 + c] = _fin(t[c], sx[i], np.float32(1.0), 3)
+        j0 += 8
+    while j0 < j1:
+        # a block of four; the last one may start before j0 (rows >= 4)
         js = min(j0, rows - _NB)
         for i in range(m):
             t = lowbit_tile_1x4(xpf, i * xst, xst, cf, i * cst, cst, wf, js * wb, wb,
@@ -476,6 +490,7 @@ def _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b
                 j = js + c
                 if j >= j0:
                     y[i, j] = _fin(t[c], sx[i], np.float32(1.0), 3)
+        j0 += _NB
 
 
 @njit

@@ -99,6 +99,7 @@ __all__ = [
     "make_lowbit_tile",
     "LOWBIT_UNIT_BYTES",
     "lowbit_tile_1x4",
+    "lowbit_tile_1x8",
     "lowbit_tile_4x2",
 ]
 
@@ -720,4 +721,5 @@ def make_lowbit_tile(R: int, C: int, path: str):
 
 
 lowbit_tile_1x4 = _make_tile(1, 4)
+lowbit_tile_1x8 = _make_tile(1, 8)
 lowbit_tile_4x2 = _make_tile(4, 2)
