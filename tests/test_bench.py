@@ -261,7 +261,18 @@ def test_formats_section_rows_errors_verdict(capsys):
         assert r["x_vs_vendor"] is None or r["x_vs_vendor"] > 0
         bound = {"int8": 2.5e-2, "f32": 3e-4}.get(r["act"], 1e-5)
         assert r["rel_err_vs_f64"] <= bound, r
+        assert r["frac_of_stream_bw"] == pytest.approx(r["gb_s"] / 10.0)
     assert res["8"]["verdict"] or not accel_available()
+    # with the header's array at hand, the streaming read is timed inside each
+    # group and every fraction uses that group's figure
+    res2 = {"skipped": [], "machine": res["machine"],
+            "bandwidth": {"gb_s": 10.0, "bytes": 1 << 22, "chunk_bytes": 1 << 18}}
+    bench.section8(S8, bench.Compile(), res2)
+    bws = {b["m"]: b["gb_s"] for b in res2["8"]["stream_gb_s"]}
+    assert set(bws) == {1, 3} and all(v > 0 and v != 10.0 for v in bws.values())
+    for r in res2["8"]["rows"]:
+        assert r["frac_of_stream_bw"] == pytest.approx(r["gb_s"] / bws[r["m"]])
+    assert "streaming read timed in the same rounds" in capsys.readouterr().out
 
 
 def accel_available():

@@ -120,23 +120,14 @@ def _stream_sum(a2):
 _STREAM_ROWS = 64
 
 
-def stream_bandwidth(nbytes: int, reps: int = 5, timing: dict | None = None,
-                     chunk_bytes: int = 16 << 20) -> dict:
-    """Measured streaming read bandwidth: a plain parallel sum, from DRAM.
+def stream_reader(nbytes: int, chunk_bytes: int = 16 << 20):
+    """A streaming read to time: ``(step, array_bytes, chunk_bytes)``.
 
-    The array (float32, about ``nbytes`` bytes, filled so every page is
-    resident) should be much larger than the last-level cache.  Each timed
-    call sums the next ``chunk_bytes`` slice of it (cyclically, like the
-    weight stacks of section 8), so no call finds its data in cache while a
-    call stays short enough for a best-block median to dodge a busy
-    machine's time slices.  A chunk is read as 64 rows spread over numba's
-    threads.
-
-    Returns
-    -------
-    dict : ``{"bytes": array bytes, "chunk_bytes": bytes per call, "ms": per
-    call, "gb_s": chunk_bytes / ms}`` (GB = 1e9 bytes; ms is the best-block
-    median from :func:`time_group`).
+    ``step()`` sums the next ``chunk_bytes`` slice of a float32 array of about
+    ``nbytes`` bytes (cyclically, every page resident), as 64 rows spread over
+    numba's threads -- the plain parallel sum of :func:`stream_bandwidth`,
+    callable inside another :func:`time_group` so a fraction of it is taken
+    from the same rounds as the kernels it is compared with.
     """
     if nbytes < 4 * _STREAM_ROWS:
         raise ValueError(f"stream_bandwidth needs nbytes >= {4 * _STREAM_ROWS}; got "
@@ -154,7 +145,29 @@ def stream_bandwidth(nbytes: int, reps: int = 5, timing: dict | None = None,
         state[0] = (i + 1) % len(views)
         return _stream_sum(views[i])
 
-    ms = time_group({"read": step}, max(reps, len(views)), timing)["read"]
-    nb = int(views[0].nbytes)
-    return {"bytes": int(a.nbytes), "chunk_bytes": nb, "ms": ms,
+    step.calls_per_cycle = len(views)
+    return step, int(a.nbytes), int(views[0].nbytes)
+
+
+def stream_bandwidth(nbytes: int, reps: int = 5, timing: dict | None = None,
+                     chunk_bytes: int = 16 << 20) -> dict:
+    """Measured streaming read bandwidth: a plain parallel sum, from DRAM.
+
+    The array (float32, about ``nbytes`` bytes, filled so every page is
+    resident) should be much larger than the last-level cache.  Each timed
+    call sums the next ``chunk_bytes`` slice of it (cyclically, like the
+    weight stacks of section 8), so no call finds its data in cache while a
+    call stays short enough for a best-block median to dodge a busy
+    machine's time slices.  A chunk is read as 64 rows spread over numba's
+    threads (:func:`stream_reader`).
+
+    Returns
+    -------
+    dict : ``{"bytes": array bytes, "chunk_bytes": bytes per call, "ms": per
+    call, "gb_s": chunk_bytes / ms}`` (GB = 1e9 bytes; ms is the best-block
+    median from :func:`time_group`).
+    """
+    step, total, nb = stream_reader(nbytes, chunk_bytes)
+    ms = time_group({"read": step}, max(reps, step.calls_per_cycle), timing)["read"]
+    return {"bytes": total, "chunk_bytes": nb, "ms": ms,
             "gb_s": nb / (ms * 1e-3) / 1e9}
