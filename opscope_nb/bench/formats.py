@@ -153,8 +153,8 @@ def section8(cfg, comp, res):
     rows, cols = cfg["s8_shape"]
     l3 = res.get("machine", {}).get("l3_bytes") or (32 << 20)
     target = max(int(cfg["s8_l3_mult"] * l3), int(cfg["s8_min_bytes"]))
-    bw0 = res.get("bandwidth", {}).get("gb_s")
     bwinfo = res.get("bandwidth", {})
+    bw0 = bwinfo.get("gb_s")
     decomps = menu(rows, cols, cfg["s8_rank"])
     missing = [d.label for d in decomps if not runtime.has_kernel(d.kind)]
     runnable = [d for d in decomps if runtime.has_kernel(d.kind)]

@@ -365,7 +365,7 @@ def _q8_rows(x, xq, sx, i0, i1):
             xq[i, p] = np.int8(t) if q >= np.float32(0.0) else np.int8(-t)
 
 
-@njit_parallel
+@njit
 def quantize_rows_i8(x, min_parallel=PAR_MIN):
     """Per-row int8 quantisation (the W8A8 activations).
 
@@ -384,12 +384,19 @@ def quantize_rows_i8(x, min_parallel=PAR_MIN):
     m, k = x.shape
     xq = np.empty((m, k), dtype=np.int8)
     sx = np.empty(m, dtype=np.float32)
+    _quantize_rows_into(x, xq, sx, min_parallel)
+    return xq, sx
+
+
+@njit_parallel
+def _quantize_rows_into(x, xq, sx, min_parallel):
+    """:func:`quantize_rows_i8` into the caller's ``xq[m, k]`` / ``sx[m]``."""
+    m, k = x.shape
     if m < 2 or m * k * 16 < min_parallel:
         _q8_rows(x, xq, sx, 0, m)
     else:
         for i in prange(m):
             _q8_rows(x, xq, sx, i, i + 1)
-    return xq, sx
 
 
 @njit
@@ -1302,8 +1309,9 @@ def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None):
     With ``wsum`` on a VNNI host, a prefill whose weights fit
     :data:`I8_ROWSPLIT_MAX_W` runs as one parallel region: each thread
     quantises and packs its own block of rows and runs all outputs over it
-    (:func:`_w8a8_row_plan`; 32 x 1024 x 1024 on Zen 4, 2 threads: 88 us
-    against 106 us for the two calls).  Otherwise it is the two calls.
+    (:func:`_w8a8_row_plan`; 32 x 1024 x 1024 on Zen 4, avx512vnni256, 2
+    threads: 88 us, against 106 us for the two calls on the output split).
+    Otherwise it quantises, then runs :func:`matmul_w8a8`'s output split.
 
     Parameters
     ----------
@@ -1323,22 +1331,40 @@ def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None):
     m, k = x.shape
     if wtq.shape[1] != k or scale.shape[0] != wtq.shape[0]:
         raise ValueError("dynamic_matmul_w8a8: need x[m,k], wtq[n,k], scale[n]")
-    if wsum is not None and wsum.shape[0] != wtq.shape[0]:
-        raise ValueError("dynamic_matmul_w8a8: wsum must have shape (n,) (i8_row_sums(wtq))")
+    _check_w8a8(k, wtq.shape[0], wsum)
+    xq = np.empty((m, k), dtype=np.int8)
+    sx = np.empty(m, dtype=np.float32)
+    return _w8a8_float(x, True, xq, sx, wtq, scale, min_parallel, wsum)
+
+
+@njit
+def _check_w8a8(k, n, wsum):
+    """The O(1) checks every W8A8 core makes: ``wsum`` length, ``k``."""
+    if wsum is not None and wsum.shape[0] != n:
+        raise ValueError("W8A8: wsum must have shape (n,) (i8_row_sums(wtq))")
     if k > I8_MAX_K:
-        raise ValueError("dynamic_matmul_w8a8: k exceeds I8_MAX_K = 133144 (int32 sums "
-                         "could overflow); split k and add the partial products")
+        raise ValueError("W8A8: k exceeds I8_MAX_K = 133144 (int32 sums could "
+                         "overflow); split k and add the partial products")
+
+
+@njit
+def _w8a8_float(x, quant, xq, sx, wtq, scale, min_parallel, wsum):
+    """Float W8A8 output, the row split or the output split; ``quant``: fill
+    ``xq``/``sx`` from ``x`` first (inside the row split's tasks, or as
+    :func:`quantize_rows_i8`), else they are given and ``x`` is unused."""
+    m, k = xq.shape
     n = wtq.shape[0]
+    y = np.empty((m, n), dtype=np.float32)
     ws = np.empty(0, dtype=np.int32) if wsum is None else wsum
     rows = _w8a8_row_plan(m, k, n, min_parallel, ws.shape[0] > 0, _num_threads())
     if rows > 0:
-        xq = np.empty((m, k), dtype=np.int8)
-        sx = np.empty(m, dtype=np.float32)
-        y = np.empty((m, n), dtype=np.float32)
-        _w8a8_rowsplit(x, True, xq, sx, wtq, scale, ws, y, rows)
-        return y
-    xq, sx = quantize_rows_i8(x, min_parallel)
-    return matmul_w8a8(xq, sx, wtq, scale, min_parallel, wsum)
+        _w8a8_rowsplit(x, quant, xq, sx, wtq, scale, ws, y, rows)
+    else:
+        if quant:
+            _quantize_rows_into(x, xq, sx, min_parallel)
+        _w8a8_run(xq, wtq, np.empty((0, 0), dtype=np.int32), y, sx, scale, True,
+                  min_parallel, ws)
+    return y
 
 
 @njit
@@ -1385,11 +1411,7 @@ def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN, wsum=None):
     m, k = xq.shape
     if wtq.shape[1] != k:
         raise ValueError("matmul_i8i8_i32: xq.shape[1] must equal wtq.shape[1]")
-    if wsum is not None and wsum.shape[0] != wtq.shape[0]:
-        raise ValueError("matmul_i8i8_i32: wsum must have shape (n,) (i8_row_sums(wtq))")
-    if k > I8_MAX_K:
-        raise ValueError("matmul_i8i8_i32: k exceeds I8_MAX_K = 133144 (int32 sums "
-                         "could overflow); split k and add the partial products")
+    _check_w8a8(k, wtq.shape[0], wsum)
     n = wtq.shape[0]
     acc = np.empty((m, n), dtype=np.int32)
     dummy_y = np.empty((0, 0), dtype=np.float32)
@@ -1426,22 +1448,9 @@ def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN, wsum=None):
     m, k = xq.shape
     if wtq.shape[1] != k or sx.shape[0] != m or scale.shape[0] != wtq.shape[0]:
         raise ValueError("matmul_w8a8: need xq[m,k], sx[m], wtq[n,k], scale[n]")
-    if wsum is not None and wsum.shape[0] != wtq.shape[0]:
-        raise ValueError("matmul_w8a8: wsum must have shape (n,) (i8_row_sums(wtq))")
-    if k > I8_MAX_K:
-        raise ValueError("matmul_w8a8: k exceeds I8_MAX_K = 133144 (int32 sums "
-                         "could overflow); split k and add the partial products")
-    n = wtq.shape[0]
-    acc = np.empty((0, 0), dtype=np.int32)
-    y = np.empty((m, n), dtype=np.float32)
-    ws = np.empty(0, dtype=np.int32) if wsum is None else wsum
-    rows = _w8a8_row_plan(m, k, n, min_parallel, ws.shape[0] > 0, _num_threads())
-    if rows > 0:
-        _w8a8_rowsplit(np.empty((0, k), dtype=np.float32), False, xq, sx, wtq, scale, ws, y,
-                       rows)
-    else:
-        _w8a8_run(xq, wtq, acc, y, sx, scale, True, min_parallel, ws)
-    return y
+    _check_w8a8(k, wtq.shape[0], wsum)
+    return _w8a8_float(np.empty((0, k), dtype=np.float32), False, xq, sx, wtq, scale,
+                       min_parallel, wsum)
 
 
 @njit
