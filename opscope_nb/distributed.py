@@ -510,16 +510,32 @@ def run_profile(cluster: Cluster, source_path, jobs, profile_kwargs, on_result, 
     ac = as_completed(futures, loop=client.loop)
     unhealthy_since = None
     last_check = time.monotonic()
+
+    def fetch(f):
+        # a finished future's result still crosses the network: a connection
+        # that closes during that gather is the cluster going away, not the task
+        try:
+            return f.result()
+        except Exception as exc:  # noqa: BLE001 - classified just below
+            if _lost(exc) or not _healthy(client):
+                raise ClusterLost(_lost_message(cluster, exc, len(pending) + 1)) from None
+            raise
+
     try:
         while pending:
-            done = ac.next_batch(block=False) if ac.has_ready() else []
+            try:
+                done = ac.next_batch(block=False) if ac.has_ready() else []
+            except Exception as exc:  # noqa: BLE001
+                if _lost(exc) or not _healthy(client):
+                    raise ClusterLost(_lost_message(cluster, exc, len(pending))) from None
+                raise
             if not done:
                 time.sleep(min(poll, 0.05))
             for f in sorted(done, key=lambda f: by_key[f.key][0]):
                 pending.discard(f)
                 i, e = by_key[f.key]
                 if f.status == "finished":
-                    on_result(i, e, f.result())
+                    on_result(i, e, fetch(f))
                     continue
                 if f.status in ("lost", "pending"):
                     # finished on a worker that died before we read the result:
@@ -528,7 +544,10 @@ def run_profile(cluster: Cluster, source_path, jobs, profile_kwargs, on_result, 
                     pending.add(f)
                     ac.add(f)
                     continue
-                exc = f.exception() if f.status == "error" else None
+                try:
+                    exc = f.exception() if f.status == "error" else None
+                except Exception as gone:  # noqa: BLE001 - fetching the error failed
+                    exc = gone
                 if exc is not None and not _lost(exc):
                     raise exc
                 raise ClusterLost(_lost_message(cluster, exc, len(pending) + 1))

@@ -158,7 +158,10 @@ def test_peers_skipped_without_onnxruntime(monkeypatch, capsys):
 
 def test_ort_graphs_compute_our_packed_weights():
     """The three in-memory graphs compute x @ W_hat.T for the codes we hand them
-    (a wrong nibble offset or transposition would be off by O(1))."""
+    (a wrong nibble offset or transposition would be off by O(1)).  The bound
+    is on layout, not on ONNX Runtime's precision: without VNNI, MLAS's u8s8
+    kernel saturates int16 pair sums (0.07 measured on a Zen 3), which the
+    bench reports as a finding."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")
     from opscope_nb import mining
@@ -170,7 +173,7 @@ def test_ort_graphs_compute_our_packed_weights():
     x = rng.standard_normal((3, 64)).astype(np.float32)
     sess = ort_sessions(w, 1)
     for name, d, tol in (("MatMul f32", "dense", 1e-6),
-                         ("DynamicQuantizeMatMul", "int8/chan", 0.02),
+                         ("DynamicQuantizeMatMul", "int8/chan", 0.2),
                          ("MatMulNBits 4b/32", "int4/g32", 0.02)):
         dec = Decomp.from_label(d)
         wh = mining.unpack(mining.pack(w, dec), dec, w.shape).astype(np.float64)
@@ -192,13 +195,26 @@ def test_peers_section_rows_and_verdict(capsys):
     assert [(r["m"], r["k"], r["n"]) for r in rows] == [(1, 64, 32), (3, 64, 32)]
     for r in rows:
         assert r["err"]["ours f32"] < 1e-5 and r["err"]["ORT MatMul f32"] < 1e-5
-        assert r["err"]["ours W8A8"] <= 0.02 and r["err"]["ORT DynamicQuantizeMatMul"] <= 0.02
+        assert r["err"]["ours W8A8"] <= 0.02             # ours: symmetric, never saturates
+        assert r["err"]["ORT DynamicQuantizeMatMul"] < 0.2  # a layout check; see below
         assert r["err"]["ORT MatMulNBits 4b/32"] < 0.2
         if "ours W4A8" in r["err"]:            # same int4/g32 codes as ORT's
             assert abs(r["err"]["ours W4A8"] - r["err"]["ORT MatMulNBits 4b/32"]) < 0.01
         assert r["x_w8a8_vs_ort"] > 0 and r["x_f32_vs_ort"] > 0
         assert all(math.isfinite(v) and v > 0 for v in r["ms"].values())
     assert any(s.startswith("Peers at m=1") for s in res["9"]["verdict"])
+    worst = max(r["err"]["ORT DynamicQuantizeMatMul"] for r in rows)
+    noted = any(s.startswith("Peers precision") for s in res["9"]["verdict"])
+    assert noted == (worst > 0.02)          # ORT's imprecision is reported, with why
+
+
+def test_peer_precision_note():
+    from opscope_nb.bench.peers import _peer_precision_note
+    row = {"err": {"ORT DynamicQuantizeMatMul": 0.07, "ours W8A8": 0.011}}
+    note = _peer_precision_note([row])
+    assert "0.0700" in note and "saturates" in note and "0.0110" in note
+    row["err"]["ORT DynamicQuantizeMatMul"] = 0.012
+    assert _peer_precision_note([row]) is None
 
 
 # --------------------------------------------------------------------------- #

@@ -67,13 +67,16 @@ def test_i8_path_bit_exact(path, R):
 @pytest.mark.parametrize("R", [1, 2])
 @pytest.mark.parametrize("path", S.I8_PATHS)
 def test_i8_path_minus128(path, R):
-    """Documented behaviour of -128: exact on the portable path and in the
-    offset (R >= 2 VNNI) tiles; with the sign trick exact unless both factors
-    are -128 (then the product comes out negated)."""
+    """-128 is outside the contract; what each path gives is documented in
+    i8_dot_accumulate: an activation -128 is exact against weights in
+    [-127, 127]; a weight -128 is exact on the portable path and in the offset
+    (R >= 2 VNNI) tiles, and negated against negative activations with the
+    sign trick (vpsignb cannot negate -128)."""
     _skip_unless(path)
     run = _runner(path, R)
     k = 128
     xq = np.full((R, k), -128, np.int8)
+    xq[0, 1::2] = 5                      # half the products have x > 0
     wtq = np.full((4, k), 127, np.int8)
     wtq[1] = -127
     wtq[2] = 0
@@ -81,10 +84,12 @@ def test_i8_path_minus128(path, R):
     got = run(xq, wtq)
     ref = naive_i8i8_i32(xq, wtq)
     np.testing.assert_array_equal(got[:, :3], ref[:, :3])
-    if path == "portable" or (R >= 2 and "vnni" in path):
+    if path == "portable" or (R >= 2 and path in S.I8_OFFSET_PATHS):
         np.testing.assert_array_equal(got, ref)
-    else:  # -(-128) wraps: each -128 x -128 product comes out negated
-        np.testing.assert_array_equal(got[:, 3], -ref[:, 3])
+    else:  # each (x < 0) x (-128) product comes out negated
+        neg = (xq.astype(np.int64) < 0) * xq.astype(np.int64) * -128
+        expect = ref[:, 3].astype(np.int64) - 2 * neg.sum(1)
+        np.testing.assert_array_equal(got[:, 3], expect)
 
 
 def test_host_path_and_text():
@@ -100,28 +105,64 @@ def test_host_path_and_text():
         S.path_supported("sse9")
 
 
-@numba.njit
-def _raw44(xq, wtq, nch):
-    k = xq.shape[1]
-    return K.i8dot_raw_tile_4x4(xq.ravel(), 0, k, wtq.ravel(), 0, k, nch)
+_RAW_RUNNERS = {}
 
 
-def test_raw_tile_offset_contract():
-    """i8dot_raw_tile_4x4 returns sum (x + 128) w (wrapping int32) on the VNNI
-    paths, sum x w elsewhere, over the first nch * I8_CHUNK elements."""
+def _raw_runner(path):
+    if path not in _RAW_RUNNERS:
+        tile = S.make_i8_raw_tile(path)
+
+        @numba.njit
+        def run(xq, wtq, nch):
+            k = xq.shape[1]
+            return tile(xq.ravel(), 0, k, wtq.ravel(), 0, k, nch)
+
+        _RAW_RUNNERS[path] = run
+    return _RAW_RUNNERS[path]
+
+
+@pytest.mark.parametrize("path", S.I8_PATHS)
+def test_raw_tile_offset_contract(path):
+    """The raw 4 x 4 tile returns sum (x + 128) w (wrapping int32) on the
+    offset paths, sum x w elsewhere, over the first nch * step elements --
+    exactly, for codes in [-127, 127] (the contract of every path; rows of
+    +-127 give the largest sums the lanes see)."""
+    _skip_unless(path)
     rng = np.random.default_rng(5)
-    k = 3 * S.I8_CHUNK + 7
-    xq = rng.integers(-128, 128, (4, k)).astype(np.int8)
-    wtq = rng.integers(-128, 128, (4, k)).astype(np.int8)
-    xq[0] = -128
-    wtq[1] = -128
-    kv = 3 * S.I8_CHUNK
-    got = np.array(_raw44(xq, wtq, 3), np.int64).reshape(4, 4)
+    step = S.I8_STEP[path]
+    k = 3 * step + 7
+    xq = rng.integers(-127, 128, (4, k)).astype(np.int8)
+    wtq = rng.integers(-127, 128, (4, k)).astype(np.int8)
+    xq[0] = -127
+    xq[1] = 127
+    wtq[1] = -127
+    wtq[2] = 127
+    kv = 3 * step
+    got = np.array(_raw_runner(path)(xq, wtq, 3), np.int64).reshape(4, 4)
     ref = naive_i8i8_i32(xq[:, :kv], wtq[:, :kv]).astype(np.int64)
-    if S.I8_RAW_OFFSET:
+    if path in S.I8_OFFSET_PATHS:
         ref = ref + 128 * wtq[:, :kv].astype(np.int64).sum(1)[None, :]
     ref = ((ref + 2**31) % 2**32) - 2**31
     np.testing.assert_array_equal(got, ref)
+
+
+def test_raw_tile_host_flag():
+    """The public host raw tile is the host path's, offset as I8_RAW_OFFSET says."""
+    assert S.I8_RAW_OFFSET == (S.HOST_I8_PATH in S.I8_OFFSET_PATHS)
+    rng = np.random.default_rng(6)
+    k = 2 * S.I8_CHUNK
+    xq = rng.integers(-127, 128, (4, k)).astype(np.int8)
+    wtq = rng.integers(-127, 128, (4, k)).astype(np.int8)
+    got = np.array(_host_raw44(xq, wtq, 2), np.int64)
+    np.testing.assert_array_equal(got, np.array(_raw_runner(S.HOST_I8_PATH)(xq, wtq, 2)))
+    with pytest.raises(ValueError, match="unknown int8 path"):
+        S.make_i8_raw_tile("sse9")
+
+
+@numba.njit
+def _host_raw44(xq, wtq, nch):
+    k = xq.shape[1]
+    return K.i8dot_raw_tile_4x4(xq.ravel(), 0, k, wtq.ravel(), 0, k, nch)
 
 
 # --------------------------------------------------------------------------

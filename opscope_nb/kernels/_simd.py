@@ -52,6 +52,8 @@ __all__ = [
     "i8dot_raw_tile_4x4",
     "i8dot_rawc_tile_4x4",
     "I8_RAW_OFFSET",
+    "I8_OFFSET_PATHS",
+    "make_i8_raw_tile",
     "i8_dot_accumulate",
     "i8_abs",
     "make_i8_tile",
@@ -319,13 +321,19 @@ def i8_dot_accumulate(builder, acc, xv, wv, path=None, xabs=None):
     Notes
     -----
     ``vpdpbusd`` and ``vpmaddubsw`` multiply *unsigned* by signed bytes, so the
-    VNNI and AVX2 paths compute ``|x| * (w * sign(x))``.  Exact for codes in
-    [-127, 127].  A ``-128`` in ``xv`` is still exact unless the paired ``wv``
-    byte is also ``-128`` (``-(-128)`` wraps to ``-128``, so that product comes
-    out as ``-16384`` instead of ``+16384``); a ``-128`` only in ``wv`` is
-    exact.  (The int16 pair sums of ``vpmaddubsw`` never saturate, even
-    then.)  The package's quantisers never
-    emit ``-128`` and :mod:`opscope_nb.matmul` rejects it.  For int4 codes
+    VNNI and AVX2 paths compute ``|x| * (w * sign(x))``.
+
+    **Contract (every path):** for codes in [-127, 127] on both operands -- the
+    symmetric range every quantiser of the package emits -- the result is the
+    exact int32 sum, bit-identical on every path.  ``-128`` is outside the
+    contract: an ``xv`` byte of ``-128`` is still exact on every path unless
+    its ``wv`` byte is ``-128`` too, but a ``wv`` byte of ``-128`` paired with a
+    negative ``xv`` byte comes out negated on the sign-trick paths (``vpsignb``
+    cannot negate ``-128``), while the portable path and the VNNI offset tiles
+    (``R >= 2``) stay exact.  The validating entry points
+    (:mod:`opscope_nb.matmul`) reject ``-128``; user numba code calling the
+    tiles directly must keep its codes in range.  (The int16 pair sums of
+    ``vpmaddubsw`` never saturate: ``2 * 128 * 127 < 2**15``.)  For int4 codes
     (nibbles unpacked to int8 in [-8, 7]) every path is exact.
     """
     path = path or HOST_I8_PATH
@@ -622,10 +630,23 @@ i8dot_tile_2x1 = _make_tile(2, 1, "i8")
 i8dot_tile_2x4 = _make_tile(2, 4, "i8")
 i8dot_tile_4x4 = _make_tile(4, 4, "i8")
 
+#: The int8 paths whose multi-row tiles use the ``x + 128`` offset.
+I8_OFFSET_PATHS = ("avx512vnni", "avx512vnni256", "avxvnni")
 #: Whether :data:`i8dot_raw_tile_4x4` returns offset sums ``sum (x + 128) w``
 #: (the VNNI paths) -- the caller then subtracts ``128 * sum w`` per weight
-#: row -- or plain ``sum x w`` (AVX2, portable).
-I8_RAW_OFFSET = HOST_I8_PATH in ("avx512vnni", "avx512vnni256", "avxvnni")
+#: row -- or plain ``sum x w`` (AVX2, portable).  Either way exact for codes in
+#: [-127, 127] (see :func:`i8_dot_accumulate`'s contract).
+I8_RAW_OFFSET = HOST_I8_PATH in I8_OFFSET_PATHS
+
+
+def make_i8_raw_tile(path: str, corr_out: bool = False):
+    """The ``i8dot_raw_tile_4x4`` (``corr_out``: ``i8dot_rawc_tile_4x4``)
+    intrinsic lowered on an explicit int8 ``path``; offset sums exactly when
+    ``path in I8_OFFSET_PATHS``.  For tests and benchmarks, as
+    :func:`make_i8_tile`."""
+    if path not in I8_PATHS:
+        raise ValueError(f"unknown int8 path {path!r}; expected one of {I8_PATHS}")
+    return _make_tile(4, 4, "i8", path, raw=True, corr_out=corr_out)
 i8dot_raw_tile_4x4 = _make_tile(4, 4, "i8", raw=True)
 i8dot_rawc_tile_4x4 = _make_tile(4, 4, "i8", raw=True, corr_out=True)
 i8dot_rawc_tile_4x4.__doc__ = (
