@@ -139,10 +139,6 @@ class _Tap:
         return y
 
 
-def _is_linear(x):
-    return hasattr(x, "decomp") and hasattr(x, "arrays") and callable(x)
-
-
 def calibrate(source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS,
               sensitivity=True, eps=0.05, seed=0, sens_tokens=256, act="f32",
               batch=32, window=256, log=None) -> Calibration:
@@ -184,7 +180,8 @@ def calibrate(source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS
     Calibration
     """
     from .models import open_model
-    from .models.evaluate import _sentences, load_passages
+    from .models.evaluate import load_passages
+    from .models.loader import is_linear
     if not (isinstance(eps, (int, float)) and np.isfinite(eps) and eps > 0):
         raise ValueError(f"eps must be a finite number > 0; got {eps!r}.")
     if int(full_max_cols) < 1:
@@ -198,7 +195,7 @@ def calibrate(source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS
     model = open_model(source)
     passages = load_passages(text)
     rec = _Recorder(int(full_max_cols))
-    names = [n for n, v in model.tensors.items() if _is_linear(v)]
+    names = [n for n, v in model.tensors.items() if is_linear(v)]
     for n in names:
         model.tensors[n] = _Tap(model.tensors[n], n, rec)
     if model.family == "decoder" and model.config.get("tied"):

@@ -62,11 +62,13 @@ and ``--resume`` continues the run on a new cluster.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-import sys
 import threading
 import time
 import warnings
+
+from ._fs import peak_rss_mb, reset_peak_rss
 
 __all__ = [
     "INSTALL_LINE",
@@ -79,7 +81,7 @@ __all__ = [
     "connect",
     "run_profile",
     "profile_task",
-    "profile_cli",
+    "quiet_logging",
     "worker_threads",
     "blas_threads",
 ]
@@ -232,33 +234,6 @@ def _open_cached(path):
     return hit
 
 
-def _reset_peak_rss() -> bool:
-    """Reset this process's VmHWM (Linux ``clear_refs`` 5); False where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_mb(since_reset: bool) -> float:
-    if since_reset:
-        try:
-            with open("/proc/self/status", encoding="ascii") as f:
-                for ln in f:
-                    if ln.startswith("VmHWM:"):
-                        return int(ln.split()[1]) / 1024.0
-        except (OSError, ValueError, IndexError):
-            pass
-    try:
-        import resource
-        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return kb / (1024.0 * 1024.0) if sys.platform == "darwin" else kb / 1024.0
-    except ImportError:
-        return float("nan")
-
-
 def profile_task(source_path, name, shape, profile_kwargs=None, threads=None) -> dict:
     """Profile one tensor of a checkpoint; runs on a worker.
 
@@ -288,7 +263,7 @@ def profile_task(source_path, name, shape, profile_kwargs=None, threads=None) ->
     """
     import platform
 
-    from .cli.profile import profile_entry
+    from .profiling import profile_entry
     if threads is None:
         try:
             from distributed import get_worker
@@ -305,10 +280,10 @@ def profile_task(source_path, name, shape, profile_kwargs=None, threads=None) ->
             raise SourceError(f"{source_path}: tensor {name!r} is {got} on worker pid "
                               f"{os.getpid()}, expected shape {tuple(shape)}; every worker "
                               f"must see the same checkpoint at the same path.")
-        exact = _reset_peak_rss()
+        exact = reset_peak_rss()
         rec, _, why = profile_entry(e, profile_kwargs or {})
         info = worker_threads()
-        peak = _peak_rss_mb(exact)
+        peak = peak_rss_mb(exact)
     if rec is None:
         return {"skip": why}
     rec["worker"] = {"host": platform.node(), "pid": os.getpid(), "peak_rss_mb": peak,
@@ -584,126 +559,19 @@ def _lost_message(cluster, exc, n_left) -> str:
             f"unfinished{why}")
 
 
-# --------------------------------------------------------------------------- #
-# the profile command's distributed loop
-# --------------------------------------------------------------------------- #
-def profile_cli(args, src, chosen, previous, kw, settings, bar, save, warn):
-    """``opscope-nb profile --workers/--scheduler``: the per-tensor loop on Dask.
-
-    Parameters
-    ----------
-    args : argparse.Namespace
-        ``workers``, ``threads_per_worker``, ``scheduler``, ``out``.
-    src : TensorSource
-        The opened checkpoint (its path is what the workers open).
-    chosen : list of TensorEntry
-        Selected tensors, in source order.
-    previous : dict
-        ``{(name, shape): record}`` of a resumed ``profile.json`` (those layers
-        are not submitted).
-    kw : dict
-        ``profile_layer`` keyword arguments.
-    settings : dict
-        The profile document's settings; ``settings["distributed"]`` is added.
-    bar : Progress
-        The command's progress bar (advanced as results arrive).
-    save : callable(records, skipped)
-        Writes ``profile.json`` (atomic) with the records in source order.
-    warn : callable(str)
-        The command's warning printer (skipped tensors).
-
-    Returns
-    -------
-    records, layers, reused, skipped
-        In source order, like the serial loop.
-
-    Raises
-    ------
-    CliError
-        Cannot reach the scheduler, or the cluster went away mid-run (one
-        line, naming ``--resume``).
-    """
+@contextlib.contextmanager
+def quiet_logging():
+    """Silence Dask's own loggers inside the block (a dying cluster makes them
+    print tracebacks; callers report one line instead), restoring the levels."""
     import logging
-
-    from .cli._common import CliError
-    from .mining import LayerProfile
-
-    n = len(chosen)
-    slots = [None] * n          # (record, LayerProfile) per source index
-    skips = {}                  # source index -> skipped-tensor dict
-    reused = 0
-    for i, e in enumerate(chosen):
-        rec = previous.get((e.name, tuple(e.shape)))
-        if rec is None:
-            continue
-        try:
-            lp = LayerProfile.from_dict(rec["profile"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        slots[i] = (rec, lp)
-        reused += 1
-        bar.advance(e.numel)
-    jobs = [(i, e) for i, e in enumerate(chosen) if slots[i] is None]
-
-    def ordered():
-        return ([s[0] for s in slots if s is not None],
-                [skips[i] for i in sorted(skips)])
-
-    # Dask's own logging would print tracebacks when a cluster dies; the command
-    # reports one line instead.
     loggers = [logging.getLogger(n) for n in
                ["distributed", *[n for n in list(logging.root.manager.loggerDict)
                                  if n.startswith("distributed.")]]]
-    old_levels = [lg.level for lg in loggers]
+    old = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL + 1)
-    src_path = None if src.kind == "synthetic" else os.path.abspath(src.path)
     try:
-        try:
-            cluster = connect(workers=args.workers, threads_per_worker=args.threads_per_worker,
-                              scheduler=args.scheduler, timeout=CONNECT_TIMEOUT)
-        except OSError as exc:
-            raise CliError(str(exc))
-        settings["distributed"] = cluster.describe()
-        done = [reused]
-
-        def on_result(i, e, res):
-            done[0] += 1
-            if "skip" in res:
-                bar.close()
-                warn(f"skipping {e.name}: {res['skip']}.")
-                skips[i] = {"name": e.name, "shape": list(e.shape), "dtype": e.dtype,
-                            "reason": res["skip"]}
-            else:
-                rec = res["record"]
-                slots[i] = (rec, LayerProfile.from_dict(rec["profile"]))
-            bar.advance(e.numel)
-            bar.show(done[0], e.name)
-            save(*ordered())
-
-        with cluster:
-            if jobs:
-                bar.show(reused, jobs[0][1].name)
-            try:
-                run_profile(cluster, src_path, jobs, kw, on_result, lost_after=LOST_AFTER)
-            except ClusterLost as exc:
-                n_ok = sum(s is not None for s in slots)
-                where = (f"{n_ok} of {n} layers are in "
-                         f"{os.path.join(args.out, 'profile.json')}; rerun with --resume "
-                         f"to continue" if args.out else
-                         f"{n_ok} of {n} layers were done (use --out DIR to keep them)")
-                raise CliError(f"{exc}; {where}.") from None
+        yield
     finally:
-        for lg, lv in zip(loggers, old_levels):
+        for lg, lv in zip(loggers, old):
             lg.setLevel(lv)
-    recs = [s[0] for s in slots if s is not None]
-    layers = [s[1] for s in slots if s is not None]
-    ran = [r["worker"] for r in recs if isinstance(r.get("worker"), dict)
-           and r is not previous.get((r["name"], tuple(r["shape"])))]
-    if ran:
-        peak = max(w["peak_rss_mb"] for w in ran)
-        print(f"dask: {len(ran)} task(s) on {len({(w['host'], w['pid']) for w in ran})} "
-              f"worker process(es) at {cluster.address}, "
-              f"{sorted({w['numba_threads'] for w in ran})} numba thread(s) each; "
-              f"peak worker RSS {peak:.0f} MiB")
-    return recs, layers, reused, [skips[i] for i in sorted(skips)]

@@ -16,64 +16,9 @@ evaluates each applicable :class:`Decomp` and records a :class:`DecompOption`:
 :func:`profile_layer` measures, so a reported ``rel_err`` can always be
 re-checked.
 
-Packed layouts (all C-contiguous, row = output channel)
---------------------------------------------------------
-===================  ==========================================================
-label                arrays
-===================  ==========================================================
-``dense``            ``w`` f32 [rows, cols]
-``int8/chan``        ``codes`` i8 [rows, cols]; ``scales`` f32 [rows]
-``int4/chan``        ``codes`` u8 [rows, ceil(cols/2)] (two's-complement nibbles,
-                     even column in the low nibble); ``scales`` f32 [rows]
-``int4/g{g}``        ``codes`` as int4/chan; ``scales`` f32 [rows, ceil(cols/g)]
-                     (groups along the row, the last one may be short)
-``<q>+gptq``         any quantised label above with GPTQ-chosen codes
-                     (``Decomp.rounding == "gptq"``): the same arrays as
-                     ``<q>``, so the same kernels run it
-``int6/chan``        ``lo`` u8 [rows, ceil(cols/2)] (nibble plane: bits 0-3 of
-                     ``u``); ``hi`` u8 [rows, ceil(cols/4)] (crumb plane: bits
-                     4-5 of ``u``); ``scales`` f32 [rows]
-``int6/g{g}``        ``lo``, ``hi`` as int6/chan; ``scales`` f32
-                     [rows, ceil(cols/g)]
-``int5/chan``        ``lo`` u8 [rows, ceil(cols/2)] (nibble plane: bits 0-3);
-                     ``hi`` u8 [rows, ceil(cols/8)] (bit plane: bit 4);
-                     ``scales`` f32 [rows]
-``int5/g{g}``        ``lo``, ``hi`` as int5/chan; ``scales`` f32
-                     [rows, ceil(cols/g)]
-``int3/chan``        ``lo`` u8 [rows, ceil(cols/4)] (crumb plane: bits 0-1);
-                     ``hi`` u8 [rows, ceil(cols/8)] (bit plane: bit 2);
-                     ``scales`` f32 [rows]
-``int3/g{g}``        ``lo``, ``hi`` as int3/chan; ``scales`` f32
-                     [rows, ceil(cols/g)]
-``int2/g{g}``        ``lo`` u8 [rows, ceil(cols/4)] (crumb plane: bits 0-1; no
-                     ``hi``); ``scales`` f32 [rows, ceil(cols/g)]
-                     (``int2/chan``: ``scales`` f32 [rows]; not in the menu)
-``ternary``          ``codes`` u8 [rows, ceil(cols/4)] (2-bit: 0 -> 0, +1 -> 1,
-                     -1 -> 3); ``alpha`` f32 [1]
-``sparse2:4``        ``values`` f32 [rows, nv]; ``indices`` u8 [rows, ceil(nv/4)]
-                     (2-bit slot inside each group of 4), ``nv = 2*(cols//4) +
-                     min(2, cols%4)``
-``lowrank(r=R)``     ``a`` f32 [rows, R] (= U); ``b`` f32 [R, cols] (= S Vt)
-``monarch``          ``w1``, ``w2`` f32 [m, m, m] (``rows = cols = m*m``)
-``tucker(...)``      ``core`` f32 [r0, r1, r2]; ``u0`` [d0, r0], ``u1`` [d1, r1],
-                     ``u2`` [d2, r2]  (view ``w.reshape(d0, d1, d2)``, d0 = rows)
-``tt(...)``          ``core0`` .. ``core{n-1}`` f32 [r_prev, d_k, r_next]
-                     (view ``w.reshape(*modes)``)
-===================  ==========================================================
-
-intN planes (``int2/3/5/6``, kind ``intn``): the ``b``-bit symmetric code
-``c = clamp(round_half_away(w / scale), -L, L)``, ``L = 2**(b-1) - 1``, is
-stored offset binary ``u = c + 2**(b-1)`` (unsigned, ``1 <= u <= 2**b - 1``),
-split into ``lo`` (the low 2 bits for b = 2, 3; the low 4 bits for b = 5, 6)
-and ``hi`` (the remaining 1 or 2 bits).  In a plane of field width ``f``
-(1, 2 or 4 bits) column ``j`` sits in byte ``j // (8 // f)`` at bit
-``f * (j % (8 // f))`` (lowest column in the lowest bits, as the int4 nibbles
-and ternary crumbs); unused fields of a row's last byte are 0.  Decode:
-``u = lo_field | (hi_field << lo_bits)``, weight ``(u - 2**(b-1)) * scale``.
-Per row ``lo`` + ``hi`` take at most ``ceil(b * cols / 8) + 1`` bytes.
-Cores: :func:`opscope_nb.kernels.pack_intn`,
-:func:`~opscope_nb.kernels.unpack_intn`,
-:func:`~opscope_nb.kernels.dequantize_intn`.
+The option data model and packed layouts (:class:`Decomp`, :func:`pack`,
+:func:`unpack`, :func:`approximate`, :func:`packed_bytes`, the layout table)
+live in :mod:`opscope_nb.formats` and are re-exported here.
 """
 from __future__ import annotations
 
@@ -85,21 +30,26 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ._validation import as_matrix, check_int
-from .kernels._probe import rel_err as _rel_err
-from .kernels._pack import (
-    dequantize_groups,
-    dequantize_intn,
-    dequantize_nibbles,
-    nm_prune,
-    nm_unprune,
-    pack_crumbs,
-    pack_intn,
-    pack_nibbles,
-    quantize_groups_sym,
-    ternary_decode,
-    ternary_twn,
-    unpack_crumbs,
+from .formats import (  # noqa: F401  (re-exported: mining.Decomp, mining.pack, ...)
+    INTN_BITS,
+    KINDS,
+    ROUNDINGS,
+    Decomp,
+    approximate,
+    balanced_factor,
+    check_applicable,
+    flops,
+    layout,
+    nbytes,
+    pack,
+    packed_bytes,
+    unpack,
 )
+from .formats import _pack
+from .gptq import check_gram, output_error
+from .kernels._probe import rel_err as _rel_err
+from .kernels._svd import truncated_svd
+from .runtime import PackedLinear, check_ms, measure_latency
 
 __all__ = [
     "Decomp",
@@ -115,287 +65,6 @@ __all__ = [
     "parse_layer_kind",
     "balanced_factor",
 ]
-
-_KINDS = ("dense", "int8", "int4", "int4g", "intn", "ternary", "sparse24", "lowrank",
-          "monarch", "tucker", "tt")
-
-#: Bit widths of the ``intn`` kind (int4 and int8 keep their own kinds).
-INTN_BITS = (2, 3, 5, 6)
-#: Data-aware roundings a quantised Decomp may name (None = round to nearest).
-ROUNDINGS = ("gptq",)
-
-
-def _tuple_of_ints(v, name):
-    try:
-        t = tuple(int(x) for x in v)
-    except TypeError:
-        raise TypeError(f"{name} must be a sequence of ints; got {v!r}.") from None
-    if not t or any(x < 1 for x in t):
-        raise ValueError(f"{name} must be non-empty positive ints; got {v!r}.")
-    return t
-
-
-@dataclass(frozen=True)
-class Decomp:
-    """One compression choice for a weight (frozen, hashable, JSON-able).
-
-    Build it with the class-method constructors: ``Decomp.dense()``,
-    ``Decomp.int8()``, ``Decomp.int4()``, ``Decomp.int4(group=128)``,
-    ``Decomp.intn(5)``, ``Decomp.intn(6, group=128)``, ``Decomp.ternary()``, ``Decomp.sparse24()``, ``Decomp.lowrank(12)``,
-    ``Decomp.monarch()``, ``Decomp.tucker((1024, 48, 64), (32, 24, 32))``,
-    ``Decomp.tt((32, 32, 48, 64), 16)``; or from ``Decomp.from_label(s)`` /
-    ``Decomp.from_dict(d)``.
-
-    Attributes
-    ----------
-    kind : str
-        One of ``dense, int8, int4, int4g, intn, ternary, sparse24, lowrank,
-        monarch, tucker, tt``.
-    r : int or None
-        Low-rank rank.
-    group : int or None
-        Group length along a row (``int4g``, required; ``intn``, optional:
-        ``None`` is one scale per row).
-    dims, ranks : tuple of int or None
-        Tucker view ``(rows, c1, c2)`` and multilinear ranks.
-    modes : tuple of int or None
-        TT mode sizes (their product is ``rows * cols``; leading modes
-        multiply to ``rows``).
-    cap : int or None
-        TT bond-rank cap.
-    bits : int or None
-        Code width of ``intn``: 2, 3, 5 or 6 (int4 / int8 are their own kinds).
-    rounding : str or None
-        ``None`` is round-to-nearest; ``"gptq"`` (quantised kinds ``int8``,
-        ``int4``, ``int4g``, ``intn`` only) chooses the codes with GPTQ's
-        error compensation from a calibration gram
-        (:func:`opscope_nb.gptq.gptq_quantize`).  Same kind, same packed
-        arrays and kernels as the round-to-nearest twin; the label gains
-        ``+gptq`` (e.g. ``int4/g128+gptq``).  :func:`pack` /
-        :func:`approximate` need ``gram=`` for it.
-    svd_rank, seed : int
-        How a low-rank option is computed: the leading ``r`` triplets of one
-        ``truncated_svd(w, svd_rank, seed)`` (``svd_rank=None`` means ``r``).
-        Provenance only: not part of equality, hash or label.
-    """
-
-    kind: str
-    r: int | None = None
-    group: int | None = None
-    dims: tuple | None = None
-    ranks: tuple | None = None
-    modes: tuple | None = None
-    cap: int | None = None
-    bits: int | None = None
-    rounding: str | None = None
-    svd_rank: int | None = field(default=None, compare=False)
-    seed: int = field(default=0, compare=False)
-
-    def __post_init__(self):
-        if self.kind not in _KINDS:
-            raise ValueError(f"Decomp kind must be one of {_KINDS}; got {self.kind!r}.")
-        need = {"lowrank": ("r",), "int4g": ("group",), "tucker": ("dims", "ranks"),
-                "tt": ("modes", "cap"), "intn": ("bits",)}.get(self.kind, ())
-        optional = ("group",) if self.kind == "intn" else ()
-        for f in ("r", "group", "dims", "ranks", "modes", "cap", "bits"):
-            v = getattr(self, f)
-            if f in need and v is None:
-                raise ValueError(f"Decomp kind {self.kind!r} needs {f!r}.")
-            if f not in need and f not in optional and v is not None:
-                raise ValueError(f"Decomp kind {self.kind!r} takes no {f!r}; got {v!r}.")
-        if self.bits is not None:
-            b = check_int(self.bits, "bits", 1)
-            if b not in INTN_BITS:
-                raise ValueError(f"intn bits must be one of {INTN_BITS} (int4 and int8 are "
-                                 f"the kinds 'int4'/'int4g'/'int8'); got {self.bits!r}.")
-            object.__setattr__(self, "bits", b)
-        for f in ("r", "group", "cap"):
-            if getattr(self, f) is not None:
-                object.__setattr__(self, f, check_int(getattr(self, f), f, 1))
-        for f in ("dims", "ranks", "modes"):
-            if getattr(self, f) is not None:
-                object.__setattr__(self, f, _tuple_of_ints(getattr(self, f), f))
-        if self.kind == "tucker":
-            if len(self.dims) != 3 or len(self.ranks) != 3:
-                raise ValueError(f"Tucker needs 3 dims and 3 ranks; got dims={self.dims}, "
-                                 f"ranks={self.ranks}.")
-            if any(r > d for r, d in zip(self.ranks, self.dims)):
-                raise ValueError(f"Tucker ranks must be <= dims; got dims={self.dims}, "
-                                 f"ranks={self.ranks}.")
-        if self.kind == "tt" and len(self.modes) < 2:
-            raise ValueError(f"TT needs at least 2 modes; got {self.modes}.")
-        if self.rounding is not None:
-            if self.rounding not in ROUNDINGS:
-                raise ValueError(f"Decomp rounding must be None (round to nearest) or one of "
-                                 f"{ROUNDINGS}; got {self.rounding!r}.")
-            if self.kind not in ("int8", "int4", "int4g", "intn"):
-                raise ValueError(f"rounding={self.rounding!r} applies to the quantised kinds "
-                                 f"int8/int4/int4g/intn only; got kind {self.kind!r}.")
-        if self.svd_rank is not None:
-            object.__setattr__(self, "svd_rank", check_int(self.svd_rank, "svd_rank", 1))
-        object.__setattr__(self, "seed", check_int(self.seed, "seed", 0))
-
-    # -- constructors ------------------------------------------------------
-    @classmethod
-    def dense(cls):
-        """Full float32 weights."""
-        return cls("dense")
-
-    @classmethod
-    def int8(cls):
-        """Symmetric int8, one float32 scale per row (output channel)."""
-        return cls("int8")
-
-    @classmethod
-    def int4(cls, group=None):
-        """Symmetric int4, nibble-packed; one scale per row, or per ``group``
-        consecutive values of a row when ``group`` is given."""
-        return cls("int4") if group is None else cls("int4g", group=group)
-
-    @classmethod
-    def intn(cls, bits, group=None):
-        """Symmetric ``bits``-bit codes (2, 3, 5 or 6) in offset-binary bit
-        planes; one float32 scale per row, or per ``group`` consecutive values
-        of a row when ``group`` is given.  Labels ``int{bits}/chan`` and
-        ``int{bits}/g{group}``."""
-        return cls("intn", bits=bits, group=group)
-
-    @classmethod
-    def ternary(cls):
-        """TWN ternary ``alpha * {-1, 0, +1}``, 2-bit codes, one float32 alpha."""
-        return cls("ternary")
-
-    @classmethod
-    def sparse24(cls):
-        """2:4 structured sparsity along each row (keep 2 of every 4)."""
-        return cls("sparse24")
-
-    @classmethod
-    def lowrank(cls, r, *, svd_rank=None, seed=0):
-        """``W ~ A B`` with ``A = U[:, :r]``, ``B = diag(S[:r]) Vt[:r]``."""
-        return cls("lowrank", r=r, svd_rank=svd_rank, seed=seed)
-
-    @classmethod
-    def monarch(cls):
-        """Monarch factors (square weights with a perfect-square side)."""
-        return cls("monarch")
-
-    @classmethod
-    def tucker(cls, dims, ranks):
-        """3-way HOSVD Tucker of the view ``w.reshape(dims)``."""
-        return cls("tucker", dims=dims, ranks=ranks)
-
-    @classmethod
-    def tt(cls, modes, cap):
-        """TT-SVD of the view ``w.reshape(modes)`` with bond ranks ``<= cap``."""
-        return cls("tt", modes=modes, cap=cap)
-
-    # -- naming ------------------------------------------------------------
-    @property
-    def label(self) -> str:
-        """Stable short name, e.g. ``int4/g128``, ``int4/g128+gptq``,
-        ``lowrank(r=12)``, ``tucker(1024x48x64->32,24,32)``,
-        ``tt(32x32x48x64,cap=16)``."""
-        base = self._base_label()
-        return base if self.rounding is None else f"{base}+{self.rounding}"
-
-    def with_rounding(self, rounding) -> "Decomp":
-        """The same decomposition with another ``rounding`` (None: to nearest)."""
-        import dataclasses
-        return dataclasses.replace(self, rounding=rounding)
-
-    def _base_label(self) -> str:
-        k = self.kind
-        if k == "dense":
-            return "dense"
-        if k == "int8":
-            return "int8/chan"
-        if k == "int4":
-            return "int4/chan"
-        if k == "int4g":
-            return f"int4/g{self.group}"
-        if k == "intn":
-            return f"int{self.bits}/" + ("chan" if self.group is None else f"g{self.group}")
-        if k == "ternary":
-            return "ternary"
-        if k == "sparse24":
-            return "sparse2:4"
-        if k == "lowrank":
-            return f"lowrank(r={self.r})"
-        if k == "monarch":
-            return "monarch"
-        if k == "tucker":
-            return ("tucker(" + "x".join(map(str, self.dims)) + "->"
-                    + ",".join(map(str, self.ranks)) + ")")
-        return "tt(" + "x".join(map(str, self.modes)) + f",cap={self.cap})"
-
-    def __str__(self):
-        return self.label
-
-    _LABEL_RES = (
-        (re.compile(r"^int4/g(\d+)$"), lambda m: Decomp.int4(int(m[1]))),
-        (re.compile(r"^int([2356])/chan$"), lambda m: Decomp.intn(int(m[1]))),
-        (re.compile(r"^int([2356])/g(\d+)$"), lambda m: Decomp.intn(int(m[1]), int(m[2]))),
-        (re.compile(r"^lowrank\(r=(\d+)\)$"), lambda m: Decomp.lowrank(int(m[1]))),
-        (re.compile(r"^tucker\((\d+)x(\d+)x(\d+)->(\d+),(\d+),(\d+)\)$"),
-         lambda m: Decomp.tucker(tuple(map(int, m.groups()[:3])),
-                                 tuple(map(int, m.groups()[3:])))),
-        (re.compile(r"^tt\((\d+(?:x\d+)+),cap=(\d+)\)$"),
-         lambda m: Decomp.tt(tuple(map(int, m[1].split("x"))), int(m[2]))),
-    )
-
-    @classmethod
-    def from_label(cls, s: str) -> "Decomp":
-        """Inverse of :attr:`label` (provenance fields take their defaults)."""
-        simple = {"dense": "dense", "int8/chan": "int8", "int4/chan": "int4",
-                  "ternary": "ternary", "sparse2:4": "sparse24", "monarch": "monarch"}
-        if not isinstance(s, str):
-            raise TypeError(f"label must be a str; got {type(s).__name__}.")
-        for rnd in ROUNDINGS:
-            if s.endswith("+" + rnd):
-                return cls.from_label(s[:-len(rnd) - 1]).with_rounding(rnd)
-        if s in simple:
-            return cls(simple[s])
-        for rx, make in cls._LABEL_RES:
-            m = rx.match(s)
-            if m:
-                return make(m)
-        raise ValueError(f"unknown decomposition label {s!r}; expected e.g. 'dense', "
-                         f"'int8/chan', 'int4/g128', 'int{{2,3,5,6}}/chan', 'int5/g32', "
-                         f"'lowrank(r=12)', "
-                         f"'tucker(64x8x8->32,4,4)', 'tt(8x8x8x8,cap=16)'.")
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict: ``kind``, ``label`` and the kind's parameters."""
-        d = {"kind": self.kind, "label": self.label}
-        for f in ("r", "group", "cap", "bits"):
-            if getattr(self, f) is not None:
-                d[f] = getattr(self, f)
-        for f in ("dims", "ranks", "modes"):
-            if getattr(self, f) is not None:
-                d[f] = list(getattr(self, f))
-        if self.rounding is not None:
-            d["rounding"] = self.rounding
-        if self.kind == "lowrank":
-            d["svd_rank"] = self.svd_rank
-            d["seed"] = self.seed
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Decomp":
-        """Inverse of :meth:`to_dict` (``label`` is ignored if present)."""
-        if not isinstance(d, dict) or "kind" not in d:
-            raise ValueError(f"Decomp.from_dict needs a dict with a 'kind' key; got {d!r}.")
-        kw = {k: v for k, v in d.items() if k != "label"}
-        for f in ("dims", "ranks", "modes"):
-            if kw.get(f) is not None:
-                kw[f] = tuple(kw[f])
-        if kw.get("seed") is None:
-            kw.pop("seed", None)
-        try:
-            return cls(**kw)
-        except TypeError as exc:
-            raise ValueError(f"bad Decomp dict {d!r}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -502,324 +171,7 @@ class LayerProfile:
                    None if sens is None else float(sens))
 
 
-# ───────────────────────────── shapes and sizes ─────────────────────────────
-
-def balanced_factor(n: int) -> tuple:
-    """``(a, n // a)`` with ``a`` the largest divisor of ``n`` that is
-    ``<= sqrt(n)`` (``(1, n)`` for primes and 1)."""
-    a = max(math.isqrt(n), 1)
-    while a > 1 and n % a:
-        a -= 1
-    return a, n // a
-
-
-def _tt_ranks(modes, cap):
-    """Bond ranks TT-SVD produces: ``r_k = clamp(cap, 1, min(r_{k-1} d_k,
-    prod(d_{k+1:})))``."""
-    ranks = []
-    rp = 1
-    for k in range(len(modes) - 1):
-        rows = rp * modes[k]
-        cols = int(np.prod(modes[k + 1:]))
-        rk = max(1, min(cap, rows, cols))
-        ranks.append(rk)
-        rp = rk
-    return ranks
-
-
-def _tt_params(modes, cap):
-    bond = [1] + _tt_ranks(modes, cap) + [1]
-    return sum(bond[k] * modes[k] * bond[k + 1] for k in range(len(modes)))
-
-
-def _tt_flops(modes, cap, rows):
-    """MACs to apply the TT operator to one input vector: contract the input
-    modes right to left, then expand the output modes."""
-    bond = [1] + _tt_ranks(modes, cap) + [1]
-    n = len(modes)
-    split = next((k for k in range(1, n) if int(np.prod(modes[:k])) == rows), None)
-    if split is None:
-        return _tt_params(modes, cap)
-    fl = 0
-    for t in range(n - 1, split - 1, -1):  # input cores
-        fl += int(np.prod(modes[split:t + 1])) * bond[t] * bond[t + 1]
-    for t in range(split - 1, -1, -1):      # output cores
-        fl += bond[t] * bond[t + 1] * int(np.prod(modes[t:split]))
-    return fl
-
-
-def _check_applicable(rows, cols, d: Decomp):
-    k = d.kind
-    if k == "lowrank":
-        if d.r > min(rows, cols):
-            raise ValueError(f"lowrank r must be <= min(rows, cols) = {min(rows, cols)}; "
-                             f"got r={d.r}.")
-        if d.svd_rank is not None and not d.r <= d.svd_rank <= min(rows, cols):
-            raise ValueError(f"lowrank svd_rank must lie in [r, min(rows, cols)] = "
-                             f"[{d.r}, {min(rows, cols)}]; got {d.svd_rank}.")
-    elif k == "monarch":
-        m = math.isqrt(rows)
-        if rows != cols or m * m != rows:
-            raise ValueError(f"monarch needs a square weight with a perfect-square side; "
-                             f"got {rows}x{cols}.")
-    elif k == "tucker":
-        if d.dims[0] != rows or d.dims[1] * d.dims[2] != cols:
-            raise ValueError(f"tucker dims must be (rows, c1, c2) with c1*c2 = cols for a "
-                             f"{rows}x{cols} weight; got {d.dims}.")
-    elif k == "tt":
-        if int(np.prod(d.modes)) != rows * cols:
-            raise ValueError(f"tt modes must multiply to rows*cols = {rows * cols}; got "
-                             f"{d.modes}.")
-
-
-def packed_bytes(rows: int, cols: int, d: Decomp) -> int:
-    """Bytes of :func:`pack` for a ``[rows, cols]`` weight, without packing.
-
-    Equals ``sum(a.nbytes for a in pack(w, d).values())``.
-    """
-    _check_applicable(rows, cols, d)
-    n = rows * cols
-    k = d.kind
-    if k == "dense":
-        return 4 * n
-    if k == "int8":
-        return n + 4 * rows
-    if k == "int4":
-        return rows * ((cols + 1) // 2) + 4 * rows
-    if k == "int4g":
-        return rows * ((cols + 1) // 2) + 4 * rows * (-(-cols // d.group))
-    if k == "intn":
-        lo_bits = 2 if d.bits <= 3 else 4
-        hi_bits = d.bits - lo_bits
-        ng = 1 if d.group is None else -(-cols // d.group)
-        return rows * (-(-cols * lo_bits // 8) + -(-cols * hi_bits // 8)) + 4 * rows * ng
-    if k == "ternary":
-        return rows * ((cols + 3) // 4) + 4
-    if k == "sparse24":
-        nv = 2 * (cols // 4) + min(2, cols % 4)
-        return rows * (4 * nv + (nv + 3) // 4)
-    if k == "lowrank":
-        return 4 * (rows + cols) * d.r
-    if k == "monarch":
-        m = math.isqrt(rows)
-        return 8 * m ** 3
-    if k == "tucker":
-        r0, r1, r2 = d.ranks
-        return 4 * (r0 * r1 * r2 + sum(a * b for a, b in zip(d.dims, d.ranks)))
-    return 4 * _tt_params(d.modes, d.cap)
-
-
-def _flops(rows, cols, d: Decomp) -> int:
-    n = rows * cols
-    k = d.kind
-    if k in ("dense", "int8", "int4", "int4g", "intn"):
-        return n
-    if k == "ternary":
-        return n // 2  # upstream: adds/subtracts only, counted as half a MAC
-    if k == "sparse24":
-        return rows * (2 * (cols // 4) + min(2, cols % 4))
-    if k == "lowrank":
-        return (rows + cols) * d.r
-    if k == "monarch":
-        return 2 * math.isqrt(rows) ** 3
-    if k == "tucker":
-        (d0, d1, d2), (r0, r1, r2) = d.dims, d.ranks
-        return d1 * d2 * r2 + d1 * r1 * r2 + r0 * r1 * r2 + d0 * r0
-    return _tt_flops(d.modes, d.cap, rows)
-
-
-# ───────────────────────────── pack / unpack ─────────────────────────────
-
-def _kern():
-    from . import kernels
-    return kernels
-
-
-def _quant_codes(w, bits, group, d, gram):
-    """Codes/scales of ``w``: round to nearest, or ``d.rounding`` from ``gram``."""
-    if d.rounding is None:
-        return quantize_groups_sym(w, bits, group)
-    if gram is None:
-        raise ValueError(f"{d.label} chooses its codes from calibration data: pass gram= "
-                         f"(H = X.T @ X of the layer's inputs, [cols, cols] or its diagonal; "
-                         f"see opscope_nb.calib), or use {d.with_rounding(None).label}.")
-    from .gptq import gptq_validated
-    codes, scales = gptq_validated(w, gram, bits, group)
-    return codes, np.ascontiguousarray(scales.reshape(w.shape[0], -1))
-
-
-def _pack(w, d: Decomp, svd=None, gram=None):
-    """Pack a validated ``w``; ``svd`` optionally supplies ``(U, S, Vt)``;
-    ``gram`` is the calibration gram a ``rounding="gptq"`` Decomp needs."""
-    rows, cols = w.shape
-    k = d.kind
-    if k == "dense":
-        return {"w": w.copy()}
-    if k in ("int8", "int4", "int4g"):
-        bits = 8 if k == "int8" else 4
-        group = d.group if k == "int4g" else cols
-        codes, scales = _quant_codes(w, bits, group, d, gram)
-        if k != "int4g":
-            scales = np.ascontiguousarray(scales[:, 0])
-        if bits == 4:
-            codes = pack_nibbles(codes)
-        return {"codes": codes, "scales": scales}
-    if k == "intn":
-        group = cols if d.group is None else d.group
-        codes, scales = _quant_codes(w, d.bits, group, d, gram)
-        if d.group is None:
-            scales = np.ascontiguousarray(scales[:, 0])
-        lo, hi = pack_intn(codes, d.bits)
-        if d.bits == 2:
-            return {"lo": lo, "scales": scales}
-        return {"lo": lo, "hi": hi, "scales": scales}
-    if k == "ternary":
-        codes, alpha = ternary_twn(w)
-        crumbs = (codes.view(np.uint8) & np.uint8(3))  # -1 -> 3, 0 -> 0, 1 -> 1
-        return {"codes": pack_crumbs(np.ascontiguousarray(crumbs)),
-                "alpha": np.array([alpha], dtype=np.float32)}
-    if k == "sparse24":
-        values, slots = nm_prune(w, 2, 4)
-        return {"values": values, "indices": pack_crumbs(slots)}
-    if k == "lowrank":
-        if svd is None:
-            rr = d.svd_rank or d.r
-            svd = _kern().truncated_svd(w, rr, d.seed)
-        u, s, vt = svd
-        a = np.ascontiguousarray(u[:, :d.r], dtype=np.float32)
-        b = np.ascontiguousarray(s[:d.r, None] * vt[:d.r], dtype=np.float32)
-        return {"a": a, "b": b}
-    if k == "monarch":
-        w1, w2 = _kern().monarch_project(w)
-        return {"w1": np.ascontiguousarray(w1, dtype=np.float32),
-                "w2": np.ascontiguousarray(w2, dtype=np.float32)}
-    if k == "tucker":
-        x3 = np.ascontiguousarray(w.reshape(d.dims))
-        core, facs = _kern().tucker_hosvd(x3, np.asarray(d.ranks, dtype=np.int64))
-        out = {"core": np.ascontiguousarray(core, dtype=np.float32)}
-        for i, u in enumerate(facs):
-            out[f"u{i}"] = np.ascontiguousarray(u, dtype=np.float32)
-        return out
-    cores = _kern().tt_svd(np.ascontiguousarray(w.reshape(-1)),
-                           np.asarray(d.modes, dtype=np.int64), d.cap)
-    return {f"core{i}": np.ascontiguousarray(c, dtype=np.float32)
-            for i, c in enumerate(cores)}
-
-
-def unpack(packed: dict, d: Decomp, shape) -> np.ndarray:
-    """Dense ``[rows, cols]`` float32 reconstruction from :func:`pack` arrays.
-
-    Parameters
-    ----------
-    packed : dict of str -> ndarray
-        As returned by :func:`pack` for the same ``d``.
-    d : Decomp
-    shape : tuple of int
-        ``(rows, cols)`` of the original weight.
-
-    Returns
-    -------
-    ndarray of shape (rows, cols), float32, C-contiguous
-    """
-    rows, cols = (int(shape[0]), int(shape[1]))
-    k = d.kind
-    if k == "dense":
-        out = packed["w"]
-    elif k == "int8":
-        out = dequantize_groups(packed["codes"], packed["scales"].reshape(rows, 1), cols)
-    elif k in ("int4", "int4g"):
-        group = d.group if k == "int4g" else cols
-        out = dequantize_nibbles(packed["codes"], packed["scales"].reshape(rows, -1),
-                                 group, cols)
-    elif k == "intn":
-        group = cols if d.group is None else d.group
-        lo = packed["lo"]
-        hi = packed["hi"] if d.bits != 2 else np.zeros((rows, 0), dtype=np.uint8)
-        out = dequantize_intn(lo, hi, packed["scales"].reshape(rows, -1), d.bits,
-                              max(group, 1), cols)
-    elif k == "ternary":
-        out = ternary_decode(packed["codes"], packed["alpha"][0], cols)
-    elif k == "sparse24":
-        nv = packed["values"].shape[1]
-        out = nm_unprune(packed["values"], unpack_crumbs(packed["indices"], nv), cols, 2, 4)
-    elif k == "lowrank":
-        out = packed["a"] @ packed["b"]
-    elif k == "monarch":
-        out = _kern().monarch_reconstruct(packed["w1"], packed["w2"])
-    elif k == "tucker":
-        facs = (packed["u0"], packed["u1"], packed["u2"])
-        out = _kern().tucker_reconstruct(packed["core"], facs).reshape(rows, cols)
-    else:
-        cores = [packed[f"core{i}"] for i in range(len(d.modes))]
-        out = _kern().tt_reconstruct(_as_core_list(cores)).reshape(rows, cols)
-    return np.ascontiguousarray(out, dtype=np.float32)
-
-
-def _as_core_list(cores):
-    try:
-        from numba.typed import List
-        lst = List()
-        for c in cores:
-            lst.append(c)
-        return lst
-    except Exception:  # pragma: no cover - plain list accepted by the core
-        return list(cores)
-
-
-def pack(w, decomp: Decomp, *, gram=None) -> dict:
-    """The arrays a kernel would hold for ``decomp`` of ``w`` (see the module
-    docstring for every layout).
-
-    Parameters
-    ----------
-    w : array_like of shape (rows, cols)
-        ``[out_features, in_features]``; converted to float32, must be finite.
-    decomp : Decomp
-    gram : array_like, optional
-        ``[cols, cols]`` (or ``[cols]`` diagonal) second moment of the layer's
-        inputs; required by ``+gptq`` decompositions (``ValueError`` without),
-        ignored by the others.
-
-    Returns
-    -------
-    dict of str -> ndarray
-        Their total ``nbytes`` is the option's ``bytes``.
-    """
-    w = as_matrix(w, "w")
-    if not isinstance(decomp, Decomp):
-        raise TypeError(f"decomp must be a Decomp; got {type(decomp).__name__}. "
-                        f"Use e.g. Decomp.int8() or Decomp.from_label('int8/chan').")
-    _check_applicable(*w.shape, decomp)
-    if gram is not None and decomp.rounding is not None:
-        from .gptq import check_gram
-        gram = check_gram(gram, w.shape[1])
-    return _pack(w, decomp, gram=gram)
-
-
-def approximate(w, decomp: Decomp, *, gram=None) -> np.ndarray:
-    """``unpack(pack(w, decomp))``: the weight the compressed kernel computes with.
-
-    Parameters
-    ----------
-    w : array_like of shape (rows, cols)
-        ``[out_features, in_features]``.
-    decomp : Decomp
-    gram : array_like, optional
-        As for :func:`pack` (required by ``+gptq`` decompositions).
-
-    Returns
-    -------
-    ndarray of shape (rows, cols), float32
-    """
-    w = as_matrix(w, "w")
-    return unpack(pack(w, decomp, gram=gram), decomp, w.shape)
-
-
 # ───────────────────────────── profiling ─────────────────────────────
-
-def _nbytes(packed):
-    return int(sum(a.nbytes for a in packed.values()))
-
 
 def _int_seq(v, name, what, example):
     """Deduplicated list of positive ints from a sequence (order kept)."""
@@ -913,104 +265,151 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
             raise ValueError(f"intn_bits entries must be 3, 5 or 6 (int4/int8 are always in "
                              f"the menu, int2 is set by int2_groups); got {b}. Pass e.g. "
                              f"intn_bits=(6, 5, 3) or intn_bits=().")
-    lat_ms = None
-    if latency is not None:
-        from .runtime import _check_ms
-        lat_ms = _check_ms(latency)
+    lat_ms = None if latency is None else check_ms(latency)
     rows, cols = w.shape
-    numel = rows * cols
     if gram is not None:
-        from .gptq import check_gram, output_error
         gram = check_gram(gram, cols)
     if sensitivity is not None:
         sensitivity = float(sensitivity)
         if not math.isfinite(sensitivity) or sensitivity < 0:
             raise ValueError(f"sensitivity must be finite and >= 0; got {sensitivity!r}.")
     with_gptq = bool(gptq) and gram is not None and gram.ndim == 2
-    opts = []
-    tim = {k: 0.0 for k in ("quant", "ternary", "sparse", "svd", "lowrank", "monarch",
-                            "tucker", "tt")}
 
-    def add(d, part, svd=None):
-        t0 = time.perf_counter()
-        packed = _pack(w, d, svd, gram)
-        recon = unpack(packed, d, w.shape)
-        err = float(_rel_err(w, recon))
-        nb = _nbytes(packed)
-        if part:
-            tim[part] = tim.get(part, 0.0) + time.perf_counter() - t0
-        oerr = None
-        if gram is not None:
-            t0 = time.perf_counter()
-            oerr = output_error(w, recon, gram)
-            tim["out_err"] = tim.get("out_err", 0.0) + time.perf_counter() - t0
-        lat = {}
-        if lat_ms is not None:
-            from .runtime import PackedLinear, measure_latency
-            t0 = time.perf_counter()
-            lat = measure_latency(PackedLinear(d, packed, w.shape), lat_ms, seed=seed)
-            tim["latency"] = tim.get("latency", 0.0) + time.perf_counter() - t0
-        opts.append(DecompOption(d, err, nb, _flops(rows, cols, d), lat, oerr))
+    meas = _Measure(w, gram, lat_ms, seed)
+    for d, part in quant_menu(cols, groups=gs, intn_bits=nbits, int2_groups=g2s,
+                              gptq=with_gptq):
+        meas(d, part)
+    svd, ranks = meas.spectrum(rank_cap)
+    for r in ranks:
+        meas(Decomp.lowrank(r, svd_rank=min(rows, cols, rank_cap), seed=seed), "lowrank", svd)
+    for d, part in structured_menu(rows, cols):
+        meas(d, part)
+    return LayerProfile(name, rows, cols, 4 * rows * cols, meas.options, meas.timings,
+                        sensitivity)
 
-    def addq(d):
-        add(d, "quant")
-        if with_gptq:
-            add(d.with_rounding("gptq"), "gptq")
 
-    add(Decomp.dense(), None)
-    addq(Decomp.int8())
+#: Parts of :attr:`LayerProfile.timings` that every profile reports.
+_PARTS = ("quant", "ternary", "sparse", "svd", "lowrank", "monarch", "tucker", "tt")
+
+
+def quant_menu(cols, *, groups=(32, 128), intn_bits=(6, 5, 3), int2_groups=(32,),
+               gptq=False) -> list:
+    """The data-independent head of :func:`profile_layer`'s menu, in order.
+
+    Dense; int8/chan; then for 6, 5, 4, 3 bits (4 always, the others when in
+    ``intn_bits``) per channel and per group of each ``groups`` length shorter
+    than ``cols``; int2 per group of ``int2_groups``; ternary; 2:4.  With
+    ``gptq`` each quantised option is followed by its ``+gptq`` twin.
+
+    Returns
+    -------
+    list of (Decomp, str or None)
+        The option and the :attr:`LayerProfile.timings` part it is timed in.
+    """
+    out = [(Decomp.dense(), None)]
+
+    def q(d):
+        out.append((d, "quant"))
+        if gptq:
+            out.append((d.with_rounding("gptq"), "gptq"))
+
+    q(Decomp.int8())
     for b in (6, 5, 4, 3):
-        if b == 4:
-            addq(Decomp.int4())
-        elif b in nbits:
-            addq(Decomp.intn(b))
-        else:
+        if b != 4 and b not in intn_bits:
             continue
-        for g in gs:
+        q(Decomp.int4() if b == 4 else Decomp.intn(b))
+        for g in groups:
             if cols > g:
-                addq(Decomp.int4(g) if b == 4 else Decomp.intn(b, g))
-    for g in g2s:
+                q(Decomp.int4(g) if b == 4 else Decomp.intn(b, g))
+    for g in int2_groups:
         if cols > g:
-            addq(Decomp.intn(2, g))
-    add(Decomp.ternary(), "ternary")
-    add(Decomp.sparse24(), "sparse")
+            q(Decomp.intn(2, g))
+    out += [(Decomp.ternary(), "ternary"), (Decomp.sparse24(), "sparse")]
+    return out
 
-    rcap = min(rows, cols, rank_cap)
-    ranks = []
-    if (rows + cols) < numel:  # some rank >= 1 can compress
-        t0 = time.perf_counter()
-        u, s, vt = _kern().truncated_svd(w, rcap, seed)
-        tim["svd"] += time.perf_counter() - t0
-        e = np.asarray(s, dtype=np.float64) ** 2
-        cum = np.cumsum(e)
-        energy = max(float(cum[-1]), 1e-30)
-        for frac in (0.90, 0.99, 0.999):
-            hit = np.flatnonzero(cum >= frac * energy)
-            r = int(hit[0]) + 1 if hit.size else rcap
-            r = min(max(r, 1), rcap)
-            if r in ranks or (rows + cols) * r >= numel:
-                continue
-            ranks.append(r)
-            add(Decomp.lowrank(r, svd_rank=rcap, seed=seed), "lowrank", (u, s, vt))
 
+def structured_menu(rows, cols) -> list:
+    """The tail of the menu: Monarch (square, perfect-square side), Tucker and
+    TT over balanced factors, each only when it compresses; as
+    :func:`quant_menu`'s ``(Decomp, part)`` pairs."""
+    out = []
     m = math.isqrt(rows)
     if rows == cols and m * m == rows and rows > 1:
-        add(Decomp.monarch(), "monarch")
-
+        out.append((Decomp.monarch(), "monarch"))
     c1, c2 = balanced_factor(cols)
     if c1 > 1 and c2 > 1:
         tr = (max(min(rows // 2, 32, cols), 1), max(c1 // 2, 1), max(c2 // 2, 1))
         d = Decomp.tucker((rows, c1, c2), tr)
-        if packed_bytes(rows, cols, d) < 4 * numel:
-            add(d, "tucker")
-
+        if packed_bytes(rows, cols, d) < 4 * rows * cols:
+            out.append((d, "tucker"))
     r1, r2 = balanced_factor(rows)
     if r1 > 1 and r2 > 1 and c1 > 1 and c2 > 1:
         d = Decomp.tt((r1, r2, c1, c2), 16)
-        if packed_bytes(rows, cols, d) < 4 * numel:
-            add(d, "tt")
+        if packed_bytes(rows, cols, d) < 4 * rows * cols:
+            out.append((d, "tt"))
+    return out
 
-    return LayerProfile(name, rows, cols, 4 * numel, opts, tim, sensitivity)
+
+def lowrank_ranks(s, rows, cols, rcap) -> list:
+    """Ranks reaching 90 / 99 / 99.9 % of the spectral energy of the singular
+    values ``s`` (first ``rcap``), deduplicated, only those that compress."""
+    e = np.asarray(s, dtype=np.float64) ** 2
+    cum = np.cumsum(e)
+    energy = max(float(cum[-1]), 1e-30)
+    ranks = []
+    for frac in (0.90, 0.99, 0.999):
+        hit = np.flatnonzero(cum >= frac * energy)
+        r = int(hit[0]) + 1 if hit.size else rcap
+        r = min(max(r, 1), rcap)
+        if r not in ranks and (rows + cols) * r < rows * cols:
+            ranks.append(r)
+    return ranks
+
+
+class _Measure:
+    """Measures options of one validated weight: error, bytes, flops, and
+    (with a gram / latency sizes) output error and latency; collects
+    :class:`DecompOption` s and seconds per part."""
+
+    def __init__(self, w, gram, lat_ms, seed):
+        self.w, self.gram, self.lat_ms, self.seed = w, gram, lat_ms, seed
+        self.options = []
+        self.timings = {k: 0.0 for k in _PARTS}
+
+    def _tick(self, part, t0):
+        self.timings[part] = self.timings.get(part, 0.0) + time.perf_counter() - t0
+
+    def __call__(self, d, part, svd=None):
+        w = self.w
+        t0 = time.perf_counter()
+        packed = _pack(w, d, svd, self.gram)
+        recon = unpack(packed, d, w.shape)
+        err = float(_rel_err(w, recon))
+        if part:
+            self._tick(part, t0)
+        oerr = None
+        if self.gram is not None:
+            t0 = time.perf_counter()
+            oerr = output_error(w, recon, self.gram)
+            self._tick("out_err", t0)
+        lat = {}
+        if self.lat_ms is not None:
+            t0 = time.perf_counter()
+            lat = measure_latency(PackedLinear(d, packed, w.shape), self.lat_ms, seed=self.seed)
+            self._tick("latency", t0)
+        self.options.append(DecompOption(d, err, nbytes(packed), flops(*w.shape, d), lat, oerr))
+
+    def spectrum(self, rank_cap):
+        """``((U, S, Vt), ranks)`` of the one truncated SVD, or ``(None, [])``
+        when no rank can compress."""
+        rows, cols = self.w.shape
+        if rows + cols >= rows * cols:
+            return None, []
+        rcap = min(rows, cols, rank_cap)
+        t0 = time.perf_counter()
+        svd = truncated_svd(self.w, rcap, self.seed)
+        self._tick("svd", t0)
+        return svd, lowrank_ranks(svd[1], rows, cols, rcap)
 
 
 # ───────────────────────────── quant sweep ─────────────────────────────

@@ -1,14 +1,14 @@
 """Run a packed compression option as a linear layer: :class:`PackedLinear`.
 
-``PackedLinear`` holds the arrays :func:`opscope_nb.mining.pack` returns for
+``PackedLinear`` holds the arrays :func:`opscope_nb.formats.pack` returns for
 one weight ``w`` (PyTorch Linear layout ``[out, in]`` = ``[rows, cols]``) and
-one :class:`~opscope_nb.mining.Decomp`, and computes ``y = x @ W_hat.T``
+one :class:`~opscope_nb.formats.Decomp`, and computes ``y = x @ W_hat.T``
 (``W_hat = unpack(...)``) **from those arrays** with the njit kernel of its
 kind (nibbles, crumbs, 2:4 values + slots, factors and cores are read inside
 the kernel; ``__call__`` never builds the dense ``W_hat``).
 
 >>> import numpy as np
->>> from opscope_nb.mining import Decomp
+>>> from opscope_nb.formats import Decomp
 >>> from opscope_nb.runtime import PackedLinear
 >>> w = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
 >>> lin = PackedLinear.pack(w, Decomp.lowrank(8))
@@ -33,14 +33,15 @@ import math
 
 import numpy as np
 
-from . import mining
-from .mining import Decomp
+from . import formats
+from .formats import Decomp
 from . import kernels as _k
 from ._config import njit as _njit
 from .kernels._matmul import PAR_MIN as _PAR_MIN
 from .kernels._probe import absmax_f32 as _absmax_f32
 
-__all__ = ["PackedLinear", "expected_arrays", "measure_latency", "has_kernel", "ACTS"]
+__all__ = ["PackedLinear", "expected_arrays", "measure_latency", "has_kernel", "check_ms",
+           "ACTS"]
 
 #: Accepted ``act`` values of :meth:`PackedLinear.__call__`.
 ACTS = ("auto", "f32", "int8")
@@ -48,73 +49,11 @@ ACTS = ("auto", "f32", "int8")
 
 # ─────────────────────────── packed-array layouts ───────────────────────────
 
-def _tt_bonds(modes, cap):
-    return [1] + list(mining._tt_ranks(tuple(modes), cap)) + [1]
-
-
 def expected_arrays(rows: int, cols: int, decomp: Decomp) -> dict:
-    """The arrays a ``[rows, cols]`` weight packed as ``decomp`` must have:
-    ``{name: (dtype, shape)}`` (``mining``'s layout table, in code).
-
-    Parameters
-    ----------
-    rows, cols : int
-        ``[out_features, in_features]``.
-    decomp : Decomp
-
-    Returns
-    -------
-    dict of str -> (numpy.dtype, tuple of int)
-    """
-    f32, u8, i8 = np.dtype(np.float32), np.dtype(np.uint8), np.dtype(np.int8)
-    d = decomp
-    k = d.kind
-    if k == "dense":
-        return {"w": (f32, (rows, cols))}
-    if k == "int8":
-        return {"codes": (i8, (rows, cols)), "scales": (f32, (rows,))}
-    if k == "int4":
-        return {"codes": (u8, (rows, (cols + 1) // 2)), "scales": (f32, (rows,))}
-    if k == "int4g":
-        return {"codes": (u8, (rows, (cols + 1) // 2)),
-                "scales": (f32, (rows, -(-cols // d.group)))}
-    if k == "intn":
-        # lo plane: 2-bit fields (b = 2, 3) or 4-bit (b = 5, 6); hi plane: the
-        # remaining 1 bit (b = 3, 5), 2 bits (b = 6) or none (b = 2).
-        lo_bits = 2 if d.bits <= 3 else 4
-        out = {"lo": (u8, (rows, -(-cols * lo_bits // 8)))}
-        hi_bits = d.bits - lo_bits
-        if hi_bits:
-            out["hi"] = (u8, (rows, -(-cols * hi_bits // 8)))
-        out["scales"] = ((f32, (rows,)) if d.group is None
-                         else (f32, (rows, -(-cols // d.group))))
-        return out
-    if k == "ternary":
-        return {"codes": (u8, (rows, (cols + 3) // 4)), "alpha": (f32, (1,))}
-    if k == "sparse24":
-        nv = 2 * (cols // 4) + min(2, cols % 4)
-        return {"values": (f32, (rows, nv)), "indices": (u8, (rows, (nv + 3) // 4))}
-    if k == "lowrank":
-        return {"a": (f32, (rows, d.r)), "b": (f32, (d.r, cols))}
-    if k == "monarch":
-        m = math.isqrt(rows)
-        return {"w1": (f32, (m, m, m)), "w2": (f32, (m, m, m))}
-    if k == "tucker":
-        out = {"core": (f32, tuple(d.ranks))}
-        for i, (dd, rr) in enumerate(zip(d.dims, d.ranks)):
-            out[f"u{i}"] = (f32, (dd, rr))
-        return out
-    if k == "tt":
-        b = _tt_bonds(d.modes, d.cap)
-        return {f"core{i}": (f32, (b[i], dm, b[i + 1])) for i, dm in enumerate(d.modes)}
-    return _expected_from_pack(rows, cols, d)
-
-
-def _expected_from_pack(rows, cols, d):
-    """Layout of a kind this table does not spell out (a kind added to mining
-    later): read off ``mining.pack`` of a zero weight of the same shape."""
-    probe = mining.pack(np.zeros((rows, cols), np.float32), d)
-    return {name: (a.dtype, a.shape) for name, a in probe.items()}
+    """``{name: (dtype, shape)}`` a ``[rows, cols]`` weight packed as
+    ``decomp`` must have: :func:`opscope_nb.formats.layout` (kept under this
+    name for existing callers)."""
+    return formats.layout(rows, cols, decomp)
 
 
 def _as_decomp(decomp):
@@ -149,11 +88,12 @@ class PackedLinear:
     ----------
     decomp : Decomp (or its label str / ``to_dict()`` dict)
     arrays : dict of str -> ndarray
-        Exactly the arrays of ``mining``'s layout table for ``decomp`` and
-        ``shape`` (see :func:`expected_arrays`), dtype and shape as listed;
+        Exactly the arrays of the layout table for ``decomp`` and ``shape``
+        (:func:`opscope_nb.formats.layout`), dtype and shape as listed;
         float arrays finite.  Non-contiguous arrays are copied; others are
-        kept as given (no copy), except TT cores, which are gathered into one
-        buffer the kernel walks (``arrays`` then returns views of it).
+        kept as given (no copy: do not modify them afterwards -- derived data
+        such as the int8 row sums is computed here, once), except TT cores,
+        which are gathered into one buffer the kernel walks.
     shape : (int, int)
         ``(rows, cols)`` = ``[out_features, in_features]`` of the weight.
 
@@ -169,9 +109,10 @@ class PackedLinear:
     decomp : Decomp
     shape : (int, int)
     arrays : dict of str -> ndarray
-        Element-for-element equal to ``mining.pack(w, decomp)``.
+        Read-only views, element-for-element equal to
+        ``formats.pack(w, decomp)``.
     nbytes : int
-        ``sum(a.nbytes)`` == ``mining.packed_bytes(rows, cols, decomp)``.
+        ``sum(a.nbytes)`` == ``formats.packed_bytes(rows, cols, decomp)``.
     """
 
     __slots__ = ("_decomp", "_shape", "_arrays", "_kind", "_aux")
@@ -179,7 +120,6 @@ class PackedLinear:
     def __init__(self, decomp, arrays, shape):
         d = _as_decomp(decomp)
         rows, cols = _as_shape(shape)
-        mining._check_applicable(rows, cols, d)
         if not isinstance(arrays, dict):
             raise TypeError(f"arrays must be a dict of name -> ndarray; got "
                             f"{type(arrays).__name__}.")
@@ -210,15 +150,20 @@ class PackedLinear:
         self._aux = None
         if d.kind == "tt":
             got, self._aux = _tt_prepare(got, d, rows)
+        elif d.kind == "int8":
+            # per-output code sums for the W8A8 prefill's offset correction,
+            # computed here once (4 bytes per output, not part of the format):
+            # never from a cache that an edit of the codes could leave stale
+            self._aux = _k.i8_row_sums(got["codes"])
         self._arrays = got
 
     @classmethod
     def pack(cls, w, decomp, *, gram=None) -> "PackedLinear":
         """Pack ``w`` (``[out, in]``, converted to float32, finite) as ``decomp``
-        with :func:`opscope_nb.mining.pack` and wrap the arrays (``gram``: the
+        with :func:`opscope_nb.formats.pack` and wrap the arrays (``gram``: the
         calibration gram a ``+gptq`` decomp needs)."""
         d = _as_decomp(decomp)
-        arrays = mining.pack(w, d, gram=gram)
+        arrays = formats.pack(w, d, gram=gram)
         w_shape = np.shape(w)
         return cls(d, arrays, w_shape)
 
@@ -233,16 +178,19 @@ class PackedLinear:
 
     @property
     def arrays(self) -> dict:
-        return dict(self._arrays)
+        # read-only views: the kernels keep the writable buffers (numba types
+        # a read-only array apart, so handing those to them would compile
+        # every kernel twice)
+        return {n: _frozen(a) for n, a in self._arrays.items()}
 
     @property
     def nbytes(self) -> int:
         return int(sum(a.nbytes for a in self._arrays.values()))
 
     def dense(self) -> np.ndarray:
-        """float32 ``[rows, cols]`` reconstruction (``mining.unpack``); for
+        """float32 ``[rows, cols]`` reconstruction (``formats.unpack``); for
         inspection only -- calls never use it."""
-        return mining.unpack(self._arrays, self._decomp, self._shape)
+        return formats.unpack(self._arrays, self._decomp, self._shape)
 
     def __repr__(self):
         return (f"PackedLinear({self._decomp.label}, shape={self._shape}, "
@@ -299,6 +247,13 @@ class PackedLinear:
             raise ValueError(f"x must be finite; it holds "
                              f"{int(x2.size - np.isfinite(x2).sum())} NaN/Inf element(s).")
         return y[0] if one else y
+
+
+def _frozen(a):
+    """A read-only view of ``a`` (the layer's arrays cannot be edited through it)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 def _coerce_x(x):
@@ -414,11 +369,6 @@ def _int4_checked(x, codes, scales, cols, group, act8):
 def _fwd_int8(lin, x, act):
     a = lin._arrays
     act8 = _act8(lin, act)
-    if act8 and lin._aux is None:
-        # per-output code sums for the prefill kernel's offset correction:
-        # derived from the codes once (4 bytes per output, not part of the
-        # format), so prefill calls skip a pass over the weights
-        lin._aux = _k.i8_row_sums(a["codes"])
     # W8A16 ignores the sums: an empty array keeps one compiled signature
     return _int8_checked(x, a["codes"], a["scales"], act8, lin._aux if act8 else _NO_SUMS)
 
@@ -514,7 +464,7 @@ def measure_latency(lin, ms=(1, 32), *, act="auto", seed=0, rounds=3,
 
     if not isinstance(lin, PackedLinear):
         raise TypeError(f"lin must be a PackedLinear; got {type(lin).__name__}.")
-    ms = _check_ms(ms)
+    ms = check_ms(ms)
     quantile = float(quantile)
     if not 0.0 < quantile <= 1.0:
         raise ValueError(f"quantile must lie in (0, 1]; got {quantile!r}.")
@@ -542,7 +492,8 @@ def measure_latency(lin, ms=(1, 32), *, act="auto", seed=0, rounds=3,
     return out
 
 
-def _check_ms(ms):
+def check_ms(ms) -> tuple:
+    """Validated latency batch sizes: a tuple of distinct positive ints."""
     if isinstance(ms, (int, np.integer)):
         ms = (ms,)
     try:
@@ -556,4 +507,11 @@ def _check_ms(ms):
     return tuple(dict.fromkeys(vals))
 
 
-from ._checkpoint import save, load  # noqa: E402,F401  (opscope_nb.runtime.save / load)
+def __getattr__(name):
+    # ``runtime.save`` / ``runtime.load`` (documented since the checkpoint
+    # format was added) live in the layer above, :mod:`opscope_nb.checkpoint`;
+    # resolved on first use so importing the runtime never imports it.
+    if name in ("save", "load"):
+        from . import checkpoint
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -150,7 +150,7 @@ def test_cli_profile_calib_allocate_apply(tmp_path):
     sensitivity -> apply (a +gptq plan packs with the saved grams)."""
     import json
     from opscope_nb import cli
-    from opscope_nb._checkpoint import load
+    from opscope_nb.checkpoint import load
     from opscope_nb.mining import Decomp, approximate
     from opscope_nb.calib import load_grams
     from opscope_nb import io as tio

@@ -484,7 +484,7 @@ def test_quant_stat_matches_naive():
 
 def test_flops_hand_counted():
     """MACs per input row, counted by hand for the contraction orders."""
-    from opscope_nb.mining import _flops
+    from opscope_nb.formats import flops as _flops
 
     assert _flops(12, 24, Decomp.tt((4, 3, 4, 6), 16)) == 144 + 288 + 144 + 48
     assert _flops(12, 24, Decomp.tucker((12, 4, 6), (2, 2, 2))) == 48 + 16 + 8 + 24

@@ -110,7 +110,9 @@ def test_no_densification_at_call(monkeypatch):
 
     def boom(*a, **k):
         raise AssertionError("densified at call time")
+    from opscope_nb import formats
     monkeypatch.setattr(mining, "unpack", boom)
+    monkeypatch.setattr(formats, "unpack", boom)
     for name in ("monarch_reconstruct", "tucker_reconstruct", "tt_reconstruct",
                  "nm_unprune", "unpack_crumbs"):
         monkeypatch.setattr(K, name, boom)
@@ -308,18 +310,32 @@ def test_measure_latency():
             measure_latency(lin, (1,), quantile=q)
 
 
-def test_int8_prefill_caches_weight_sums():
-    """int8/chan with int8 activations: the first call caches the code sums the
-    prefill kernel needs; results equal the kernel run without them."""
+def test_int8_weight_sums_at_construction():
+    """int8/chan: the code sums the W8A8 prefill needs are computed when the
+    layer is built (never cached on first use); results equal the kernel run
+    with sums computed here."""
     w = _w((45, 68), seed=3)
     lin = PackedLinear.pack(w, Decomp.int8())
     x = _x(33, 68, seed=4)
-    assert lin._aux is None
-    lin(x, "f32")
-    assert lin._aux is None                      # W8A16 does not need them
-    y = lin(x, "int8")
     codes = lin.arrays["codes"]
     np.testing.assert_array_equal(lin._aux, codes.astype(np.int64).sum(1))
+    y = lin(x, "int8")
     xq, sx = K.quantize_rows_i8(x)
     np.testing.assert_array_equal(y, K.matmul_w8a8(xq, sx, codes, lin.arrays["scales"]))
     np.testing.assert_array_equal(lin(x, "int8"), y)
+
+
+def test_arrays_are_read_only_views():
+    """Review finding (issue 23): ``arrays`` handed out the live buffers, so an
+    in-place edit of the codes changed the layer behind the cached W8A8 sums
+    (a silently wrong prefill).  Now every array is a read-only view."""
+    w = _w((16, 40), seed=5)
+    for d in (Decomp.int8(), Decomp.int4(8), Decomp.dense(), Decomp.lowrank(3)):
+        lin = PackedLinear.pack(w, d)
+        x = _x(9, 40, seed=6)
+        y0 = lin(x, "int8" if d.kind == "int8" else "auto")
+        for name, a in lin.arrays.items():
+            assert not a.flags.writeable, (d.label, name)
+            with pytest.raises(ValueError, match="read-only"):
+                a.reshape(-1)[0] = 1
+        np.testing.assert_array_equal(lin(x, "int8" if d.kind == "int8" else "auto"), y0)

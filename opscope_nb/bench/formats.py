@@ -207,7 +207,7 @@ def section8(cfg, comp, res):
             us = 1e3 * t[name]
             gbs = nbytes / (t[name] * 1e-3) / 1e9
             d = None if label == "vendor" else Decomp.from_label(label)
-            flops = rows * cols if d is None else mining._flops(rows, cols, d)
+            flops = rows * cols if d is None else formats.flops(rows, cols, d)
             r = {"kind": "vendor f32" if d is None else label, "act": act, "m": m,
                  "rows": rows, "cols": cols, "us": us,
                  "x_vs_vendor": (tv / t[name]) if tv else None,

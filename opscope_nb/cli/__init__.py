@@ -61,6 +61,8 @@ PROG = "opscope-nb"
 #: Command modules of this package, in ``--help`` order.  A module that does not
 #: exist yet is skipped (so a command can land in its own commit).
 COMMANDS = ("profile", "allocate", "quant", "plot", "apply", "eval")
+#: Commands that pin OpenBLAS to one thread (see :func:`main`).
+_PIN_BLAS = ("profile", "quant")
 
 # Re-exported from the helper modules on first access (keeps `import` cheap).
 _LAZY = {
@@ -107,15 +109,19 @@ def build_parser():
 def main(argv=None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 user error, 130 interrupted).
 
-    Sets ``OPENBLAS_NUM_THREADS=1`` unless the user set it (only here, never at
-    import): the profile runs one layer at a time on small-to-medium matrices,
+    Sets ``OPENBLAS_NUM_THREADS=1`` for ``profile`` and ``quant`` unless the
+    user set it (only here, never at import, and not for ``eval``, whose
+    attention and dense matmuls want every core): the profile runs one layer
+    at a time on small-to-medium matrices,
     partly from numba's parallel threads, and OpenBLAS's own spinning threads
     on top of those oversubscribe the cores.  Measured on MiniLM (2 cores,
     busy machine): 2.6/1.6/4.3 s per 384x384 / 1536x384 / 384x1536 layer with
     the default threads vs 0.25/0.39/0.39 s with one.  OpenBLAS reads it once,
     at load, so it takes effect when the CLI is the process entry point.
     """
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    words = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    if next((a for a in words if not a.startswith("-")), None) in _PIN_BLAS:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from .. import io as tio
     from ._common import CliError as _CliError
     try:

@@ -12,16 +12,16 @@ import math
 import os
 import re
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 from .. import __version__
+from .._fs import atomic_write, peak_rss_mb  # noqa: F401  (used by the commands)
+from ..profiling import PROFILE_FORMAT, TOOL, load_checked, timing_split  # noqa: F401
 from .. import io as tio
 
-PROG = "opscope-nb"
-PROFILE_FORMAT = 1
+PROG = TOOL
 
 
 class CliError(Exception):
@@ -124,48 +124,6 @@ def add_source_args(p) -> None:
 # --------------------------------------------------------------------------- #
 # process facts, files, formatting
 # --------------------------------------------------------------------------- #
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process in MiB (``getrusage``), NaN if unknown."""
-    try:
-        import resource
-    except ImportError:  # Windows
-        return float("nan")
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports KiB, macOS bytes.
-    return kb / (1024.0 * 1024.0) if sys.platform == "darwin" else kb / 1024.0
-
-
-def _umask_mode() -> int:
-    old = os.umask(0o022)
-    os.umask(old)
-    return 0o666 & ~old
-
-
-FILE_MODE = _umask_mode()
-
-
-def atomic_write(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same directory + rename.
-
-    A reader (or a crash) never sees a half-written file: ``os.replace`` is atomic
-    on POSIX and Windows when source and target share a file system.
-    """
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".",
-                               suffix=".tmp")
-    try:
-        os.chmod(tmp, FILE_MODE)  # mkstemp makes 0600; give the usual umask mode
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def json_text(obj) -> str:
@@ -294,24 +252,6 @@ def open_and_select(args):
     return src, chosen, skipped
 
 
-def load_checked(entry):
-    """Load one tensor; returns ``(w, None)``, or ``(None, reason)`` to skip it.
-
-    Skipped (not fatal): a tensor whose stored dtype is not a float format (an
-    integer ``qweight`` / ``I8`` buffer, an undecodable GGUF type) and a tensor
-    holding NaN/Inf.  A truncated or unreadable file stays a fatal error.
-    """
-    try:
-        w = entry.load()
-    except tio.UnsupportedDtypeError:
-        return None, f"dtype {entry.dtype} is not a float weight format"
-    finite_mask = np.isfinite(w)
-    if not finite_mask.all():
-        bad = int(w.size - np.count_nonzero(finite_mask))
-        return None, f"{bad} NaN/Inf value(s) out of {w.size}"
-    return w, None
-
-
 def source_info(src) -> dict:
     path = src.path if src.kind == "synthetic" else os.path.abspath(src.path)
     return {"path": path, "kind": src.kind, "n_tensors": len(src.entries)}
@@ -355,22 +295,10 @@ def layers_from_doc(doc: dict, path: str) -> list:
     return out
 
 
-def timing_split(layer_timings) -> dict:
-    """Sum the per-layer ``LayerProfile.timings`` dicts phase by phase."""
-    tot: dict = {}
-    for t in layer_timings:
-        for k, v in (t or {}).items():
-            try:
-                tot[k] = tot.get(k, 0.0) + float(v)
-            except (TypeError, ValueError):
-                continue
-    return tot
-
-
 __all__ = [
     "PROG", "PROFILE_FORMAT", "CliError", "Parser", "budget_arg", "positive_float",
     "positive_int", "nonneg_int", "int_list", "regex_arg", "add_source_args",
-    "peak_rss_mb", "FILE_MODE", "atomic_write", "json_text", "finite", "fmt_bytes",
+    "peak_rss_mb", "atomic_write", "json_text", "finite", "fmt_bytes",
     "fmt_err", "fmt_us", "ensure_outdir", "write", "tabulate_rows", "warn", "Progress",
     "progress_enabled", "open_and_select", "load_checked", "source_info",
     "load_profile_doc", "layers_from_doc", "timing_split", "__version__",

@@ -2,7 +2,7 @@
 source checkpoint as ``plan.json`` says and write one safetensors file (packed
 layers as ``<tensor>.<array>``, every other tensor copied, a JSON record with
 each layer's Decomp and shape and a SHA-256 of each source tensor in the
-metadata; see :mod:`opscope_nb._checkpoint`).  Source tensors are read one at a
+metadata; see :mod:`opscope_nb.checkpoint`).  Source tensors are read one at a
 time and the file is written atomically."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from .._checkpoint import PlanError, apply_plan
+    from ..apply import PlanError, apply_plan
     out = args.output
     d = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(d):

@@ -32,8 +32,12 @@ def add_parser(sub) -> None:
                    help="checkpoint written by 'opscope-nb apply' for SOURCE")
     p.add_argument("--text", metavar="FILE", default=None,
                    help="UTF-8 text, one passage per line (default: built-in English sample)")
-    p.add_argument("--act", choices=("auto", "f32", "int8"), default="auto",
-                   help="activation path of every linear layer (default auto)")
+    p.add_argument("--act", choices=("f32", "auto", "int8"), default="f32",
+                   help="activation path of every linear layer in the quality runs "
+                        "(default f32: the score is the plan's weight error alone)")
+    p.add_argument("--speed-act", choices=("auto", "f32", "int8"), default="auto",
+                   help="activation path of the timed runs (default auto: the fastest "
+                        "path of each kind)")
     p.add_argument("--max-tokens", type=_max_tokens, default=None, metavar="N",
                    help="evaluate at most N tokens (default: the whole text)")
     p.add_argument("--decode-steps", type=positive_int, default=64, metavar="N",
@@ -53,19 +57,19 @@ def _f(v, fmt="{:.4f}"):
 
 
 def run(args) -> int:
-    from .._checkpoint import CheckpointError
+    from ..checkpoint import CheckpointError
     from ..models import ModelError
     from ..models.evaluate import evaluate
     show = progress_enabled(args)
     try:
-        r = evaluate(args.source, args.compressed, text=args.text, act=args.act,
+        r = evaluate(args.source, args.compressed, text=args.text, act=args.act, speed_act=args.speed_act,
                      max_tokens=args.max_tokens, decode_steps=args.decode_steps,
                      prompt_tokens=args.prompt_tokens, window=args.window,
                      make_progress=lambda n, w: Progress(n, w, show))
     except (ModelError, CheckpointError) as exc:
         raise CliError(str(exc)) from None
     comp = r["compressed"] is not None
-    print(f"{r['arch']} {r['family']}, {r['tokens']} tokens, act={r['act']}")
+    print(f"{r['arch']} {r['family']}, {r['tokens']} tokens, act={r['act']} (speed: act={r['speed_act']})")
     rows = [("weight bytes", fmt_bytes(r["dense_weight_bytes"]),
              fmt_bytes(r["compressed_weight_bytes"]) if comp else "-")]
     if r["family"] == "decoder":

@@ -8,11 +8,11 @@ three allocators.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import numpy as np
 
-from ._common import CliError, FILE_MODE, layers_from_doc, load_profile_doc, positive_int
+from .._fs import atomic_writer
+from ._common import CliError, layers_from_doc, load_profile_doc, positive_int
 from ._plan import METHODS, allocate_checked
 
 NAME = "plot"
@@ -116,18 +116,12 @@ def run(args) -> int:
     data = plot_data(layers, path=args.profile)
     src = (doc.get("source") or {}).get("path", "")
     fig = render(data, f"opscope-nb rate-distortion: {os.path.basename(str(src)) or src}")
-    # atomic: render to a temp file in the target dir, then rename
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".plot.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=args.dpi, format="png")
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, args.output)
+        with atomic_writer(args.output, "wb") as f:
+            fig.savefig(f, dpi=args.dpi, format="png")
     except OSError as exc:
         raise CliError(f"{args.output}: cannot write ({exc.strerror or exc}).")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     print(f"wrote {args.output}")
     return 0

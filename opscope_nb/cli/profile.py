@@ -5,16 +5,15 @@ and exact allocators and print the plan; ``--out DIR`` writes ``profile.json``
 ``plan.json`` and ``options.csv``."""
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 import time
 
-from ._common import (PROFILE_FORMAT, PROG, CliError, __version__, add_source_args,
-                      ensure_outdir, finite, fmt_bytes, int_list, json_text, load_checked,
-                      load_profile_doc, nonneg_int, open_and_select, peak_rss_mb,
-                      positive_int, Progress, progress_enabled, source_info, timing_split,
-                      warn, write)
+from ..mining import LayerProfile
+from ..profiling import profile_doc, profile_entry, timing_split
+from ._common import (CliError, add_source_args, ensure_outdir, fmt_bytes, int_list,
+                      json_text, load_profile_doc, nonneg_int, open_and_select, peak_rss_mb,
+                      positive_int, Progress, progress_enabled, source_info, warn, write)
 from ._plan import (add_budget_args, budget_spec, budget_text, check_latencies, methods_of,
                     options_csv, plan_dict, print_plan, run_allocators)
 
@@ -62,55 +61,9 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def profile_entry(e, kw):
-    """Load, check and profile one selected tensor (the serial loop's and a Dask task's body).
-
-    Returns ``(record, LayerProfile, None)``, or ``(None, None, reason)`` when the
-    tensor is skipped (NaN/Inf, non-float dtype; see ``load_checked``).
-    """
-    from .. import mining
-    if callable(kw):
-        kw = kw(e.name)
-    t0 = time.perf_counter()
-    w, why = load_checked(e)
-    t_load = time.perf_counter() - t0
-    if w is None:
-        return None, None, why
-    t1 = time.perf_counter()
-    lp = mining.profile_layer(e.name, w, **kw)
-    del w
-    rec = {"name": e.name, "shape": list(e.shape), "dtype": e.dtype,
-           "file": os.path.abspath(e.path) if e.path != "synthetic" else e.path,
-           "load_seconds": t_load, "seconds": time.perf_counter() - t1,
-           "profile": lp.to_dict()}
-    return rec, lp, None
-
-
-def profile_doc(source, settings, records, skipped, t_start, complete) -> dict:
-    """The ``profile.json`` document."""
-    timings = timing_split(r["profile"].get("timings") for r in records)
-    return {
-        "tool": PROG, "version": __version__, "format": PROFILE_FORMAT,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source": source, "settings": settings, "complete": complete,
-        "n_layers": len(records),
-        "dense_bytes": int(sum(r["profile"]["dense_bytes"] for r in records)),
-        "layers": records, "skipped": skipped,
-        "timings": {"wall_seconds": time.perf_counter() - t_start,
-                    "profile_seconds": sum(r.get("seconds", 0.0) for r in records),
-                    "load_seconds": sum(r.get("load_seconds", 0.0) for r in records),
-                    "phases": timings},
-        "peak_rss_mb": finite(peak_rss_mb()),
-    }
-
-
 def _profile_kwargs(args) -> dict:
-    from .. import mining
     kw = {"rank_cap": args.rank_cap, "seed": args.seed}
     if args.latency:
-        if "latency" not in inspect.signature(mining.profile_layer).parameters:
-            raise CliError("--latency needs a profile_layer that measures latency "
-                           "(this build has none); drop --latency.")
         kw["latency"] = tuple(args.latency)
     return kw
 
@@ -178,7 +131,9 @@ def _calibration(args, src, chosen, kw, dist):
     return rec, per_layer
 
 
-def run(args) -> int:
+def _setup(args):
+    """Validate the flags, open and select the source, calibrate, read a resumable
+    ``profile.json``; returns the run's state as a dict."""
     spec = budget_spec(args)
     dist = None
     if args.workers is not None or args.scheduler is not None:
@@ -193,7 +148,6 @@ def run(args) -> int:
     elif args.threads_per_worker is not None:
         raise CliError("--threads-per-worker needs --workers N or --scheduler ADDRESS.")
     src, chosen, skipped_sel = open_and_select(args)
-    from ..mining import LayerProfile
     kw = _profile_kwargs(args)
     calib_settings, kw = _calibration(args, src, chosen, kw, dist)
     latency = list(args.latency) if args.latency else None
@@ -204,12 +158,10 @@ def run(args) -> int:
                 "include_embeddings": args.include_embeddings}
     if calib_settings is not None:
         settings["calib"] = calib_settings
-    source = source_info(src)
     out = ensure_outdir(args.out) if args.out else None
     if args.resume and not out:
         raise CliError("--resume needs --out DIR (it continues DIR/profile.json).")
     prof_path = os.path.join(out, "profile.json") if out else None
-
     previous = {}
     if args.resume and os.path.exists(prof_path):
         doc = load_profile_doc(prof_path)
@@ -225,70 +177,135 @@ def run(args) -> int:
                     previous[(rec["name"], tuple(rec["shape"]))] = rec
                 except (KeyError, TypeError):
                     continue
-
     skipped = [{"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "reason": r}
                for e, r in skipped_sel]
-    n_skip_load = 0
-    records, layers = [], []
-    t_start = time.perf_counter()
-    bar = Progress(len(chosen), sum(e.numel for e in chosen), progress_enabled(args))
-    reused = 0
+    return {"spec": spec, "dist": dist, "src": src, "chosen": chosen, "kw": kw,
+            "settings": settings, "source": source_info(src), "out": out,
+            "prof_path": prof_path, "previous": previous, "skipped": skipped}
+
+
+def _reuse(rec):
+    """The LayerProfile of a resumed record, or None when it does not parse."""
     try:
-        if dist is not None:
-            # Dask: same records, skips, progress and atomic profile.json saves
-            def save(recs, skips):
-                if prof_path:
-                    write(prof_path, json_text(profile_doc(source, settings, recs,
-                                                           skipped + skips, t_start, False)))
-            records, layers, reused, skips = dist.profile_cli(
-                args, src, chosen, previous, kw, settings, bar, save, warn)
-            skipped += skips
-            n_skip_load = len(skips)
-        for i, e in enumerate(chosen if dist is None else (), 1):
-            bar.show(i, e.name)
-            key = (e.name, tuple(e.shape))
-            if key in previous:
-                rec = previous[key]
-                try:
-                    lp = LayerProfile.from_dict(rec["profile"])
-                except (KeyError, TypeError, ValueError):
-                    lp = None
-                if lp is not None:
-                    records.append(rec)
-                    layers.append(lp)
-                    reused += 1
-                    bar.advance(e.numel)
-                    continue
-            rec, lp, why = profile_entry(e, kw)
-            if rec is None:
-                bar.close()
-                warn(f"skipping {e.name}: {why}.")
-                skipped.append({"name": e.name, "shape": list(e.shape), "dtype": e.dtype,
-                                "reason": why})
-                n_skip_load += 1
-                bar.advance(e.numel)
-                continue
+        return LayerProfile.from_dict(rec["profile"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _serial_loop(st, bar, save):
+    """Profile every chosen tensor in this process; returns
+    ``(records, layers, reused, skipped while loading)``."""
+    chosen, previous = st["chosen"], st["previous"]
+    records, layers, skips = [], [], []
+    reused = 0
+    for i, e in enumerate(chosen, 1):
+        bar.show(i, e.name)
+        rec = previous.get((e.name, tuple(e.shape)))
+        lp = None if rec is None else _reuse(rec)
+        if lp is not None:
             records.append(rec)
             layers.append(lp)
+            reused += 1
             bar.advance(e.numel)
-            if prof_path:
-                # keep the still-valid saved layers not reached yet, so an interrupt
-                # during a resumed run loses nothing either
-                later = [previous[k] for k in ((x.name, tuple(x.shape)) for x in chosen[i:])
-                         if k in previous]
-                write(prof_path, json_text(profile_doc(source, settings, records + later,
-                                                       skipped, t_start, False)))
-    finally:
-        bar.close()
+            continue
+        rec, lp, why = profile_entry(e, st["kw"])
+        bar.advance(e.numel)
+        if rec is None:
+            bar.close()
+            warn(f"skipping {e.name}: {why}.")
+            skips.append({"name": e.name, "shape": list(e.shape), "dtype": e.dtype,
+                          "reason": why})
+            continue
+        records.append(rec)
+        layers.append(lp)
+        # keep the still-valid saved layers not reached yet, so an interrupt
+        # during a resumed run loses nothing either
+        later = [previous[k] for k in ((x.name, tuple(x.shape)) for x in chosen[i:])
+                 if k in previous]
+        save(records + later, skips)
+    return records, layers, reused, skips
 
-    if not layers:
-        raise CliError(f"{src.path}: every selected tensor was skipped (NaN/Inf or a "
-                       f"non-float dtype); nothing to allocate.")
+
+def _dask_loop(args, st, bar, save):
+    """The per-tensor loop on a Dask cluster (:mod:`opscope_nb.distributed`):
+    same records, skips, progress and atomic saves as :func:`_serial_loop`."""
+    dist = st["dist"]
+    chosen, previous, src = st["chosen"], st["previous"], st["src"]
+    n = len(chosen)
+    slots = [None] * n          # (record, LayerProfile) per source index
+    skips = {}                  # source index -> skipped-tensor dict
+    reused = 0
+    for i, e in enumerate(chosen):
+        rec = previous.get((e.name, tuple(e.shape)))
+        lp = None if rec is None else _reuse(rec)
+        if lp is not None:
+            slots[i] = (rec, lp)
+            reused += 1
+            bar.advance(e.numel)
+    jobs = [(i, e) for i, e in enumerate(chosen) if slots[i] is None]
+
+    def ordered():
+        return ([s[0] for s in slots if s is not None], [skips[i] for i in sorted(skips)])
+
+    src_path = None if src.kind == "synthetic" else os.path.abspath(src.path)
+    done = [reused]
+
+    def on_result(i, e, res):
+        done[0] += 1
+        if "skip" in res:
+            bar.close()
+            warn(f"skipping {e.name}: {res['skip']}.")
+            skips[i] = {"name": e.name, "shape": list(e.shape), "dtype": e.dtype,
+                        "reason": res["skip"]}
+        else:
+            rec = res["record"]
+            slots[i] = (rec, LayerProfile.from_dict(rec["profile"]))
+        bar.advance(e.numel)
+        bar.show(done[0], e.name)
+        save(*ordered())
+
+    # Dask's own logging would print tracebacks when a cluster dies; the command
+    # reports one line instead.
+    with dist.quiet_logging():
+        try:
+            cluster = dist.connect(workers=args.workers,
+                                   threads_per_worker=args.threads_per_worker,
+                                   scheduler=args.scheduler, timeout=dist.CONNECT_TIMEOUT)
+        except OSError as exc:
+            raise CliError(str(exc))
+        st["settings"]["distributed"] = cluster.describe()
+        with cluster:
+            if jobs:
+                bar.show(reused, jobs[0][1].name)
+            try:
+                dist.run_profile(cluster, src_path, jobs, st["kw"], on_result,
+                                 lost_after=dist.LOST_AFTER)
+            except dist.ClusterLost as exc:
+                n_ok = sum(s is not None for s in slots)
+                where = (f"{n_ok} of {n} layers are in "
+                         f"{os.path.join(args.out, 'profile.json')}; rerun with --resume "
+                         f"to continue" if args.out else
+                         f"{n_ok} of {n} layers were done (use --out DIR to keep them)")
+                raise CliError(f"{exc}; {where}.") from None
+    recs = [s[0] for s in slots if s is not None]
+    ran = [r["worker"] for r in recs if isinstance(r.get("worker"), dict)
+           and r is not previous.get((r["name"], tuple(r["shape"])))]
+    if ran:
+        peak = max(w["peak_rss_mb"] for w in ran)
+        print(f"dask: {len(ran)} task(s) on {len({(w['host'], w['pid']) for w in ran})} "
+              f"worker process(es) at {cluster.address}, "
+              f"{sorted({w['numba_threads'] for w in ran})} numba thread(s) each; "
+              f"peak worker RSS {peak:.0f} MiB")
+    return recs, [s[1] for s in slots if s is not None], reused, [skips[i] for i in sorted(skips)]
+
+
+def _report(st, records, layers, reused, skipped, n_skip_load, t_start, args):
+    """Allocate, print the plan and the run's summary, write the output files."""
+    spec, src = st["spec"], st["src"]
     check_latencies(layers, spec, src.path)
     allocs = run_allocators(layers, spec, methods_of(args.method), args.time_limit)
     rss = peak_rss_mb()
     wall = time.perf_counter() - t_start
-
     print_plan(layers, allocs)
     dense = sum(int(lp.dense_bytes) for lp in layers)
     phases = timing_split(r["profile"].get("timings") for r in records)
@@ -303,12 +320,36 @@ def run(args) -> int:
             f"{s['name']} ({s['reason']})" for s in skipped[-n_skip_load:]))
     if split:
         print(f"profile time split: {split}")
-
+    out, prof_path = st["out"], st["prof_path"]
     if out:
-        write(prof_path, json_text(profile_doc(source, settings, records, skipped,
-                                               t_start, True)))
+        write(prof_path, json_text(profile_doc(st["source"], st["settings"], records,
+                                               skipped, t_start, True)))
         write(os.path.join(out, "plan.json"),
-              json_text(plan_dict(layers, allocs, spec, source)))
+              json_text(plan_dict(layers, allocs, spec, st["source"])))
         write(os.path.join(out, "options.csv"), options_csv(layers))
         print(f"wrote {prof_path}, plan.json, options.csv")
+
+
+def run(args) -> int:
+    st = _setup(args)
+    chosen, skipped = st["chosen"], st["skipped"]
+    t_start = time.perf_counter()
+
+    def save(recs, skips):
+        if st["prof_path"]:
+            write(st["prof_path"], json_text(profile_doc(
+                st["source"], st["settings"], recs, skipped + skips, t_start, False)))
+
+    bar = Progress(len(chosen), sum(e.numel for e in chosen), progress_enabled(args))
+    try:
+        loop = _serial_loop if st["dist"] is None else (
+            lambda st_, bar_, save_: _dask_loop(args, st_, bar_, save_))
+        records, layers, reused, skips = loop(st, bar, save)
+    finally:
+        bar.close()
+    skipped += skips
+    if not layers:
+        raise CliError(f"{st['src'].path}: every selected tensor was skipped (NaN/Inf or a "
+                       f"non-float dtype); nothing to allocate.")
+    _report(st, records, layers, reused, skipped, len(skips), t_start, args)
     return 0

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import time
 
 import numpy as np
 
+from .._fs import peak_rss_mb
 from .loader import ModelError, open_model
 
 __all__ = ["evaluate", "load_passages", "JSON_KEYS", "kl_stats", "cosine"]
@@ -122,17 +122,9 @@ class _NoBar:
         pass
 
 
-def _peak_rss_mb():
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - Windows
-        return float("nan")
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb / (1024.0 * 1024.0) if sys.platform == "darwin" else kb / 1024.0
-
-
-def evaluate(source, compressed=None, *, text=None, act="auto", max_tokens=None,
-             decode_steps=64, prompt_tokens=64, window=256, make_progress=None) -> dict:
+def evaluate(source, compressed=None, *, text=None, act="f32", max_tokens=None,
+             decode_steps=64, prompt_tokens=64, window=256, make_progress=None,
+             speed_act="auto") -> dict:
     """Run the dense (and compressed) model on the same tokens; return the figures.
 
     Parameters
@@ -143,8 +135,15 @@ def evaluate(source, compressed=None, *, text=None, act="auto", max_tokens=None,
         ``opscope-nb apply`` output for ``source``.
     text : str or None
         Text file, one passage per line; None = the built-in English sample.
-    act : {"auto", "f32", "int8"}
-        Activation mode of every ``PackedLinear`` call (both models).
+    act : {"f32", "auto", "int8"}
+        Activation mode of every ``PackedLinear`` call (both models) in the
+        quality runs (cosine / KL / perplexity).  Default ``"f32"``: the score
+        is the plan's weight error alone, as the dense model runs in float32
+        too (``"auto"`` would add the int8 activation error of the packed
+        kernels to the compressed model only).
+    speed_act : {"auto", "f32", "int8"}
+        Activation mode of the timed runs (tokens per second); default
+        ``"auto"``, the fastest path each kind has.
     max_tokens : int or None
         Cap on the tokens evaluated (decoders: the token stream; encoders:
         whole texts are added while the total stays within the cap, at least one).
@@ -169,8 +168,9 @@ def evaluate(source, compressed=None, *, text=None, act="auto", max_tokens=None,
     ModelError, UnsupportedModelError, opscope_nb.io.SourceError
         Bad input (unknown architecture, empty text, checkpoint of another model).
     """
-    if act not in ("auto", "f32", "int8"):
-        raise ValueError(f"act must be 'auto', 'f32' or 'int8'; got {act!r}.")
+    for nm, v in (("act", act), ("speed_act", speed_act)):
+        if v not in ("auto", "f32", "int8"):
+            raise ValueError(f"{nm} must be 'auto', 'f32' or 'int8'; got {v!r}.")
     for nm, v in (("decode_steps", decode_steps), ("prompt_tokens", prompt_tokens),
                   ("window", window)):
         if int(v) < 1:
@@ -186,23 +186,25 @@ def evaluate(source, compressed=None, *, text=None, act="auto", max_tokens=None,
         comp = open_model(source, compressed)
     load_s = time.perf_counter() - t0
     res = {k: None for k in JSON_KEYS}
-    res.update(family=dense.family, arch=dense.arch, act=act, source=os.fspath(source),
+    res.update(family=dense.family, arch=dense.arch, act=act, speed_act=speed_act,
+               source=os.fspath(source),
                compressed=None if compressed is None else os.fspath(compressed),
                dense_weight_bytes=dense.weight_bytes(),
                compressed_weight_bytes=None if comp is None else comp.weight_bytes(),
                load_seconds=load_s)
     if dense.family == "encoder":
-        _eval_encoder(res, dense, comp, passages, text is None, act, max_tokens, mk)
+        _eval_encoder(res, dense, comp, passages, text is None, act, speed_act,
+                      max_tokens, mk)
     else:
-        _eval_decoder(res, dense, comp, passages, act, max_tokens, decode_steps,
-                      prompt_tokens, window, mk)
-    rss = _peak_rss_mb()
+        _eval_decoder(res, dense, comp, passages, act, speed_act, max_tokens,
+                      decode_steps, prompt_tokens, window, mk)
+    rss = peak_rss_mb()
     res["peak_rss_mb"] = rss if np.isfinite(rss) else None
     return res
 
 
 # --------------------------------------------------------------------------- #
-def _eval_encoder(res, dense, comp, passages, builtin, act, max_tokens, mk):
+def _eval_encoder(res, dense, comp, passages, builtin, act, speed_act, max_tokens, mk):
     from . import bert
     texts = _sentences(passages) if builtin else list(passages)
     if max_tokens is not None:
@@ -222,11 +224,13 @@ def _eval_encoder(res, dense, comp, passages, builtin, act, max_tokens, mk):
     embs = {}
     for j, (tag, m) in enumerate(models):
         bar.show(2 * j, f"{tag} forward")
-        embs[tag] = bert.embed(m, texts, act=act)          # also the warm-up
+        embs[tag] = bert.embed(m, texts, act=act)          # quality (also a warm-up)
         bar.advance(1)
         bar.show(2 * j + 1, f"{tag} timed forward")
+        if speed_act != act:
+            bert.embed(m, texts[:1], act=speed_act)        # warm the speed path
         t = time.perf_counter()
-        bert.embed(m, texts, act=act)
+        bert.embed(m, texts, act=speed_act)
         res[f"{tag}_tokens_per_s"] = ntok / max(time.perf_counter() - t, 1e-12)
         bar.advance(1)
     bar.close()
@@ -238,7 +242,7 @@ def _eval_encoder(res, dense, comp, passages, builtin, act, max_tokens, mk):
         res["cosine_min"] = float(c.min())
 
 
-def _eval_decoder(res, dense, comp, passages, act, max_tokens, decode_steps,
+def _eval_decoder(res, dense, comp, passages, act, speed_act, max_tokens, decode_steps,
                   prompt_tokens, window, mk):
     from . import llama
     cfg = dense.config
@@ -287,18 +291,18 @@ def _eval_decoder(res, dense, comp, passages, act, max_tokens, decode_steps,
         bar.show(len(starts) + j, f"{tag} decode speed")
         cap = len(prompt) + decode_steps + 2
         warm = llama.KVCache(m.config, cap)
-        lg = llama.forward(m, prompt[:min(8, len(prompt))], warm, act=act, logits="last")
+        lg = llama.forward(m, prompt[:min(8, len(prompt))], warm, act=speed_act, logits="last")
         for _ in range(2):
-            lg = llama.forward(m, [int(np.argmax(lg[-1]))], warm, act=act, logits="last")
+            lg = llama.forward(m, [int(np.argmax(lg[-1]))], warm, act=speed_act, logits="last")
         cache = llama.KVCache(m.config, cap)
         t = time.perf_counter()
-        lg = llama.forward(m, prompt, cache, act=act, logits="last")
+        lg = llama.forward(m, prompt, cache, act=speed_act, logits="last")
         t_pre = time.perf_counter() - t
         bar.advance(1)
         t = time.perf_counter()
         for _ in range(decode_steps):
             nxt = int(np.argmax(lg[-1]))
-            lg = llama.forward(m, [nxt], cache, act=act, logits="last")
+            lg = llama.forward(m, [nxt], cache, act=speed_act, logits="last")
             bar.advance(1)
         t_dec = time.perf_counter() - t
         res[f"{tag}_prefill_tokens_per_s"] = len(prompt) / max(t_pre, 1e-12)

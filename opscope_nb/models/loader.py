@@ -53,8 +53,11 @@ def dense_linear(w: np.ndarray):
     return PackedLinear(Decomp.dense(), {"w": w}, w.shape)
 
 
-def _is_linear(x) -> bool:
-    return hasattr(x, "decomp") and hasattr(x, "arrays") and callable(x)
+def is_linear(x) -> bool:
+    """Whether a model tensor is a linear layer (a :class:`~opscope_nb.runtime.
+    PackedLinear`, dense or packed) rather than a plain array."""
+    from ..runtime import PackedLinear
+    return isinstance(x, PackedLinear)
 
 
 # --------------------------------------------------------------------------- #
@@ -444,7 +447,7 @@ def open_model(source, compressed=None, *, make_progress=None) -> Model:
         if progress is not None:
             progress.close()
     else:
-        from .._checkpoint import load as ck_load
+        from ..checkpoint import load as ck_load
         src = tio.open_source(source)
         shapes = {e.name: tuple(e.shape) for e in src.entries}
         loaded, _meta = ck_load(compressed)
@@ -462,9 +465,9 @@ def open_model(source, compressed=None, *, make_progress=None) -> Model:
                 raise ModelError(f"{compressed}: tensor {n!r} has shape {shp} but "
                                  f"{os.path.basename(source)} has {shapes[n]}; the checkpoint "
                                  f"belongs to another model.")
-            if n in lin and not _is_linear(v):
+            if n in lin and not is_linear(v):
                 v = dense_linear(v)
-            elif n not in lin and _is_linear(v):
+            elif n not in lin and is_linear(v):
                 v = v.dense()
             tensors[n] = v
     return Model(family, arch, conf, tensors, tok, os.fspath(source))

@@ -5,7 +5,7 @@ File layout (a standard safetensors file, readable by any safetensors reader):
 * each packed layer ``N`` (a :class:`~opscope_nb.runtime.PackedLinear`) stores
   its arrays as tensors ``N.<array>`` (e.g. ``encoder.layer.0.attention.self.
   query.weight.codes`` int8 ``[rows, cols]`` and ``....scales`` float32
-  ``[rows]``), with the dtypes and shapes of ``mining``'s layout table;
+  ``[rows]``), with the dtypes and shapes of :func:`opscope_nb.formats.layout`;
 * every other tensor is stored under its own name, unchanged;
 * ``__metadata__["opscope_nb"]`` is a JSON record::
 
@@ -22,10 +22,17 @@ File layout (a standard safetensors file, readable by any safetensors reader):
   applied to).
 
 Writing is streaming and atomic: arrays are appended one at a time to a
-temporary data file, then the header and the data are copied into a
-temporary file in the target directory, which is renamed over the target
-(``os.replace``).  :func:`apply_plan` re-reads source tensors one at a time,
-so a checkpoint larger than RAM can be compressed.
+temporary data file, then the header and the data are copied into the
+target through :func:`opscope_nb._fs.atomic_writer`.
+:func:`opscope_nb.apply.apply_plan` re-reads source tensors one at a time, so
+a checkpoint larger than RAM can be compressed.
+
+Reading treats the file as untrusted: the metadata record is checked
+against a schema (every malformation is a one-line :class:`CheckpointError`
+naming the entry), and arrays are checked against the record.
+
+Layer 3 (imports :mod:`opscope_nb.runtime`, :mod:`opscope_nb.formats`,
+:mod:`opscope_nb.io`); ``opscope_nb.runtime.save`` / ``load`` resolve here.
 """
 from __future__ import annotations
 
@@ -38,8 +45,13 @@ import tempfile
 
 import numpy as np
 
-__all__ = ["save", "load", "apply_plan", "read_plan", "FORMAT", "FORMAT_VERSION",
-           "CheckpointWriter", "CheckpointError", "PlanError"]
+from ._fs import atomic_writer
+from .formats import Decomp
+from .io import SourceError, read_safetensors_header
+from .runtime import PackedLinear
+
+__all__ = ["save", "load", "read_record", "FORMAT", "FORMAT_VERSION",
+           "CheckpointWriter", "CheckpointError"]
 
 FORMAT = "opscope-nb-packed"
 FORMAT_VERSION = 1
@@ -53,11 +65,8 @@ _ST2NP = {v: k for k, v in _NP2ST.items()}
 
 
 class CheckpointError(ValueError):
-    """A checkpoint's arrays disagree with its metadata (the message names the tensor)."""
-
-
-class PlanError(ValueError):
-    """A plan.json is missing, malformed, or made for another model."""
+    """A checkpoint's arrays disagree with its metadata, or its metadata record
+    is malformed (the message names the tensor / entry)."""
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:
@@ -67,12 +76,6 @@ def _bytes(a: np.ndarray) -> np.ndarray:
 
 def _sha(a: np.ndarray) -> str:
     return hashlib.sha256(_bytes(a)).hexdigest()
-
-
-def _umask_mode() -> int:
-    old = os.umask(0o022)
-    os.umask(old)
-    return 0o666 & ~old
 
 
 class CheckpointWriter:
@@ -157,25 +160,11 @@ class CheckpointWriter:
             raw += b" " * (-len(raw) % 8)
             self._data.flush()
             self._data.close()
-            fd, tmp = tempfile.mkstemp(dir=self._dir,
-                                       prefix="." + os.path.basename(self.path) + ".",
-                                       suffix=".tmp")
-            try:
-                os.chmod(tmp, _umask_mode())
-                with os.fdopen(fd, "wb") as f:
-                    f.write(struct.pack("<Q", len(raw)))
-                    f.write(raw)
-                    with open(self._data_path, "rb") as src:
-                        shutil.copyfileobj(src, f, 16 << 20)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
+            with atomic_writer(self.path, "wb") as f:
+                f.write(struct.pack("<Q", len(raw)))
+                f.write(raw)
+                with open(self._data_path, "rb") as src:
+                    shutil.copyfileobj(src, f, 16 << 20)
         finally:
             try:
                 self._data.close()
@@ -216,7 +205,6 @@ def save(path, layers: dict, tensors: dict, metadata: dict | None = None) -> str
         A name used twice (a layer array colliding with a tensor), a
         non-PackedLinear layer, a non-ndarray tensor, a reserved metadata key.
     """
-    from .runtime import PackedLinear
     if not isinstance(layers, dict) or not isinstance(tensors, dict):
         raise TypeError("layers and tensors must be dicts of name -> PackedLinear / ndarray.")
     for n, lin in layers.items():
@@ -240,27 +228,86 @@ def save(path, layers: dict, tensors: dict, metadata: dict | None = None) -> str
 
 
 def read_record(path) -> tuple:
-    """``(data_start, header, record)`` of a checkpoint written by :func:`save`."""
-    from .io import read_safetensors_header, SourceError
+    """``(data_start, header, record)`` of a checkpoint written by :func:`save`.
+
+    Raises
+    ------
+    opscope_nb.io.SourceError
+        Not a (readable) opscope-nb checkpoint.
+    CheckpointError
+        The record does not follow the schema (one line naming the entry).
+    """
     path = os.fspath(path)
     data_start, header = read_safetensors_header(path)
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        meta = json.loads(f.read(n).decode("utf-8")).get("__metadata__") or {}
-    if _META_KEY not in meta:
+        try:
+            meta = json.loads(f.read(n).decode("utf-8")).get("__metadata__") or {}
+        except (ValueError, AttributeError):
+            meta = {}
+    if not isinstance(meta, dict) or _META_KEY not in meta:
         raise SourceError(f"{path}: not an opscope-nb checkpoint (no '{_META_KEY}' record "
                           f"in the safetensors metadata); write it with 'opscope-nb apply'.")
     try:
         record = json.loads(meta[_META_KEY])
-        if record.get("format") != FORMAT:
+        if not isinstance(record, dict) or record.get("format") != FORMAT:
             raise ValueError
-    except (ValueError, AttributeError, TypeError):
+        version = record.get("format_version", 0)
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError
+    except (ValueError, TypeError, RecursionError):
         raise SourceError(f"{path}: the '{_META_KEY}' metadata record is not a valid "
                           f"{FORMAT} record.") from None
-    if int(record.get("format_version", 0)) > FORMAT_VERSION:
-        raise SourceError(f"{path}: format version {record.get('format_version')} is newer "
+    if version > FORMAT_VERSION:
+        raise SourceError(f"{path}: format version {version} is newer "
                           f"than this opscope-nb reads ({FORMAT_VERSION}); upgrade.")
+    _check_record(path, record)
     return data_start, header, record
+
+
+def _bad(path, where, what):
+    return CheckpointError(f"{path}: metadata record: {where} {what}; the file is not a "
+                           f"valid {FORMAT} checkpoint (re-create it with apply).")
+
+
+def _check_array_info(path, where, info):
+    if not isinstance(info, dict):
+        raise _bad(path, where, "must be an object with dtype, shape and sha256")
+    if not isinstance(info.get("dtype"), str):
+        raise _bad(path, where, f"has no dtype string (got {info.get('dtype')!r})")
+    shp = info.get("shape")
+    if not isinstance(shp, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in shp):
+        raise _bad(path, where, f"shape must be a list of non-negative ints (got {shp!r})")
+    if "sha256" in info and not isinstance(info["sha256"], str):
+        raise _bad(path, where, "sha256 must be a hex string")
+
+
+def _check_record(path, record):
+    """Schema of the ``opscope_nb`` record (:func:`load` relies on it)."""
+    layers = record.get("layers", {})
+    tensors = record.get("tensors", {})
+    if not isinstance(layers, dict):
+        raise _bad(path, "'layers'", "must be an object")
+    if not isinstance(tensors, dict):
+        raise _bad(path, "'tensors'", "must be an object")
+    for ln, li in layers.items():
+        where = f"layer {ln!r}"
+        if not isinstance(li, dict):
+            raise _bad(path, where, "must be an object with decomp, shape and arrays")
+        if not isinstance(li.get("decomp"), dict):
+            raise _bad(path, where, "has no decomp object")
+        shp = li.get("shape")
+        if not (isinstance(shp, list) and len(shp) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shp)):
+            raise _bad(path, where, f"shape must be [rows, cols] (got {shp!r})")
+        arrays = li.get("arrays")
+        if not isinstance(arrays, dict):
+            raise _bad(path, where, "has no arrays object")
+        for an, info in arrays.items():
+            _check_array_info(path, f"array {an!r} of {where}", info)
+    for tn, info in tensors.items():
+        _check_array_info(path, f"tensor {tn!r}", info)
 
 
 def _read(path, data_start, name, info, want, verify) -> np.ndarray:
@@ -316,12 +363,10 @@ def load(path, *, verify: bool = True) -> tuple:
     opscope_nb.io.SourceError
         Not a (readable) opscope-nb checkpoint.
     """
-    from .runtime import PackedLinear
-    from .mining import Decomp
     path = os.fspath(path)
     data_start, header, record = read_record(path)
-    layers = record.get("layers") or {}
-    plain = record.get("tensors") or {}
+    layers = record.get("layers", {})
+    plain = record.get("tensors", {})
     owned = {}
     for ln, li in layers.items():
         for an in (li.get("arrays") or {}):
@@ -352,165 +397,3 @@ def load(path, *, verify: bool = True) -> tuple:
     return out, record
 
 
-# --------------------------------------------------------------------------- #
-# apply a plan
-# --------------------------------------------------------------------------- #
-def read_plan(plan_path, method=None) -> tuple:
-    """``(method, {layer name: Decomp}, plan doc)`` from a ``plan.json``.
-
-    ``method`` None picks ``exact`` when present, else the first method.  Decomp
-    parameters come from the ``profile.json`` next to the plan when it lists the
-    same layer and option (keeps low-rank provenance: SVD rank and seed), else
-    from the option's label.
-
-    Raises
-    ------
-    ValueError
-        Missing/unreadable plan, unknown method, malformed layer entries.
-    """
-    from .mining import Decomp
-    plan_path = os.fspath(plan_path)
-    if not os.path.isfile(plan_path):
-        raise PlanError(f"{plan_path}: no such plan file; write one with "
-                         f"'opscope-nb profile SOURCE --out DIR' (DIR/plan.json).")
-    try:
-        with open(plan_path, encoding="utf-8") as f:
-            doc = json.load(f)
-        methods = doc["methods"]
-        if not isinstance(methods, dict) or not methods:
-            raise KeyError
-    except OSError as exc:
-        raise PlanError(f"{plan_path}: cannot read ({exc.strerror or exc}).") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-        raise PlanError(f"{plan_path}: not an opscope-nb plan.json (needs a 'methods' "
-                         f"object from 'profile --out' or 'allocate --out').") from None
-    if method is None:
-        method = "exact" if "exact" in methods else next(iter(methods))
-    if method not in methods:
-        raise PlanError(f"{plan_path}: method {method!r} not in the plan; it has "
-                         f"{sorted(methods)}.")
-    prof_opts = {}
-    prof_path = os.path.join(os.path.dirname(os.path.abspath(plan_path)), "profile.json")
-    if os.path.isfile(prof_path):
-        try:
-            with open(prof_path, encoding="utf-8") as f:
-                pdoc = json.load(f)
-            for ent in pdoc.get("layers", []):
-                p = ent.get("profile", ent)
-                prof_opts[p["name"]] = [o["decomp"] for o in p["options"]]
-        except Exception:  # a stray/old profile.json only loses provenance
-            prof_opts = {}
-    out = {}
-    for ent in methods[method].get("layers", []):
-        try:
-            name, label = str(ent["name"]), str(ent["label"])
-            d = Decomp.from_label(label)
-            opts = prof_opts.get(name)
-            oi = ent.get("option")
-            if opts is not None and oi is not None and 0 <= int(oi) < len(opts):
-                dd = Decomp.from_dict(opts[int(oi)])
-                if dd == d:
-                    d = dd
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PlanError(f"{plan_path}: bad layer entry {ent!r} in method "
-                             f"{method!r} ({exc}).") from None
-        out[name] = (d, ent.get("bytes"))
-    if not out:
-        raise PlanError(f"{plan_path}: method {method!r} lists no layers.")
-    return method, out, doc
-
-
-def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
-               grams=None) -> dict:
-    """Compress ``source`` as ``plan.json`` says and write the checkpoint to ``out_path``.
-
-    Parameters
-    ----------
-    source : str
-        The checkpoint the plan was made from (any :func:`opscope_nb.io.open_source` input).
-    plan_path : str
-        ``plan.json`` from ``profile --out`` / ``allocate --out``.
-    out_path : str
-        Target ``.safetensors`` (atomic replace).
-    method : str or None
-        Allocator whose plan to use (default ``exact`` when present, else the first).
-    make_progress : callable or None
-        ``make_progress(n_tensors, total_elements)`` -> a bar with ``show(i, name)``
-        / ``advance(work)`` / ``close()`` (the CLI's stderr bar).
-    grams : dict of str -> ndarray, optional
-        Calibration grams by tensor name (:func:`opscope_nb.calib.load_grams`),
-        needed by planned ``+gptq`` layers.
-
-    Returns
-    -------
-    dict
-        ``method``, ``layers`` (packed count), ``dense_layers`` (planned dense),
-        ``tensors`` (written plain), ``skipped`` (non-float tensors not copied),
-        ``source_bytes`` (float32), ``out_bytes`` (arrays written), ``path``.
-
-    Raises
-    ------
-    ValueError
-        Bad plan; a planned layer missing from the source or of another shape
-        (the plan was made for another model).
-    """
-    from . import io as tio
-    from .runtime import PackedLinear
-    from .mining import packed_bytes
-    method, plan, doc = read_plan(plan_path, method)
-    src = tio.open_source(source)
-    by_name = {e.name: e for e in src.entries}
-    for name, (d, nbytes) in plan.items():
-        e = by_name.get(name)
-        if e is None:
-            raise PlanError(f"{plan_path}: planned layer {name!r} is not in {src.path}; "
-                             f"the plan was made for another model.")
-        if e.ndim != 2:
-            raise PlanError(f"{plan_path}: planned layer {name!r} has shape {e.shape} in "
-                             f"{src.path}, not a 2-D weight; the plan is for another model.")
-        if nbytes is not None and packed_bytes(e.shape[0], e.shape[1], d) != int(nbytes):
-            raise PlanError(f"{plan_path}: planned layer {name!r} ({d.label}, {nbytes} "
-                             f"bytes) does not match its shape {e.shape} in {src.path}; the "
-                             f"plan was made for another model.")
-    w = CheckpointWriter(out_path)
-    sha = {}
-    skipped, dense_layers = [], 0
-    total = float(sum(e.numel for e in src.entries)) or 1.0
-    progress = None if make_progress is None else make_progress(len(src.entries), total)
-    try:
-        for i, e in enumerate(src.entries):
-            if progress is not None:
-                progress.show(i, e.name)
-            try:
-                a = e.load()
-            except tio.UnsupportedDtypeError:
-                skipped.append(e.name)
-                continue
-            sha[e.name] = _sha(a)
-            ent = plan.get(e.name)
-            if ent is not None and ent[0].kind != "dense":
-                g = None if grams is None or ent[0].rounding is None else grams.get(e.name)
-                w.add_layer(e.name, PackedLinear.pack(a, ent[0], gram=g))
-            else:
-                dense_layers += ent is not None
-                w.add_tensor(e.name, a)
-            del a
-            if progress is not None:
-                progress.advance(e.numel)
-        meta = {"source": {"file": os.path.basename(os.fspath(source)),
-                           "kind": src.kind, "n_tensors": len(src.entries)},
-                "source_sha256": sha,
-                "plan": {"file": os.path.basename(os.fspath(plan_path)), "method": method,
-                         "budget": doc.get("budget")}}
-        n_layers, n_tensors = len(w.layers), len(w.tensors)
-        out_bytes = w._offset
-        w.finish(meta)
-    except BaseException:
-        w.abort()
-        raise
-    finally:
-        if progress is not None:
-            progress.close()
-    return {"method": method, "layers": n_layers, "dense_layers": dense_layers,
-            "tensors": n_tensors, "skipped": skipped, "source_bytes": int(total) * 4,
-            "out_bytes": int(out_bytes), "path": os.fspath(out_path)}
