@@ -46,7 +46,6 @@ _KVF = _KV.astype(np.float32)
 
 _S = dict(fastmath=False)          # exact IEEE float32 semantics
 
-__all__ = []
 
 
 # ----------------------------------------------------------------- primitives
@@ -1324,66 +1323,363 @@ def _dq_tq2_0(b, o, y):
 
 
 # ========================================================= parallel drivers
-def _make_entries(name, row_fn, block, nbytes, dq_fn):
-    """Build the parallel ``quantize_<name>`` / ``dequantize_<name>`` entries.
+# One explicit pair of entries per type (not a factory of closures: numba's
+# on-disk cache does not reuse closures, so those recompiled in every process).
+# Each entry compiles only on the first use of its type.
 
-    Each pair is its own numba dispatcher (compiled on first use of that type
-    only); the row functions above are shared callees.
-    """
-
-    def quantize(w, qw):
-        rows, cols = w.shape
-        out = np.empty((rows, cols // block * nbytes), np.uint8)
-        for r in prange(rows):
-            row_fn(w[r], qw, out[r])
-        return out
-
-    def dequantize(data, cols):
-        rows = data.shape[0]
-        out = np.empty((rows, cols), np.float32)
-        nb = cols // block
-        for r in prange(rows):
-            row = data[r].astype(np.int64)
-            for ib in range(nb):
-                dq_fn(row, ib * nbytes, out[r, ib * block:(ib + 1) * block])
-        return out
-
-    quantize.__name__ = quantize.__qualname__ = f"quantize_{name}"
-    dequantize.__name__ = dequantize.__qualname__ = f"dequantize_{name}"
-    quantize.__doc__ = (
-        f"ggml {name.upper()} quantiser: ``w`` float32 [rows, cols] C-contiguous, "
-        f"``qw`` float32 [cols] importance or empty -> uint8 [rows, cols/{block}*{nbytes}]. "
-        "No input validation.")
-    dequantize.__doc__ = (
-        f"ggml {name.upper()} decoder: uint8 [rows, cols/{block}*{nbytes}] -> float32 "
-        "[rows, cols]. No input validation.")
-    return njit_parallel(quantize, fastmath=False), njit_parallel(dequantize, fastmath=False)
+@njit_parallel(fastmath=False)
+def quantize_q8_0(w, qw):
+    """ggml Q8_0 quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
+    multiple of 32), ``qw`` float32 [cols] importance or an empty array ->
+    uint8 [rows, cols/32*34].  No input validation."""
+    rows, cols = w.shape
+    out = np.empty((rows, cols // 32 * 34), np.uint8)
+    for r in prange(rows):
+        _q8_0_row(w[r], qw, out[r])
+    return out
 
 
-#: name -> (row quantiser, block size, bytes per block, block decoder)
-_TABLE = {
-    "q8_0": (_q8_0_row, 32, 34, _dq_q8_0),
-    "q4_0": (_q4_0_row, 32, 18, _dq_q4_0),
-    "q4_1": (_q4_1_row, 32, 20, _dq_q4_1),
-    "q5_0": (_q5_0_row, 32, 22, _dq_q5_0),
-    "q5_1": (_q5_1_row, 32, 24, _dq_q5_1),
-    "iq4_nl": (_iq4_nl_row, 32, 18, _dq_iq4_nl),
-    "iq4_xs": (_iq4_xs_row, 256, 136, _dq_iq4_xs),
-    "q2_K": (_q2_K_row, 256, 84, _dq_q2_K),
-    "q3_K": (_q3_K_row, 256, 110, _dq_q3_K),
-    "q4_K": (_q4_K_row, 256, 144, _dq_q4_K),
-    "q5_K": (_q5_K_row, 256, 176, _dq_q5_K),
-    "q6_K": (_q6_K_row, 256, 210, _dq_q6_K),
-    "tq1_0": (_tq1_0_row, 256, 54, _dq_tq1_0),
-    "tq2_0": (_tq2_0_row, 256, 66, _dq_tq2_0),
+@njit_parallel(fastmath=False)
+def dequantize_q8_0(data, cols):
+    """ggml Q8_0 decoder: uint8 [rows, cols/32*34] -> float32 [rows, cols].
+    No input validation."""
+    rows = data.shape[0]
+    out = np.empty((rows, cols), np.float32)
+    for r in prange(rows):
+        row = data[r].astype(np.int64)
+        for ib in range(cols // 32):
+            _dq_q8_0(row, ib * 34, out[r, ib * 32:(ib + 1) * 32])
+    return out
+
+@njit_parallel(fastmath=False)
+def quantize_q4_0(w, qw):
+    """ggml Q4_0 quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
+    multiple of 32), ``qw`` float32 [cols] importance or an empty array ->
+    uint8 [rows, cols/32*18].  No input validation."""
+    rows, cols = w.shape
+    out = np.empty((rows, cols // 32 * 18), np.uint8)
+    for r in prange(rows):
+        _q4_0_row(w[r], qw, out[r])
+    return out
+
+
+@njit_parallel(fastmath=False)
+def dequantize_q4_0(data, cols):
+    """ggml Q4_0 decoder: uint8 [rows, cols/32*18] -> float32 [rows, cols].
+    No input validation."""
+    rows = data.shape[0]
+    out = np.empty((rows, cols), np.float32)
+    for r in prange(rows):
+        row = data[r].astype(np.int64)
+        for ib in range(cols // 32):
+            _dq_q4_0(row, ib * 18, out[r, ib * 32:(ib + 1) * 32])
+    return out
+
+@njit_parallel(fastmath=False)
+def quantize_q4_1(w, qw):
+    """ggml Q4_1 quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
+    multiple of 32), ``qw`` float32 [cols] importance or an empty array ->
+    uint8 [rows, cols/32*20].  No input validation."""
+    rows, cols = w.shape
+    out = np.empty((rows, cols // 32 * 20), np.uint8)
+    for r in prange(rows):
+        _q4_1_row(w[r], qw, out[r])
+    return out
+
+
+@njit_parallel(fastmath=False)
+def dequantize_q4_1(data, cols):
+    """ggml Q4_1 decoder: uint8 [rows, cols/32*20] -> float32 [rows, cols].
+    No input validation."""
+    rows = data.shape[0]
+    out = np.empty((rows, cols), np.float32)
+    for r in prange(rows):
+        row = data[r].astype(np.int64)
+        for ib in range(cols // 32):
+            _dq_q4_1(row, ib * 20, out[r, ib * 32:(ib + 1) * 32])
+    return out
+
+@njit_parallel(fastmath=False)
+def quantize_q5_0(w, qw):
+    """ggml Q5_0 quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
+    multiple of 32), ``qw`` float32 [cols] importance or an empty array ->
+    uint8 [rows, cols/32*22].  No input validation."""
+    rows, cols = w.shape
+    out = np.empty((rows, cols // 32 * 22), np.uint8)
+    for r in prange(rows):
+        _q5_0_row(w[r], qw, out[r])
+    return out
+
+
+@njit_parallel(fastmath=False)
+def dequantize_q5_0(data, cols):
+    """ggml Q5_0 decoder: uint8 [rows, cols/32*22] -> float32 [rows, cols].
+    No input validation."""
+    rows = data.shape[0]
+    out = np.empty((rows, cols), np.float32)
+    for r in prange(rows):
+        row = data[r].astype(np.int64)
+        for ib in range(cols // 32):
+            _dq_q5_0(row, ib * 22, out[r, ib * 32:(ib + 1) * 32])
+    return out
+
+@njit_parallel(fastmath=False)
+def quantize_q5_1(w, qw):
+    """ggml Q5_1 quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
+    multiple of 32), ``qw`` float32 [cols] importance or an empty array ->
+    uint8 [rows, cols/32*24].  No input validation."""
+    rows, cols = w.shape
+    out = np.empty((rows, cols // 32 * 24), np.uint8)
+    for r in prange(rows):
+        _q5_1_row(w[r], qw, out[r])
+    return out
+
+
+@njit_parallel(fastmath=False)
+def dequantize_q5_1(data, cols):
+    """ggml Q5_1 decoder: uint8 [rows, cols/32*24] -> float32 [rows, cols].
+    No input validation."""
+    rows = data.shape[0]
+    out = np.empty((rows, cols), np.float32)
+    for r in prange(rows):
+        row = data[r].astype(np.int64)
+        for ib in range(cols // 32):
+            _dq_q5_1(row, ib * 24, out[r, ib * 32:(ib + 1) * 32])
+    return out
+
+@njit_parallel(fastmath=False)
+def quantize_iq4_nl(w, qw):
+    """ggml IQ4_NL quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
+    multiple of 32), ``qw`` float32 [cols] importance or an empty array ->
+    uint8 [rows, cols/32*18].  No input validation."""
+    rows, cols = w.shape
+    out = np.empty((rows, cols // 32 * 18), np.uint8)
+    for r in prange(rows):
+        _iq4_nl_row(w[r], qw, out[r])
+    return out
+
+
+@njit_parallel(fastmath=False)
+def dequantize_iq4_nl(data, cols):
+    """ggml IQ4_NL decoder: uint8 [rows, cols/32*18] -> float32 [rows, cols].
+    No input validation."""
+    rows = data.shape[0]
+    out = np.empty((rows, cols), np.float32)
+    for r in prange(rows):
+        row = data[r].astype(np.int64)
+        for ib in range(cols // 32):
+            _dq_iq4_nl(row, ib * 18, out[r, ib * 32:(ib + 1) * 32])
+    return out
+
+@njit_parallel(fastmath=False)
+def quantize_iq4_xs(w, qw):
+    """ggml IQ4_XS quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
+    multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
+    uint8 [rows, cols/256*136].  No input validation."""
+    rows, cols = w.shape
+    out = np.empty((rows, cols // 256 * 136), np.uint8)
+    for r in prange(rows):
+        _iq4_xs_row(w[r], qw, out[r])
+    return out
+
+
+@njit_parallel(fastmath=False)
+def dequantize_iq4_xs(data, cols):
+    """ggml IQ4_XS decoder: uint8 [rows, cols/256*136] -> float32 [rows, cols].
+    No input validation."""
+    rows = data.shape[0]
+    out = np.empty((rows, cols), np.float32)
+    for r in prange(rows):
+        row = data[r].astype(np.int64)
+        for ib in range(cols // 256):
+            _dq_iq4_xs(row, ib * 136, out[r, ib * 256:(ib + 1) * 256])
+    return out
+
+@njit_parallel(fastmath=False)
+def quantize_q2_K(w, qw):
+    """ggml Q2_K quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
+    multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
+    uint8 [rows, cols/256*84].  No input validation."""
+    rows, cols = w.shape
+    out = np.empty((rows, cols // 256 * 84), np.uint8)
+    for r in prange(rows):
+        _q2_K_row(w[r], qw, out[r])
+    return out
+
+
+@njit_parallel(fastmath=False)
+def dequantize_q2_K(data, cols):
+    """ggml Q2_K decoder: uint8 [rows, cols/256*84] -> float32 [rows, cols].
+    No input validation."""
+    rows = data.shape[0]
+    out = np.empty((rows, cols), np.float32)
+    for r in prange(rows):
+        row = data[r].astype(np.int64)
+        for ib in range(cols // 256):
+            _dq_q2_K(row, ib * 84, out[r, ib * 256:(ib + 1) * 256])
+    return out
+
+@njit_parallel(fastmath=False)
+def quantize_q3_K(w, qw):
+    """ggml Q3_K quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
+    multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
+    uint8 [rows, cols/256*110].  No input validation."""
+    rows, cols = w.shape
+    out = np.empty((rows, cols // 256 * 110), np.uint8)
+    for r in prange(rows):
+        _q3_K_row(w[r], qw, out[r])
+    return out
+
+
+@njit_parallel(fastmath=False)
+def dequantize_q3_K(data, cols):
+    """ggml Q3_K decoder: uint8 [rows, cols/256*110] -> float32 [rows, cols].
+    No input validation."""
+    rows = data.shape[0]
+    out = np.empty((rows, cols), np.float32)
+    for r in prange(rows):
+        row = data[r].astype(np.int64)
+        for ib in range(cols // 256):
+            _dq_q3_K(row, ib * 110, out[r, ib * 256:(ib + 1) * 256])
+    return out
+
+@njit_parallel(fastmath=False)
+def quantize_q4_K(w, qw):
+    """ggml Q4_K quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
+    multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
+    uint8 [rows, cols/256*144].  No input validation."""
+    rows, cols = w.shape
+    out = np.empty((rows, cols // 256 * 144), np.uint8)
+    for r in prange(rows):
+        _q4_K_row(w[r], qw, out[r])
+    return out
+
+
+@njit_parallel(fastmath=False)
+def dequantize_q4_K(data, cols):
+    """ggml Q4_K decoder: uint8 [rows, cols/256*144] -> float32 [rows, cols].
+    No input validation."""
+    rows = data.shape[0]
+    out = np.empty((rows, cols), np.float32)
+    for r in prange(rows):
+        row = data[r].astype(np.int64)
+        for ib in range(cols // 256):
+            _dq_q4_K(row, ib * 144, out[r, ib * 256:(ib + 1) * 256])
+    return out
+
+@njit_parallel(fastmath=False)
+def quantize_q5_K(w, qw):
+    """ggml Q5_K quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
+    multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
+    uint8 [rows, cols/256*176].  No input validation."""
+    rows, cols = w.shape
+    out = np.empty((rows, cols // 256 * 176), np.uint8)
+    for r in prange(rows):
+        _q5_K_row(w[r], qw, out[r])
+    return out
+
+
+@njit_parallel(fastmath=False)
+def dequantize_q5_K(data, cols):
+    """ggml Q5_K decoder: uint8 [rows, cols/256*176] -> float32 [rows, cols].
+    No input validation."""
+    rows = data.shape[0]
+    out = np.empty((rows, cols), np.float32)
+    for r in prange(rows):
+        row = data[r].astype(np.int64)
+        for ib in range(cols // 256):
+            _dq_q5_K(row, ib * 176, out[r, ib * 256:(ib + 1) * 256])
+    return out
+
+@njit_parallel(fastmath=False)
+def quantize_q6_K(w, qw):
+    """ggml Q6_K quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
+    multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
+    uint8 [rows, cols/256*210].  No input validation."""
+    rows, cols = w.shape
+    out = np.empty((rows, cols // 256 * 210), np.uint8)
+    for r in prange(rows):
+        _q6_K_row(w[r], qw, out[r])
+    return out
+
+
+@njit_parallel(fastmath=False)
+def dequantize_q6_K(data, cols):
+    """ggml Q6_K decoder: uint8 [rows, cols/256*210] -> float32 [rows, cols].
+    No input validation."""
+    rows = data.shape[0]
+    out = np.empty((rows, cols), np.float32)
+    for r in prange(rows):
+        row = data[r].astype(np.int64)
+        for ib in range(cols // 256):
+            _dq_q6_K(row, ib * 210, out[r, ib * 256:(ib + 1) * 256])
+    return out
+
+@njit_parallel(fastmath=False)
+def quantize_tq1_0(w, qw):
+    """ggml TQ1_0 quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
+    multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
+    uint8 [rows, cols/256*54].  No input validation."""
+    rows, cols = w.shape
+    out = np.empty((rows, cols // 256 * 54), np.uint8)
+    for r in prange(rows):
+        _tq1_0_row(w[r], qw, out[r])
+    return out
+
+
+@njit_parallel(fastmath=False)
+def dequantize_tq1_0(data, cols):
+    """ggml TQ1_0 decoder: uint8 [rows, cols/256*54] -> float32 [rows, cols].
+    No input validation."""
+    rows = data.shape[0]
+    out = np.empty((rows, cols), np.float32)
+    for r in prange(rows):
+        row = data[r].astype(np.int64)
+        for ib in range(cols // 256):
+            _dq_tq1_0(row, ib * 54, out[r, ib * 256:(ib + 1) * 256])
+    return out
+
+@njit_parallel(fastmath=False)
+def quantize_tq2_0(w, qw):
+    """ggml TQ2_0 quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
+    multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
+    uint8 [rows, cols/256*66].  No input validation."""
+    rows, cols = w.shape
+    out = np.empty((rows, cols // 256 * 66), np.uint8)
+    for r in prange(rows):
+        _tq2_0_row(w[r], qw, out[r])
+    return out
+
+
+@njit_parallel(fastmath=False)
+def dequantize_tq2_0(data, cols):
+    """ggml TQ2_0 decoder: uint8 [rows, cols/256*66] -> float32 [rows, cols].
+    No input validation."""
+    rows = data.shape[0]
+    out = np.empty((rows, cols), np.float32)
+    for r in prange(rows):
+        row = data[r].astype(np.int64)
+        for ib in range(cols // 256):
+            _dq_tq2_0(row, ib * 66, out[r, ib * 256:(ib + 1) * 256])
+    return out
+
+
+#: name -> (quantize entry, dequantize entry, block size, bytes per block)
+GGML_KERNELS = {
+    "q8_0": (quantize_q8_0, dequantize_q8_0, 32, 34),
+    "q4_0": (quantize_q4_0, dequantize_q4_0, 32, 18),
+    "q4_1": (quantize_q4_1, dequantize_q4_1, 32, 20),
+    "q5_0": (quantize_q5_0, dequantize_q5_0, 32, 22),
+    "q5_1": (quantize_q5_1, dequantize_q5_1, 32, 24),
+    "iq4_nl": (quantize_iq4_nl, dequantize_iq4_nl, 32, 18),
+    "iq4_xs": (quantize_iq4_xs, dequantize_iq4_xs, 256, 136),
+    "q2_K": (quantize_q2_K, dequantize_q2_K, 256, 84),
+    "q3_K": (quantize_q3_K, dequantize_q3_K, 256, 110),
+    "q4_K": (quantize_q4_K, dequantize_q4_K, 256, 144),
+    "q5_K": (quantize_q5_K, dequantize_q5_K, 256, 176),
+    "q6_K": (quantize_q6_K, dequantize_q6_K, 256, 210),
+    "tq1_0": (quantize_tq1_0, dequantize_tq1_0, 256, 54),
+    "tq2_0": (quantize_tq2_0, dequantize_tq2_0, 256, 66),
 }
 
-#: name -> (quantize entry, dequantize entry)
-GGML_KERNELS = {}
-for _name, (_row, _blk, _nb, _dq) in _TABLE.items():
-    _q, _d = _make_entries(_name, _row, _blk, _nb, _dq)
-    globals()[f"quantize_{_name}"] = _q
-    globals()[f"dequantize_{_name}"] = _d
-    GGML_KERNELS[_name] = (_q, _d)
-    __all__ += [f"quantize_{_name}", f"dequantize_{_name}"]
-del _name, _row, _blk, _nb, _dq, _q, _d
+__all__ = [n for k in GGML_KERNELS for n in (f"quantize_{k}", f"dequantize_{k}")]
