@@ -1,6 +1,6 @@
 """Speed of the ggml quantisers: seconds per thread on a 4096 x 11008 tensor.
 
-    python benchmarks/bench_ggml.py [--rows 4096] [--cols 11008] [--types Q4_K,Q6_K]
+    PYTHONPATH=. python benchmarks/bench_ggml.py [--rows 4096] [--cols 11008] [--types Q4_K,Q6_K]
                                     [--importance] [--libggml /path/libggml-base.so]
 
 Reports, per type, the cold first call (compile or cache load, on a 1-row
