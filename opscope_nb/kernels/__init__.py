@@ -31,11 +31,12 @@ from ._simd_lowbit import *   # noqa: F401,F403
 from ._w4panel import *       # noqa: F401,F403
 from ._packed_quant import *  # noqa: F401,F403
 from ._gptq import *          # noqa: F401,F403
+from ._ggml import *          # noqa: F401,F403
 
 from . import (_coerce, _probe, _rng, _pack, _svd, _lowrank, _monarch, _tucker, _tt,
                _matmul, _simd, _dado, _packed_float, _simd_lowbit, _w4panel, _packed_quant,
-               _gptq)
+               _gptq, _ggml)
 
 __all__ = sorted(set().union(*(m.__all__ for m in (
     _coerce, _probe, _rng, _pack, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd,
-    _dado, _packed_float, _simd_lowbit, _w4panel, _packed_quant, _gptq))))
+    _dado, _packed_float, _simd_lowbit, _w4panel, _packed_quant, _gptq, _ggml))))
