@@ -35,7 +35,7 @@ import math
 import numpy as np
 
 from opscope_nb import accel
-from opscope_nb import formats, mining
+from opscope_nb import formats
 from opscope_nb.mining import Decomp, balanced_factor
 from opscope_nb.synth import Dist, sample
 
