@@ -46,12 +46,17 @@ from .formats import (  # noqa: F401  (re-exported: mining.Decomp, mining.pack, 
     unpack,
 )
 from .formats import _pack
+from .ggml import GGML_TYPES, row_bytes
 from .gptq import check_gram, output_error
 from .kernels._probe import rel_err as _rel_err
 from .kernels._svd import truncated_svd
 from .runtime import PackedLinear, check_ms, measure_latency
 
 __all__ = [
+    "stored_bytes",
+    "quant_menu",
+    "structured_menu",
+    "lowrank_ranks",
     "Decomp",
     "DecompOption",
     "LayerProfile",
@@ -120,9 +125,12 @@ class LayerProfile:
     rows, cols : int
         ``[out_features, in_features]``.
     dense_bytes : int
-        ``4 * rows * cols``.
+        Bytes of the weight **as the source stores it**
+        (:func:`stored_bytes` of ``stored_dtype``): the reference of budget
+        fractions, ``compression`` and the plan tables.  The float32 figure
+        is :attr:`f32_bytes`.
     options : list of DecompOption
-        ``options[0]`` is dense.
+        ``options[0]`` is dense (float32).
     timings : dict of str -> float
         Seconds spent per part of :func:`profile_layer` (``quant``,
         ``ternary``, ``sparse``, ``svd``, ``lowrank``, ``monarch``,
@@ -132,6 +140,9 @@ class LayerProfile:
         squared relative output error (``d metric / d out_err**2``, measured
         by :func:`opscope_nb.calib.layer_sensitivity`); ``None`` without
         calibration.
+    stored_dtype : str
+        How the source stores the weight: ``F32``, ``F16``, ``BF16`` or a
+        GGUF block type (``Q8_0``, ``Q4_1`` ...).
     """
 
     name: str
@@ -141,6 +152,12 @@ class LayerProfile:
     options: list
     timings: dict = field(default_factory=dict)
     sensitivity: float | None = None
+    stored_dtype: str = "F32"
+
+    @property
+    def f32_bytes(self) -> int:
+        """``4 * rows * cols``: the weight in float32 (the ``dense`` option)."""
+        return 4 * int(self.rows) * int(self.cols)
 
     def dense(self) -> DecompOption:
         """The dense baseline (``options[0]``)."""
@@ -160,7 +177,8 @@ class LayerProfile:
                 "dense_bytes": int(self.dense_bytes),
                 "options": [o.to_dict() for o in self.options],
                 "timings": {k: float(v) for k, v in self.timings.items()},
-                "sensitivity": None if self.sensitivity is None else float(self.sensitivity)}
+                "sensitivity": None if self.sensitivity is None else float(self.sensitivity),
+                "stored_dtype": self.stored_dtype, "f32_bytes": self.f32_bytes}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayerProfile":
@@ -168,10 +186,46 @@ class LayerProfile:
         return cls(str(d["name"]), int(d["rows"]), int(d["cols"]), int(d["dense_bytes"]),
                    [DecompOption.from_dict(o) for o in d["options"]],
                    {k: float(v) for k, v in d.get("timings", {}).items()},
-                   None if sens is None else float(sens))
+                   None if sens is None else float(sens), str(d.get("stored_dtype", "F32")))
 
 
 # ───────────────────────────── profiling ─────────────────────────────
+
+#: Bytes per element of the plain stored dtypes (safetensors names).
+_PLAIN_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def stored_bytes(dtype: str, rows: int, cols: int) -> int:
+    """Bytes a ``[rows, cols]`` weight takes as the source stores it.
+
+    Parameters
+    ----------
+    dtype : str
+        ``F32``, ``F16``, ``BF16``, ``F64`` or a GGUF block type name
+        (``Q8_0``, ``Q4_K`` ...: whole blocks per row,
+        :func:`opscope_nb.ggml.row_bytes`).
+
+    Raises
+    ------
+    ValueError
+        An unknown dtype, or a block type whose block does not divide ``cols``.
+    """
+    d = str(dtype).upper()
+    if d in _PLAIN_BYTES:
+        return _PLAIN_BYTES[d] * int(rows) * int(cols)
+    if d in GGML_TYPES:
+        return int(rows) * row_bytes(d, int(cols))
+    try:  # other GGUF types (IQ2_XXS ...): gguf-py's size table
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+        block, nb = GGML_QUANT_SIZES[GGMLQuantizationType[d]]
+        if int(cols) % block == 0:
+            return int(rows) * (int(cols) // block) * nb
+    except (ImportError, KeyError):
+        pass
+    raise ValueError(f"stored dtype {dtype!r} is not one of {sorted(_PLAIN_BYTES)} or a GGUF "
+                     f"block type ({', '.join(GGML_TYPES)}); pass the dtype the source "
+                     f"stores the weight in (TensorEntry.dtype).")
+
 
 def _int_seq(v, name, what, example):
     """Deduplicated list of positive ints from a sequence (order kept)."""
@@ -188,7 +242,7 @@ def _int_seq(v, name, what, example):
 
 def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
                   latency=None, intn_bits=(6, 5, 3), int2_groups=(32,), gram=None,
-                  gptq=True, sensitivity=None) -> LayerProfile:
+                  gptq=True, sensitivity=None, stored_dtype="F32") -> LayerProfile:
     """Measure every applicable compression option of one weight.
 
     Options, in order: dense; then the quantisation ladder by decreasing bits
@@ -245,6 +299,11 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         Offer the ``+gptq`` twins when a 2-D ``gram`` is given.
     sensitivity : float, optional
         Stored as ``LayerProfile.sensitivity`` (finite, ``>= 0``).
+    stored_dtype : str
+        How the source stores ``w`` (``F32``, ``F16``, ``BF16`` or a GGUF
+        block type): ``LayerProfile.dense_bytes`` is :func:`stored_bytes` of
+        it, and structured options are offered only when they take fewer
+        bytes than that.
 
     Returns
     -------
@@ -274,18 +333,19 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         if not math.isfinite(sensitivity) or sensitivity < 0:
             raise ValueError(f"sensitivity must be finite and >= 0; got {sensitivity!r}.")
     with_gptq = bool(gptq) and gram is not None and gram.ndim == 2
+    ref = stored_bytes(stored_dtype, rows, cols)
 
     meas = _Measure(w, gram, lat_ms, seed)
     for d, part in quant_menu(cols, groups=gs, intn_bits=nbits, int2_groups=g2s,
                               gptq=with_gptq):
         meas(d, part)
-    svd, ranks = meas.spectrum(rank_cap)
+    svd, ranks = meas.spectrum(rank_cap, ref)
     for r in ranks:
         meas(Decomp.lowrank(r, svd_rank=min(rows, cols, rank_cap), seed=seed), "lowrank", svd)
-    for d, part in structured_menu(rows, cols):
+    for d, part in structured_menu(rows, cols, ref):
         meas(d, part)
-    return LayerProfile(name, rows, cols, 4 * rows * cols, meas.options, meas.timings,
-                        sensitivity)
+    return LayerProfile(name, rows, cols, ref, meas.options, meas.timings, sensitivity,
+                        str(stored_dtype).upper())
 
 
 #: Parts of :attr:`LayerProfile.timings` that every profile reports.
@@ -328,10 +388,12 @@ def quant_menu(cols, *, groups=(32, 128), intn_bits=(6, 5, 3), int2_groups=(32,)
     return out
 
 
-def structured_menu(rows, cols) -> list:
+def structured_menu(rows, cols, ref_bytes=None) -> list:
     """The tail of the menu: Monarch (square, perfect-square side), Tucker and
-    TT over balanced factors, each only when it compresses; as
-    :func:`quant_menu`'s ``(Decomp, part)`` pairs."""
+    TT over balanced factors, Tucker and TT only when they take fewer than
+    ``ref_bytes`` (default the float32 weight's); as :func:`quant_menu`'s
+    ``(Decomp, part)`` pairs."""
+    ref = 4 * rows * cols if ref_bytes is None else int(ref_bytes)
     out = []
     m = math.isqrt(rows)
     if rows == cols and m * m == rows and rows > 1:
@@ -340,19 +402,21 @@ def structured_menu(rows, cols) -> list:
     if c1 > 1 and c2 > 1:
         tr = (max(min(rows // 2, 32, cols), 1), max(c1 // 2, 1), max(c2 // 2, 1))
         d = Decomp.tucker((rows, c1, c2), tr)
-        if packed_bytes(rows, cols, d) < 4 * rows * cols:
+        if packed_bytes(rows, cols, d) < ref:
             out.append((d, "tucker"))
     r1, r2 = balanced_factor(rows)
     if r1 > 1 and r2 > 1 and c1 > 1 and c2 > 1:
         d = Decomp.tt((r1, r2, c1, c2), 16)
-        if packed_bytes(rows, cols, d) < 4 * rows * cols:
+        if packed_bytes(rows, cols, d) < ref:
             out.append((d, "tt"))
     return out
 
 
-def lowrank_ranks(s, rows, cols, rcap) -> list:
+def lowrank_ranks(s, rows, cols, rcap, ref_bytes=None) -> list:
     """Ranks reaching 90 / 99 / 99.9 % of the spectral energy of the singular
-    values ``s`` (first ``rcap``), deduplicated, only those that compress."""
+    values ``s`` (first ``rcap``), deduplicated, only those whose factors take
+    fewer bytes than ``ref_bytes`` (default the float32 weight's)."""
+    ref = 4 * rows * cols if ref_bytes is None else int(ref_bytes)
     e = np.asarray(s, dtype=np.float64) ** 2
     cum = np.cumsum(e)
     energy = max(float(cum[-1]), 1e-30)
@@ -361,7 +425,7 @@ def lowrank_ranks(s, rows, cols, rcap) -> list:
         hit = np.flatnonzero(cum >= frac * energy)
         r = int(hit[0]) + 1 if hit.size else rcap
         r = min(max(r, 1), rcap)
-        if r not in ranks and (rows + cols) * r < rows * cols:
+        if r not in ranks and 4 * (rows + cols) * r < ref:
             ranks.append(r)
     return ranks
 
@@ -399,17 +463,17 @@ class _Measure:
             self._tick("latency", t0)
         self.options.append(DecompOption(d, err, nbytes(packed), flops(*w.shape, d), lat, oerr))
 
-    def spectrum(self, rank_cap):
+    def spectrum(self, rank_cap, ref_bytes):
         """``((U, S, Vt), ranks)`` of the one truncated SVD, or ``(None, [])``
-        when no rank can compress."""
+        when no rank takes fewer than ``ref_bytes``."""
         rows, cols = self.w.shape
-        if rows + cols >= rows * cols:
+        if 4 * (rows + cols) >= ref_bytes:
             return None, []
         rcap = min(rows, cols, rank_cap)
         t0 = time.perf_counter()
         svd = truncated_svd(self.w, rcap, self.seed)
         self._tick("svd", t0)
-        return svd, lowrank_ranks(svd[1], rows, cols, rcap)
+        return svd, lowrank_ranks(svd[1], rows, cols, rcap, ref_bytes)
 
 
 # ───────────────────────────── quant sweep ─────────────────────────────

@@ -72,6 +72,8 @@ def profile_entry(e, kw):
     if w is None:
         return None, None, why
     t1 = time.perf_counter()
+    kw = dict(kw)
+    kw.setdefault("stored_dtype", e.dtype)
     lp = mining.profile_layer(e.name, w, **kw)
     del w
     rec = {"name": e.name, "shape": list(e.shape), "dtype": e.dtype,
@@ -118,7 +120,8 @@ def profile_doc(source, settings, records, skipped, t_start, complete) -> dict:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": source, "settings": settings, "complete": complete,
         "n_layers": len(records),
-        "dense_bytes": int(sum(r["profile"]["dense_bytes"] for r in records)),
+        "dense_bytes": int(sum(r["profile"]["dense_bytes"] for r in records)),  # as stored
+        "f32_bytes": int(sum(4 * r["profile"]["rows"] * r["profile"]["cols"] for r in records)),
         "layers": records, "skipped": skipped,
         "timings": {"wall_seconds": time.perf_counter() - t_start,
                     "profile_seconds": sum(r.get("seconds", 0.0) for r in records),

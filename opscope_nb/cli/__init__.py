@@ -61,6 +61,13 @@ PROG = "opscope-nb"
 #: Command modules of this package, in ``--help`` order.  A module that does not
 #: exist yet is skipped (so a command can land in its own commit).
 COMMANDS = ("profile", "allocate", "quant", "plot", "apply", "eval")
+#: What an interrupt leaves behind, per command (Ctrl-C's message).
+_INTERRUPTED = {
+    "profile": " (with --out, profile.json keeps the layers done; rerun with --resume)",
+    "apply": " (no output written: the target file is untouched)",
+    "allocate": " (no output written)",
+    "plot": " (no output written)",
+}
 #: Commands that pin OpenBLAS to one thread (see :func:`main`).
 _PIN_BLAS = ("profile", "quant")
 
@@ -132,8 +139,8 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted (profile.json keeps the layers done; "
-              f"rerun with --resume)", file=sys.stderr)
+        cmd = next((a for a in words if not a.startswith("-")), "")
+        print(f"\n{PROG}: interrupted{_INTERRUPTED.get(cmd, '')}", file=sys.stderr)
         return 130
     except SystemExit as exc:  # --help / --version
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)

@@ -194,10 +194,13 @@ def warn(msg: str) -> None:
 
 
 class Progress:
-    """One-line progress bar on stderr: ``[####....] i/n name  ETA 12s``.
+    """Progress on stderr: a one-line bar ``[####....] i/n name  ETA 12s`` on a
+    terminal; off a terminal (``| tee``, CI, ``nohup``) one flushed line per
+    item, ``[i/n] name  12.3s, ETA 40s``.
 
     ETA extrapolates elapsed time per element processed (layers differ in size).
-    Disabled when ``enabled`` is False (``--quiet``, or stderr not a terminal).
+    ``enabled``: ``"bar"`` (or True), ``"lines"``, or False (``--quiet``); see
+    :func:`progress_enabled`.
     """
 
     def __init__(self, total_items: int, total_work: float, enabled: bool, stream=None):
@@ -216,6 +219,10 @@ class Progress:
         el = time.perf_counter() - self.t0
         eta = "ETA  --" if self.done_work <= 0 else \
             f"ETA {el * (1 - frac) / max(frac, 1e-9):5.0f}s"
+        if self.enabled == "lines":
+            self.stream.write(f"[{i}/{self.n}] {name}  {el:.1f}s, {eta.replace('  ', ' ')}\n")
+            self.stream.flush()
+            return
         bar = "#" * int(20 * frac)
         short = name if len(name) <= 48 else "..." + name[-45:]
         line = f"[{bar:<20}] {i}/{self.n} {short}  {eta}"
@@ -228,13 +235,37 @@ class Progress:
         self.done_work += float(work)
 
     def close(self) -> None:
-        if self.enabled and self.width:
+        if self.enabled is not False and self.enabled != "lines" and self.width:
             self.stream.write("\r" + " " * self.width + "\r")
             self.stream.flush()
 
 
-def progress_enabled(args) -> bool:
-    return (not getattr(args, "quiet", False)) and sys.stderr.isatty()
+def progress_enabled(args):
+    """``"bar"`` on a terminal, ``"lines"`` off one (one flushed line per item),
+    False with ``--quiet``."""
+    if getattr(args, "quiet", False):
+        return False
+    return "bar" if sys.stderr.isatty() else "lines"
+
+
+def first_run_notice(args) -> None:
+    """One line on stderr before a first run compiles the numba kernels (no
+    cached machine code for this package yet), so a silent minute off a
+    terminal is not taken for a hang."""
+    if getattr(args, "quiet", False):
+        return
+    import pathlib
+
+    import numba
+    roots = [pathlib.Path(__file__).resolve().parents[1]]
+    if numba.config.CACHE_DIR:
+        roots.append(pathlib.Path(numba.config.CACHE_DIR))
+    for r in roots:
+        if any(True for _ in r.rglob("*.nbi")):
+            return
+    print(f"{PROG}: first run: compiling the numba kernels this command uses (a few "
+          f"minutes on 2 cores; later runs load them from the cache; "
+          f"'{PROG} warmup' precompiles)", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- #
@@ -300,6 +331,6 @@ __all__ = [
     "positive_int", "nonneg_int", "int_list", "regex_arg", "add_source_args",
     "peak_rss_mb", "atomic_write", "json_text", "finite", "fmt_bytes",
     "fmt_err", "fmt_us", "ensure_outdir", "write", "tabulate_rows", "warn", "Progress",
-    "progress_enabled", "open_and_select", "load_checked", "source_info",
+    "progress_enabled", "first_run_notice", "open_and_select", "load_checked", "source_info",
     "load_profile_doc", "layers_from_doc", "timing_split", "__version__",
 ]

@@ -149,13 +149,14 @@ def gap_vs(a, bound: float) -> float:
 
 def plan_table(layers, allocs: dict) -> str:
     """Per-layer table: shape, best option within 2 %, each method's choice."""
-    headers = ["layer", "shape", "dense", f"best <= {TIGHT_ERR:.0%} (err)"]
+    headers = ["layer", "shape", "stored", f"best <= {TIGHT_ERR:.0%} (err)"]
     for m in allocs:
         headers += [f"{m} (err)", "bytes"]
     rows = []
     for i, lp in enumerate(layers):
         best = lp.best_within(TIGHT_ERR)
-        row = [lp.name, f"{lp.rows}x{lp.cols}", fmt_bytes(lp.dense_bytes),
+        row = [lp.name, f"{lp.rows}x{lp.cols}",
+               f"{fmt_bytes(lp.dense_bytes)} {lp.stored_dtype}",
                f"{best.decomp.label} ({best.rel_err:.4f})"]
         for m, (a, _) in allocs.items():
             o = lp.options[a.choice[i]]
@@ -233,7 +234,9 @@ def plan_dict(layers, allocs: dict, spec, source=None) -> dict:
            "latency_m": spec.get("latency_m") if spec.get("latency_frac") is not None
            else None,
            "objective": spec.get("objective", "weight"),
-           "dense_bytes": dense,
+           "dense_bytes": dense,                 # as the source stores the weights
+           "f32_bytes": int(sum(int(lp.f32_bytes) for lp in layers)),
+           "stored_dtypes": sorted({lp.stored_dtype for lp in layers}),
            "n_weights": int(sum(int(lp.rows) * int(lp.cols) for lp in layers)),
            "n_layers": len(layers),
            "best_bound": {"value": value if math.isfinite(value) else None,

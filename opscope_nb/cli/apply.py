@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ._common import CliError, Progress, fmt_bytes, progress_enabled
+from ._common import CliError, Progress, first_run_notice, fmt_bytes, progress_enabled
 
 NAME = "apply"
 
@@ -40,6 +40,7 @@ def run(args) -> int:
     if os.path.isdir(out):
         raise CliError(f"{out}: is a directory; give a file name such as model.opscope.safetensors.")
     show = progress_enabled(args)
+    first_run_notice(args)
     gpath = args.grams or os.path.join(os.path.dirname(os.path.abspath(args.plan)),
                                        "calib.npz")
     grams = None

@@ -12,7 +12,7 @@ import argparse
 import math
 
 from ._common import (CliError, Progress, fmt_bytes, json_text, positive_int,
-                      progress_enabled, write)
+                      progress_enabled, write, first_run_notice)
 
 NAME = "eval"
 
@@ -61,6 +61,7 @@ def run(args) -> int:
     from ..models import ModelError
     from ..models.evaluate import evaluate
     show = progress_enabled(args)
+    first_run_notice(args)
     try:
         r = evaluate(args.source, args.compressed, text=args.text, act=args.act, speed_act=args.speed_act,
                      max_tokens=args.max_tokens, decode_steps=args.decode_steps,

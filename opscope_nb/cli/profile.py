@@ -9,10 +9,13 @@ import os
 import sys
 import time
 
+import numpy as np
+
 from ..mining import LayerProfile
 from ..profiling import profile_doc, profile_entry, timing_split
 from ._common import (CliError, add_source_args, ensure_outdir, fmt_bytes, int_list,
-                      json_text, load_profile_doc, nonneg_int, open_and_select, peak_rss_mb,
+                      first_run_notice, json_text, load_profile_doc, nonneg_int,
+                      open_and_select, peak_rss_mb,
                       positive_int, Progress, progress_enabled, source_info, warn, write)
 from ._plan import (add_budget_args, budget_spec, budget_text, check_latencies, methods_of,
                     options_csv, plan_dict, print_plan, run_allocators)
@@ -111,7 +114,12 @@ def _calibration(args, src, chosen, kw, dist):
         if im.unknown:
             warn(f"{args.imatrix}: {len(im.unknown)} imatrix tensor(s) match no profiled "
                  f"weight: {', '.join(im.unknown[:5])}{' ...' if len(im.unknown) > 5 else ''}")
+        cols = {e.name: int(e.shape[1]) for e in chosen if len(e.shape) == 2}
         for n, d in im.diag.items():
+            if n in cols and np.shape(d) != (cols[n],):
+                raise CliError(f"{args.imatrix}: the vector for {im.raw_names.get(n, n)} has "
+                               f"{np.size(d)} values but {n} has {cols[n]} input columns; "
+                               f"the imatrix was made for another model.")
             grams.setdefault(n, d)
         rec["imatrix"] = {"file": os.path.abspath(args.imatrix), "layers": len(im.diag),
                           "unknown": im.unknown, "chunks": im.chunks}
@@ -135,6 +143,14 @@ def _setup(args):
     """Validate the flags, open and select the source, calibrate, read a resumable
     ``profile.json``; returns the run's state as a dict."""
     spec = budget_spec(args)
+    if spec.get("latency_frac") is not None and args.latency is None:
+        raise CliError(f"--latency-budget needs measured latencies: add --latency "
+                       f"{spec['latency_m']} (the --latency-m the budget is at).")
+    if (spec.get("latency_frac") is not None and args.latency is not None
+            and spec["latency_m"] not in args.latency):
+        raise CliError(f"--latency-budget is at m={spec['latency_m']} (--latency-m) but "
+                       f"--latency measures {','.join(map(str, args.latency))}; add "
+                       f"{spec['latency_m']} to --latency.")
     dist = None
     if args.workers is not None or args.scheduler is not None:
         if args.workers is not None and args.scheduler is not None:
@@ -332,6 +348,7 @@ def _report(st, records, layers, reused, skipped, n_skip_load, t_start, args):
 
 def run(args) -> int:
     st = _setup(args)
+    first_run_notice(args)
     chosen, skipped = st["chosen"], st["skipped"]
     t_start = time.perf_counter()
 

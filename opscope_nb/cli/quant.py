@@ -9,7 +9,7 @@ import argparse
 import numpy as np
 
 from ._common import (CliError, Progress, add_source_args, budget_arg, fmt_bytes, fmt_err,
-                      load_checked, open_and_select, peak_rss_mb, progress_enabled,
+                      load_checked, open_and_select, peak_rss_mb, progress_enabled, first_run_notice,
                       tabulate_rows, warn)
 
 NAME = "quant"
@@ -67,6 +67,7 @@ def run(args) -> int:
     budget = err_budget(args)
     src, chosen, _ = open_and_select(args)
     from ..mining import parse_layer_kind, quant_stat
+    first_run_notice(args)
     bar = Progress(len(chosen), sum(e.numel for e in chosen), progress_enabled(args))
     stats = []   # (entry, idx, kind, QuantStat)
     try:
