@@ -371,7 +371,7 @@ def read_tensor_header(path) -> tuple:
     rows, cols = struct.unpack("<II", head)
     need = 8 + 4 * rows * cols
     if size != need:
-        what = "truncated" if size < need else "oversized"
+        what = "truncated" if size < need else "oversized (longer than its header says)"
         raise SourceError(f"{path}: {what} .tensor file: header says {rows}x{cols} "
                           f"float32 ({need} bytes) but the file has {size} bytes.")
     return rows, cols

@@ -717,3 +717,23 @@ def test_read_tensor_file_is_the_single_dump_reader(tmp_path):
     (tmp_path / "t.tensor").write_bytes((tmp_path / "x.tensor").read_bytes()[:-4])
     with pytest.raises(oio.SourceError, match="truncated"):
         oio.read_tensor_file(tmp_path / "t.tensor")
+
+
+def test_read_tensor_file_keeps_probe_load_tensor_contract(tmp_path):
+    """probe.load_tensor can delegate to io.read_tensor_file: same values, and the
+    ValueError messages its tests match (sizes, 'truncated' / 'longer' / 'header')."""
+    from opscope_nb import probe
+    x = np.arange(16, dtype=np.float32).reshape(4, 4) / 7
+    p = tmp_path / "w.tensor"
+    probe.save_tensor(p, x)
+    np.testing.assert_array_equal(oio.read_tensor_file(p), probe.load_tensor(p))
+    raw = p.read_bytes()
+    p.write_bytes(raw[:-3])
+    with pytest.raises(ValueError, match=r"truncated.*72 bytes.*69 bytes"):
+        oio.read_tensor_file(p)
+    p.write_bytes(raw + b"\0\0\0\0")
+    with pytest.raises(ValueError, match=r"longer.*72 bytes.*76 bytes"):
+        oio.read_tensor_file(p)
+    p.write_bytes(raw[:5])
+    with pytest.raises(ValueError, match="header"):
+        oio.read_tensor_file(p)
