@@ -440,7 +440,7 @@ def _gguf_entries(path: str) -> list:
         tensors = list(reader.tensors)
     except Exception as exc:  # the reader raises ValueError/IndexError/struct.error on bad files
         raise SourceError(f"{path}: not a readable GGUF file ({type(exc).__name__}: "
-                          f"{exc}). Re-download it.") from None
+                          f"{_one_line(exc)}). Re-download it.") from None
     entries = []
     for t in tensors:
         # GGUF lists dims innermost first (ne[0] = in_features); PyTorch order is reversed.
