@@ -52,6 +52,7 @@ import math
 import numbers
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -72,6 +73,7 @@ __all__ = [
     "lower_hull",
     "option_latency",
     "LATENCY_RTOL",
+    "silence_native_output",
 ]
 
 #: Relative tolerance of the latency budget (float sums of microseconds).
@@ -393,44 +395,64 @@ def lower_hull(x, y):
     return lower_hull_core(xa, ya)
 
 
-@contextlib.contextmanager
-def _quiet_native_output():
-    """Point file descriptors 1 and 2 at ``os.devnull`` around a native solve.
+_NATIVE_QUIET_LOCK = threading.Lock()
+_NATIVE_QUIET = {"depth": 0, "saved": [], "devnull": None}
 
-    HiGHS prints some lines from C++ (e.g.
+
+@contextlib.contextmanager
+def silence_native_output():
+    """Point file descriptors 1 and 2 of the *whole process* at ``os.devnull``.
+
+    For command-line front ends only: :func:`exact_allocate` never does this
+    itself (it asks HiGHS for no console log, ``disp=False``).  HiGHS still
+    writes a few lines with a bare C ``printf`` (e.g.
     ``HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();``)
-    whatever ``disp`` says; Python-level redirection cannot catch them.
-    Our own messages are printed outside this block.
+    that no solver option reaches; a program that owns its terminal may wrap
+    its solves in this block to hide them.  While any such block is open,
+    *every* thread's output to fds 1 and 2 is discarded.
+
+    Blocks may be nested or open in several threads at once: the first to
+    enter redirects, the last to leave restores the original descriptors
+    (reference-counted under a lock), also when the body raises.
     """
     for f in (sys.stdout, sys.stderr):
         try:
             f.flush()
         except (AttributeError, OSError, ValueError):
             pass
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        yield
-        return
-    saved = []
-    try:
-        for fd in (1, 2):
+    st = _NATIVE_QUIET
+    with _NATIVE_QUIET_LOCK:
+        if st["depth"] == 0:
             try:
-                saved.append((fd, os.dup(fd)))
+                st["devnull"] = os.open(os.devnull, os.O_WRONLY)
             except OSError:
-                continue
-            os.dup2(devnull, fd)
+                st["devnull"] = None
+            st["saved"] = []
+            if st["devnull"] is not None:
+                for fd in (1, 2):
+                    try:
+                        st["saved"].append((fd, os.dup(fd)))
+                    except OSError:
+                        continue
+                    os.dup2(st["devnull"], fd)
+        st["depth"] += 1
+    try:
         yield
     finally:
-        try:  # C stdio buffers written during the solve go to devnull too
-            import ctypes
-            ctypes.CDLL(None).fflush(None)
-        except (OSError, AttributeError, TypeError):
-            pass
-        for fd, copy in saved:
-            os.dup2(copy, fd)
-            os.close(copy)
-        os.close(devnull)
+        with _NATIVE_QUIET_LOCK:
+            st["depth"] -= 1
+            if st["depth"] == 0:
+                try:  # C stdio buffers written during the solve go to devnull too
+                    import ctypes
+                    ctypes.CDLL(None).fflush(None)
+                except (OSError, AttributeError, TypeError):
+                    pass
+                for fd, copy in st["saved"]:
+                    os.dup2(copy, fd)
+                    os.close(copy)
+                if st["devnull"] is not None:
+                    os.close(st["devnull"])
+                st["saved"], st["devnull"] = [], None
 
 
 # ─────────────────────────────── internals ───────────────────────────────
@@ -616,9 +638,9 @@ class _Problem:
         a_ub = np.vstack([self.nbytes[li, oj] / sb, self.lat[li, oj] * st])
         b_ub = np.array([self.budget / sb, self.lat_budget * st])
         a_eq = csr_matrix((np.ones(nv), (li, np.arange(nv))), shape=(nl, nv))
-        with _quiet_native_output():
-            res = linprog(self.cost[li, oj], A_ub=a_ub, b_ub=b_ub, A_eq=a_eq,
-                          b_eq=np.ones(nl), bounds=(0, 1), method="highs")
+        res = linprog(self.cost[li, oj], A_ub=a_ub, b_ub=b_ub, A_eq=a_eq,
+                      b_eq=np.ones(nl), bounds=(0, 1), method="highs",
+                      options={"disp": False})
         if res.status == 2:
             return math.inf
         lam_b = lam_t = 0.0
@@ -806,7 +828,9 @@ def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
     Binaries ``x_ij`` (one per non-dominated option), ``sum_j x_ij = 1`` per
     layer, ``sum_ij b_ij x_ij <= B`` and, with a latency budget,
     ``sum_ij t_ij x_ij <= T``, minimising ``sum_ij w_i e_ij x_ij`` with a zero
-    relative MIP gap.  HiGHS's own console output is suppressed.
+    relative MIP gap.  HiGHS's console log is off (``disp=False``); its few
+    bare-printf lines are not redirected here (a command-line front end may
+    wrap the call in :func:`silence_native_output`).
 
     The byte row is divided by ``s = min(B, 2**17)`` with right-hand side
     ``(B + 0.25) / s``, so HiGHS's nominal feasibility tolerance (1e-6 on the
@@ -840,9 +864,6 @@ def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
         capped by ``total_err`` when HiGHS proved optimality (``bound`` says
         which).
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import csr_matrix
-
     if isinstance(time_limit, (bool, np.bool_)) or not isinstance(time_limit,
                                                                    numbers.Real):
         raise TypeError(f"time_limit must be a number of seconds; got {time_limit!r}.")
@@ -854,18 +875,39 @@ def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
     if not pb.feasible:
         return pb.result(pb.smallest(), "exact",
                          extra={"solver": "highs", "status": "infeasible"})
-    lp = pb.lp_bound()
-    greedy = pb.greedy()
-    g_err, _ = pb.evaluate(greedy)
-    g_fits = pb.fits(greedy)
+    model = _milp_model(pb)
+    res, cuts = _solve_with_cuts(pb, model, float(time_limit))
+    return _exact_result(pb, model, res, cuts, float(time_limit))
+
+
+@dataclass
+class _MilpModel:
+    """The MILP of :func:`exact_allocate` over the non-dominated options."""
+
+    var_layer: np.ndarray   # layer of each binary
+    var_opt: np.ndarray     # option index (in the layer's table) of each binary
+    cost: np.ndarray        # objective coefficients, scaled by ``cscale``
+    cscale: float           # objective scale (HiGHS's absolute MIP gap -> relative)
+    constraints: list       # LinearConstraint rows; no-good cuts are appended
+    n_layers: int
+
+    @property
+    def n_vars(self) -> int:
+        return int(self.var_layer.size)
+
+
+def _milp_model(pb) -> _MilpModel:
+    """Binaries, one-per-layer rows, the scaled byte row (and latency row)."""
+    from scipy.optimize import LinearConstraint
+    from scipy.sparse import csr_matrix
     keep = _pareto_reduce(pb)
     nl = len(keep)
     var_layer, var_opt = [], []
     for i, ks in enumerate(keep):
         var_layer += [i] * len(ks)
         var_opt += ks
-    var_layer = np.asarray(var_layer)
-    var_opt = np.asarray(var_opt)
+    var_layer = np.asarray(var_layer, dtype=np.int64)
+    var_opt = np.asarray(var_opt, dtype=np.int64)
     nv = var_layer.size
     c = pb.cost[var_layer, var_opt]
     b = pb.nbytes[var_layer, var_opt].astype(np.float64)
@@ -880,40 +922,65 @@ def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
         st = 1e4 / pb.lat_budget
         cons.append(LinearConstraint(pb.lat[var_layer, var_opt][None, :] * st,
                                      -np.inf, 1e4))
-    best, dual = (greedy, -math.inf)
-    best_err = g_err if g_fits else math.inf
     # HiGHS keeps an absolute MIP gap of 1e-6 that scipy does not expose;
     # scaling the objective to a max of 1e4 makes it 1e-10 relative.
     cmax = float(c.max()) if nv else 0.0
     cscale = 1e4 / cmax if cmax > 1e-8 else 1e12  # (tiny costs: any plan is ~optimal)
+    return _MilpModel(var_layer, var_opt, c * cscale, cscale, cons, nl)
+
+
+def _plan_of(model, x):
+    """The per-layer choice encoded by a 0/1 vector ``x``, or None when ``x`` is
+    not exactly one option per layer."""
+    nl = model.n_layers
+    if np.count_nonzero(x) != nl or np.bincount(model.var_layer[x == 1],
+                                                minlength=nl).max(initial=0) != 1:
+        return None
+    ch = [0] * nl
+    for v in np.flatnonzero(x == 1):
+        ch[int(model.var_layer[v])] = int(model.var_opt[v])
+    return ch
+
+
+def _solve_with_cuts(pb, model, time_limit):
+    """Solve the MILP; cut off (no-good row) and re-solve any rounded plan that
+    is over budget in exact bytes.  Returns ``(res, cuts)``: HiGHS's last result."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
     # HiGHS may still accept a plan a few bytes over B (its tolerances are
     # applied after its own internal scaling).  Such a plan is cut off with a
     # no-good constraint (sum of its x_ij <= L - 1, excluding that plan only)
     # and the MILP re-solved: every plan that fits survives, so the first
     # returned plan that fits in exact integer bytes is optimal.
+    nv, nl = model.n_vars, model.n_layers
     t_end = time.monotonic() + float(time_limit)
     cuts = 0
     while True:
         left = max(t_end - time.monotonic(), 1e-3)
-        with _quiet_native_output():
-            res = milp(c * cscale, constraints=cons, integrality=np.ones(nv),
-                       bounds=Bounds(0, 1),
-                       options={"mip_rel_gap": 0.0, "time_limit": float(left),
-                                "disp": False})
+        # disp=False: no HiGHS console log.  Its few bare-printf lines are left
+        # alone here (see silence_native_output, for command-line front ends).
+        res = milp(model.cost, constraints=model.constraints, integrality=np.ones(nv),
+                   bounds=Bounds(0, 1),
+                   options={"mip_rel_gap": 0.0, "time_limit": float(left),
+                            "disp": False})
         if res.x is None or res.status == 2 or cuts >= _MAX_CUTS:
             break
         x = np.rint(res.x).astype(np.int64)
-        if np.count_nonzero(x) != nl or np.bincount(var_layer[x == 1],
-                                                    minlength=nl).max() != 1:
+        ch = _plan_of(model, x)
+        if ch is None or pb.fits(ch):
             break
-        ch = [0] * nl
-        for v in np.flatnonzero(x == 1):
-            ch[int(var_layer[v])] = int(var_opt[v])
-        if pb.fits(ch):
-            break
-        cons.append(LinearConstraint((x == 1).astype(np.float64)[None, :], -np.inf,
-                                     nl - 1.0))
+        model.constraints.append(LinearConstraint((x == 1).astype(np.float64)[None, :],
+                                                  -np.inf, nl - 1.0))
         cuts += 1
+    return res, cuts
+
+
+def _exact_result(pb, model, res, cuts, time_limit):
+    """HiGHS's plan (or the greedy fallback), its status and the best valid bound."""
+    lp = pb.lp_bound()
+    greedy = pb.greedy()
+    g_err, _ = pb.evaluate(greedy)
+    g_fits = pb.fits(greedy)
+    best, best_err, dual = greedy, (g_err if g_fits else math.inf), -math.inf
     why = ("time limit, no plan" if res.status == 1 else
            f"HiGHS status {res.status}: {res.message}")
     if res.status == 2 and not g_fits:
@@ -921,16 +988,8 @@ def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
     else:
         status = f"fallback to greedy ({why})"
     if res.x is not None and res.status != 2:
-        x = np.rint(res.x).astype(np.int64)
-        ch = [0] * nl
-        ok = True
-        for i in range(nl):
-            sel = np.flatnonzero((var_layer == i) & (x == 1))
-            if sel.size != 1:
-                ok = False
-                break
-            ch[i] = int(var_opt[sel[0]])
-        if not ok:
+        ch = _plan_of(model, np.rint(res.x).astype(np.int64))
+        if ch is None:
             status = "fallback to greedy (HiGHS plan is not one option per layer)"
         elif not pb.fits(ch):
             status = "fallback to greedy (HiGHS plan over budget after rounding)"
@@ -945,8 +1004,8 @@ def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
                 status = "fallback to greedy (greedy beat HiGHS's plan at the limit)"
     db = getattr(res, "mip_dual_bound", None)
     if db is not None and math.isfinite(db) and res.status != 2:
-        dual = float(db) / cscale
-    extra = {"solver": "highs", "status": status, "variables": int(nv),
+        dual = float(db) / model.cscale
+    extra = {"solver": "highs", "status": status, "variables": model.n_vars,
              "time_limit": float(time_limit), "cuts": int(cuts)}
     if status == "infeasible" or not math.isfinite(best_err):
         # HiGHS proved infeasibility (or found nothing, and greedy does not fit)

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Calibration", "calibrate", "FULL_MAX_COLS", "save_grams", "load_grams"]
+__all__ = ["Calibration", "calibrate", "FULL_MAX_COLS", "save_grams", "load_grams",
+           "GramsError"]
 
 #: Largest in_features for which the full ``[cols, cols]`` gram is kept.
 FULL_MAX_COLS = 2048
@@ -309,36 +310,160 @@ def _decoder_runner(model, passages, max_tokens, sens_tokens, rec, act, window):
     return run, int(len(ids)), int(len(sens_ids))
 
 
+class GramsError(ValueError):
+    """A calibration-grams file (or mapping) breaks the :func:`save_grams` schema."""
+
+
+def _check_gram_array(name, g, where):
+    """float64 C-contiguous copy of one gram: 1-D ``[cols]`` or square ``[cols, cols]``,
+    a float dtype, finite; else :class:`GramsError`."""
+    a = np.asarray(g)
+    if a.dtype.kind != "f":
+        raise GramsError(f"{where}: gram of {name!r} must be a float array; got dtype "
+                         f"{a.dtype}. Re-run the calibration.")
+    if a.ndim not in (1, 2) or (a.ndim == 2 and a.shape[0] != a.shape[1]):
+        raise GramsError(f"{where}: gram of {name!r} must be [cols] or square "
+                         f"[cols, cols]; got shape {a.shape}. Re-run the calibration.")
+    if not np.isfinite(a).all():
+        raise GramsError(f"{where}: gram of {name!r} has "
+                         f"{int(np.count_nonzero(~np.isfinite(a)))} NaN/Inf entries. "
+                         f"Re-run the calibration.")
+    return np.ascontiguousarray(a, dtype=np.float64)
+
+
 def save_grams(path, grams, meta=None) -> None:
-    """Write ``grams`` (name -> float64 array; shared arrays stored once) to an
-    ``.npz`` file: arrays ``g0, g1, ...`` and ``names`` (a JSON list of
-    ``[name, key]`` pairs) plus ``meta`` (JSON).  Atomic replace."""
+    """Write calibration grams to an ``.npz`` file (atomic replace).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    grams : mapping of str -> ndarray
+        ``[cols]`` or ``[cols, cols]``, float, finite.  Names sharing one array
+        object are stored once and share it again after :func:`load_grams`.
+    meta : dict, optional
+        JSON-serialisable facts stored beside the arrays.
+
+    Notes
+    -----
+    Layout: arrays ``g0, g1, ...``; ``names``, a JSON list of ``[name, key]``
+    string pairs; ``meta``, a JSON object.
+
+    Raises
+    ------
+    GramsError
+        A name that is not a string, or an array breaking the rules above.
+    """
     import json
     import os
+    path = os.fspath(path)
+    if not hasattr(grams, "items"):
+        raise GramsError(f"{path}: grams must be a mapping name -> array; got "
+                         f"{type(grams).__name__}.")
     keys, arrays, pairs = {}, {}, []
     for n, g in grams.items():
+        if not isinstance(n, str):
+            raise GramsError(f"{path}: gram names must be strings; got {n!r}.")
         k = keys.get(id(g))
         if k is None:
             k = keys[id(g)] = f"g{len(keys)}"
-            arrays[k] = np.asarray(g, dtype=np.float64)
+            arrays[k] = _check_gram_array(n, g, path)
         pairs.append([n, k])
+    try:
+        meta_json = json.dumps(meta or {})
+    except (TypeError, ValueError) as exc:
+        raise GramsError(f"{path}: meta must be JSON-serialisable ({exc}).") from None
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        np.savez(f, names=np.array(json.dumps(pairs)),
-                 meta=np.array(json.dumps(meta or {})), **arrays)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, names=np.array(json.dumps(pairs)), meta=np.array(meta_json),
+                     **arrays)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _short(value, limit=80):
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
 def load_grams(path) -> tuple:
-    """Inverse of :func:`save_grams`: ``(grams, meta)``; a name sharing a key shares
-    the array object."""
+    """Read a :func:`save_grams` file, validating it (the file is untrusted).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+
+    Returns
+    -------
+    grams : dict of str -> ndarray of float64, C-contiguous
+        A name sharing a key with another shares the array object.
+    meta : dict
+
+    Raises
+    ------
+    GramsError
+        Unreadable or not an ``.npz``; ``names`` not a JSON list of ``[name,
+        key]`` string pairs (names unique, keys stored in the file); ``meta``
+        not a JSON object; an array not float, not ``[cols]`` / square
+        ``[cols, cols]``, or not finite.  Every message is one line.
+    """
     import json
-    with np.load(path, allow_pickle=False) as z:
-        pairs = json.loads(str(z["names"]))
-        meta = json.loads(str(z["meta"]))
+    import os
+    import zipfile
+    path = os.fspath(path)
+    fix = "Re-run the calibration (opscope-nb profile --calib) to rewrite it."
+    try:
+        z = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise GramsError(f"{path}: no such file.") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise GramsError(f"{path}: not a calibration-grams .npz file "
+                         f"({type(exc).__name__}). {fix}") from None
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise GramsError(f"{path}: not a calibration-grams .npz file (a single array). "
+                         f"{fix}")
+
+    def text(entry):
+        if entry not in z.files:
+            raise GramsError(f"{path}: the {entry!r} entry is missing. {fix}")
+        try:
+            a = z[entry]
+            if a.ndim != 0 or a.dtype.kind != "U":
+                raise ValueError
+            return json.loads(str(a))
+        except (ValueError, RecursionError, OSError, zipfile.BadZipFile, EOFError):
+            raise GramsError(f"{path}: the {entry!r} entry must be a JSON string. "
+                             f"{fix}") from None
+
+    with z:
+        pairs = text("names")
+        meta = text("meta")
+        if not isinstance(meta, dict):
+            raise GramsError(f"{path}: 'meta' must be a JSON object; got "
+                             f"{type(meta).__name__}. {fix}")
+        if not isinstance(pairs, list):
+            raise GramsError(f"{path}: 'names' must be a JSON list of [name, key] pairs; "
+                             f"got {type(pairs).__name__}. {fix}")
         cache, out = {}, {}
-        for n, k in pairs:
+        for p in pairs:
+            if not (isinstance(p, list) and len(p) == 2
+                    and all(isinstance(v, str) for v in p)):
+                raise GramsError(f"{path}: 'names' must hold [name, key] string pairs; "
+                                 f"got {_short(p)}. {fix}")
+            n, k = p
+            if n in out:
+                raise GramsError(f"{path}: gram name {_short(n)} is listed twice. {fix}")
+            if k in ("names", "meta") or k not in z.files:
+                raise GramsError(f"{path}: gram {_short(n)} refers to array {_short(k)}, "
+                                 f"which the file does not hold. {fix}")
             if k not in cache:
-                cache[k] = np.ascontiguousarray(z[k], dtype=np.float64)
+                try:
+                    arr = z[k]
+                except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
+                    raise GramsError(f"{path}: array {_short(k)} cannot be read "
+                                     f"({type(exc).__name__}). {fix}") from None
+                cache[k] = _check_gram_array(n, arr, path)
             out[n] = cache[k]
     return out, meta

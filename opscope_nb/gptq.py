@@ -154,18 +154,26 @@ def hessian_factor(gram, damp=DAMP) -> np.ndarray:
     return np.ascontiguousarray(linv[::-1, ::-1])
 
 
-_LAST_FACTOR = []   # [(gram array, damp, u)]: the factor of the last gram seen
+_LAST_FACTOR = [None]   # [(private copy of the gram, damp, u)] or [None]
 
 
 def _cached_factor(g, damp):
-    """:func:`hessian_factor`, reused while the same gram array (and damp) comes back
-    (a layer's menu quantises one weight many times with one gram)."""
-    if _LAST_FACTOR:
-        g0, d0, u0 = _LAST_FACTOR[0]
-        if d0 == damp and g0.shape == g.shape and (g0 is g or np.array_equal(g0, g)):
+    """:func:`hessian_factor`, reused while a gram with the same *content* (and
+    damp) comes back (a layer's menu quantises one weight many times with one
+    gram).
+
+    The key is a private copy of the gram compared in full (no identity
+    shortcut): a caller that updates its gram in place (``H += x.T @ x``)
+    between two calls gets the factor of the new content.  The comparison is
+    O(cols**2) against the factor's O(cols**3).
+    """
+    entry = _LAST_FACTOR[0]
+    if entry is not None:
+        g0, d0, u0 = entry
+        if d0 == damp and g0.shape == g.shape and np.array_equal(g0, g):
             return u0
     u = hessian_factor(g, damp)
-    _LAST_FACTOR[:] = [(g, damp, u)]
+    _LAST_FACTOR[0] = (np.array(g, dtype=np.float64, copy=True), damp, u)  # one atomic store
     return u
 
 

@@ -48,6 +48,8 @@ __all__ = [
     "synthetic_model",
     "SYNTHETIC_LAYERS",
     "read_safetensors_header",
+    "read_tensor_header",
+    "read_tensor_file",
     "natural_key",
     "bf16_to_float32",
 ]
@@ -175,6 +177,40 @@ class TensorSource:
     filter_embeddings: bool = True
 
 
+def _short(value, limit=120) -> str:
+    """``repr(value)`` cut to ``limit`` characters (messages stay one short line)."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def _one_line(exc) -> str:
+    return _short(str(exc).replace("\n", " "), 200)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _header_entry(path, name, info):
+    """``(dtype, shape, (begin, end))`` of one safetensors header entry, or a
+    one-line :class:`SourceError` naming the entry and the rule it breaks."""
+    def bad(rule):
+        return SourceError(
+            f"{path}: malformed header entry for tensor {_short(name)}: {rule}; got "
+            f"{_short(info)}. Entries must be {{\"dtype\": str, \"shape\": [int >= 0, "
+            f"...], \"data_offsets\": [begin, end]}}; the file is corrupt.")
+    if not isinstance(info, dict):
+        raise bad("not a JSON object")
+    dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise bad("dtype must be a string")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise bad("shape must be a list of integers >= 0")
+    if not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(v) for v in offs):
+        raise bad("data_offsets must be a list of two integers")
+    return dtype, list(shape), (offs[0], offs[1])
+
+
 # --------------------------------------------------------------------------- #
 # safetensors
 # --------------------------------------------------------------------------- #
@@ -218,8 +254,11 @@ def read_safetensors_header(path: str) -> tuple[int, dict]:
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SourceError(f"{path}: safetensors header is not valid JSON ({exc}). "
+        raise SourceError(f"{path}: safetensors header is not valid JSON ({_one_line(exc)}). "
                           f"The file is corrupt or not a safetensors file.") from None
+    except RecursionError:
+        raise SourceError(f"{path}: safetensors header nests JSON too deeply to be a "
+                          f"safetensors header. The file is corrupt or hostile.") from None
     if not isinstance(header, dict):
         raise SourceError(f"{path}: safetensors header must be a JSON object; got "
                           f"{type(header).__name__}.")
@@ -229,21 +268,13 @@ def read_safetensors_header(path: str) -> tuple[int, dict]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = info["dtype"]
-            shape = [int(d) for d in info["shape"]]
-            begin, end = (int(v) for v in info["data_offsets"])
-            if not isinstance(dtype, str) or any(d < 0 for d in shape):
-                raise ValueError
-        except (KeyError, TypeError, ValueError):
-            raise SourceError(f"{path}: malformed header entry for tensor {name!r}: "
-                              f"{info!r} (needs dtype, shape, data_offsets).") from None
+        dtype, shape, (begin, end) = _header_entry(path, name, info)
         if not 0 <= begin <= end:
-            raise SourceError(f"{path}: tensor {name!r} has bad data_offsets "
+            raise SourceError(f"{path}: tensor {_short(name)} has bad data_offsets "
                               f"[{begin}, {end}].")
         if end > data_len:
             raise SourceError(
-                f"{path}: truncated file: tensor {name!r} ends at byte {end} of the "
+                f"{path}: truncated file: tensor {_short(name)} ends at byte {end} of the "
                 f"data section but only {data_len} bytes are present. Re-download it.")
         item = _ST_FLOAT.get(dtype, (None, _ST_OTHER_SIZES.get(dtype)))[1]
         if item is not None:
@@ -252,7 +283,7 @@ def read_safetensors_header(path: str) -> tuple[int, dict]:
                 numel *= d
             if end - begin != numel * item:
                 raise SourceError(
-                    f"{path}: tensor {name!r} ({dtype}, shape {shape}) needs "
+                    f"{path}: tensor {_short(name)} ({dtype}, shape {shape}) needs "
                     f"{numel * item} bytes but data_offsets span {end - begin}.")
         out[name] = {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
     return data_start, out
@@ -306,7 +337,28 @@ def _safetensors_entries(path: str, names: Iterable[str] | None = None) -> list:
 # --------------------------------------------------------------------------- #
 # upstream .tensor dumps
 # --------------------------------------------------------------------------- #
-def _tensor_file_entry(path: str) -> TensorEntry:
+def read_tensor_header(path) -> tuple:
+    """``(rows, cols)`` of an upstream ``.tensor`` dump, checked against its size.
+
+    The one ``.tensor`` parser of the package (:func:`read_tensor_file`,
+    the ``.tensor`` sources and :func:`opscope_nb.probe.load_tensor` use it).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+
+    Returns
+    -------
+    rows, cols : int
+
+    Raises
+    ------
+    SourceError
+        Unreadable file, shorter than the 8-byte header (``u32 LE rows, u32 LE
+        cols``), or not exactly ``8 + 4 * rows * cols`` bytes (the message gives
+        both sizes).
+    """
+    path = os.fspath(path)
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -315,25 +367,56 @@ def _tensor_file_entry(path: str) -> TensorEntry:
         raise SourceError(f"{path}: cannot read ({exc.strerror or exc}).") from None
     if len(head) < 8:
         raise SourceError(f"{path}: truncated .tensor file ({size} bytes; the header "
-                          f"alone is 8). Re-dump it.")
+                          f"(u32 LE rows, u32 LE cols) alone is 8). Re-dump it.")
     rows, cols = struct.unpack("<II", head)
     need = 8 + 4 * rows * cols
     if size != need:
-        what = "truncated" if size < need else "oversized"
+        what = "truncated" if size < need else "oversized (longer than its header says)"
         raise SourceError(f"{path}: {what} .tensor file: header says {rows}x{cols} "
                           f"float32 ({need} bytes) but the file has {size} bytes.")
-    base = os.path.basename(path)
-    name = base[: -len(".tensor")]
+    return rows, cols
 
-    def load() -> np.ndarray:
-        if rows * cols == 0:
-            return np.zeros((rows, cols), np.float32)
+
+def _read_tensor_data(path: str, rows: int, cols: int) -> np.ndarray:
+    if rows * cols == 0:
+        return np.zeros((rows, cols), np.float32)
+    try:
         mm = np.memmap(path, dtype="<f4", mode="r", offset=8, shape=(rows, cols))
-        try:
-            return np.array(mm, dtype=np.float32)
-        finally:
-            del mm
-    return TensorEntry(name, (rows, cols), "F32", path, load)
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"{path}: cannot map the .tensor data ({exc}).") from None
+    try:
+        return np.array(mm, dtype=np.float32)
+    finally:
+        del mm
+
+
+def read_tensor_file(path) -> np.ndarray:
+    """Read an upstream ``.tensor`` dump (``u32 LE rows, u32 LE cols``, then
+    ``rows * cols`` float32 LE, row-major).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+
+    Returns
+    -------
+    ndarray of shape (rows, cols), float32, C-contiguous, writable
+
+    Raises
+    ------
+    SourceError
+        As :func:`read_tensor_header` (a ``ValueError``).
+    """
+    path = os.fspath(path)
+    rows, cols = read_tensor_header(path)
+    return _read_tensor_data(path, rows, cols)
+
+
+def _tensor_file_entry(path: str) -> TensorEntry:
+    rows, cols = read_tensor_header(path)
+    name = os.path.basename(path)[: -len(".tensor")]
+    return TensorEntry(name, (rows, cols), "F32", path,
+                       lambda: _read_tensor_data(path, rows, cols))
 
 
 # --------------------------------------------------------------------------- #
@@ -357,7 +440,7 @@ def _gguf_entries(path: str) -> list:
         tensors = list(reader.tensors)
     except Exception as exc:  # the reader raises ValueError/IndexError/struct.error on bad files
         raise SourceError(f"{path}: not a readable GGUF file ({type(exc).__name__}: "
-                          f"{exc}). Re-download it.") from None
+                          f"{_one_line(exc)}). Re-download it.") from None
     entries = []
     for t in tensors:
         # GGUF lists dims innermost first (ne[0] = in_features); PyTorch order is reversed.
@@ -428,27 +511,61 @@ def _sorted(entries: list) -> list:
     return sorted(entries, key=lambda e: natural_key(e.name))
 
 
+def _read_shard_index(index: str, root: str) -> dict:
+    """``shard file -> [tensor names]`` from a ``model.safetensors.index.json``.
+
+    The index is untrusted: every shard must be a relative path without
+    ``..`` that resolves (symlinks included) inside ``root``; anything else
+    raises a one-line :class:`SourceError` naming the entry.
+    """
+    bad_index = (f"{index}: not a valid shard index (needs a JSON object with a "
+                 f"'weight_map' of tensor name -> shard file name).")
+    try:
+        with open(index, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as exc:
+        raise SourceError(f"{index}: cannot read ({exc.strerror or exc}).") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise SourceError(bad_index) from None
+    wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wmap, dict):
+        raise SourceError(bad_index)
+    real_root = os.path.realpath(root)
+    by_shard: dict = {}
+    for name, shard in wmap.items():
+        _check_shard_name(index, real_root, name, shard)
+        by_shard.setdefault(shard, []).append(name)
+    return by_shard
+
+
+def _check_shard_name(index, real_root, name, shard) -> None:
+    def bad(rule):
+        return SourceError(f"{index}: weight_map entry {_short(name)} -> {_short(shard)}: "
+                           f"{rule}. Each shard must be a file inside the model directory "
+                           f"(a relative path without '..'); fix or regenerate the index.")
+    if not isinstance(shard, str) or not shard:
+        raise bad("the shard must be a non-empty string")
+    if "\x00" in shard:
+        raise bad("the shard name contains a NUL byte")
+    parts = re.split(r"[/\\]", shard)
+    if os.path.isabs(shard) or shard[:1] in ("/", "\\") or os.path.splitdrive(shard)[0]:
+        raise bad("absolute paths are not allowed")
+    if ".." in parts:
+        raise bad("'..' is not allowed")
+    real = os.path.realpath(os.path.join(real_root, shard))
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise bad(f"it resolves to {real}, outside {real_root} (a symlink?)")
+
+
 def _open_dir(path: str) -> TensorSource:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                wmap = json.load(f)["weight_map"]
-            if not isinstance(wmap, dict):
-                raise TypeError
-        except OSError as exc:
-            raise SourceError(f"{index}: cannot read ({exc.strerror or exc}).") from None
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-            raise SourceError(f"{index}: not a valid shard index (needs a JSON object "
-                              f"with a 'weight_map' of tensor -> shard file).") from None
-        by_shard: dict = {}
-        for name, shard in wmap.items():
-            by_shard.setdefault(str(shard), []).append(name)
+        by_shard = _read_shard_index(index, path)
         entries = []
         for shard in sorted(by_shard, key=natural_key):
             spath = os.path.join(path, shard)
             if not os.path.isfile(spath):
-                raise SourceError(f"{index}: shard {shard!r} is listed but "
+                raise SourceError(f"{index}: shard {_short(shard)} is listed but "
                                   f"{spath} does not exist.")
             entries += _safetensors_entries(spath, by_shard[shard])
         return TensorSource("safetensors-dir", path, _sorted(entries))

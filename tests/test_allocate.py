@@ -10,7 +10,7 @@ from naive_alloc import (naive_brute_force, naive_brute_force2, naive_budget_bpw
                          naive_budget_exact, naive_dado, naive_greedy,
                          naive_lagrangian_bound)
 from opscope_nb.allocate import (Allocation, DadoConfig, budget_bytes, dado_allocate,
-                                 exact_allocate, greedy_allocate)
+                                 exact_allocate, greedy_allocate, silence_native_output)
 from opscope_nb.kernels import (dado_core, greedy2_core, greedy_core, lower_hull_core,
                                 mckp_lp_bound)
 from opscope_nb.mining import Decomp, DecompOption, LayerProfile
@@ -571,7 +571,8 @@ def test_exact_time_limit_validation():
 
 
 def test_exact_silences_native_solver_output(monkeypatch, capfd):
-    """HiGHS writes some lines from C++ straight to fd 2; none may reach the user."""
+    """HiGHS writes some lines from C++ straight to fd 2; inside
+    silence_native_output none reach the user."""
     import scipy.optimize
     real = scipy.optimize.milp
 
@@ -584,8 +585,125 @@ def test_exact_silences_native_solver_output(monkeypatch, capfd):
     layers = random_layers(np.random.default_rng(8), 4, 4)
     capfd.readouterr()
     print("before")
-    x = exact_allocate(layers, 0.9)
+    with silence_native_output():      # what the command line does (review finding 2)
+        x = exact_allocate(layers, 0.9)
     print("after")
     out, err = capfd.readouterr()
     assert err == "" and out == "before\nafter\n"
     assert x.extra["status"] == "optimal"
+
+
+
+# --------------------------------------------------------------------------- #
+# review finding 2: exact_allocate leaves the process's stdout/stderr alone
+# --------------------------------------------------------------------------- #
+def _blocking_milp(monkeypatch, hook):
+    """scipy.optimize.milp that calls ``hook()`` (in the solving thread) before
+    the real solve, on each thread's first call."""
+    import threading
+    import scipy.optimize
+    real = scipy.optimize.milp
+    seen = set()
+    lock = threading.Lock()
+
+    def fake(*a, **kw):
+        with lock:
+            first = threading.get_ident() not in seen
+            seen.add(threading.get_ident())
+        if first:
+            hook()
+        return real(*a, **kw)
+
+    monkeypatch.setattr(scipy.optimize, "milp", fake)
+
+
+def test_exact_thread_printing_during_a_solve_is_not_lost(monkeypatch, capfd):
+    import threading
+    solving, printed = threading.Event(), threading.Event()
+
+    def hook():
+        solving.set()
+        assert printed.wait(10)
+
+    _blocking_milp(monkeypatch, hook)
+    layers = random_layers(np.random.default_rng(31), 5, 5)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("x", exact_allocate(layers, 0.8)))
+    capfd.readouterr()
+    t.start()
+    assert solving.wait(60)
+    print("printed while solving", flush=True)
+    os.write(2, b"stderr while solving\n")
+    printed.set()
+    t.join(60)
+    o, e = capfd.readouterr()
+    assert o == "printed while solving\n" and e == "stderr while solving\n"
+    assert out["x"].extra["status"] == "optimal"
+
+
+def test_exact_two_concurrent_solves_leave_stdout_working(monkeypatch, capfd):
+    """Solve A starts, solve B starts while A is inside HiGHS, A finishes first:
+    an fd redirect that saved/restored per call would leave fd 1 on /dev/null."""
+    import threading
+    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+    order = []
+
+    def hook():
+        name = threading.current_thread().name
+        order.append(name)
+        if name == "A":
+            a_in.set()
+            assert b_in.wait(20)
+        else:
+            b_in.set()
+            assert a_done.wait(20)
+
+    _blocking_milp(monkeypatch, hook)
+    layers = random_layers(np.random.default_rng(32), 5, 5)
+    res = {}
+
+    def run(name):
+        res[name] = exact_allocate(layers, 0.8)
+        if name == "A":
+            a_done.set()
+
+    ta = threading.Thread(target=run, args=("A",), name="A")
+    tb = threading.Thread(target=run, args=("B",), name="B")
+    capfd.readouterr()
+    ta.start()
+    assert a_in.wait(60)
+    tb.start()
+    ta.join(60)
+    tb.join(60)
+    print("after both solves", flush=True)
+    os.write(2, b"stderr after\n")
+    o, e = capfd.readouterr()
+    assert o == "after both solves\n" and e == "stderr after\n"
+    assert order == ["A", "B"]
+    assert res["A"].choice == res["B"].choice and res["A"].extra["status"] == "optimal"
+
+
+def test_silence_native_output_nests_across_threads_and_restores_on_error(capfd):
+    import threading
+    capfd.readouterr()
+    with pytest.raises(RuntimeError):
+        with silence_native_output():
+            os.write(1, b"hidden\n")
+            raise RuntimeError("boom")
+    os.write(1, b"visible 1\n")
+    inside, release = threading.Event(), threading.Event()
+
+    def other():
+        with silence_native_output():
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other)
+    with silence_native_output():
+        t.start()
+        assert inside.wait(10)
+    os.write(1, b"hidden while the other thread is inside\n")   # still one open block
+    release.set()
+    t.join(10)
+    os.write(1, b"visible 2\n")
+    assert capfd.readouterr().out == "visible 1\nvisible 2\n"

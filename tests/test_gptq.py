@@ -159,3 +159,28 @@ def test_psd_within_tolerance_accepted_and_zero_gram():
     assert all(np.isfinite(o.out_err) for o in lp.options)
     z = profile_layer("l", w, gram=np.zeros((16, 16)), rank_cap=2)
     assert all(o.out_err == 0.0 for o in z.options)
+
+
+# --- review finding 1: the cached Hessian factor follows the gram's content ---
+def test_gptq_gram_modified_in_place_between_calls_uses_new_gram():
+    w, x, h = _data(16, 96, seed=11)
+    rng = np.random.default_rng(12)
+    first = gptq_quantize(w, h, 4, 32, block=32)
+    np.testing.assert_array_equal(first[0], ng.gptq(w, h, 4, 32)[0])
+    x2 = rng.standard_normal((400, 96)) * np.linspace(0.1, 6.0, 96)
+    h += x2.T @ x2            # same array object, new content
+    codes, scales = gptq_quantize(w, h, 4, 32, block=32)
+    c2, s2 = ng.gptq(w, h, 4, 32)
+    assert not np.array_equal(c2, first[0])   # the two grams really give other codes
+    np.testing.assert_array_equal(scales.reshape(16, -1), s2)
+    np.testing.assert_array_equal(codes, c2)
+
+
+def test_gptq_same_gram_content_in_new_array_reuses_nothing_stale():
+    w, _, h = _data(8, 64, seed=13)
+    a = gptq_quantize(w, h, 4, 32)
+    h2 = h.copy()
+    h2[0, 0] *= 3.0
+    b = gptq_quantize(w, h2, 4, 32)
+    np.testing.assert_array_equal(b[0], ng.gptq(w, h2, 4, 32)[0])
+    np.testing.assert_array_equal(gptq_quantize(w, h.copy(), 4, 32)[0], a[0])

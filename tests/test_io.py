@@ -596,3 +596,144 @@ def test_minilm_listing_and_values(minilm):
     ref = st.load_file(minilm)
     for e in chosen[:3] + chosen[-2:]:
         np.testing.assert_array_equal(e.load(), ref[e.name])
+
+
+# --------------------------------------------------------------------------- #
+# review finding 4: untrusted headers and shard indexes
+# --------------------------------------------------------------------------- #
+def _model_dir_with_outside_shard(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    write_st(model / "inside.safetensors", {"a": np.ones((2, 2), np.float32)})
+    write_st(tmp_path / "outside.safetensors", {"secret": np.full((2, 2), 7, np.float32)})
+    return model
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "dotdot_nested", "absolute", "symlink",
+                                  "not_a_string", "empty"])
+def test_shard_index_entry_cannot_leave_the_model_dir(tmp_path, kind):
+    model = _model_dir_with_outside_shard(tmp_path)
+    outside = str(tmp_path / "outside.safetensors")
+    shard = {"dotdot": "../outside.safetensors",
+             "dotdot_nested": "sub/../../outside.safetensors",
+             "absolute": outside,
+             "symlink": "link.safetensors",
+             "not_a_string": ["outside.safetensors"],
+             "empty": ""}[kind]
+    if kind == "symlink":
+        os.symlink(outside, model / "link.safetensors")
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "inside.safetensors", "secret": shard}}))
+    with pytest.raises(oio.SourceError) as ei:
+        oio.open_source(model)
+    msg = str(ei.value)
+    assert "'secret'" in msg and "\n" not in msg
+
+
+def test_shard_index_subdirectory_inside_model_dir_still_works(tmp_path):
+    model = tmp_path / "model"
+    (model / "shards").mkdir(parents=True)
+    write_st(model / "shards" / "a.safetensors", {"a": np.ones((2, 2), np.float32)})
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "shards/a.safetensors"}}))
+    src = oio.open_source(model)
+    np.testing.assert_array_equal(src.entries[0].load(), np.ones((2, 2), np.float32))
+
+
+def test_deeply_nested_json_is_a_source_error(tmp_path):
+    p, data = _good_file(tmp_path)
+    n = struct.unpack("<Q", data[:8])[0]
+    deep = (b'{"w": ' + b"[" * 200_000 + b"]" * 200_000 + b"}")
+    p.write_bytes(struct.pack("<Q", len(deep)) + deep + data[8 + n:])
+    with pytest.raises(oio.SourceError) as ei:
+        oio.open_source(p)
+    assert str(p) in str(ei.value) and "\n" not in str(ei.value)
+    d = tmp_path / "m"
+    d.mkdir()
+    write_st(d / "a.safetensors", {"a": np.ones((2, 2), np.float32)})
+    (d / "model.safetensors.index.json").write_text(
+        '{"weight_map": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    with pytest.raises(oio.SourceError) as ei:
+        oio.open_source(d)
+    assert "index" in str(ei.value) and "\n" not in str(ei.value)
+
+
+_GOOD = {"dtype": "F32", "shape": [4, 5], "data_offsets": [0, 80]}
+_BAD_ENTRIES = [
+    None, [], "F32", 3, {},
+    {**_GOOD, "dtype": 5},
+    {**_GOOD, "dtype": None},
+    {**_GOOD, "shape": None},
+    {**_GOOD, "shape": 20},
+    {**_GOOD, "shape": [[4], [5]]},
+    {**_GOOD, "shape": [4.5, 5]},        # int() would silently make it [4, 5]
+    {**_GOOD, "shape": [True, 20]},
+    {**_GOOD, "shape": ["4", "5"]},
+    {**_GOOD, "shape": [float("inf"), 5]},   # json: Infinity -> OverflowError in int()
+    {**_GOOD, "shape": [float("nan"), 5]},
+    {**_GOOD, "shape": [-4, -5]},
+    {**_GOOD, "data_offsets": None},
+    {**_GOOD, "data_offsets": [0]},
+    {**_GOOD, "data_offsets": [0, 80, 3]},
+    {**_GOOD, "data_offsets": {"a": 0, "b": 80}},
+    {**_GOOD, "data_offsets": ["0", "80"]},
+    {**_GOOD, "data_offsets": [0.0, 80.0]},
+    {**_GOOD, "data_offsets": [0, float("inf")]},
+]
+
+
+@pytest.mark.parametrize("i", range(len(_BAD_ENTRIES)))
+def test_malformed_header_entries_fuzz_one_line_source_error(tmp_path, i):
+    p, data = _good_file(tmp_path)
+    n = struct.unpack("<Q", data[:8])[0]
+    hj = json.dumps({"w": _BAD_ENTRIES[i]}).encode()
+    p.write_bytes(struct.pack("<Q", len(hj)) + hj + data[8 + n:])
+    with pytest.raises(oio.SourceError) as ei:
+        oio.open_source(p)
+    msg = str(ei.value)
+    assert str(p) in msg and "'w'" in msg and "\n" not in msg and len(msg) < 600
+
+
+@pytest.mark.parametrize("doc", [
+    [], "x", {"weight_map": None}, {"weight_map": []}, {"weight_map": {"a": None}},
+    {"weight_map": {"a": 5}}, {"weight_map": {"a": {"f": 1}}}, {"nope": {}},
+])
+def test_malformed_shard_index_fuzz_one_line_source_error(tmp_path, doc):
+    write_st(tmp_path / "a.safetensors", {"a": np.ones((2, 2), np.float32)})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(doc))
+    with pytest.raises(oio.SourceError) as ei:
+        oio.open_source(tmp_path)
+    assert "index" in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_read_tensor_file_is_the_single_dump_reader(tmp_path):
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((3, 5)).astype(np.float32)
+    write_dump(tmp_path / "x.tensor", a)
+    np.testing.assert_array_equal(oio.read_tensor_file(tmp_path / "x.tensor"), a)
+    assert oio.read_tensor_header(tmp_path / "x.tensor") == (3, 5)
+    write_dump(tmp_path / "z.tensor", np.zeros((0, 4), np.float32))
+    assert oio.read_tensor_file(tmp_path / "z.tensor").shape == (0, 4)
+    (tmp_path / "t.tensor").write_bytes((tmp_path / "x.tensor").read_bytes()[:-4])
+    with pytest.raises(oio.SourceError, match="truncated"):
+        oio.read_tensor_file(tmp_path / "t.tensor")
+
+
+def test_read_tensor_file_keeps_probe_load_tensor_contract(tmp_path):
+    """probe.load_tensor can delegate to io.read_tensor_file: same values, and the
+    ValueError messages its tests match (sizes, 'truncated' / 'longer' / 'header')."""
+    from opscope_nb import probe
+    x = np.arange(16, dtype=np.float32).reshape(4, 4) / 7
+    p = tmp_path / "w.tensor"
+    probe.save_tensor(p, x)
+    np.testing.assert_array_equal(oio.read_tensor_file(p), probe.load_tensor(p))
+    raw = p.read_bytes()
+    p.write_bytes(raw[:-3])
+    with pytest.raises(ValueError, match=r"truncated.*72 bytes.*69 bytes"):
+        oio.read_tensor_file(p)
+    p.write_bytes(raw + b"\0\0\0\0")
+    with pytest.raises(ValueError, match=r"longer.*72 bytes.*76 bytes"):
+        oio.read_tensor_file(p)
+    p.write_bytes(raw[:5])
+    with pytest.raises(ValueError, match="header"):
+        oio.read_tensor_file(p)
