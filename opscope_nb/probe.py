@@ -371,18 +371,5 @@ def load_tensor(path) -> np.ndarray:
         exactly ``8 + 4*rows*cols`` bytes (truncated or with trailing data);
         the message gives both sizes.
     """
-    p = os.fspath(path)
-    with open(p, "rb") as f:
-        blob = f.read()
-    if len(blob) < _HEADER_BYTES:
-        raise ValueError(f"{p!r} is not a .tensor file: it has {len(blob)} bytes, "
-                         f"fewer than the {_HEADER_BYTES}-byte header "
-                         f"(u32 LE rows, u32 LE cols).")
-    rows, cols = (int(v) for v in np.frombuffer(blob, dtype="<u4", count=2))
-    expected = _HEADER_BYTES + 4 * rows * cols
-    if len(blob) != expected:
-        what = "truncated" if len(blob) < expected else "longer than its header says"
-        raise ValueError(f"{p!r} is {what}: header says {rows} x {cols} float32, "
-                         f"i.e. {expected} bytes, but the file has {len(blob)} bytes.")
-    data = np.frombuffer(blob, dtype="<f4", offset=_HEADER_BYTES, count=rows * cols)
-    return data.astype(np.float32).reshape(rows, cols)
+    from .io import read_tensor_file      # the package's one .tensor reader
+    return read_tensor_file(path)

