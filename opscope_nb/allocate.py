@@ -228,7 +228,8 @@ class Allocation:
         ----------
         layers : sequence of LayerProfile, optional
             When given, adds a ``layers`` list with each layer's name and the
-            chosen option's label, rel_err, bytes, flops and measured
+            chosen option's label, full ``decomp`` (``Decomp.to_dict``: rank,
+            sketch rank, seed -- what ``apply`` rebuilds), rel_err, bytes, flops and measured
             ``latency_us`` (``{"m": us}``, empty when not measured), and
             ``total_latency_us`` / ``dense_latency_us`` (``{"m": us}`` for
             every ``m`` measured on all layers).
@@ -268,7 +269,9 @@ class Allocation:
                 keys = set(lat) & {str(k) for k in
                                    (getattr(lp.options[0], "latency_us", None) or {})}
                 ms = keys if ms is None else ms & keys
+                dec = o.decomp.to_dict() if hasattr(o.decomp, "to_dict") else None
                 rows.append({"name": lp.name, "option": int(c), "label": o.decomp.label,
+                             "decomp": dec,
                              "rel_err": float(o.rel_err), "bytes": int(o.bytes),
                              "flops": int(o.flops), "latency_us": lat})
             d["layers"] = rows

@@ -10,11 +10,16 @@ import json
 import os
 
 from . import io as tio
-from .checkpoint import CheckpointWriter, _sha
+from .checkpoint import CheckpointWriter
+from .profiling import FingerprintError, check_fingerprints
 from .formats import Decomp, packed_bytes
 from .runtime import PackedLinear
 
-__all__ = ["apply_plan", "read_plan", "PlanError"]
+__all__ = ["apply_plan", "read_plan", "PlanError", "FINGERPRINT", "check_made_from"]
+
+#: What ``source_sha256`` in a compressed file hashes (files of before hashed
+#: the float32 values as loaded, and carry no ``source_fingerprint``).
+FINGERPRINT = "sha256 of stored bytes"
 
 
 class PlanError(ValueError):
@@ -70,12 +75,20 @@ def read_plan(plan_path, method=None) -> tuple:
         try:
             name, label = str(ent["name"]), str(ent["label"])
             d = Decomp.from_label(label)
-            opts = prof_opts.get(name)
-            oi = ent.get("option")
-            if opts is not None and oi is not None and 0 <= int(oi) < len(opts):
-                dd = Decomp.from_dict(opts[int(oi)])
-                if dd == d:
-                    d = dd
+            full = ent.get("decomp")
+            if isinstance(full, dict):
+                # the row's own full decomp (rank, sketch, seed): the same arrays
+                # whichever directory the plan is applied from
+                dd = Decomp.from_dict(full)
+            else:  # an older plan: provenance from the profile next to it
+                opts = prof_opts.get(name)
+                oi = ent.get("option")
+                dd = (Decomp.from_dict(opts[int(oi)])
+                      if opts is not None and oi is not None and 0 <= int(oi) < len(opts)
+                      else d)
+            if dd != d:
+                raise ValueError(f"its decomp {full!r} is not its label {label!r}")
+            d = dd
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"{plan_path}: bad layer entry {ent!r} in method "
                              f"{method!r} ({exc}).") from None
@@ -86,7 +99,7 @@ def read_plan(plan_path, method=None) -> tuple:
 
 
 def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
-               grams=None) -> dict:
+               grams=None, force=False) -> dict:
     """Compress ``source`` as ``plan.json`` says and write the checkpoint to ``out_path``.
 
     Parameters
@@ -105,6 +118,9 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
     grams : dict of str -> ndarray, optional
         Calibration grams by tensor name (:func:`opscope_nb.calib.load_grams`),
         needed by planned ``+gptq`` layers.
+    force : bool
+        Apply even when a planned tensor's stored bytes differ from the
+        fingerprint the plan records (``PlanError`` otherwise).
 
     Returns
     -------
@@ -134,6 +150,13 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
             raise PlanError(f"{plan_path}: planned layer {name!r} ({d.label}, {nbytes} "
                              f"bytes) does not match its shape {e.shape} in {src.path}; the "
                              f"plan was made for another model.")
+    recorded = (doc.get("source") or {}).get("sha256")
+    if not force:
+        try:
+            check_fingerprints([by_name[n] for n in plan], recorded, plan_path)
+        except FingerprintError as exc:
+            raise PlanError(f"{exc}; apply it to the source it was made from, or pass "
+                            f"--force.") from None
     w = CheckpointWriter(out_path)
     sha = {}
     skipped, dense_layers = [], 0
@@ -148,7 +171,7 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
             except tio.UnsupportedDtypeError:
                 skipped.append(e.name)
                 continue
-            sha[e.name] = _sha(a)
+            sha[e.name] = e.sha256()       # the stored bytes, as profile.json keys them
             ent = plan.get(e.name)
             if ent is not None and ent[0].kind != "dense":
                 g = None if grams is None or ent[0].rounding is None else grams.get(e.name)
@@ -161,7 +184,7 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
                 progress.advance(e.numel)
         meta = {"source": {"file": os.path.basename(os.fspath(source)),
                            "kind": src.kind, "n_tensors": len(src.entries)},
-                "source_sha256": sha,
+                "source_sha256": sha, "source_fingerprint": FINGERPRINT,
                 "plan": {"file": os.path.basename(os.fspath(plan_path)), "method": method,
                          "budget": doc.get("budget")}}
         n_layers, n_tensors = len(w.layers), len(w.tensors)
@@ -176,3 +199,20 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
     return {"method": method, "layers": n_layers, "dense_layers": dense_layers,
             "tensors": n_tensors, "skipped": skipped, "source_bytes": int(total) * 4,
             "out_bytes": int(out_bytes), "path": os.fspath(out_path)}
+
+
+def check_made_from(source, record: dict) -> None:
+    """Raise :class:`opscope_nb.profiling.FingerprintError` unless the compressed
+    checkpoint whose metadata ``record`` is given was made from ``source`` (every
+    source tensor's stored bytes match ``source_sha256``)."""
+    if record.get("source_fingerprint") != FINGERPRINT:
+        raise FingerprintError("the compressed file records no stored-bytes fingerprint "
+                               "of its source (made by an older opscope-nb)")
+    src = tio.open_source(source)
+    recorded = record.get("source_sha256") or {}
+    extra = sorted(set(recorded) - {e.name for e in src.entries})
+    if extra:
+        raise FingerprintError(f"the compressed file was made from a source with tensor "
+                               f"{extra[0]}, which {src.path} lacks")
+    check_fingerprints([e for e in src.entries if e.name in recorded] , recorded,
+                       "the compressed file")

@@ -112,6 +112,7 @@ __all__ = [
     "nbytes",
     "balanced_factor",
     "check_applicable",
+    "GramRequiredError",
 ]
 
 KINDS = ("dense", "int8", "int4", "int4g", "intn", "ternary", "sparse24", "lowrank",
@@ -121,6 +122,10 @@ KINDS = ("dense", "int8", "int4", "int4g", "intn", "ternary", "sparse24", "lowra
 INTN_BITS = (2, 3, 5, 6)
 #: Data-aware roundings a quantised Decomp may name (None = round to nearest).
 ROUNDINGS = ("gptq",)
+
+
+class GramRequiredError(ValueError):
+    """A ``+gptq`` option was packed without the calibration gram it needs."""
 
 
 def _tuple_of_ints(v, name):
@@ -575,7 +580,7 @@ def _quant_codes(w, bits, group, d, gram):
     if d.rounding is None:
         return quantize_groups_sym(w, bits, group)
     if gram is None:
-        raise ValueError(f"{d.label} chooses its codes from calibration data: pass gram= "
+        raise GramRequiredError(f"{d.label} chooses its codes from calibration data: pass gram= "
                          f"(H = X.T @ X of the layer's inputs, [cols, cols] or its diagonal; "
                          f"see opscope_nb.calib), or use {d.with_rounding(None).label}.")
     from .gptq import gptq_validated

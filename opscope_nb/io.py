@@ -124,6 +124,27 @@ class TensorEntry:
     dtype: str
     path: str
     _loader: Callable[[], np.ndarray] = field(repr=False, compare=False)
+    _raw: Callable[[], np.ndarray] | None = field(default=None, repr=False, compare=False)
+
+    def raw(self) -> np.ndarray:
+        """The tensor's bytes exactly as the source stores them: a 1-D uint8
+        array (a read-only map of the file where there is one).  For the
+        synthetic model, the float32 bytes of :meth:`load`."""
+        if self._raw is None:
+            return self.load().reshape(-1).view(np.uint8)
+        return self._raw()
+
+    def sha256(self) -> str:
+        """SHA-256 of :meth:`raw` -- the stored bytes, streamed in 16 MiB pieces
+        (one tensor's fingerprint; the file's other tensors are not read)."""
+        import hashlib
+        h = hashlib.sha256()
+        a = self.raw()
+        step = 16 << 20
+        for o in range(0, a.size, step):
+            h.update(a[o:o + step])
+        del a
+        return h.hexdigest()
 
     @property
     def ndim(self) -> int:
@@ -316,6 +337,19 @@ def _safetensors_loader(path: str, name: str, dtype: str, shape: Sequence[int],
     return load
 
 
+def _byte_range(path: str, offset: int, nbytes: int) -> Callable[[], np.ndarray]:
+    """``raw()`` of a tensor stored as ``nbytes`` bytes at ``offset`` of ``path``."""
+    def raw() -> np.ndarray:
+        if nbytes == 0:
+            return np.zeros(0, np.uint8)
+        try:
+            return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,))
+        except (OSError, ValueError) as exc:
+            raise SourceError(f"{path}: cannot map {nbytes} bytes at {offset} "
+                              f"({exc}).") from None
+    return raw
+
+
 def _safetensors_entries(path: str, names: Iterable[str] | None = None) -> list:
     data_start, header = read_safetensors_header(path)
     if names is not None:
@@ -330,7 +364,8 @@ def _safetensors_entries(path: str, names: Iterable[str] | None = None) -> list:
         entries.append(TensorEntry(
             name, tuple(info["shape"]), info["dtype"], path,
             _safetensors_loader(path, name, info["dtype"], info["shape"],
-                                data_start + begin, end - begin)))
+                                data_start + begin, end - begin),
+            _byte_range(path, data_start + begin, end - begin)))
     return entries
 
 
@@ -416,7 +451,8 @@ def _tensor_file_entry(path: str) -> TensorEntry:
     rows, cols = read_tensor_header(path)
     name = os.path.basename(path)[: -len(".tensor")]
     return TensorEntry(name, (rows, cols), "F32", path,
-                       lambda: _read_tensor_data(path, rows, cols))
+                       lambda: _read_tensor_data(path, rows, cols),
+                       _byte_range(path, 8, 4 * rows * cols))
 
 
 # --------------------------------------------------------------------------- #
@@ -447,8 +483,16 @@ def _gguf_entries(path: str) -> list:
         shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
         qtype = t.tensor_type
         entries.append(TensorEntry(t.name, shape, qtype.name, path,
-                                   _gguf_loader(gguf, path, t.name, t.data, qtype, shape)))
+                                   _gguf_loader(gguf, path, t.name, t.data, qtype, shape),
+                                   _gguf_raw(t.data)))
     return entries
+
+
+def _gguf_raw(data):
+    """``raw()`` of a GGUF tensor: the reader's map of its data, as bytes."""
+    def raw() -> np.ndarray:
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return raw
 
 
 def _gguf_loader(gguf, path, name, data, qtype, shape):

@@ -23,7 +23,8 @@ from . import mining
 from ._fs import peak_rss_mb
 
 __all__ = ["TOOL", "PROFILE_FORMAT", "load_checked", "profile_entry", "profile_doc",
-           "timing_split"]
+           "timing_split", "source_files", "result_settings", "FingerprintError",
+           "check_fingerprints"]
 
 #: ``profile.json``'s ``tool`` field (the command's name).
 TOOL = "opscope-nb"
@@ -71,6 +72,7 @@ def profile_entry(e, kw):
     t_load = time.perf_counter() - t0
     if w is None:
         return None, None, why
+    sha = e.sha256()          # the stored bytes' fingerprint (resume/apply/eval check it)
     t1 = time.perf_counter()
     kw = dict(kw)
     kw.setdefault("stored_dtype", e.dtype)
@@ -78,7 +80,7 @@ def profile_entry(e, kw):
     del w
     rec = {"name": e.name, "shape": list(e.shape), "dtype": e.dtype,
            "file": os.path.abspath(e.path) if e.path != "synthetic" else e.path,
-           "load_seconds": t_load, "seconds": time.perf_counter() - t1,
+           "sha256": sha, "load_seconds": t_load, "seconds": time.perf_counter() - t1,
            "profile": lp.to_dict()}
     return rec, lp, None
 
@@ -115,6 +117,8 @@ def profile_doc(source, settings, records, skipped, t_start, complete) -> dict:
     """
     timings = timing_split(r["profile"].get("timings") for r in records)
     rss = peak_rss_mb()
+    source = dict(source)
+    source["sha256"] = {r["name"]: r["sha256"] for r in records if r.get("sha256")}
     return {
         "tool": TOOL, "version": __version__, "format": PROFILE_FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -129,3 +133,50 @@ def profile_doc(source, settings, records, skipped, t_start, complete) -> dict:
                     "phases": timings},
         "peak_rss_mb": rss if np.isfinite(rss) else None,
     }
+
+
+class FingerprintError(ValueError):
+    """A result does not belong to this source (a tensor's stored bytes differ
+    from the fingerprint recorded with it)."""
+
+
+def source_files(src) -> list:
+    """``[{path, size, mtime_ns}]`` of the files a source reads (none for the
+    synthetic model), for ``profile.json`` / ``plan.json``."""
+    out = []
+    for p in sorted({e.path for e in src.entries if e.path != "synthetic"}):
+        st = os.stat(p)
+        out.append({"path": os.path.abspath(p), "size": int(st.st_size),
+                    "mtime_ns": int(st.st_mtime_ns)})
+    return out
+
+
+#: Settings keys that are run facts, not choices that change results.
+_RUN_FACTS = ("wall_seconds", "seconds", "load_seconds", "distributed")
+
+
+def result_settings(settings: dict) -> dict:
+    """The part of a run's settings that changes the profiled results: every
+    key but the budget (it only steers allocation), the selection (resume
+    matches layers one by one) and run facts such as timings."""
+    skip = {"budget", "bpw", "include", "exclude", "include_embeddings", *_RUN_FACTS}
+
+    def clean(v):
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items() if k not in _RUN_FACTS}
+        return v
+    return {k: clean(v) for k, v in (settings or {}).items() if k not in skip}
+
+
+def check_fingerprints(entries, recorded: dict, what: str) -> None:
+    """Raise :class:`FingerprintError` naming the first tensor whose stored bytes
+    (:meth:`opscope_nb.io.TensorEntry.sha256`) differ from ``recorded[name]``
+    (or that ``recorded`` lacks); ``what`` names the result being checked."""
+    for e in entries:
+        want = (recorded or {}).get(e.name)
+        if want is None:
+            raise FingerprintError(f"{what} has no fingerprint for {e.name}; it was made "
+                                   f"from another source or by an older opscope-nb")
+        if e.sha256() != want:
+            raise FingerprintError(f"{e.name} differs from the tensor {what} was made "
+                                   f"from (SHA-256 of its stored bytes)")

@@ -144,7 +144,9 @@ LIN_ROLES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_a
              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def _plan(path, weights, label_of, method="exact"):
+def _plan(path, weights, label_of, method="exact", src=None):
+    """A hand-written plan.json; ``src``: the checkpoint whose stored-bytes
+    fingerprints it records (apply refuses a plan without them unless forced)."""
     layers = []
     for n, w in weights.items():
         lab = label_of(n)
@@ -154,6 +156,10 @@ def _plan(path, weights, label_of, method="exact"):
         layers.append({"name": n, "option": 0, "label": lab,
                        "bytes": packed_bytes(w.shape[0], w.shape[1], d)})
     doc = {"tool": "opscope-nb", "budget": 0.5, "methods": {method: {"layers": layers}}}
+    if src is not None:
+        from opscope_nb.io import open_source
+        doc["source"] = {"sha256": {e.name: e.sha256() for e in open_source(src).entries
+                                    if e.name in weights}}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(doc, f)
@@ -175,7 +181,7 @@ def _eval_tiny(tiny, tmp_path, label_of, **kw):
     d, W = tiny
     lin = set(_linear_names(W))
     plan = _plan(str(tmp_path / "p" / "plan.json"), {n: W[n] for n in lin},
-                 label_of)
+                 label_of, src=d)
     out = str(tmp_path / "c.safetensors")
     r = apply_plan(d, plan, out)
     res = evaluate(d, out, act="f32", max_tokens=96, decode_steps=3, prompt_tokens=8, **kw)
@@ -258,7 +264,7 @@ def _run(capsys, *argv):
 def test_cli_apply_eval_tiny(tiny, tmp_path, capsys):
     d, W = tiny
     plan = _plan(str(tmp_path / "p" / "plan.json"), {n: W[n] for n in _linear_names(W)},
-                 lambda n: "int8/chan")
+                 lambda n: "int8/chan", src=d)
     out = str(tmp_path / "c.safetensors")
     rc, o, e = _run(capsys, "apply", d, plan, "-o", out, "-q")
     assert rc == 0, e
@@ -318,7 +324,7 @@ def test_minilm_dense_plan_cosine_exactly_one(tmp_path, capsys):
     src = open_source(MINILM)
     chosen, _ = select(src)
     shapes = {e.name: np.zeros(e.shape, np.float32) for e in chosen}
-    plan = _plan(str(tmp_path / "p" / "plan.json"), shapes, lambda n: "dense")
+    plan = _plan(str(tmp_path / "p" / "plan.json"), shapes, lambda n: "dense", src=MINILM)
     out = str(tmp_path / "c.safetensors")
     assert _run(capsys, "apply", MINILM, plan, "-o", out, "-q")[0] == 0
     js = str(tmp_path / "r.json")

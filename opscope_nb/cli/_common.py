@@ -284,8 +284,10 @@ def open_and_select(args):
 
 
 def source_info(src) -> dict:
+    from ..profiling import source_files
     path = src.path if src.kind == "synthetic" else os.path.abspath(src.path)
-    return {"path": path, "kind": src.kind, "n_tensors": len(src.entries)}
+    return {"path": path, "kind": src.kind, "n_tensors": len(src.entries),
+            "files": source_files(src)}
 
 
 # --------------------------------------------------------------------------- #

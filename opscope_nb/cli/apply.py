@@ -27,12 +27,16 @@ def add_parser(sub) -> None:
     p.add_argument("--grams", metavar="calib.npz", default=None,
                    help="calibration grams for +gptq layers (default: calib.npz next to "
                         "PLAN, written by 'profile --calib --out')")
+    p.add_argument("--force", action="store_true",
+                   help="apply even when the source's planned tensors differ from the "
+                        "fingerprints (SHA-256 of the stored bytes) the plan records")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from ..apply import PlanError, apply_plan
+    from ..apply import PlanError, apply_plan, read_plan
+    from ..formats import GramRequiredError
     out = args.output
     d = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(d):
@@ -43,23 +47,32 @@ def run(args) -> int:
     first_run_notice(args)
     gpath = args.grams or os.path.join(os.path.dirname(os.path.abspath(args.plan)),
                                        "calib.npz")
+    try:
+        _, plan, _ = read_plan(args.plan, args.method)
+    except PlanError as exc:
+        raise CliError(str(exc)) from None
+    need = sorted(n for n, (d, _) in plan.items() if d.rounding is not None)
     grams = None
-    if os.path.exists(gpath):
-        from ..calib import load_grams
+    if need:          # only a plan with +gptq layers reads grams, and only theirs
+        if not os.path.exists(gpath):
+            raise CliError(f"{args.plan}: {len(need)} +gptq layer(s) (e.g. {need[0]}) need "
+                           f"calibration grams; no {gpath} (give --grams FILE).")
+        from ..calib import GramsError, load_grams
         try:
-            grams, _ = load_grams(gpath)
-        except (OSError, ValueError, KeyError) as exc:
+            allg, _ = load_grams(gpath)
+        except (OSError, GramsError) as exc:
             raise CliError(f"{gpath}: cannot read calibration grams ({exc}).") from None
-    elif args.grams:
+        grams = {n: allg[n] for n in need if n in allg}
+        del allg
+    elif args.grams and not os.path.exists(args.grams):
         raise CliError(f"{args.grams}: no such file.")
     try:
         r = apply_plan(args.source, args.plan, out, method=args.method,
-                       make_progress=lambda n, w: Progress(n, w, show), grams=grams)
+                       make_progress=lambda n, w: Progress(n, w, show), grams=grams,
+                       force=args.force)
     except PlanError as exc:
         raise CliError(str(exc)) from None
-    except ValueError as exc:
-        if "gram" not in str(exc):
-            raise
+    except GramRequiredError as exc:
         raise CliError(f"{args.plan}: a +gptq layer needs calibration grams: {exc} "
                        f"(looked for {gpath}).") from None
     print(f"{r['method']}: {r['layers']} layers packed, {r['dense_layers']} planned dense, "

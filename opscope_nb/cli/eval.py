@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
                    help="decoders: prompt length of the speed run (default 64)")
     p.add_argument("--window", type=positive_int, default=256, metavar="N",
                    help="decoders: perplexity/KL window in tokens (default 256)")
+    p.add_argument("--force", action="store_true",
+                   help="evaluate even when --compressed was not made from SOURCE (its "
+                        "recorded fingerprints differ)")
     p.add_argument("--json", metavar="FILE", default=None, help="write every figure here")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -61,6 +64,15 @@ def run(args) -> int:
     from ..models import ModelError
     from ..models.evaluate import evaluate
     show = progress_enabled(args)
+    if args.compressed and not args.force:
+        from ..apply import check_made_from
+        from ..checkpoint import read_record
+        from ..profiling import FingerprintError
+        try:
+            check_made_from(args.source, read_record(args.compressed)[2])
+        except FingerprintError as exc:
+            raise CliError(f"{args.compressed}: {exc}; evaluate it against the source it was "
+                           f"made from, or pass --force.") from None
     first_run_notice(args)
     try:
         r = evaluate(args.source, args.compressed, text=args.text, act=args.act, speed_act=args.speed_act,

@@ -12,7 +12,8 @@ import time
 import numpy as np
 
 from ..mining import LayerProfile
-from ..profiling import profile_doc, profile_entry, timing_split
+from ..profiling import (FingerprintError, check_fingerprints, profile_doc, profile_entry,
+                         result_settings, timing_split)
 from ._common import (CliError, add_source_args, ensure_outdir, fmt_bytes, int_list,
                       first_run_notice, json_text, load_profile_doc, nonneg_int,
                       open_and_select, peak_rss_mb,
@@ -180,24 +181,45 @@ def _setup(args):
     prof_path = os.path.join(out, "profile.json") if out else None
     previous = {}
     if args.resume and os.path.exists(prof_path):
-        doc = load_profile_doc(prof_path)
-        old = doc.get("settings", {})
-        if ((old.get("rank_cap"), old.get("seed"), old.get("latency"), old.get("calib"))
-                != (args.rank_cap, args.seed, latency, calib_settings)):
-            warn(f"{prof_path} was made with rank_cap={old.get('rank_cap')}, "
-                 f"seed={old.get('seed')}, latency={old.get('latency')}; "
-                 f"re-profiling every layer.")
-        else:
-            for rec in doc["layers"]:
-                try:
-                    previous[(rec["name"], tuple(rec["shape"]))] = rec
-                except (KeyError, TypeError):
-                    continue
+        previous = _resumable(prof_path, settings, chosen)
     skipped = [{"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "reason": r}
                for e, r in skipped_sel]
     return {"spec": spec, "dist": dist, "src": src, "chosen": chosen, "kw": kw,
             "settings": settings, "source": source_info(src), "out": out,
             "prof_path": prof_path, "previous": previous, "skipped": skipped}
+
+
+def _resumable(prof_path, settings, chosen) -> dict:
+    """``{(name, shape): record}`` of a ``profile.json`` to continue: only when it
+    was made with the same result-changing settings and every saved layer
+    still has the stored bytes it was profiled from (CliError naming what
+    differs otherwise)."""
+    doc = load_profile_doc(prof_path)
+    old, new = result_settings(doc.get("settings")), result_settings(settings)
+    diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    if diff:
+        k = diff[0]
+        raise CliError(f"--resume: {prof_path} was made with {k}={old.get(k)!r}, this run "
+                       f"has {k}={new.get(k)!r} (differing: {', '.join(diff)}); use the "
+                       f"same settings, or another --out (or drop --resume) to start over.")
+    by_name = {e.name: e for e in chosen}
+    previous, mine = {}, []
+    for rec in doc["layers"]:
+        try:
+            key = (rec["name"], tuple(rec["shape"]))
+        except (KeyError, TypeError):
+            continue
+        e = by_name.get(rec["name"])
+        if e is not None and tuple(e.shape) == key[1]:
+            previous[key] = rec
+            mine.append(e)
+    try:
+        check_fingerprints(mine, {r["name"]: r.get("sha256") for r in previous.values()},
+                           prof_path)
+    except FingerprintError as exc:
+        raise CliError(f"--resume: {exc}; profile into another --out (or drop --resume) "
+                       f"to start over.")
+    return previous
 
 
 def _reuse(rec):
@@ -340,8 +362,9 @@ def _report(st, records, layers, reused, skipped, n_skip_load, t_start, args):
     if out:
         write(prof_path, json_text(profile_doc(st["source"], st["settings"], records,
                                                skipped, t_start, True)))
+        fp = {r["name"]: r["sha256"] for r in records if r.get("sha256")}
         write(os.path.join(out, "plan.json"),
-              json_text(plan_dict(layers, allocs, spec, st["source"])))
+              json_text(plan_dict(layers, allocs, spec, dict(st["source"], sha256=fp))))
         write(os.path.join(out, "options.csv"), options_csv(layers))
         print(f"wrote {prof_path}, plan.json, options.csv")
 
