@@ -284,6 +284,9 @@ class Allocation:
 
 #: Objectives the allocators minimise (see the solvers' ``objective`` parameter).
 OBJECTIVES = ("weight", "output", "sensitivity")
+#: A plan whose :func:`predicted_damage` is above this multiple of the best
+#: plan of the run at the same budget is flagged.
+DAMAGE_FLAG_RATIO = 2.0
 
 
 def _objective_errors(layers, flat_e, objective):
@@ -319,6 +322,30 @@ def _objective_errors(layers, flat_e, objective):
             out.append(scale * e * e)
     return np.asarray(out, dtype=np.float64), {
         "objective": objective, "objective_fallback_layers": int(fallback)}
+
+
+def output_objective(layers) -> str:
+    """The objective that follows the model's output for these layers:
+    ``"sensitivity"`` (sensitivity x out_err**2) when any layer was calibrated
+    with a sensitivity, else ``"output"`` (out_err**2 where measured, the
+    squared weight error rel_err**2 elsewhere)."""
+    for lp in layers:
+        if getattr(lp, "sensitivity", None) is not None and all(
+                getattr(o, "out_err", None) is not None for o in lp.options):
+            return "sensitivity"
+    return "output"
+
+
+def predicted_damage(layers, choice, objective=None) -> float:
+    """The plan's predicted output damage: the sum over layers of the chosen
+    option's ``objective`` term (default :func:`output_objective`), e.g.
+    ``sum rel_err**2`` without calibration.  What a plan chosen under another
+    objective (``weight``: ``sum rel_err``) is judged by."""
+    objective = objective or output_objective(layers)
+    flat = np.asarray([float(o.rel_err) for lp in layers for o in lp.options])
+    terms, _ = _objective_errors(layers, flat, objective)
+    starts = np.cumsum([0] + [len(lp.options) for lp in layers[:-1]])
+    return float(sum(terms[s + int(c)] for s, c in zip(starts, choice)))
 
 
 def _decimal(value) -> Fraction:

@@ -39,12 +39,14 @@ def add_budget_args(p) -> None:
                         "all-dense latency (needs a profile made with --latency)")
     p.add_argument("--latency-m", type=positive_int, default=1, metavar="M",
                    help="activation rows the latency budget is measured at (default 1)")
-    p.add_argument("--objective", choices=("weight", "output", "sensitivity"),
-                   default="weight",
-                   help="what the plan minimises: weight-space rel_err (default), the "
-                        "squared output error on calibration data, or sensitivity x "
-                        "squared output error (needs a profile made with --calib; layers "
-                        "without calibration fall back to weight error)")
+    p.add_argument("--objective", choices=("auto", "output", "sensitivity", "weight"),
+                   default="auto",
+                   help="what the plan minimises. auto (default): the one that follows the "
+                        "model's output -- sensitivity x squared output error with --calib, "
+                        "else the squared output error where calibrated and squared weight "
+                        "error elsewhere; output, sensitivity: those explicitly; weight: "
+                        "the seed's sum of weight-space rel_err (can spend int2/int3 where "
+                        "a few layers break the model)")
     p.add_argument("--method", choices=(*METHODS, "all"), default="all",
                    help="allocator(s) to run (default: all)")
     p.add_argument("--time-limit", type=positive_float, default=60.0, metavar="SEC",
@@ -63,8 +65,7 @@ def budget_spec(args) -> dict:
     if args.latency_budget is not None:
         spec["latency_frac"] = args.latency_budget
         spec["latency_m"] = args.latency_m
-    if getattr(args, "objective", "weight") != "weight":
-        spec["objective"] = args.objective
+    spec["objective"] = getattr(args, "objective", "auto")
     return spec
 
 
@@ -101,6 +102,10 @@ def run_allocators(layers, spec: dict, methods, time_limit: float = 60.0) -> dic
     from .. import allocate as al
     if not isinstance(spec, dict):
         spec = {"budget_frac": float(spec)}
+    spec = dict(spec)
+    flag = spec.pop("flag_damage", True)
+    if spec.get("objective", "auto") == "auto":
+        spec["objective"] = al.output_objective(layers)
     fns = {"greedy": al.greedy_allocate, "dado": al.dado_allocate,
            "exact": al.exact_allocate}
     out = {}
@@ -117,7 +122,37 @@ def run_allocators(layers, spec: dict, methods, time_limit: float = 60.0) -> dic
         else:
             a = fns[m](layers, **kw)
         out[m] = (a, time.perf_counter() - t)
+    if flag:
+        _flag_damage(layers, spec, out, al)
     return out
+
+
+def _flag_damage(layers, spec, allocs, al):
+    """Record each plan's predicted output damage (``extra``) and flag (stderr
+    and plan.json) any plan far above the run's best at the same budget; under
+    ``--objective weight`` the reference includes a greedy plan of the
+    output-following objective."""
+    if not allocs:
+        return
+    ref_obj = al.output_objective(layers)
+    dmg = {m: al.predicted_damage(layers, a.choice, ref_obj) for m, (a, _) in allocs.items()
+           if a.feasible}
+    best = min(dmg.values(), default=math.inf)
+    if spec.get("objective") == "weight":
+        kw = {k: v for k, v in spec.items() if k != "objective"}
+        ref = al.greedy_allocate(layers, objective=ref_obj, **kw)
+        if ref.feasible:
+            best = min(best, al.predicted_damage(layers, ref.choice, ref_obj))
+    for m, (a, _) in allocs.items():
+        if m not in dmg:
+            continue
+        a.extra["predicted_damage"] = dmg[m]
+        a.extra["damage_objective"] = ref_obj
+        if best > 0 and dmg[m] > al.DAMAGE_FLAG_RATIO * best:
+            a.extra["damage_flag"] = dmg[m] / best
+            warn(f"the {m} plan's predicted output damage ({ref_obj}: {dmg[m]:.4g}) is "
+                 f"{dmg[m] / best:.1f}x the best plan's at this budget ({best:.4g}); "
+                 f"{'drop --objective weight' if spec.get('objective') == 'weight' else 'prefer the exact plan'}.")
 
 
 def allocate_checked(layers, spec, methods, path, time_limit=60.0) -> dict:
@@ -239,7 +274,9 @@ def plan_dict(layers, allocs: dict, spec, source=None) -> dict:
            "latency_budget": spec.get("latency_frac"),
            "latency_m": spec.get("latency_m") if spec.get("latency_frac") is not None
            else None,
-           "objective": spec.get("objective", "weight"),
+           "objective": spec.get("objective", "auto"),
+           "objective_used": (next(iter(allocs.values()))[0].extra.get("objective", "weight")
+                              if allocs else None),
            "dense_bytes": dense,                 # as the source stores the weights
            "f32_bytes": int(sum(int(lp.f32_bytes) for lp in layers)),
            "stored_dtypes": sorted({lp.stored_dtype for lp in layers}),

@@ -53,7 +53,9 @@ def plot_data(layers, budgets=BUDGETS, methods=METHODS, path="profile") -> dict:
     for m in methods:
         xs, ys = [], []
         for b in budgets:
-            a = allocate_checked(layers, {"budget_frac": b}, (m,), path)[m][0]
+            # the frontier is in the seed's units (sum of rel_err), like the hull
+            a = allocate_checked(layers, {"budget_frac": b, "objective": "weight",
+                                          "flag_damage": False}, (m,), path)[m][0]
             if a.feasible:
                 xs.append(b)
                 ys.append(a.total_err / n)

@@ -77,7 +77,7 @@ def _calibration(args, src, chosen, kw, dist):
     if not args.calib and not args.imatrix:
         if args.calib_text or args.calib_tokens:
             raise CliError("--calib-text/--calib-tokens need --calib.")
-        if getattr(args, "objective", "weight") != "weight":
+        if getattr(args, "objective", "auto") not in ("weight", "auto"):
             warn(f"--objective {args.objective} without --calib/--imatrix: no layer has "
                  f"out_err, every layer uses its squared weight error (sum of rel_err^2).")
         return None, kw
