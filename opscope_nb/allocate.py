@@ -269,7 +269,7 @@ class Allocation:
                 keys = set(lat) & {str(k) for k in
                                    (getattr(lp.options[0], "latency_us", None) or {})}
                 ms = keys if ms is None else ms & keys
-                dec = o.decomp.to_dict() if hasattr(o.decomp, "to_dict") else None
+                dec = o.decomp.to_dict()
                 rows.append({"name": lp.name, "option": int(c), "label": o.decomp.label,
                              "decomp": dec,
                              "rel_err": float(o.rel_err), "bytes": int(o.bytes),

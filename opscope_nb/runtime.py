@@ -331,7 +331,7 @@ def _fwd_tt(lin, x, act):
     return _k.tt_linear(x, flat, shapes, split)
 
 
-# Quantised kinds (kernels in ``kernels/_packed_quant.py``; helper D2).
+# Quantised kinds (kernels in ``kernels/_packed_quant.py``).
 # ``act="auto"`` per kind = the faster path on the benchmark machine
 # (benchmarks/bench_packed_quant.py): see _AUTO_INT8.
 #: Kinds whose ``act="auto"`` runs the int8-activation path.
@@ -405,7 +405,7 @@ _FORWARD = {
     "monarch": _fwd_monarch,
     "tucker": _fwd_tucker,
     "tt": _fwd_tt,
-    # -- quantised kinds: entries added here (helper D2) --
+    # -- quantised kinds --
     "int8": _fwd_int8,
     "int4": _fwd_int4,
     "int4g": _fwd_int4,

@@ -87,7 +87,7 @@ def run(args) -> int:
     if not stats:
         raise CliError(f"{src.path}: every selected tensor was skipped (NaN/Inf or a "
                        f"non-float dtype).")
-    extra = [f for f in EXTRA_BITS if all(hasattr(q, f) for _, _, _, q in stats)]
+    extra = list(EXTRA_BITS)                 # QuantStat always has them
 
     def bits(b):
         return "-" if b is None else str(int(b))
