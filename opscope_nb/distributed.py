@@ -38,8 +38,8 @@ Results
 -------
 The same profile as the serial run: same layers in source order, labels,
 bytes and flops exactly; relative errors bit-identical for every kind but
-Tucker, whose HOSVD runs LAPACK on multi-threaded BLAS and moves in the 10th
-digit with the thread count (3e-10 relative measured, 1 vs 2 threads;
+Tucker, whose HOSVD runs LAPACK on multi-threaded BLAS and moves in the 9th
+digit with the thread count (up to 2.6e-9 relative measured, 1 vs 2 threads;
 ``tests/test_determinism.py`` and ``tests/test_distributed.py`` hold it to
 1e-8 and every other kind to bit-identity).  One task
 per matrix: Dask's overhead (~8 ms per task measured here) is ~2 % of the
