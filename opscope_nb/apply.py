@@ -96,7 +96,10 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
     plan_path : str
         ``plan.json`` from ``profile --out`` / ``allocate --out``.
     out_path : str
-        Target ``.safetensors`` (atomic replace).
+        Target ``.safetensors`` (atomic replace), or ``.gguf``: a GGUF file
+        from a ``.gguf`` source and a plan of ggml types / dense only
+        (:func:`opscope_nb.gguf_export.export_gguf`; its report is returned,
+        with ``method`` and ``format: "gguf"``).
     method : str or None
         Allocator whose plan to use (default ``exact`` when present, else the first).
     make_progress : callable or None
@@ -134,6 +137,12 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
             raise PlanError(f"{plan_path}: planned layer {name!r} ({d.label}, {nbytes} "
                              f"bytes) does not match its shape {e.shape} in {src.path}; the "
                              f"plan was made for another model.")
+    if os.fspath(out_path).lower().endswith(".gguf"):
+        from .gguf_export import export_gguf
+        r = export_gguf(source, {n: d for n, (d, _) in plan.items()}, out_path,
+                        grams=grams, make_progress=make_progress)
+        r.update(method=method, format="gguf")
+        return r
     w = CheckpointWriter(out_path)
     sha = {}
     skipped, dense_layers = [], 0

@@ -3,12 +3,20 @@ source checkpoint as ``plan.json`` says and write one safetensors file (packed
 layers as ``<tensor>.<array>``, every other tensor copied, a JSON record with
 each layer's Decomp and shape and a SHA-256 of each source tensor in the
 metadata; see :mod:`opscope_nb.checkpoint`).  Source tensors are read one at a
-time and the file is written atomically."""
+time and the file is written atomically.
+
+``-o OUT.gguf`` (from a ``.gguf`` SOURCE and a ``profile --menu ggml`` plan)
+writes a GGUF file instead: every key-value and tensor of SOURCE in its order,
+planned tensors in their ggml type, the others copied byte for byte; read back
+and checked before it replaces OUT (:mod:`opscope_nb.gguf_export`).
+``--tensor-type-file OUT.txt`` writes the plan as llama-quantize patterns and
+the command (``OUT.txt.cmd``)."""
 from __future__ import annotations
 
 import os
 
 from ._common import CliError, Progress, fmt_bytes, progress_enabled
+from ._ggml import add_tensor_type_arg, imatrix_of, profile_doc_near, write_type_file
 
 NAME = "apply"
 
@@ -22,17 +30,45 @@ def add_parser(sub) -> None:
     p.add_argument("--method", default=None, metavar="M",
                    help="allocator whose plan to apply (default: exact when present, "
                         "else the first)")
-    p.add_argument("-o", "--output", required=True, metavar="OUT.safetensors",
-                   help="compressed checkpoint to write")
+    p.add_argument("-o", "--output", default=None, metavar="OUT.safetensors",
+                   help="compressed checkpoint to write; OUT.gguf writes a GGUF file "
+                        "(a .gguf SOURCE and a plan of ggml types / dense only)")
     p.add_argument("--grams", metavar="calib.npz", default=None,
                    help="calibration grams for +gptq layers (default: calib.npz next to "
                         "PLAN, written by 'profile --calib --out')")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    add_tensor_type_arg(p)
     p.set_defaults(func=run)
 
 
+def _imatrix_grams(plan_path, names):
+    """diag(H) per tensor from the imatrix the plan's profile used (GGUF export
+    importance), or None."""
+    path = imatrix_of(profile_doc_near(plan_path))
+    if not path or not os.path.isfile(path):
+        return None
+    from ..imatrix import ImatrixError, read_imatrix
+    try:
+        return dict(read_imatrix(path, names=sorted(names)).diag)
+    except ImatrixError as exc:
+        raise CliError(str(exc)) from None
+
+
 def run(args) -> int:
-    from ..apply import PlanError, apply_plan
+    from ..apply import PlanError, apply_plan, read_plan
+    from ..gguf_export import GGUFExportError
+    if args.output is None and not args.tensor_type_file:
+        raise CliError("give -o OUT.safetensors / OUT.gguf, --tensor-type-file OUT.txt, "
+                       "or both.")
+    if args.tensor_type_file:
+        try:
+            _, plan, _ = read_plan(args.plan, args.method)
+        except PlanError as exc:
+            raise CliError(str(exc)) from None
+        write_type_file(args.tensor_type_file, {n: d for n, (d, _) in plan.items()},
+                        profile_doc_near(args.plan), source=args.source)
+        if args.output is None:
+            return 0
     out = args.output
     d = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(d):
@@ -51,16 +87,31 @@ def run(args) -> int:
             raise CliError(f"{gpath}: cannot read calibration grams ({exc}).") from None
     elif args.grams:
         raise CliError(f"{args.grams}: no such file.")
+    if grams is None and out.lower().endswith(".gguf"):
+        try:
+            names = read_plan(args.plan, args.method)[1]
+        except PlanError as exc:
+            raise CliError(str(exc)) from None
+        grams = _imatrix_grams(args.plan, names)
     try:
         r = apply_plan(args.source, args.plan, out, method=args.method,
                        make_progress=lambda n, w: Progress(n, w, show), grams=grams)
-    except PlanError as exc:
+    except (PlanError, GGUFExportError) as exc:
         raise CliError(str(exc)) from None
     except ValueError as exc:
         if "gram" not in str(exc):
             raise
         raise CliError(f"{args.plan}: a +gptq layer needs calibration grams: {exc} "
                        f"(looked for {gpath}).") from None
+    if r.get("format") == "gguf":
+        types = ", ".join(f"{k} x{v}" for k, v in sorted(r["types"].items()))
+        print(f"{r['method']}: {r['planned']} tensors re-quantised, {r['planned_dense']} "
+              f"planned dense (kept as stored), {r['tensors']} tensors, {r['kv']} "
+              f"key-values ({types})")
+        print(f"wrote {out}: {fmt_bytes(r['file_bytes'])} = planned {r['planned_bytes']} B "
+              f"+ kept {r['kept_bytes']} B + header/padding {r['header_bytes']} B; read "
+              f"back and checked")
+        return 0
     print(f"{r['method']}: {r['layers']} layers packed, {r['dense_layers']} planned dense, "
           f"{r['tensors']} tensors stored plain"
           + (f", {len(r['skipped'])} non-float tensors not copied ({', '.join(r['skipped'][:3])}"
