@@ -123,6 +123,14 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
         (the plan was made for another model).
     """
     method, plan, doc = read_plan(plan_path, method)
+    if os.fspath(out_path).lower().endswith(".gguf"):
+        # the GGUF writer checks names, shapes and bytes itself (one reader)
+        from .gguf_export import export_gguf
+        r = export_gguf(source, {n: d for n, (d, _) in plan.items()}, out_path,
+                        grams=grams, make_progress=make_progress,
+                        plan_bytes={n: b for n, (_, b) in plan.items() if b is not None})
+        r.update(method=method, format="gguf")
+        return r
     src = tio.open_source(source)
     by_name = {e.name: e for e in src.entries}
     for name, (d, nbytes) in plan.items():
@@ -137,12 +145,6 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
             raise PlanError(f"{plan_path}: planned layer {name!r} ({d.label}, {nbytes} "
                              f"bytes) does not match its shape {e.shape} in {src.path}; the "
                              f"plan was made for another model.")
-    if os.fspath(out_path).lower().endswith(".gguf"):
-        from .gguf_export import export_gguf
-        r = export_gguf(source, {n: d for n, (d, _) in plan.items()}, out_path,
-                        grams=grams, make_progress=make_progress)
-        r.update(method=method, format="gguf")
-        return r
     w = CheckpointWriter(out_path)
     sha = {}
     skipped, dense_layers = [], 0

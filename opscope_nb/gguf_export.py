@@ -2,7 +2,7 @@
 -o OUT.gguf``, and the ``--tensor-type-file`` for ``llama-quantize``.
 
 Layer 3 (imports :mod:`opscope_nb.formats`, :mod:`opscope_nb.ggml`,
-:mod:`opscope_nb.io`, :mod:`opscope_nb._fs`; :mod:`opscope_nb.apply` calls it).
+:mod:`opscope_nb._fs` and the optional ``gguf`` package; :mod:`opscope_nb.apply` calls it).
 
 * :func:`export_gguf` -- every key-value and tensor of a ``.gguf`` source, in
   the source's order; planned tensors in their planned ggml type (bytes of
@@ -27,7 +27,6 @@ import tempfile
 import numpy as np
 
 from . import ggml
-from . import io as tio
 from ._fs import atomic_write, umask_mode
 from .formats import Decomp, pack, packed_bytes
 
@@ -232,7 +231,8 @@ def _field_bytes(f) -> bytes:
     return b"".join(np.asarray(p).tobytes() for p in f.parts)
 
 
-def export_gguf(source, plan, out_path, *, grams=None, make_progress=None) -> dict:
+def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
+                plan_bytes=None) -> dict:
     """Write ``source`` (a ``.gguf``) with the planned tensors re-quantised to
     ``out_path`` (a ``.gguf``).
 
@@ -252,6 +252,9 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None) -> di
     make_progress : callable, optional
         ``make_progress(n_tensors, total_elements)`` -> a bar with
         ``show(i, name)`` / ``advance(work)`` / ``close()``.
+    plan_bytes : dict of str -> int, optional
+        The bytes the plan recorded per tensor; a tensor whose packed size
+        differs -> :class:`GGUFExportError` (the plan is for another model).
 
     Returns
     -------
@@ -282,7 +285,6 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None) -> di
     except Exception as exc:
         raise GGUFExportError(f"{source}: not a readable GGUF file ({type(exc).__name__}: "
                               f"{exc}).") from None
-    src_entries = {e.name: e for e in tio.open_source(source).entries}
     tensors = list(reader.tensors)
     by_name = {t.name: t for t in tensors}
     for name, d in plan.items():
@@ -295,9 +297,14 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None) -> di
                                   f"{tuple(int(x) for x in t.shape)} in {source}, not 2-D.")
         cols, rows = int(t.shape[0]), int(t.shape[1])
         try:
-            packed_bytes(rows, cols, d)
+            nb = packed_bytes(rows, cols, d)
         except ValueError as exc:
             raise GGUFExportError(f"planned tensor {name!r} [{rows}x{cols}]: {exc}") from None
+        want_nb = None if plan_bytes is None else plan_bytes.get(name)
+        if want_nb is not None and int(want_nb) != nb:
+            raise GGUFExportError(f"planned tensor {name!r} ({d.label}, {want_nb} bytes) "
+                                  f"does not match its shape ({rows}, {cols}) in {source}; "
+                                  f"the plan was made for another model.")
 
     d_out = os.path.dirname(os.path.abspath(out_path))
     fd, tmp = tempfile.mkstemp(dir=d_out, prefix="." + os.path.basename(out_path) + ".",
@@ -347,7 +354,9 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None) -> di
                 progress.show(i, t.name)
             if t.name in want:
                 d = plan[t.name]
-                w = src_entries[t.name].load()
+                cols, rows = int(t.shape[0]), int(t.shape[1])
+                w = np.array(gguf.quants.dequantize(t.data, t.tensor_type),
+                             dtype=np.float32).reshape(rows, cols)
                 g = None if grams is None else grams.get(t.name)
                 blocks = pack(w, d, gram=g)["blocks"]
                 del w

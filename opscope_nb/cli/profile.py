@@ -176,8 +176,8 @@ def _setup(args):
             raise CliError(str(exc))
     elif args.threads_per_worker is not None:
         raise CliError("--threads-per-worker needs --workers N or --scheduler ADDRESS.")
-    src, chosen, skipped_sel = open_and_select(args)
     kw = _profile_kwargs(args)
+    src, chosen, skipped_sel = open_and_select(args)
     kw_types = kw.get("ggml_types")
     calib_settings, kw = _calibration(args, src, chosen, kw, dist)
     latency = list(args.latency) if args.latency else None
