@@ -98,6 +98,12 @@ def read_plan(plan_path, method=None) -> tuple:
     return method, out, doc
 
 
+def _uses_gram(d) -> bool:
+    """Whether packing ``d`` reads a calibration gram: ``+gptq`` rounding needs
+    it, a ggml type takes its diagonal as importance."""
+    return d.rounding is not None or d.kind == "ggml"
+
+
 def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
                grams=None, force=False) -> dict:
     """Compress ``source`` as ``plan.json`` says and write the checkpoint to ``out_path``.
@@ -109,7 +115,10 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
     plan_path : str
         ``plan.json`` from ``profile --out`` / ``allocate --out``.
     out_path : str
-        Target ``.safetensors`` (atomic replace).
+        Target ``.safetensors`` (atomic replace), or ``.gguf``: a GGUF file
+        from a ``.gguf`` source and a plan of ggml types / dense only
+        (:func:`opscope_nb.gguf_export.export_gguf`; its report is returned,
+        with ``method`` and ``format: "gguf"``).
     method : str or None
         Allocator whose plan to use (default ``exact`` when present, else the first).
     make_progress : callable or None
@@ -159,6 +168,14 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
         except FingerprintError as exc:
             raise PlanError(f"{exc}; apply it to the source it was made from, or pass "
                             f"--force.") from None
+    if os.fspath(out_path).lower().endswith(".gguf"):
+        # the GGUF writer checks names, shapes and bytes once more as it writes
+        from .gguf_export import export_gguf
+        r = export_gguf(source, {n: d for n, (d, _) in plan.items()}, out_path,
+                        grams=grams, make_progress=make_progress,
+                        plan_bytes={n: b for n, (_, b) in plan.items() if b is not None})
+        r.update(method=method, format="gguf")
+        return r
     w = CheckpointWriter(out_path)
     sha = {}
     skipped, dense_layers, stored_bytes = [], 0, 0
@@ -172,7 +189,7 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
             stored_bytes += int(e.raw().size)
             ent = plan.get(e.name)
             if ent is not None and ent[0].kind != "dense":
-                g = None if grams is None or ent[0].rounding is None else grams.get(e.name)
+                g = None if grams is None or not _uses_gram(ent[0]) else grams.get(e.name)
                 a = e.load()
                 w.add_layer(e.name, PackedLinear.pack(a, ent[0], gram=g))
                 del a

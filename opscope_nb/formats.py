@@ -1,7 +1,8 @@
 """The packed formats: what each compression option stores and how.
 
 Layer 1 of the package (it imports only :mod:`opscope_nb.kernels`,
-:mod:`opscope_nb._validation` and the GPTQ rounding of :mod:`opscope_nb.gptq`):
+:mod:`opscope_nb._validation`, the GPTQ rounding of :mod:`opscope_nb.gptq` and
+the ggml block types of :mod:`opscope_nb.ggml`):
 
 * :class:`Decomp` -- one compression choice (frozen, hashable, JSON-able);
 * :func:`layout` -- **the one layout table**: the arrays (names, dtypes,
@@ -59,6 +60,11 @@ label                arrays
                      ``u2`` [d2, r2]  (view ``w.reshape(d0, d1, d2)``, d0 = rows)
 ``tt(...)``          ``core0`` .. ``core{n-1}`` f32 [r_prev, d_k, r_next]
                      (view ``w.reshape(*modes)``)
+``Q4_K``, ``Q8_0``,  ``blocks`` u8 [rows, ggml.row_bytes(qtype, cols)]: the ggml
+... (kind ``ggml``)  bytes of each row, exactly as ``ggml_quantize_chunk``
+                     writes them and a GGUF file stores them (F16 / BF16: 2
+                     bytes per weight, little-endian); ``cols`` must be a
+                     multiple of the type's block (:mod:`opscope_nb.ggml`)
 ===================  ==========================================================
 
 intN planes (``int2/3/5/6``, kind ``intn``): the ``b``-bit symmetric code
@@ -82,6 +88,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import ggml as _ggml
 from ._validation import as_matrix, check_int
 from .kernels._pack import (
     dequantize_groups,
@@ -113,10 +120,11 @@ __all__ = [
     "balanced_factor",
     "check_applicable",
     "GramRequiredError",
+    "ggml_importance",
 ]
 
 KINDS = ("dense", "int8", "int4", "int4g", "intn", "ternary", "sparse24", "lowrank",
-          "monarch", "tucker", "tt")
+          "monarch", "tucker", "tt", "ggml")
 
 #: Bit widths of the ``intn`` kind (int4 and int8 keep their own kinds).
 INTN_BITS = (2, 3, 5, 6)
@@ -146,6 +154,7 @@ class Decomp:
     ``Decomp.int8()``, ``Decomp.int4()``, ``Decomp.int4(group=128)``,
     ``Decomp.intn(5)``, ``Decomp.intn(6, group=128)``, ``Decomp.ternary()``, ``Decomp.sparse24()``, ``Decomp.lowrank(12)``,
     ``Decomp.monarch()``, ``Decomp.tucker((1024, 48, 64), (32, 24, 32))``,
+    ``Decomp.ggml("Q4_K")``,
     ``Decomp.tt((32, 32, 48, 64), 16)``; or from ``Decomp.from_label(s)`` /
     ``Decomp.from_dict(d)``.
 
@@ -153,7 +162,7 @@ class Decomp:
     ----------
     kind : str
         One of ``dense, int8, int4, int4g, intn, ternary, sparse24, lowrank,
-        monarch, tucker, tt``.
+        monarch, tucker, tt, ggml``.
     r : int or None
         Low-rank rank.
     group : int or None
@@ -168,6 +177,10 @@ class Decomp:
         TT bond-rank cap.
     bits : int or None
         Code width of ``intn``: 2, 3, 5 or 6 (int4 / int8 are their own kinds).
+    qtype : str or None
+        ggml type name of the ``ggml`` kind (canonical upper-case spelling of
+        :data:`opscope_nb.ggml.GGML_TYPES`: ``Q4_K``, ``IQ4_XS``, ``BF16``,
+        ...); the label is the type name.
     rounding : str or None
         ``None`` is round-to-nearest; ``"gptq"`` (quantised kinds ``int8``,
         ``int4``, ``int4g``, ``intn`` only) chooses the codes with GPTQ's
@@ -191,6 +204,7 @@ class Decomp:
     cap: int | None = None
     bits: int | None = None
     rounding: str | None = None
+    qtype: str | None = None
     svd_rank: int | None = field(default=None, compare=False)
     seed: int = field(default=0, compare=False)
 
@@ -198,14 +212,22 @@ class Decomp:
         if self.kind not in KINDS:
             raise ValueError(f"Decomp kind must be one of {KINDS}; got {self.kind!r}.")
         need = {"lowrank": ("r",), "int4g": ("group",), "tucker": ("dims", "ranks"),
-                "tt": ("modes", "cap"), "intn": ("bits",)}.get(self.kind, ())
+                "tt": ("modes", "cap"), "intn": ("bits",),
+                "ggml": ("qtype",)}.get(self.kind, ())
         optional = ("group",) if self.kind == "intn" else ()
-        for f in ("r", "group", "dims", "ranks", "modes", "cap", "bits"):
+        for f in ("r", "group", "dims", "ranks", "modes", "cap", "bits", "qtype"):
             v = getattr(self, f)
             if f in need and v is None:
                 raise ValueError(f"Decomp kind {self.kind!r} needs {f!r}.")
             if f not in need and f not in optional and v is not None:
                 raise ValueError(f"Decomp kind {self.kind!r} takes no {f!r}; got {v!r}.")
+        if self.qtype is not None:
+            t = _ggml.GGML_TYPES.get(self.qtype.upper()) if isinstance(self.qtype, str) \
+                else None
+            if t is None:
+                raise ValueError(f"ggml qtype must be one of {list(_ggml.GGML_TYPES)} "
+                                 f"(case-insensitive); got {self.qtype!r}.")
+            object.__setattr__(self, "qtype", t.name)
         if self.bits is not None:
             b = check_int(self.bits, "bits", 1)
             if b not in INTN_BITS:
@@ -279,6 +301,13 @@ class Decomp:
         return cls("lowrank", r=r, svd_rank=svd_rank, seed=seed)
 
     @classmethod
+    def ggml(cls, qtype):
+        """A ggml (llama.cpp / GGUF) block type, e.g. ``Decomp.ggml("Q4_K")``:
+        bit-identical to ``ggml_quantize_chunk`` (:func:`opscope_nb.ggml.quantize`).
+        Label: the type name (``Q4_K``)."""
+        return cls("ggml", qtype=qtype)
+
+    @classmethod
     def monarch(cls):
         """Monarch factors (square weights with a perfect-square side)."""
         return cls("monarch")
@@ -327,6 +356,8 @@ class Decomp:
             return f"lowrank(r={self.r})"
         if k == "monarch":
             return "monarch"
+        if k == "ggml":
+            return self.qtype
         if k == "tucker":
             return ("tucker(" + "x".join(map(str, self.dims)) + "->"
                     + ",".join(map(str, self.ranks)) + ")")
@@ -359,19 +390,21 @@ class Decomp:
                 return cls.from_label(s[:-len(rnd) - 1]).with_rounding(rnd)
         if s in simple:
             return cls(simple[s])
+        if s.upper() in _ggml.GGML_TYPES:
+            return cls.ggml(s)
         for rx, make in cls._LABEL_RES:
             m = rx.match(s)
             if m:
                 return make(m)
         raise ValueError(f"unknown decomposition label {s!r}; expected e.g. 'dense', "
                          f"'int8/chan', 'int4/g128', 'int{{2,3,5,6}}/chan', 'int5/g32', "
-                         f"'lowrank(r=12)', "
+                         f"'lowrank(r=12)', a ggml type such as 'Q4_K', "
                          f"'tucker(64x8x8->32,4,4)', 'tt(8x8x8x8,cap=16)'.")
 
     def to_dict(self) -> dict:
         """JSON-ready dict: ``kind``, ``label`` and the kind's parameters."""
         d = {"kind": self.kind, "label": self.label}
-        for f in ("r", "group", "cap", "bits"):
+        for f in ("r", "group", "cap", "bits", "qtype"):
             if getattr(self, f) is not None:
                 d[f] = getattr(self, f)
         for f in ("dims", "ranks", "modes"):
@@ -465,6 +498,12 @@ def check_applicable(rows, cols, d: Decomp):
         if d.dims[0] != rows or d.dims[1] * d.dims[2] != cols:
             raise ValueError(f"tucker dims must be (rows, c1, c2) with c1*c2 = cols for a "
                              f"{rows}x{cols} weight; got {d.dims}.")
+    elif k == "ggml":
+        blk = _ggml.GGML_TYPES[d.qtype].block
+        if cols % blk:
+            raise ValueError(f"{d.qtype} needs rows that are a multiple of {blk} values; got "
+                             f"cols={cols} (llama-quantize would use "
+                             f"{_ggml.fallback_type(d.qtype, cols)} instead).")
     elif k == "tt":
         if int(np.prod(d.modes)) != rows * cols:
             raise ValueError(f"tt modes must multiply to rows*cols = {rows * cols}; got "
@@ -530,6 +569,8 @@ def layout(rows: int, cols: int, decomp: Decomp) -> dict:
     if k == "monarch":
         m = math.isqrt(rows)
         return {"w1": (f32, (m, m, m)), "w2": (f32, (m, m, m))}
+    if k == "ggml":
+        return {"blocks": (u8, (rows, _ggml.row_bytes(d.qtype, cols)))}
     if k == "tucker":
         out = {"core": (f32, tuple(d.ranks))}
         for i, (dd, rr) in enumerate(zip(d.dims, d.ranks)):
@@ -552,7 +593,7 @@ def flops(rows: int, cols: int, d: Decomp) -> int:
     """Multiply-adds per input row of the ``d`` operator of a ``[rows, cols]`` weight."""
     n = rows * cols
     k = d.kind
-    if k in ("dense", "int8", "int4", "int4g", "intn"):
+    if k in ("dense", "int8", "int4", "int4g", "intn", "ggml"):
         return n
     if k == "ternary":
         return n // 2  # upstream: adds/subtracts only, counted as half a MAC
@@ -586,6 +627,26 @@ def _quant_codes(w, bits, group, d, gram):
     from .gptq import gptq_validated
     codes, scales = gptq_validated(w, gram, bits, group)
     return codes, np.ascontiguousarray(scales.reshape(w.shape[0], -1))
+
+
+def ggml_importance(gram):
+    """The importance vector a ``ggml`` Decomp is packed with: ``diag(gram)``
+    as float32 (a ``[cols]`` gram is its own diagonal), ``None`` without a gram.
+
+    ggml's imatrix is the per-column mean of ``x**2`` (``diag(H) / n``); the
+    gram does not carry the token count ``n``, so ``diag(H)`` is passed
+    unscaled.  ggml's weighted fits (``sum w x l / sum w l**2``, weighted
+    error minima) are invariant to a constant factor of the weights, so only
+    float32 rounding can differ from passing ``diag(H) / n`` (measured on a
+    16x512 Gaussian, importance x1000: Q4_K, Q6_K, Q3_K, Q2_K, IQ4_XS, Q4_1
+    byte-identical; Q4_0 1 byte and Q5_K 15 bytes of the codes differ); pass
+    :func:`opscope_nb.ggml.quantize`'s ``importance=`` directly for
+    bit-identity with a given imatrix.
+    """
+    if gram is None:
+        return None
+    g = np.asarray(gram)
+    return np.ascontiguousarray(np.diagonal(g) if g.ndim == 2 else g, dtype=np.float32)
 
 
 def _pack(w, d: Decomp, svd=None, gram=None):
@@ -629,6 +690,8 @@ def _pack(w, d: Decomp, svd=None, gram=None):
         a = np.ascontiguousarray(u[:, :d.r], dtype=np.float32)
         b = np.ascontiguousarray(s[:d.r, None] * vt[:d.r], dtype=np.float32)
         return {"a": a, "b": b}
+    if k == "ggml":
+        return {"blocks": _ggml.quantize(w, d.qtype, importance=ggml_importance(gram))}
     if k == "monarch":
         w1, w2 = _kern().monarch_project(w)
         return {"w1": np.ascontiguousarray(w1, dtype=np.float32),
@@ -686,6 +749,8 @@ def unpack(packed: dict, d: Decomp, shape) -> np.ndarray:
         out = packed["a"] @ packed["b"]
     elif k == "monarch":
         out = _kern().monarch_reconstruct(packed["w1"], packed["w2"])
+    elif k == "ggml":
+        out = _ggml.dequantize(packed["blocks"], d.qtype, (rows, cols))
     elif k == "tucker":
         facs = (packed["u0"], packed["u1"], packed["u2"])
         out = _kern().tucker_reconstruct(packed["core"], facs).reshape(rows, cols)
@@ -717,8 +782,10 @@ def pack(w, decomp: Decomp, *, gram=None) -> dict:
     decomp : Decomp
     gram : array_like, optional
         ``[cols, cols]`` (or ``[cols]`` diagonal) second moment of the layer's
-        inputs; required by ``+gptq`` decompositions (``ValueError`` without),
-        ignored by the others.
+        inputs; required by ``+gptq`` decompositions (``ValueError`` without);
+        a ``ggml`` Decomp takes its diagonal as ggml's importance vector
+        (:func:`ggml_importance`; without a gram ggml's reference quantiser
+        runs); ignored by the others.
 
     Returns
     -------
@@ -730,7 +797,7 @@ def pack(w, decomp: Decomp, *, gram=None) -> dict:
         raise TypeError(f"decomp must be a Decomp; got {type(decomp).__name__}. "
                         f"Use e.g. Decomp.int8() or Decomp.from_label('int8/chan').")
     check_applicable(*w.shape, decomp)
-    if gram is not None and decomp.rounding is not None:
+    if gram is not None and (decomp.rounding is not None or decomp.kind == "ggml"):
         from .gptq import check_gram
         gram = check_gram(gram, w.shape[1])
     return _pack(w, decomp, gram=gram)

@@ -62,6 +62,7 @@ __all__ = [
     "LayerProfile",
     "QuantStat",
     "profile_layer",
+    "ggml_menu",
     "approximate",
     "pack",
     "unpack",
@@ -242,7 +243,8 @@ def _int_seq(v, name, what, example):
 
 def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
                   latency=None, intn_bits=(6, 5, 3), int2_groups=(32,), gram=None,
-                  gptq=True, sensitivity=None, stored_dtype="F32") -> LayerProfile:
+                  gptq=True, sensitivity=None, stored_dtype="F32", menu="default",
+                  ggml_types=None) -> LayerProfile:
     """Measure every applicable compression option of one weight.
 
     Options, in order: dense; then the quantisation ladder by decreasing bits
@@ -304,6 +306,14 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         block type): ``LayerProfile.dense_bytes`` is :func:`stored_bytes` of
         it, and structured options are offered only when they take fewer
         bytes than that.
+    menu : {"default", "ggml"}
+        ``"default"``: the menu above.  ``"ggml"``: dense, then the ggml
+        (llama.cpp / GGUF) block types of :func:`ggml_menu` (``ggml_types``);
+        the other menu arguments are ignored.  With a ``gram`` each ggml type
+        is packed with its diagonal as ggml's importance
+        (:func:`opscope_nb.formats.ggml_importance`) and gets ``out_err``.
+    ggml_types : sequence of str, optional
+        The ggml types :func:`ggml_menu` may offer (``None``: its default set).
 
     Returns
     -------
@@ -334,8 +344,15 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
             raise ValueError(f"sensitivity must be finite and >= 0; got {sensitivity!r}.")
     with_gptq = bool(gptq) and gram is not None and gram.ndim == 2
     ref = stored_bytes(stored_dtype, rows, cols)
+    if menu not in MENUS:
+        raise ValueError(f"menu must be one of {MENUS}; got {menu!r}.")
 
     meas = _Measure(w, gram, lat_ms, seed)
+    if menu == "ggml":
+        for d, part in ggml_menu(cols, ggml_types):
+            meas(d, part)
+        return LayerProfile(name, rows, cols, ref, meas.options, meas.timings, sensitivity,
+                            str(stored_dtype).upper())
     for d, part in quant_menu(cols, groups=gs, intn_bits=nbits, int2_groups=g2s,
                               gptq=with_gptq):
         meas(d, part)
@@ -385,6 +402,59 @@ def quant_menu(cols, *, groups=(32, 128), intn_bits=(6, 5, 3), int2_groups=(32,)
         if cols > g:
             q(Decomp.intn(2, g))
     out += [(Decomp.ternary(), "ternary"), (Decomp.sparse24(), "sparse")]
+    return out
+
+
+#: :func:`profile_layer`'s ``menu`` choices.
+MENUS = ("default", "ggml")
+#: The types :func:`ggml_menu` offers by default, most bits first (TQ1_0 /
+#: TQ2_0, for ternary-trained models only, only when asked for).
+GGML_MENU_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0",
+                   "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "F16", "BF16")
+
+
+def ggml_types_checked(types) -> tuple:
+    """Canonical ggml type names (deduplicated, order kept) from ``types``
+    (``None``: :data:`GGML_MENU_TYPES`); ``ValueError`` naming the valid ones
+    on an unknown name."""
+    from .ggml import GGML_TYPES
+    if types is None:
+        return GGML_MENU_TYPES
+    if isinstance(types, str) or not hasattr(types, "__iter__"):
+        raise TypeError(f"ggml types must be a sequence of type names, e.g. "
+                        f"('Q8_0', 'Q4_K'); got {types!r}.")
+    out = []
+    for t in types:
+        c = GGML_TYPES.get(str(t).upper())
+        if c is None:
+            raise ValueError(f"unknown ggml type {t!r}; valid types: "
+                             f"{', '.join(GGML_TYPES)}.")
+        if c.name not in out:
+            out.append(c.name)
+    return tuple(out)
+
+
+def ggml_menu(cols, types=None) -> list:
+    """The ``menu="ggml"`` options of a weight with ``cols`` inputs, in order.
+
+    Dense, then each type of ``types`` (default :data:`GGML_MENU_TYPES`:
+    Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, Q4_1, Q4_0, IQ4_NL, IQ4_XS, Q3_K,
+    Q2_K, F16, BF16) whose block divides ``cols`` -- the types llama.cpp keeps
+    for that row length (llama-quantize replaces the others by a fallback,
+    :func:`opscope_nb.ggml.fallback_type`, which is then offered under its
+    own name when it is in ``types``).
+
+    Returns
+    -------
+    list of (Decomp, str or None)
+        As :func:`quant_menu`: the option and its timings part (``"ggml"``).
+    """
+    from .ggml import GGML_TYPES
+    cols = check_int(cols, "cols", 1)
+    out = [(Decomp.dense(), None)]
+    for t in ggml_types_checked(types):
+        if cols % GGML_TYPES[t].block == 0:
+            out.append((Decomp.ggml(t), "ggml"))
     return out
 
 

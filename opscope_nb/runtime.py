@@ -22,7 +22,8 @@ Each kind's forward function is an entry of :data:`_FORWARD` (``kind ->
 fn(lin, x2d, act) -> y``, ``x2d`` float32 C-contiguous ``[m, cols]``
 already validated, ``act`` in ``{"auto", "f32", "int8"}``, ``y`` float32
 ``[m, rows]``).  Float-weight kinds (dense, sparse2:4, low-rank, Monarch,
-Tucker, TT) have no integer-activation path: every ``act`` computes in
+Tucker, TT) and the ggml block types (decoded per call, chunk by chunk of
+rows, then a float32 matmul) have no integer-activation path: every ``act`` computes in
 float32 (``"auto"`` = ``"f32"``).  The quantised kinds register their own
 entries (see their module).  A kind without a registered kernel raises
 ``NotImplementedError`` on call (never a silent densification).
@@ -34,6 +35,7 @@ import math
 import numpy as np
 
 from . import formats
+from . import ggml as _ggml
 from .formats import Decomp
 from . import kernels as _k
 from ._config import njit as _njit
@@ -393,6 +395,31 @@ def _fwd_intn(lin, x, act):
                                  lin._shape[1], d.group or 0, _act8(lin, act))
 
 
+#: Weights decoded per chunk of rows by the ggml forward (float32 elements).
+_GGML_CHUNK = 1 << 18
+
+
+def _fwd_ggml(lin, x, act):
+    # Per call, chunks of rows are decoded with ggml's decoders
+    # (opscope_nb.ggml.dequantize: the parallel njit cores, bit-identical to
+    # gguf-py) into a float32 buffer of at most _GGML_CHUNK weights and
+    # multiplied with the f32 kernel: y = x @ dequantize(blocks).T.  No
+    # integer-activation path and no decoded cache (the layer holds only the
+    # ggml bytes; a call pays the decode, which is what the latency shows).
+    blocks = lin._arrays["blocks"]
+    rows, cols = lin._shape
+    qt = lin._decomp.qtype
+    step = max(1, _GGML_CHUNK // cols)
+    if step >= rows:
+        return _k.matmul_f32(x, _ggml.dequantize(blocks, qt, (rows, cols)))
+    y = np.empty((x.shape[0], rows), np.float32)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        wc = _ggml.dequantize(blocks[r0:r1], qt, (r1 - r0, cols))
+        y[:, r0:r1] = _k.matmul_f32(x, wc)
+    return y
+
+
 #: Forward function per ``Decomp.kind``: ``fn(lin, x2d, act) -> y`` with
 #: ``x2d`` float32 C-contiguous finite ``[m >= 1, cols]`` and ``y`` float32
 #: ``[m, rows]`` (kinds in :data:`_CHECKED` get ``x2d`` unchecked and return
@@ -411,6 +438,7 @@ _FORWARD = {
     "int4g": _fwd_int4,
     "ternary": _fwd_ternary,
     "intn": _fwd_intn,
+    "ggml": _fwd_ggml,
 }
 
 

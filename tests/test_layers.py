@@ -19,7 +19,7 @@ LAYERS = {
     1: ["formats", "probe", "svd", "decompose", "gptq", "matmul", "accel", "io", "ggml"],
     2: ["runtime"],
     3: ["mining", "checkpoint", "apply", "profiling", "calib", "models", "allocate",
-        "warmup"],
+        "warmup", "gguf_export"],
     4: ["distributed"],
     5: ["cli", "bench", "__main__"],
 }

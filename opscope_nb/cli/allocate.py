@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from ._ggml import add_tensor_type_arg, write_type_file
 from ._common import ensure_outdir, json_text, layers_from_doc, load_profile_doc, write
 from ._plan import (add_budget_args, allocate_checked, budget_spec, budget_text, methods_of,
                     plan_dict, print_plan)
@@ -17,6 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("profile", metavar="PROFILE.json")
     add_budget_args(p)
     p.add_argument("--out", metavar="DIR", help="write plan.json here")
+    add_tensor_type_arg(p)
     p.set_defaults(func=run)
 
 
@@ -33,4 +35,9 @@ def run(args) -> int:
         p = os.path.join(out, "plan.json")
         write(p, json_text(plan_dict(layers, allocs, spec, doc.get("source"))))
         print(f"wrote {p}")
+    if args.tensor_type_file:
+        m = "exact" if "exact" in allocs else next(iter(allocs))
+        a = allocs[m][0]
+        plan = {lp.name: lp.options[a.choice[i]].decomp for i, lp in enumerate(layers)}
+        write_type_file(args.tensor_type_file, plan, doc)
     return 0

@@ -3,12 +3,20 @@ source checkpoint as ``plan.json`` says and write one safetensors file (packed
 layers as ``<tensor>.<array>``, every other tensor copied, a JSON record with
 each layer's Decomp and shape and a SHA-256 of each source tensor in the
 metadata; see :mod:`opscope_nb.checkpoint`).  Source tensors are read one at a
-time and the file is written atomically."""
+time and the file is written atomically.
+
+``-o OUT.gguf`` (from a ``.gguf`` SOURCE and a ``profile --menu ggml`` plan)
+writes a GGUF file instead: every key-value and tensor of SOURCE in its order,
+planned tensors in their ggml type, the others copied byte for byte; read back
+and checked before it replaces OUT (:mod:`opscope_nb.gguf_export`).
+``--tensor-type-file OUT.txt`` writes the plan as llama-quantize patterns and
+the command (``OUT.txt.cmd``)."""
 from __future__ import annotations
 
 import os
 
 from ._common import CliError, Progress, first_run_notice, fmt_bytes, progress_enabled
+from ._ggml import add_tensor_type_arg, imatrix_of, profile_doc_near, write_type_file
 
 NAME = "apply"
 
@@ -22,8 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--method", default=None, metavar="M",
                    help="allocator whose plan to apply (default: exact when present, "
                         "else the first)")
-    p.add_argument("-o", "--output", required=True, metavar="OUT.safetensors",
-                   help="compressed checkpoint to write")
+    p.add_argument("-o", "--output", default=None, metavar="OUT.safetensors",
+                   help="compressed checkpoint to write; OUT.gguf writes a GGUF file "
+                        "(a .gguf SOURCE and a plan of ggml types / dense only)")
     p.add_argument("--grams", metavar="calib.npz", default=None,
                    help="calibration grams for +gptq layers (default: calib.npz next to "
                         "PLAN, written by 'profile --calib --out')")
@@ -31,12 +40,39 @@ def add_parser(sub) -> None:
                    help="apply even when the source's planned tensors differ from the "
                         "fingerprints (SHA-256 of the stored bytes) the plan records")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    add_tensor_type_arg(p)
     p.set_defaults(func=run)
+
+
+def _imatrix_grams(plan_path, names):
+    """diag(H) per tensor from the imatrix the plan's profile used (GGUF export
+    importance), or None."""
+    path = imatrix_of(profile_doc_near(plan_path))
+    if not path or not os.path.isfile(path):
+        return None
+    from ..imatrix import ImatrixError, read_imatrix
+    try:
+        return dict(read_imatrix(path, names=sorted(names)).diag)
+    except ImatrixError as exc:
+        raise CliError(str(exc)) from None
 
 
 def run(args) -> int:
     from ..apply import PlanError, apply_plan, read_plan
     from ..formats import GramRequiredError
+    from ..gguf_export import GGUFExportError
+    if args.output is None and not args.tensor_type_file:
+        raise CliError("give -o OUT.safetensors / OUT.gguf, --tensor-type-file OUT.txt, "
+                       "or both.")
+    if args.tensor_type_file:
+        try:
+            _, plan, _ = read_plan(args.plan, args.method)
+        except PlanError as exc:
+            raise CliError(str(exc)) from None
+        write_type_file(args.tensor_type_file, {n: d for n, (d, _) in plan.items()},
+                        profile_doc_near(args.plan), source=args.source)
+        if args.output is None:
+            return 0
     out = args.output
     d = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(d):
@@ -52,9 +88,12 @@ def run(args) -> int:
     except PlanError as exc:
         raise CliError(str(exc)) from None
     need = sorted(n for n, (d, _) in plan.items() if d.rounding is not None)
+    # ggml types take the gram's diagonal as importance when there is one
+    want = sorted(n for n, (d, _) in plan.items() if d.rounding is not None
+                  or (d.kind == "ggml" and os.path.exists(gpath)))
     grams = None
-    if need:          # only a plan with +gptq layers reads grams, and only theirs
-        if not os.path.exists(gpath):
+    if want:          # only a plan with +gptq (or ggml) layers reads grams, only theirs
+        if need and not os.path.exists(gpath):
             raise CliError(f"{args.plan}: {len(need)} +gptq layer(s) (e.g. {need[0]}) need "
                            f"calibration grams; no {gpath} (give --grams FILE).")
         from ..calib import GramsError, load_grams
@@ -62,19 +101,34 @@ def run(args) -> int:
             allg, _ = load_grams(gpath)
         except (OSError, GramsError) as exc:
             raise CliError(f"{gpath}: cannot read calibration grams ({exc}).") from None
-        grams = {n: allg[n] for n in need if n in allg}
+        grams = {n: allg[n] for n in want if n in allg}
         del allg
     elif args.grams and not os.path.exists(args.grams):
         raise CliError(f"{args.grams}: no such file.")
+    if grams is None and out.lower().endswith(".gguf"):
+        try:
+            names = read_plan(args.plan, args.method)[1]
+        except PlanError as exc:
+            raise CliError(str(exc)) from None
+        grams = _imatrix_grams(args.plan, names)
     try:
         r = apply_plan(args.source, args.plan, out, method=args.method,
                        make_progress=lambda n, w: Progress(n, w, show), grams=grams,
                        force=args.force)
-    except PlanError as exc:
+    except (PlanError, GGUFExportError) as exc:
         raise CliError(str(exc)) from None
     except GramRequiredError as exc:
         raise CliError(f"{args.plan}: a +gptq layer needs calibration grams: {exc} "
                        f"(looked for {gpath}).") from None
+    if r.get("format") == "gguf":
+        types = ", ".join(f"{k} x{v}" for k, v in sorted(r["types"].items()))
+        print(f"{r['method']}: {r['planned']} tensors re-quantised, {r['planned_dense']} "
+              f"planned dense (kept as stored), {r['tensors']} tensors, {r['kv']} "
+              f"key-values ({types})")
+        print(f"wrote {out}: {fmt_bytes(r['file_bytes'])} = planned {r['planned_bytes']} B "
+              f"+ kept {r['kept_bytes']} B + header/padding {r['header_bytes']} B; read "
+              f"back and checked")
+        return 0
     print(f"{r['method']}: {r['layers']} layers packed, {r['dense_layers']} planned dense, "
           f"{r['tensors']} tensors stored plain"
           + (f", {len(r['skipped'])} non-float tensors not copied ({', '.join(r['skipped'][:3])}"

@@ -36,6 +36,14 @@ def add_parser(sub) -> None:
                         "1,32 (stored in profile.json; needed by --latency-budget)")
     p.add_argument("--out", metavar="DIR",
                    help="write profile.json, plan.json and options.csv here")
+    p.add_argument("--menu", choices=("default", "ggml"), default="default",
+                   help="options per layer: the package's formats (default), or dense + "
+                        "the ggml (llama.cpp / GGUF) block types whose block divides the "
+                        "row length (plans export with 'apply ... -o OUT.gguf')")
+    p.add_argument("--types", metavar="T[,T...]", default=None,
+                   help="with --menu ggml: only these ggml types, e.g. Q8_0,Q6_K,Q4_K "
+                        "(default: Q8_0 Q6_K Q5_K Q5_1 Q5_0 Q4_K Q4_1 Q4_0 IQ4_NL IQ4_XS "
+                        "Q3_K Q2_K F16 BF16)")
     c = p.add_argument_group("calibration (data-aware menu and objectives)")
     c.add_argument("--calib", action="store_true",
                    help="run the dense model on calibration text: per-layer input grams "
@@ -65,10 +73,31 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _ggml_types(args):
+    """``--types`` as canonical ggml type names (None: the menu's default)."""
+    if args.types is None:
+        return None
+    if args.menu != "ggml":
+        raise CliError("--types narrows the ggml menu; add --menu ggml.")
+    from ..mining import ggml_types_checked
+    names = [t.strip() for t in args.types.split(",") if t.strip()]
+    if not names:
+        raise CliError(f"--types needs ggml type names like Q8_0,Q4_K; got {args.types!r}.")
+    try:
+        return list(ggml_types_checked(names))
+    except ValueError as exc:
+        raise CliError(f"--types: {exc}") from None
+
+
 def _profile_kwargs(args) -> dict:
     kw = {"rank_cap": args.rank_cap, "seed": args.seed}
     if args.latency:
         kw["latency"] = tuple(args.latency)
+    if args.menu != "default":
+        kw["menu"] = args.menu
+        kw["ggml_types"] = _ggml_types(args)
+    elif args.types is not None:
+        _ggml_types(args)
     return kw
 
 
@@ -164,15 +193,17 @@ def _setup(args):
             raise CliError(str(exc))
     elif args.threads_per_worker is not None:
         raise CliError("--threads-per-worker needs --workers N or --scheduler ADDRESS.")
-    src, chosen, skipped_sel = open_and_select(args)
     kw = _profile_kwargs(args)
+    src, chosen, skipped_sel = open_and_select(args)
+    kw_types = kw.get("ggml_types")
     calib_settings, kw = _calibration(args, src, chosen, kw, dist)
     latency = list(args.latency) if args.latency else None
     settings = {"rank_cap": args.rank_cap, "seed": args.seed,
                 "budget": spec.get("budget_frac"), "bpw": spec.get("budget_bpw"),
                 "latency": latency,
                 "include": args.include, "exclude": args.exclude,
-                "include_embeddings": args.include_embeddings}
+                "include_embeddings": args.include_embeddings,
+                "menu": args.menu, "ggml_types": kw_types}
     if calib_settings is not None:
         settings["calib"] = calib_settings
     out = ensure_outdir(args.out) if args.out else None
