@@ -373,7 +373,8 @@ def quant_menu(cols, *, groups=(32, 128), intn_bits=(6, 5, 3), int2_groups=(32,)
                gptq=False) -> list:
     """The data-independent head of :func:`profile_layer`'s menu, in order.
 
-    Dense; int8/chan; then for 6, 5, 4, 3 bits (4 always, the others when in
+    Dense; bf16 and f16 (ggml ``BF16`` / ``F16``: 2 bytes per weight); int8/chan;
+    then for 6, 5, 4, 3 bits (4 always, the others when in
     ``intn_bits``) per channel and per group of each ``groups`` length shorter
     than ``cols``; int2 per group of ``int2_groups``; ternary; 2:4.  With
     ``gptq`` each quantised option is followed by its ``+gptq`` twin.
@@ -383,7 +384,9 @@ def quant_menu(cols, *, groups=(32, 128), intn_bits=(6, 5, 3), int2_groups=(32,)
     list of (Decomp, str or None)
         The option and the :attr:`LayerProfile.timings` part it is timed in.
     """
-    out = [(Decomp.dense(), None)]
+    # half-width floats next to dense: 2 bytes per weight, honest error (exactly
+    # 0 for the option equal to how a bf16 / f16 source stores the weight)
+    out = [(Decomp.dense(), None), (Decomp.ggml("BF16"), "quant"), (Decomp.ggml("F16"), "quant")]
 
     def q(d):
         out.append((d, "quant"))
@@ -521,6 +524,8 @@ class _Measure:
         err = float(_rel_err(w, recon))
         if part:
             self._tick(part, t0)
+        if not math.isfinite(err):
+            return        # not representable (f16 past 65504): not an option here
         oerr = None
         if self.gram is not None:
             t0 = time.perf_counter()
