@@ -82,6 +82,10 @@ def test_minilm_bf16_budget_is_half_of_stored(minilm_bf16, tmp_path):
         assert p["stored_dtype"] == "BF16" and rec["dtype"] == "BF16"
         assert p["dense_bytes"] == 2 * p["rows"] * p["cols"]
         assert p["f32_bytes"] == 4 * p["rows"] * p["cols"]
+        opt = {o["label"]: o for o in p["options"]}
+        assert opt["BF16"]["rel_err"] == 0.0                 # the stored format: exact
+        assert opt["BF16"]["bytes"] == opt["F16"]["bytes"] == p["dense_bytes"]
+        assert opt["F16"]["rel_err"] < 1e-3                  # f16 holds bf16 values (not the tiniest)
     stored = sum(r["profile"]["dense_bytes"] for r in prof["layers"])
     assert plan["dense_bytes"] == stored == prof["dense_bytes"]
     assert plan["f32_bytes"] == 2 * stored
