@@ -372,15 +372,9 @@ def save_grams(path, grams, meta=None) -> None:
         meta_json = json.dumps(meta or {})
     except (TypeError, ValueError) as exc:
         raise GramsError(f"{path}: meta must be JSON-serialisable ({exc}).") from None
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, names=np.array(json.dumps(pairs)), meta=np.array(meta_json),
-                     **arrays)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    from ._fs import atomic_writer          # the package's one atomic writer
+    with atomic_writer(path, "wb") as f:
+        np.savez(f, names=np.array(json.dumps(pairs)), meta=np.array(meta_json), **arrays)
 
 
 def _short(value, limit=80):
