@@ -161,6 +161,9 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
             raise PlanError(f"{plan_path}: planned layer {name!r} ({d.label}, {nbytes} "
                              f"bytes) does not match its shape {e.shape} in {src.path}; the "
                              f"plan was made for another model.")
+    if os.fspath(out_path).lower().endswith(".gguf"):
+        from .gguf_export import _check_ggml_plan   # what can go to GGUF, before anything else
+        _check_ggml_plan({n: d for n, (d, _) in plan.items()}, f"writing {out_path}")
     recorded = (doc.get("source") or {}).get("sha256")
     if not force:
         try:

@@ -39,7 +39,7 @@ def crumbs(codes, n):
     return out[:, :n].astype(np.int64)
 
 
-def unpack(a, kind, shape, group=None, modes=None, bits=None):
+def unpack(a, kind, shape, group=None, modes=None, bits=None, qtype=None):
     rows, cols = shape
     if kind == "dense":
         return a["w"].astype(np.float64)
@@ -93,6 +93,16 @@ def unpack(a, kind, shape, group=None, modes=None, bits=None):
             rp, d, rn = c.shape
             acc = (acc @ c.reshape(rp, d * rn)).reshape(-1, rn)
         return acc.reshape(rows, cols)
+    if kind == "ggml" and qtype in ("F16", "BF16"):
+        # the blocks are the little-endian half-width words of each weight
+        words = a["blocks"].reshape(rows, cols * 2).view("<u2")
+        if qtype == "F16":
+            return words.view("<f2").astype(np.float64)
+        return (words.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if kind == "ggml":        # block types: gguf-py's decoder, not ours
+        import gguf
+        return np.asarray(gguf.quants.dequantize(a["blocks"], gguf.GGMLQuantizationType[qtype]),
+                          np.float64).reshape(rows, cols)
     raise ValueError(kind)
 
 

@@ -318,7 +318,7 @@ def test_profile_order_and_rules_64x64():
     lowr = [lbl for lbl in labels if lbl.startswith("lowrank")]
     quant = ["int8/chan", "int6/chan", "int6/g32", "int5/chan", "int5/g32", "int4/chan",
              "int4/g32", "int3/chan", "int3/g32", "int2/g32"]
-    assert labels[:3 + len(quant) + len(lowr)] == ["dense"] + quant + [
+    assert labels[:5 + len(quant) + len(lowr)] == ["dense", "BF16", "F16"] + quant + [
         "ternary", "sparse2:4"] + lowr
     assert labels[-3:] == ["monarch", "tucker(64x8x8->32,4,4)", "tt(8x8x8x8,cap=16)"]
     assert "int4/g128" not in labels  # 64 columns: a single group of 128 is per-channel

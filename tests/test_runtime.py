@@ -43,7 +43,8 @@ def _x(m, cols, seed=1):
 def _twin(lin, packed=None):
     d = lin.decomp
     return nv.unpack(packed if packed is not None else lin.arrays, d.kind, lin.shape,
-                     group=d.group, modes=d.modes, bits=getattr(d, "bits", None))
+                     group=d.group, modes=d.modes, bits=getattr(d, "bits", None),
+                     qtype=getattr(d, "qtype", None))
 
 
 @pytest.mark.parametrize("shape,d", FLOAT_CASES, ids=lambda v: getattr(v, "label", str(v)))
