@@ -223,6 +223,46 @@ if _PackageLocator not in _CacheImpl._locator_classes:
     _CacheImpl._locator_classes.insert(0, _PackageLocator)
 _drop_stale_cache(base=_PackageLocator.base)
 
+_STAMP_DIR, _DIRS = _cache_dirs(_ROOT, _PackageLocator.base)
+#: Lock file of the package's cache (stale check and index updates).
+CACHE_LOCK = _STAMP_DIR / "opscope.lock"
+_OUR_DIRS = frozenset(os.path.abspath(d) for d in _DIRS)
+
+
+def _install_index_lock():
+    """Serialise numba's cache-index updates of this package's files.
+
+    ``IndexDataCacheFile.save`` reads the index, picks the first free data
+    file number and rewrites the index: two processes adding *different*
+    signatures of one function at once (parallel warm-up jobs compiling two
+    formats of ``_run``) could pick the same ``.nbc`` name, and one index entry
+    would then point at the other's machine code.  Under :data:`CACHE_LOCK`
+    (this package's cache directories only) the read-modify-write is atomic.
+    """
+    from numba.core.caching import IndexDataCacheFile
+    orig = IndexDataCacheFile.save
+    if getattr(orig, "_opscope_locked", False):
+        return
+
+    def save(self, key, data):
+        if os.path.abspath(self._cache_path) not in _OUR_DIRS:
+            return orig(self, key, data)
+        try:
+            lock = _locked(CACHE_LOCK)
+            lock.__enter__()
+        except OSError:
+            return orig(self, key, data)
+        try:
+            return orig(self, key, data)
+        finally:
+            lock.__exit__(None, None, None)
+
+    save._opscope_locked = True
+    IndexDataCacheFile.save = save
+
+
+_install_index_lock()
+
 # Start numba's thread pool now.  A serial @njit function loaded from the
 # on-disk cache that calls a parallel kernel does not start it by itself, and
 # the first such call in a fresh process would crash; every kernel module
