@@ -387,9 +387,6 @@ def _act8(lin, act):
     return act == "int8" or (act == "auto" and lin._kind in _AUTO_INT8)
 
 
-_NO_SUMS = np.zeros(0, np.int32)
-
-
 @_njit
 def _finite(x):
     return math.isfinite(_absmax_f32(x.ravel(), 0, x.size))
