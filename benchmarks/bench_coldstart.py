@@ -12,7 +12,11 @@ cold (first process, compiles) and warm (second process, loads the cache):
   each cold one with a cache of its own (a fresh copy's cache), so it counts
   everything that kind compiles;
 * ``python bench.py --quick``;
-* optionally ``opscope-nb warmup`` (``--warmup``): everything, from empty.
+* optionally ``opscope-nb warmup`` (``--warmup``): everything, from empty,
+  then ``opscope-nb profile`` on that cache.
+
+Every cold step gets a fresh copy of its own, so it counts everything it
+compiles; its warm run is a second process on that copy.
 
 Prints a table naming the CPU, the core count and the load average before
 and after every step (cold compiles are CPU-bound: on a shared machine the
@@ -113,7 +117,18 @@ def main(argv=None):
     py = sys.executable
     rows = []
 
-    def step(name, cmd, cwd, warm=True):
+    counter = [0]
+
+    def fresh():
+        """A new copy of the package: its in-tree cache starts empty."""
+        counter[0] += 1
+        d = pathlib.Path(tmp) / f"c{counter[0]}"
+        copy_tree(d)
+        return d
+
+    def step(name, cmd, cwd=None, warm=True):
+        """Time ``cmd`` cold in a fresh copy (or ``cwd``), then warm there."""
+        cwd = fresh() if cwd is None else cwd
         l0 = load()
         cw, cc, _ = timed(cmd, cwd)
         row = [name, f"{cw:.1f}", f"{cc:.1f}"]
@@ -124,34 +139,30 @@ def main(argv=None):
             row += ["", ""]
         row.append(f"{l0} / {load()}")
         rows.append(row)
+        if warm:
+            shutil.rmtree(cwd, ignore_errors=True)
         print("  ".join(row), flush=True)
 
     print(f"# cold start: {cpu_name()}, {os.cpu_count()} CPUs, Python "
           f"{platform.python_version()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="opscope-cold-") as tmp:
-        base = pathlib.Path(tmp) / "main"
-        copy_tree(base)
         if "import" not in skip:
-            step("import opscope_nb", [py, "-c", "import opscope_nb"], base)
-            step("import opscope_nb.runtime", [py, "-c", "import opscope_nb.runtime"], base)
+            step("import opscope_nb", [py, "-c", "import opscope_nb"])
+            step("import opscope_nb.runtime", [py, "-c", "import opscope_nb.runtime"])
         if "profile" not in skip:
-            step("opscope-nb profile (built-in model)",
-                 [py, "-m", "opscope_nb", "profile"], base)
+            step("opscope-nb profile (built-in model)", [py, "-m", "opscope_nb", "profile"])
         if "layer" not in skip:
-            step("profile_layer 384x384", [py, "-c", _LAYER], base)
+            step("profile_layer 384x384", [py, "-c", _LAYER])
         if "kinds" not in skip:
-            for i, spec in enumerate(filter(None, args.kinds.split(","))):
-                d = pathlib.Path(tmp) / f"k{i}"
-                copy_tree(d)
-                step(f"PackedLinear {spec} (1x384x384)", [py, "-c", _KIND, spec], d)
-                shutil.rmtree(d, ignore_errors=True)
+            for spec in filter(None, args.kinds.split(",")):
+                step(f"PackedLinear {spec} (1x384x384)", [py, "-c", _KIND, spec])
         if "bench" not in skip:
-            step("python bench.py --quick", [py, "bench.py", "--quick"], base)
+            step("python bench.py --quick", [py, "bench.py", "--quick"])
         if args.warmup:
-            d = pathlib.Path(tmp) / "w"
-            copy_tree(d)
+            d = fresh()
             step("opscope-nb warmup (everything)", [py, "-m", "opscope_nb", "warmup"], d,
                  warm=False)
+            step("  then opscope-nb profile", [py, "-m", "opscope_nb", "profile"], d, warm=False)
 
     try:
         from tabulate import tabulate
