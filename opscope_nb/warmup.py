@@ -121,7 +121,8 @@ def _profile_cli(_):
     """``opscope-nb profile`` on the built-in model (output discarded)."""
     import tempfile
     from .cli import main
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, \
+            contextlib.redirect_stdout(io.StringIO()):
         code = main(["profile", "--out", tmp])
     if code:
         raise RuntimeError(f"opscope-nb profile exited with status {code}")
