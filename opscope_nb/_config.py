@@ -17,7 +17,12 @@ Every ``@njit`` in the package takes its options from here (never a literal
   instead of a Python exception, so divisions carry no zero check and loops
   with them vectorise (kernels assume validated input anyway).
 * The cache is dropped when any source file of the package changes
-  (:func:`_drop_stale_cache`): numba keys it on each function's own file only.
+  (:func:`_drop_stale_cache`, under a file lock so concurrent processes
+  never delete each other's files): numba keys it on each function's own
+  file only.
+* Where the cache lives is decided by :func:`cache_base`: ``NUMBA_CACHE_DIR``
+  if set, else the package's ``__pycache__``, else (read-only install) a
+  per-user directory, ``$XDG_CACHE_HOME/opscope-nb/numba``.
 * Parallel kernels are cached too (numba supports caching ``parallel=True``
   functions); a test checks that a second process does not recompile.
 
@@ -26,11 +31,111 @@ compile time): they are function arguments.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import pathlib
+import tempfile
+
 import numba
 from numba.np.ufunc.parallel import _launch_threads
 
 
-def _drop_stale_cache(root=None) -> None:
+_ROOT = pathlib.Path(__file__).resolve().parent
+
+
+def _writable(d: pathlib.Path) -> bool:
+    """Whether files can be created in ``d`` (created if missing); an actual
+    write, not ``os.access`` (which says yes to root on a read-only mount
+    and ignores ACLs)."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=d).close()
+        return True
+    except OSError:
+        return False
+
+
+def user_cache_dir() -> pathlib.Path:
+    """The per-user cache directory: ``$XDG_CACHE_HOME/opscope-nb/numba``
+    (``~/.cache/opscope-nb/numba`` without ``XDG_CACHE_HOME``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "opscope-nb" / "numba"
+
+
+def cache_base(root=None):
+    """The directory the package's kernels are cached under, or ``None`` for
+    numba's own choice.
+
+    * ``NUMBA_CACHE_DIR`` set: ``None`` (numba caches there, as the user asked);
+    * the package's ``__pycache__`` is writable: ``None`` (numba's in-tree
+      cache, next to the sources);
+    * otherwise (a read-only install): :func:`user_cache_dir`, when writable.
+
+    This is the one function deciding where compiled kernels live; a variant
+    that must not share them (e.g. a forced SIMD path) returns a
+    subdirectory of its own here, and :class:`_PackageLocator` plus the stale
+    check follow.  ``root``: the package directory (tests), default this one.
+    """
+    root = pathlib.Path(root or _ROOT)
+    if numba.config.CACHE_DIR:
+        return None
+    if _writable(root / "__pycache__"):
+        return None
+    user = user_cache_dir()
+    return user if _writable(user) else None
+
+
+def _subpath(d) -> str:
+    """numba's cache subdirectory for sources in directory ``d`` under a
+    base directory (``<dirname>_<sha1 of its absolute path>``)."""
+    from numba.core.caching import _CacheLocator
+    return _CacheLocator.get_suitable_cache_subpath(os.path.join(os.path.abspath(d), "x.py"))
+
+
+def _cache_dirs(root, base):
+    """``(stamp directory, [directories holding the package's cache files])``."""
+    srcdirs = sorted({f.parent for f in root.rglob("*.py")} | {root})
+    if base is None and numba.config.CACHE_DIR:
+        base = pathlib.Path(numba.config.CACHE_DIR)
+    if base is None:     # in-tree: each source directory's __pycache__
+        return root / "__pycache__", [d / "__pycache__" for d in srcdirs]
+    base = pathlib.Path(base)
+    return base / _subpath(root), [base / _subpath(d) for d in srcdirs]
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+    """Hold an exclusive lock on the file ``path`` (created if missing):
+    ``fcntl.flock`` on POSIX, ``msvcrt.locking`` on Windows; the lock goes
+    with the file handle, so a killed process never leaves it held."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        try:
+            import fcntl
+        except ImportError:  # Windows
+            import msvcrt
+            import time
+            f.seek(0)
+            while True:
+                try:
+                    msvcrt.locking(f.fileno(), msvcrt.LK_LOCK, 1)
+                    break
+                except OSError:  # LK_LOCK gives up after ~10 s: keep waiting
+                    time.sleep(0.1)
+            try:
+                yield
+            finally:
+                f.seek(0)
+                msvcrt.locking(f.fileno(), msvcrt.LK_UNLCK, 1)
+            return
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _drop_stale_cache(root=None, base=None) -> None:
     """Delete the package's numba cache files when any of its sources changed.
 
     numba keys a cached function on the content of *its own* file, but a
@@ -40,15 +145,21 @@ def _drop_stale_cache(root=None) -> None:
     file of the package (and numba's version) is kept next to the cache; on a
     mismatch every ``*.nbi``/``*.nbc`` of the package is removed, so the next
     call compiles afresh.  Costs one read of the sources (~1 MB) per process;
-    an installed package whose files never change keeps its cache.  Best
-    effort: a read-only install (numba then caches elsewhere) is left alone.
+    an installed package whose files never change keeps its cache.
+
+    The cache checked is wherever the kernels are cached (:func:`cache_base`
+    ``base``: numba's in-tree ``__pycache__``, ``NUMBA_CACHE_DIR``, or the
+    per-user directory of a read-only install).  Check and delete run under
+    an exclusive lock on ``opscope.lock`` in the stamp's directory, so
+    processes starting together (warm-up jobs, Dask workers) never delete
+    each other's fresh files: the first one drops the stale files and writes
+    the new fingerprint, the others then find it matching.  Best effort: a
+    cache that cannot be written is left alone.
     ``root`` (tests): the package directory to check, default this package.
     """
     import hashlib
-    import os
-    import pathlib
 
-    root = pathlib.Path(root or pathlib.Path(__file__).resolve().parent)
+    root = pathlib.Path(root or _ROOT)
     try:
         files = sorted(root.rglob("*.py"))
         h = hashlib.sha256(numba.__version__.encode())
@@ -56,21 +167,101 @@ def _drop_stale_cache(root=None) -> None:
             h.update(str(f.relative_to(root)).encode())
             h.update(f.read_bytes())
         digest = h.hexdigest()
-        stamp = root / "__pycache__" / "opscope_sources.sha256"
+        stamp_dir, dirs = _cache_dirs(root, base)
+        stamp = stamp_dir / "opscope_sources.sha256"
         if stamp.exists() and stamp.read_text().strip() == digest:
             return
-        for pat in ("*.nbi", "*.nbc"):
-            for f in root.rglob(f"__pycache__/{pat}"):
-                f.unlink(missing_ok=True)
-        stamp.parent.mkdir(exist_ok=True)
-        tmp = stamp.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(digest + "\n")
-        tmp.replace(stamp)
+        with _locked(stamp_dir / "opscope.lock"):
+            if stamp.exists() and stamp.read_text().strip() == digest:
+                return      # another process dropped them while we waited
+            for d in dirs:
+                for pat in ("*.nbi", "*.nbc"):
+                    for f in d.glob(pat):
+                        f.unlink(missing_ok=True)
+            tmp = stamp.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(digest + "\n")
+            tmp.replace(stamp)
     except OSError:
         pass
 
 
-_drop_stale_cache()
+try:
+    from numba.core.caching import UserProvidedCacheLocator as _UserLocator
+    from numba.core.caching import CacheImpl as _CacheImpl
+except ImportError:  # older numba: private names
+    from numba.core.caching import _UserProvidedCacheLocator as _UserLocator
+    from numba.core.caching import _CacheImpl
+
+
+class _PackageLocator(_UserLocator):
+    """numba cache locator for this package's sources when :func:`cache_base`
+    chose a directory (read-only install): files go to
+    ``<base>/<dirname>_<sha1>`` as with ``NUMBA_CACHE_DIR``, but only for this
+    package (numba's global ``CACHE_DIR`` and other libraries are untouched).
+    Any other function falls through to numba's locators."""
+
+    base = None
+
+    def __init__(self, py_func, py_file):
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        self._cache_path = os.path.join(str(self.base), self.get_suitable_cache_subpath(py_file))
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if cls.base is None:
+            return None
+        try:
+            pathlib.Path(py_file).resolve().relative_to(_ROOT)
+        except (ValueError, OSError):
+            return None
+        return super(_UserLocator, cls).from_function(py_func, py_file)
+
+
+_PackageLocator.base = cache_base()
+if _PackageLocator not in _CacheImpl._locator_classes:
+    _CacheImpl._locator_classes.insert(0, _PackageLocator)
+_drop_stale_cache(base=_PackageLocator.base)
+
+_STAMP_DIR, _DIRS = _cache_dirs(_ROOT, _PackageLocator.base)
+#: Lock file of the package's cache (stale check and index updates).
+CACHE_LOCK = _STAMP_DIR / "opscope.lock"
+_OUR_DIRS = frozenset(os.path.abspath(d) for d in _DIRS)
+
+
+def _install_index_lock():
+    """Serialise numba's cache-index updates of this package's files.
+
+    ``IndexDataCacheFile.save`` reads the index, picks the first free data
+    file number and rewrites the index: two processes adding *different*
+    signatures of one function at once (parallel warm-up jobs compiling two
+    formats of ``_run``) could pick the same ``.nbc`` name, and one index entry
+    would then point at the other's machine code.  Under :data:`CACHE_LOCK`
+    (this package's cache directories only) the read-modify-write is atomic.
+    """
+    from numba.core.caching import IndexDataCacheFile
+    orig = IndexDataCacheFile.save
+    if getattr(orig, "_opscope_locked", False):
+        return
+
+    def save(self, key, data):
+        if os.path.abspath(self._cache_path) not in _OUR_DIRS:
+            return orig(self, key, data)
+        try:
+            lock = _locked(CACHE_LOCK)
+            lock.__enter__()
+        except OSError:
+            return orig(self, key, data)
+        try:
+            return orig(self, key, data)
+        finally:
+            lock.__exit__(None, None, None)
+
+    save._opscope_locked = True
+    IndexDataCacheFile.save = save
+
+
+_install_index_lock()
 
 # Start numba's thread pool now.  A serial @njit function loaded from the
 # on-disk cache that calls a parallel kernel does not start it by itself, and

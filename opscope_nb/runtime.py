@@ -344,55 +344,72 @@ def _act8(lin, act):
     return act == "int8" or (act == "auto" and lin._kind in _AUTO_INT8)
 
 
-_NO_SUMS = np.zeros(0, np.int32)
-
-
 @_njit
 def _finite(x):
     return math.isfinite(_absmax_f32(x.ravel(), 0, x.size))
 
 
+# One compiled entry per kind and activation path (``act8`` picks it here, in
+# Python), so a layer compiles only its own kernel: an njit entry taking
+# ``act8`` as an argument compiles both paths.
 @_njit
-def _int8_checked(x, codes, scales, act8, wsum):
-    """``packed_int8_linear`` after the finiteness check, or ``None``."""
+def _int8_checked_a8(x, codes, scales, wsum):
+    """W8A8 ``packed_int8_linear`` after the finiteness check, or ``None``."""
     if not _finite(x):
         return None
-    return _k.packed_int8_linear(x, codes, scales, act8, _PAR_MIN, wsum)
+    return _k.dynamic_matmul_w8a8(x, codes, scales, _PAR_MIN, wsum)
 
 
 @_njit
-def _int4_checked(x, codes, scales, cols, group, act8):
-    """``packed_int4_linear`` after the finiteness check, or ``None``."""
+def _int8_checked_a16(x, codes, scales):
+    """W8A16 ``packed_int8_linear`` after the finiteness check, or ``None``."""
     if not _finite(x):
         return None
-    return _k.packed_int4_linear(x, codes, scales, cols, group, act8, _PAR_MIN)
+    return _k.matmul_w8a16(x, codes, scales, _PAR_MIN)
+
+
+@_njit
+def _int4_checked_a8(x, codes, scales, cols, group):
+    """``packed_int4_linear_a8`` after the finiteness check, or ``None``."""
+    if not _finite(x):
+        return None
+    return _k.packed_int4_linear_a8(x, codes, scales, cols, group, _PAR_MIN)
+
+
+@_njit
+def _int4_checked_a16(x, codes, scales, cols, group):
+    """``packed_int4_linear_a16`` after the finiteness check, or ``None``."""
+    if not _finite(x):
+        return None
+    return _k.packed_int4_linear_a16(x, codes, scales, cols, group, _PAR_MIN)
 
 
 def _fwd_int8(lin, x, act):
     a = lin._arrays
-    act8 = _act8(lin, act)
-    # W8A16 ignores the sums: an empty array keeps one compiled signature
-    return _int8_checked(x, a["codes"], a["scales"], act8, lin._aux if act8 else _NO_SUMS)
+    if _act8(lin, act):
+        return _int8_checked_a8(x, a["codes"], a["scales"], lin._aux)
+    return _int8_checked_a16(x, a["codes"], a["scales"])
 
 
 def _fwd_int4(lin, x, act):
     a = lin._arrays
     g = lin._decomp.group if lin._kind == "int4g" else 0
-    return _int4_checked(x, a["codes"], a["scales"], lin._shape[1], g, _act8(lin, act))
+    fn = _int4_checked_a8 if _act8(lin, act) else _int4_checked_a16
+    return fn(x, a["codes"], a["scales"], lin._shape[1], g)
 
 
 def _fwd_ternary(lin, x, act):
     a = lin._arrays
-    return _k.packed_ternary_linear(x, a["codes"], a["alpha"], lin._shape[1],
-                                    _act8(lin, act))
+    fn = _k.packed_ternary_linear_a8 if _act8(lin, act) else _k.packed_ternary_linear_a16
+    return fn(x, a["codes"], a["alpha"], lin._shape[1], _PAR_MIN)
 
 
 def _fwd_intn(lin, x, act):
     a = lin._arrays
     d = lin._decomp
     lo = a["lo"]
-    return _k.packed_intn_linear(x, lo, a.get("hi", lo), a["scales"], d.bits,
-                                 lin._shape[1], d.group or 0, _act8(lin, act))
+    fn = _k.intn_linear_entry(d.bits, _act8(lin, act))
+    return fn(x, lo, a.get("hi", lo), a["scales"], lin._shape[1], d.group or 0, _PAR_MIN)
 
 
 #: Weights decoded per chunk of rows by the ggml forward (float32 elements).

@@ -16,6 +16,8 @@ Sub-commands
 ``plot PROFILE.json -o rd.png``
     Per-layer error-vs-bytes points with their lower convex hull, and the
     model-level error-vs-budget frontier of the three allocators.
+``warmup [--jobs N] [--only profile|runtime|bench]``
+    Compile the kernels now, in N processes (fills the on-disk cache).
 
 SOURCE is a ``.safetensors`` / ``.gguf`` / ``.tensor`` file or a directory
 of shards / dumps (see :mod:`opscope_nb.io`); without SOURCE the upstream's
@@ -60,7 +62,7 @@ PROG = "opscope-nb"
 
 #: Command modules of this package, in ``--help`` order.  A module that does not
 #: exist yet is skipped (so a command can land in its own commit).
-COMMANDS = ("profile", "allocate", "quant", "plot", "apply", "eval")
+COMMANDS = ("profile", "allocate", "quant", "plot", "apply", "eval", "warmup")
 #: What an interrupt leaves behind, per command (Ctrl-C's message).
 _INTERRUPTED = {
     "profile": " (with --out, profile.json keeps the layers done; rerun with --resume)",

@@ -99,6 +99,11 @@ from numba import prange
 
 from .._config import njit, njit_parallel
 
+# Thin wrappers and small helpers are ``inline="always"`` (inlined in numba IR
+# into their caller): a wrapper compiled as a function of its own re-optimises
+# and re-emits the machine code of everything it calls, and a chain of four
+# of them around ``_run`` cost as much compile time as ``_run`` itself (a
+# cold ``PackedLinear`` int4 call: 4 x ~8 s of ~90 s on the 2-core host).
 # The public cores below are plain @njit functions that call a parallel
 # (prange) kernel; numba's thread pool is started by ``_config`` at import
 # (a cached serial caller would not start it, and its first call crashed).
@@ -126,6 +131,11 @@ __all__ = [
     "intn_matmul_a8",
     "intn_matmul_a16",
     "packed_intn_linear",
+    "packed_int4_linear_a8",
+    "packed_int4_linear_a16",
+    "packed_ternary_linear_a8",
+    "packed_ternary_linear_a16",
+    "intn_linear_entry",
 ]
 
 #: ``fmt`` id of two's-complement nibbles (int4/chan, int4/g{g}).
@@ -148,13 +158,13 @@ _UNIT = LOWBIT_UNIT
 _OFF = LOWBIT_OFFSET
 
 
-@njit
+@njit(inline="always")
 def _bits(fmt):
     """Code width of an intN fmt (2, 3, 5, 6)."""
     return (0, 0, 2, 3, 5, 6)[fmt]
 
 
-@njit
+@njit(inline="always")
 def _umax(fmt):
     """Largest unsigned offset code of ``fmt``."""
     if fmt == 0:
@@ -164,7 +174,7 @@ def _umax(fmt):
     return (1 << _bits(fmt)) - 1
 
 
-@njit
+@njit(inline="always")
 def _field(plane, j, p, f):
     """``f``-bit field of column ``p`` in row ``j`` of a plane."""
     per = 8 // f
@@ -326,7 +336,7 @@ def _tail(xq, i, w, w2, j, p0, cols, fmt, sflat, soff, group, scaled):
     return tot
 
 
-@njit
+@njit(inline="always")
 def _fin(t, sxi, s0, mode):
     """``_put`` without a tail: the same float64 arithmetic (``t + 0.0`` as
     there, so even the sign of a zero matches)."""
@@ -347,14 +357,14 @@ def _put(y, i, j, t, xq, w, w2, sflat, sstride, group, cols, fmt, region, mode, 
         y[i, j] = np.float32(v * np.float64(sx[i]))
 
 
-@njit
+@njit(inline="always")
 def _t14(xp, xo, xs, cf, co, cs, wf, wo, ws, w2, w2o, w2s, sf, so, ss, nun, upf, fmt,
          mode):
     return lowbit_tile_1x4(xp, xo, xs, cf, co, cs, wf, wo, ws, w2, w2o, w2s, sf, so, ss,
                            nun, upf, fmt, mode, 8 * ws, 8 * w2s)
 
 
-@njit
+@njit(inline="always")
 def _t42(xp, xo, xs, cf, co, cs, wf, wo, ws, w2, w2o, w2s, sf, so, ss, nun, upf, fmt,
          mode):
     return lowbit_tile_4x2(xp, xo, xs, cf, co, cs, wf, wo, ws, w2, w2o, w2s, sf, so, ss,
@@ -368,7 +378,7 @@ _KB_COLS = 2048
 _KB_G = 16
 
 
-@njit
+@njit(inline="always")
 def _unit_geom(fmt, mode):
     """(columns, arranged activations, lo bytes, hi bytes) per unit of a mode."""
     if mode == 3:
@@ -378,7 +388,7 @@ def _unit_geom(fmt, mode):
     return _UNIT[fmt], 32 * _SLOTS[fmt], _PBYTES[fmt, 0], _PBYTES[fmt, 1]
 
 
-@njit
+@njit(inline="always")
 def _scale_off(mode, u0, upf):
     """Offset of unit ``u0``'s first scale in a weight row's scales."""
     if mode == 1:
@@ -543,7 +553,7 @@ def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, 
                          mode, sx)
 
 
-@njit
+@njit(inline="always")
 def _ngroups(cols, group):
     if group <= 0 or group >= cols:
         return 1
@@ -603,7 +613,7 @@ def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
     return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel))
 
 
-@njit
+@njit(inline="always")
 def lowbit_matmul_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel=PAR_MIN):
     """Generic int8-activation product from packed low-bit weights.
 
@@ -649,7 +659,7 @@ def _a16_levels(cols, group, fmt):
     return min(32767, max(lv, 1))
 
 
-@njit
+@njit(inline="always")
 def lowbit_matmul_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel=PAR_MIN):
     """Generic float-activation product from packed low-bit weights.
 
@@ -666,7 +676,7 @@ def lowbit_matmul_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel=P
     return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel))
 
 
-@njit
+@njit(inline="always")
 def w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel=PAR_MIN):
     """W4A8 from the int4 pack layout.
 
@@ -689,7 +699,7 @@ def w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel=PAR_MIN):
                    np.int64(min_parallel))
 
 
-@njit
+@njit(inline="always")
 def w4a16_matmul(x, codes, scales, cols, group, min_parallel=PAR_MIN):
     """W4A16 (float activations carried as int16 codes) from the int4 pack layout.
 
@@ -701,7 +711,7 @@ def w4a16_matmul(x, codes, scales, cols, group, min_parallel=PAR_MIN):
                              min_parallel)
 
 
-@njit
+@njit(inline="always")
 def ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel=PAR_MIN):
     """Ternary x int8 from the ternary pack layout.
 
@@ -718,7 +728,7 @@ def ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel=PAR_MIN):
     return _run(xq, sx, codes, codes, alpha, 0, cols, 0, 1, np.int64(min_parallel))
 
 
-@njit
+@njit(inline="always")
 def ternary_matmul_a16(x, codes, alpha, cols, min_parallel=PAR_MIN):
     """Ternary x float activations (int16 codes); see :func:`ternary_matmul_a8`."""
     return lowbit_matmul_a16(x, codes, codes, alpha, 0, cols, 0, 1, min_parallel)
@@ -738,22 +748,49 @@ def packed_int8_linear(x, codes, scales, act8, min_parallel=PAR_MIN, wsum=None):
     return matmul_w8a16(x, codes, scales, min_parallel)
 
 
-@njit
-def packed_int4_linear(x, codes, scales, cols, group, act8, min_parallel=PAR_MIN):
-    """``x @ What.T`` for int4/chan (``group <= 0``) and int4/g{group}; ``x`` float32."""
-    if act8:
-        xq, sx = quantize_rows_i8(x, min_parallel)
-        return w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel)
+@njit(inline="always")
+def packed_int4_linear_a8(x, codes, scales, cols, group, min_parallel=PAR_MIN):
+    """:func:`packed_int4_linear` with int8 activations only (compiles one path)."""
+    xq, sx = quantize_rows_i8(x, min_parallel)
+    return w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel)
+
+
+@njit(inline="always")
+def packed_int4_linear_a16(x, codes, scales, cols, group, min_parallel=PAR_MIN):
+    """:func:`packed_int4_linear` with float activations only (compiles one path)."""
     return w4a16_matmul(x, codes, scales, cols, group, min_parallel)
 
 
 @njit
-def packed_ternary_linear(x, codes, alpha, cols, act8, min_parallel=PAR_MIN):
-    """``x @ What.T`` for ternary; ``x`` float32."""
+def packed_int4_linear(x, codes, scales, cols, group, act8, min_parallel=PAR_MIN):
+    """``x @ What.T`` for int4/chan (``group <= 0``) and int4/g{group}; ``x`` float32.
+
+    Compiles both activation paths; :func:`packed_int4_linear_a8` /
+    :func:`packed_int4_linear_a16` compile one."""
     if act8:
-        xq, sx = quantize_rows_i8(x, min_parallel)
-        return ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel)
+        return packed_int4_linear_a8(x, codes, scales, cols, group, min_parallel)
+    return packed_int4_linear_a16(x, codes, scales, cols, group, min_parallel)
+
+
+@njit(inline="always")
+def packed_ternary_linear_a8(x, codes, alpha, cols, min_parallel=PAR_MIN):
+    """:func:`packed_ternary_linear` with int8 activations only."""
+    xq, sx = quantize_rows_i8(x, min_parallel)
+    return ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel)
+
+
+@njit(inline="always")
+def packed_ternary_linear_a16(x, codes, alpha, cols, min_parallel=PAR_MIN):
+    """:func:`packed_ternary_linear` with float activations only."""
     return ternary_matmul_a16(x, codes, alpha, cols, min_parallel)
+
+
+@njit
+def packed_ternary_linear(x, codes, alpha, cols, act8, min_parallel=PAR_MIN):
+    """``x @ What.T`` for ternary; ``x`` float32 (both activation paths)."""
+    if act8:
+        return packed_ternary_linear_a8(x, codes, alpha, cols, min_parallel)
+    return packed_ternary_linear_a16(x, codes, alpha, cols, min_parallel)
 
 
 @njit
@@ -766,7 +803,25 @@ def intn_fmt(bits):
     return 4 if bits == 5 else 5
 
 
-@njit
+@njit(inline="always")
+def _intn_a8(xq, sx, lo, hi, scales, cols, group, fmt, min_parallel):
+    """intN x int8 for one ``fmt`` (a literal: only its tile variants compile)."""
+    rows = lo.shape[0]
+    sf = scales.ravel()
+    return _run(xq, sx, lo, hi, sf, sf.size // max(rows, 1), cols, group, fmt,
+                np.int64(min_parallel))
+
+
+@njit(inline="always")
+def _intn_a16(x, lo, hi, scales, cols, group, fmt, min_parallel):
+    """intN x float activations for one ``fmt`` (a literal)."""
+    rows = lo.shape[0]
+    sf = scales.ravel()
+    return lowbit_matmul_a16(x, lo, hi, sf, sf.size // max(rows, 1), cols, group, fmt,
+                             min_parallel)
+
+
+@njit(inline="always")
 def intn_matmul_a8(xq, sx, lo, hi, scales, bits, cols, group, min_parallel=PAR_MIN):
     """W-intN-A8 from mining's intN plane layout (int2/3/5/6).
 
@@ -792,26 +847,103 @@ def intn_matmul_a8(xq, sx, lo, hi, scales, bits, cols, group, min_parallel=PAR_M
         ``sx[i] * sum_g scale[j, g] * sum_(p in g) xq[i, p] * code[j, p]``
         (exact integer sums per group).
     """
-    rows = lo.shape[0]
-    sf = scales.ravel()
-    return _run(xq, sx, lo, hi, sf, sf.size // max(rows, 1), cols, group, intn_fmt(bits),
-                np.int64(min_parallel))
+    if bits == 2:
+        return _intn_a8(xq, sx, lo, hi, scales, cols, group, 2, min_parallel)
+    if bits == 3:
+        return _intn_a8(xq, sx, lo, hi, scales, cols, group, 3, min_parallel)
+    if bits == 5:
+        return _intn_a8(xq, sx, lo, hi, scales, cols, group, 4, min_parallel)
+    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 5, min_parallel)
 
 
-@njit
+@njit(inline="always")
 def intn_matmul_a16(x, lo, hi, scales, bits, cols, group, min_parallel=PAR_MIN):
     """W-intN-A16: float32 ``x [m, cols]`` carried as int16 codes; other
     parameters as :func:`intn_matmul_a8`."""
-    rows = lo.shape[0]
-    sf = scales.ravel()
-    return lowbit_matmul_a16(x, lo, hi, sf, sf.size // max(rows, 1), cols, group,
-                             intn_fmt(bits), min_parallel)
+    if bits == 2:
+        return _intn_a16(x, lo, hi, scales, cols, group, 2, min_parallel)
+    if bits == 3:
+        return _intn_a16(x, lo, hi, scales, cols, group, 3, min_parallel)
+    if bits == 5:
+        return _intn_a16(x, lo, hi, scales, cols, group, 4, min_parallel)
+    return _intn_a16(x, lo, hi, scales, cols, group, 5, min_parallel)
 
 
 @njit
 def packed_intn_linear(x, lo, hi, scales, bits, cols, group, act8, min_parallel=PAR_MIN):
-    """``x @ What.T`` for int{bits}/chan (``group <= 0``) and int{bits}/g{group}."""
+    """``x @ What.T`` for int{bits}/chan (``group <= 0``) and int{bits}/g{group}.
+
+    Compiles every bit width and both activation paths;
+    :func:`intn_linear_entry` gives the kernel of one."""
     if act8:
         xq, sx = quantize_rows_i8(x, min_parallel)
         return intn_matmul_a8(xq, sx, lo, hi, scales, bits, cols, group, min_parallel)
     return intn_matmul_a16(x, lo, hi, scales, bits, cols, group, min_parallel)
+
+
+# One entry per bit width and activation path, so a layer compiles only its
+# own format's code (``fmt`` reaches the tiles as a constant).
+@njit
+def _int2_a8(x, lo, hi, scales, cols, group, min_parallel):
+    xq, sx = quantize_rows_i8(x, min_parallel)
+    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 2, min_parallel)
+
+
+@njit
+def _int3_a8(x, lo, hi, scales, cols, group, min_parallel):
+    xq, sx = quantize_rows_i8(x, min_parallel)
+    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 3, min_parallel)
+
+
+@njit
+def _int5_a8(x, lo, hi, scales, cols, group, min_parallel):
+    xq, sx = quantize_rows_i8(x, min_parallel)
+    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 4, min_parallel)
+
+
+@njit
+def _int6_a8(x, lo, hi, scales, cols, group, min_parallel):
+    xq, sx = quantize_rows_i8(x, min_parallel)
+    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 5, min_parallel)
+
+
+@njit
+def _int2_a16(x, lo, hi, scales, cols, group, min_parallel):
+    return _intn_a16(x, lo, hi, scales, cols, group, 2, min_parallel)
+
+
+@njit
+def _int3_a16(x, lo, hi, scales, cols, group, min_parallel):
+    return _intn_a16(x, lo, hi, scales, cols, group, 3, min_parallel)
+
+
+@njit
+def _int5_a16(x, lo, hi, scales, cols, group, min_parallel):
+    return _intn_a16(x, lo, hi, scales, cols, group, 4, min_parallel)
+
+
+@njit
+def _int6_a16(x, lo, hi, scales, cols, group, min_parallel):
+    return _intn_a16(x, lo, hi, scales, cols, group, 5, min_parallel)
+
+
+_INTN_ENTRY = {(2, True): _int2_a8, (3, True): _int3_a8, (5, True): _int5_a8,
+               (6, True): _int6_a8, (2, False): _int2_a16, (3, False): _int3_a16,
+               (5, False): _int5_a16, (6, False): _int6_a16}
+
+
+def intn_linear_entry(bits, act8):
+    """The compiled ``x @ What.T`` of one intN bit width and activation path
+    (plain Python helper): ``fn(x, lo, hi, scales, cols, group, min_parallel)``,
+    arguments as :func:`packed_intn_linear`; bit for bit its result, compiling
+    only that format's code.
+
+    Raises
+    ------
+    ValueError
+        ``bits`` not in (2, 3, 5, 6).
+    """
+    try:
+        return _INTN_ENTRY[(int(bits), bool(act8))]
+    except KeyError:
+        raise ValueError(f"intN bits must be 2, 3, 5 or 6; got {bits!r}.") from None

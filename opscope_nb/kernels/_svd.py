@@ -465,4 +465,8 @@ def truncated_svd(w, r, seed=0):
     # Block >= 64 even for small r: sigma_1's accuracy depends on the gap
     # sigma_1 / sigma_{b+1}, which a tiny block leaves small on flat spectra.
     b = max(r + max(16, r // 3), 64)
-    return truncated_svd_opts(as_f32c(w), r, seed, b - r, 6, 64, 1e-6)
+    # np.int64, not literals: the Tucker / TT sweeps call truncated_svd_opts
+    # with other constants, and literal arguments would compile a second
+    # specialisation of the whole Krylov chain in the same process
+    return truncated_svd_opts(as_f32c(w), r, np.int64(seed), np.int64(b - r), np.int64(6),
+                              np.int64(64), 1e-6)

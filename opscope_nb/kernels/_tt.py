@@ -56,7 +56,10 @@ def _tt_svd(x, dims, max_rank):
         rk = max(1, min(max_rank, min(rows, cols)))
         # block rk + 16, depth 4: cheaper than truncated_svd's defaults, and
         # the sweep only needs a good subspace (exact path for short sides).
-        u, s, vt = truncated_svd_opts(c.reshape(rows, cols), rk, 0, 16, 4, 64, 1e-6)
+        # (np.int64, not literal constants: a literal makes numba compile a
+        # second specialisation of the whole SVD chain next to truncated_svd's)
+        u, s, vt = truncated_svd_opts(c.reshape(rows, cols), rk, np.int64(0), np.int64(16),
+                                      np.int64(4), np.int64(64), 1e-6)
         cores.append(np.ascontiguousarray(u).reshape(r_prev, dims[k], rk))
         rem = np.empty((rk, cols), dtype=np.float32)
         for i in range(rk):

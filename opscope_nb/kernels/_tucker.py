@@ -74,7 +74,9 @@ def _tucker_hosvd(x3, ranks):
     # Cheaper Krylov settings than truncated_svd's defaults (block r0 + 16,
     # depth 4): only the subspace matters here, and on a flat spectrum its
     # projection error is within ~0.1 % of the exact one.
-    u0 = np.ascontiguousarray(truncated_svd_opts(x0, r0, 0, 16, 4, 64, 1e-6)[0])
+    # (np.int64, not literal constants: one compiled SVD chain with truncated_svd)
+    u0 = np.ascontiguousarray(truncated_svd_opts(x0, r0, np.int64(0), np.int64(16),
+                                                 np.int64(4), np.int64(64), 1e-6)[0])
     # Grams of modes 1 and 2 in float64 (products and sums), from one float64
     # copy of the tensor.
     x64 = x3.astype(np.float64)

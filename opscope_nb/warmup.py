@@ -1,0 +1,320 @@
+"""Fill the on-disk kernel cache ahead of use: ``opscope-nb warmup``.
+
+numba compiles a kernel on its first call and (``cache=True``) stores the
+machine code on disk, so only the first process pays.  This module compiles
+everything a command will call, or one group of it, in several processes at
+once, so the first real run (``opscope-nb profile``, a
+:class:`~opscope_nb.runtime.PackedLinear`, ``python bench.py``) loads from
+the cache.
+
+Groups (:data:`GROUPS`)
+-----------------------
+``profile``
+    What ``opscope-nb profile`` (without ``--latency``) calls: the packers
+    and error probes of every option family, the truncated SVD, Monarch,
+    Tucker, TT, the allocators; then the command itself on the built-in model
+    (after the rest, so it mostly loads from the cache and compiles whatever
+    the items missed).
+``runtime``
+    One :class:`~opscope_nb.runtime.PackedLinear` call per compiled forward
+    entry: each quantised kind with float (``act="f32"``) and int8
+    activations, each float kind.
+``bench``
+    Each section of ``python bench.py --quick``.
+
+Every item runs in a worker process (:func:`warm_item`), which reports its
+wall and CPU time and how many of the package's compiled functions it
+compiled versus loaded from the cache (numba's dispatcher statistics).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+__all__ = ["GROUPS", "ITEMS", "items", "warm_item", "warm", "default_jobs"]
+
+#: Warm-up groups, in the order ``warm`` runs them.
+GROUPS = ("profile", "runtime", "bench")
+
+
+@dataclass(frozen=True)
+class Item:
+    """One unit of warm-up work: ``name`` (unique), ``group``, ``phase`` (items
+    of phase 1 run only after every phase-0 item of the run finished) and
+    ``fn`` (name of the function of this module doing it)."""
+
+    name: str
+    group: str
+    phase: int
+    fn: str
+    arg: object = None
+
+
+def _w(rows=64, cols=64, seed=0):
+    import numpy as np
+    return np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+
+
+# ───────────────────────────── profile items ─────────────────────────────
+
+def _profile_labels(labels):
+    """Pack, unpack and measure ``labels`` as ``profile_layer`` does."""
+    from . import mining
+    from .kernels._probe import rel_err
+    w = _w()
+    for lab in labels:
+        d = mining.Decomp.from_label(lab)
+        packed = mining._pack(w, d)
+        recon = mining.unpack(packed, d, w.shape)
+        float(rel_err(w, recon))
+
+
+def _profile_svd(_):
+    from . import mining
+    from .kernels import truncated_svd
+    from .kernels._probe import rel_err
+    w = _w()
+    svd = truncated_svd(w, 48, 0)
+    d = mining.Decomp.lowrank(8, svd_rank=48, seed=0)
+    recon = mining.unpack(mining._pack(w, d, svd), d, w.shape)
+    float(rel_err(w, recon))
+
+
+def _profile_family(kind):
+    from . import mining
+    from .kernels._probe import rel_err
+    w = _w()
+    rows, cols = w.shape
+    if kind == "monarch":
+        d = mining.Decomp.monarch()
+    elif kind == "tucker":
+        c1, c2 = mining.balanced_factor(cols)
+        d = mining.Decomp.tucker((rows, c1, c2), (32, c1 // 2, c2 // 2))
+    else:
+        r1, r2 = mining.balanced_factor(rows)
+        c1, c2 = mining.balanced_factor(cols)
+        d = mining.Decomp.tt((r1, r2, c1, c2), 16)
+    recon = mining.unpack(mining._pack(w, d), d, w.shape)
+    float(rel_err(w, recon))
+
+
+def _profile_allocate(_):
+    from . import mining
+    from .allocate import dado_allocate, exact_allocate, greedy_allocate
+    D = mining.Decomp
+    layers = []
+    for i in range(3):
+        opts = [mining.DecompOption(D.dense(), 0.0, 4096 * 4, 4096),
+                mining.DecompOption(D.int8(), 0.004 + i * 1e-3, 4096 + 256, 4096),
+                mining.DecompOption(D.int4(), 0.08 + i * 1e-2, 2048 + 256, 4096)]
+        layers.append(mining.LayerProfile(f"l{i}", 64, 64, 4096 * 4, opts))
+    greedy_allocate(layers, 0.4)
+    dado_allocate(layers, 0.4)
+    exact_allocate(layers, 0.4, time_limit=10.0)
+
+
+def _profile_cli(_):
+    """``opscope-nb profile`` on the built-in model (output discarded)."""
+    import tempfile
+    from .cli import main
+    with tempfile.TemporaryDirectory() as tmp, \
+            contextlib.redirect_stdout(io.StringIO()):
+        code = main(["profile", "--out", tmp])
+    if code:
+        raise RuntimeError(f"opscope-nb profile exited with status {code}")
+
+
+# ───────────────────────────── runtime items ─────────────────────────────
+
+def _runtime_kind(spec):
+    """One ``PackedLinear`` call (decode, m = 1) of ``label`` with ``act``."""
+    import numpy as np
+    from .mining import Decomp
+    from .runtime import PackedLinear
+    label, act = spec
+    w = _w(64, 256)
+    if label == "monarch":
+        w = _w(64, 64)
+    d = Decomp.from_label(label) if label not in ("tucker", "tt") else None
+    if label == "tucker":
+        d = Decomp.tucker((64, 16, 16), (16, 8, 8))
+    elif label == "tt":
+        d = Decomp.tt((8, 8, 16, 16), 8)
+    lin = PackedLinear.pack(w, d)
+    lin(np.ones((1, w.shape[1]), np.float32), act)
+
+
+# ────────────────────────────── bench items ──────────────────────────────
+
+def _bench_section(sec):
+    """Section ``sec`` of ``python bench.py --quick`` (output discarded)."""
+    from .bench import runner
+    with contextlib.redirect_stdout(io.StringIO()):
+        runner.run(runner.QUICK, [sec] + ([7] if sec in runner.VERDICT_FROM else []))
+
+
+def _build_items():
+    out = []
+
+    def add(name, group, fn, arg=None, phase=0):
+        out.append(Item(name, group, phase, fn, arg))
+
+    # longest first inside a group, so N workers finish together
+    add("profile intN (int6/int5/int3/int2)", "profile", "_profile_labels",
+        ("int6/chan", "int6/g32", "int5/chan", "int5/g32", "int3/chan", "int3/g32",
+         "int2/g32"))
+    add("profile svd + lowrank", "profile", "_profile_svd")
+    add("profile tucker", "profile", "_profile_family", "tucker")
+    add("profile tt", "profile", "_profile_family", "tt")
+    add("profile monarch", "profile", "_profile_family", "monarch")
+    add("profile int8 / int4", "profile", "_profile_labels",
+        ("dense", "int8/chan", "int4/chan", "int4/g32"))
+    add("profile ternary / sparse2:4", "profile", "_profile_labels", ("ternary", "sparse2:4"))
+    add("profile allocators", "profile", "_profile_allocate")
+    add("profile command (built-in model)", "profile", "_profile_cli", phase=1)
+    for label in ("int6/g128", "int5/g32", "int3/g128", "int2/g32", "int4/chan", "ternary",
+                  "int8/chan"):
+        for act in ("f32", "int8"):
+            add(f"runtime {label} act={act}", "runtime", "_runtime_kind", (label, act))
+    for label in ("dense", "sparse2:4", "lowrank(r=8)", "monarch", "tucker", "tt"):
+        add(f"runtime {label}", "runtime", "_runtime_kind", (label, "f32"))
+    for sec in (8, 4, 9, 5, 3, 2, 1, 6):
+        add(f"bench section {sec}", "bench", "_bench_section", sec)
+    return tuple(out)
+
+
+#: Every warm-up item, by group.
+ITEMS = _build_items()
+
+
+def items(only=None):
+    """The items of group ``only`` (one of :data:`GROUPS`), or of all groups.
+
+    Raises
+    ------
+    ValueError
+        An unknown group.
+    """
+    if only is None:
+        return list(ITEMS)
+    if only not in GROUPS:
+        raise ValueError(f"unknown warm-up group {only!r}; expected one of {GROUPS}.")
+    return [it for it in ITEMS if it.group == only]
+
+
+def _cache_counts():
+    """(compiled, loaded): summed numba cache misses / hits of every dispatcher
+    of this package imported so far."""
+    from numba.core.registry import CPUDispatcher
+    miss = hit = 0
+    for name, mod in list(sys.modules.items()):
+        if not (name == "opscope_nb" or name.startswith("opscope_nb.")) or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            if isinstance(obj, CPUDispatcher) and obj.__module__ == name:
+                st = obj.stats
+                miss += sum(st.cache_misses.values())
+                hit += sum(st.cache_hits.values())
+    return miss, hit
+
+
+def warm_item(name):
+    """Compile (or load from the cache) the kernels of item ``name`` in this
+    process.
+
+    Returns
+    -------
+    dict
+        ``name``, ``seconds`` (wall), ``cpu`` (this process's CPU seconds),
+        ``compiled`` / ``loaded`` (functions of the package compiled / loaded
+        from the cache during the item) and ``error`` (``None``, or the
+        exception as one line).
+    """
+    it = next((i for i in ITEMS if i.name == name), None)
+    if it is None:
+        raise ValueError(f"unknown warm-up item {name!r}.")
+    m0, h0 = _cache_counts()
+    t0, c0 = time.perf_counter(), time.process_time()
+    err = None
+    try:
+        globals()[it.fn](it.arg)
+    except Exception as exc:  # reported, the other items go on
+        err = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    m1, h1 = _cache_counts()
+    return {"name": name, "group": it.group, "seconds": time.perf_counter() - t0,
+            "cpu": time.process_time() - c0, "compiled": m1 - m0, "loaded": h1 - h0,
+            "error": err}
+
+
+def default_jobs() -> int:
+    """Worker processes by default: the cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _worker_init():
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+def warm(only=None, jobs=None, on_result=None, names=None):
+    """Compile every item of group ``only`` (default: all) in ``jobs`` processes.
+
+    Parameters
+    ----------
+    only : str, optional
+        One of :data:`GROUPS`.
+    jobs : int, optional
+        Worker processes (default :func:`default_jobs`); ``1`` still uses one
+        worker process, so the caller's process stays free of numba.
+    on_result : callable, optional
+        Called with each item's :func:`warm_item` dict as it finishes.
+    names : sequence of str, optional
+        Only these items (by :attr:`Item.name`), instead of a group.
+
+    Returns
+    -------
+    dict
+        ``results`` (list of item dicts, completion order), ``seconds`` (wall
+        time of the whole run), ``jobs``, ``failed`` (names of items that
+        raised).
+    """
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    todo = items(only)
+    if names is not None:
+        unknown = set(names) - {it.name for it in todo}
+        if unknown:
+            raise ValueError(f"unknown warm-up items {sorted(unknown)}.")
+        todo = [it for it in todo if it.name in set(names)]
+    jobs = default_jobs() if jobs is None else int(jobs)
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1; got {jobs}.")
+    t0 = time.perf_counter()
+    results = []
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, max(len(todo), 1)), mp_context=ctx,
+                             initializer=_worker_init) as pool:
+        for phase in sorted({it.phase for it in todo}):
+            pending = {pool.submit(warm_item, it.name): it for it in todo if it.phase == phase}
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    it = pending.pop(fut)
+                    try:
+                        r = fut.result()
+                    except Exception as exc:  # a worker died
+                        r = {"name": it.name, "group": it.group, "seconds": float("nan"),
+                             "cpu": float("nan"), "compiled": 0, "loaded": 0,
+                             "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+                    results.append(r)
+                    if on_result is not None:
+                        on_result(r)
+    return {"results": results, "seconds": time.perf_counter() - t0, "jobs": jobs,
+            "failed": [r["name"] for r in results if r["error"]]}
