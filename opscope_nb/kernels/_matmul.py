@@ -56,7 +56,8 @@ from ._simd import (F32_CHUNK, I8_CHUNK, i8dot_raw_tile_4x4, i8dot_rawc_tile_4x4
                     f32dot_tile_2x4, i8dot_tile_1x1, i8dot_tile_1x4,
                     i8dot_tile_2x1, i8dot_tile_2x4, W16_CHUNK,
                     w16dot_tile_1x1, w16dot_tile_1x4, w16dot_tile_2x1,
-                    w16dot_tile_2x4, I8_PANEL, I8_PANEL_J, I8_PANEL_LANES, panel_pack8,
+                    w16dot_tile_2x4, I8_PANEL, I8_PANEL_CORR, I8_PANEL_J, I8_PANEL_LANES,
+                    panel_pack8,
                     i8panel_tile_16, i8panel_tile_32, i8panel_ttile_16, i8panel_ttile_32,
                     f32_transpose8)
 
@@ -949,14 +950,17 @@ def _pack_panel_part(xq, i0, rows, kk0, kk1, P, poff):
     for r0 in range(0, rows, 8):
         if i0 + r0 + 8 <= m and nch > 0:
             panel_pack8(xf, (i0 + r0) * k + 4 * kk0, k, nch, P, poff + kk0 * rows + r0, rows,
-                        S, 0, 1)
+                        S, 0, _PANEL_FLIP)
             for r in range(r0, r0 + 8):
-                _pack_panel_words(xq, i0 + r, r, rows, kv, kk1, P, poff)
+                _pack_panel_words(xq, i0 + r, r, rows, kv, kk1, P, poff, _PANEL_FLIP != 0)
         else:
             for r in range(r0, r0 + 8):
-                _pack_panel_words(xq, i0 + r, r, rows, kk0, kk1, P, poff)
+                _pack_panel_words(xq, i0 + r, r, rows, kk0, kk1, P, poff, _PANEL_FLIP != 0)
 
 
+#: Whether the host's W8A8 panel holds ``x ^ 0x80`` (1: the offset panels of
+#: the VNNI paths) or the signed codes (0: AVX2, see ``I8_PANEL_CORR``).
+_PANEL_FLIP = 1 if I8_PANEL_CORR else 0
 #: Four-element groups per panel-packing block (32 rows x 64 groups = 8 KiB:
 #: the strided panel writes stay in L1).
 _PACK_KB = 64
@@ -969,8 +973,9 @@ def pack_i8_panel(xq, i0, rows, k4, P, poff):
 
     ``P[poff + kk * rows + r]`` (int32) receives the four codes
     ``xq[i0 + r, 4kk:4kk+4] ^ 0x80`` (``x + 128`` as unsigned bytes, first
-    byte lowest) for ``kk < k4``.  Rows at or past ``m`` get ``0x80808080``
-    (code 0); the caller discards their sums.  No validation.
+    byte lowest) for ``kk < k4`` -- on the AVX2 panel (``I8_PANEL_CORR ==
+    0``) the signed codes without the flip.  Rows at or past ``m`` get code 0
+    (``0x80808080``, resp. 0); the caller discards their sums.  No validation.
     """
     for kk0 in range(0, k4, _PACK_KB):
         _pack_panel_part(xq, i0, rows, kk0, min(kk0 + _PACK_KB, k4), P, poff)
@@ -1053,7 +1058,11 @@ def _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, t0, t1, buf, on
     for t in range(t0, t1):
         j0 = t * J
         wo = j0 * k
-        if wsum.shape[0] == 0:
+        if I8_PANEL_CORR == 0:
+            # sums of x * w (the AVX2 panel): no weight-sum correction
+            ws = (np.int32(0), np.int32(0), np.int32(0), np.int32(0), np.int32(0),
+                  np.int32(0))
+        elif wsum.shape[0] == 0:
             ws = _wsum6(wf, wo, k, kv, ones)
         else:
             # the panel covers p < kv: drop the k % 4 tail from the given sums
@@ -1090,7 +1099,7 @@ def _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, t0, t1, buf, on
                     # wrapping int32: the offset sums may wrap, the exact
                     # product (|sum| < 2^31 for k <= I8_MAX_K) does not
                     v = np.int32(np.int32(buf[base + q * L])
-                                 - np.int32(np.int32(128) * ws[q]))
+                                 - np.int32(np.int32(I8_PANEL_CORR) * ws[q]))
                     if tail:
                         v += _i8_tail(xf, i * k, wf, wo + q * k, kv, k)
                     _put(acc, y, sx, scale, want_y, i, j0 + q, v)
@@ -1135,7 +1144,7 @@ def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
     xf = xq.ravel()
     wf = wtq.ravel()
     # all-ones activations for _wsum6, only when the caller gave no sums
-    ones = np.ones(k if wsum.shape[0] == 0 else 0, dtype=np.int8)
+    ones = np.ones(k if wsum.shape[0] == 0 and I8_PANEL_CORR else 0, dtype=np.int8)
     nt = n // I8_PANEL_J
     nc = _chunks(nt)
     bsz = 2 * 16 * I8_PANEL_J
