@@ -1121,7 +1121,7 @@ def _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, t0, t1, buf, on
 
 @njit_parallel
 def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
-    """W8A8 prefill (``m >= 16`` on a VNNI host): the activation panel is
+    """W8A8 prefill (``m >= 16`` on a VNNI or AVX2 host): the activation panel is
     built once per call, then chunks of 6-output tiles run in parallel; the
     ``n % 6`` last outputs go through the 4-output dot tiles."""
     m, k = xq.shape
@@ -1161,7 +1161,7 @@ def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
         _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y, 0)
 
 
-#: Smallest m that takes the panel path (on a VNNI host; below it the dot
+#: Smallest m that takes the panel path (on a VNNI or AVX2 host; below it the dot
 #: tiles with their horizontal sums win, see :func:`_w8a8_panel`).
 I8_PANEL_MIN_M = 16
 
@@ -1169,7 +1169,7 @@ I8_PANEL_MIN_M = 16
 @njit_parallel
 def _w8a8_run(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
     """The W8A8 core behind both entry points (validated input; ``wsum``
-    empty when the caller gave none): panel tiles for a prefill on a VNNI
+    empty when the caller gave none): panel tiles for a prefill on a VNNI or AVX2
     host, else the dot tiles over blocks of 4 outputs."""
     m, k = xq.shape
     n = wtq.shape[0]
@@ -1224,7 +1224,7 @@ def _w8a8_row_plan(m, k, n, min_parallel, have_wsum, threads):
     The row split gives each thread whole row blocks: it quantises (the fused
     entry) and packs its own panel, then runs every output tile over it, so
     the call is one parallel region with no shared panel, and a 16-row panel
-    (16 KiB at k = 1024) stays in L1 next to the weight tile.  Taken on a VNNI
+    (16 KiB at k = 1024) stays in L1 next to the weight tile.  Taken on a VNNI or AVX2
     host for ``m >= 16``, ``k % 4 == 0``, given weight sums, weights of at
     most :data:`I8_ROWSPLIT_MAX_W` bytes, a parallel-sized call, and a split
     whose blocks spread over the threads within 10 % (static ``prange``
@@ -1315,7 +1315,7 @@ def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None):
     ``matmul_w8a8(*quantize_rows_i8(x), wtq, scale, min_parallel, wsum)`` bit
     for bit.
 
-    With ``wsum`` on a VNNI host, a prefill whose weights fit
+    With ``wsum`` on a VNNI or AVX2 host, a prefill whose weights fit
     :data:`I8_ROWSPLIT_MAX_W` runs as one parallel region: each thread
     quantises and packs its own block of rows and runs all outputs over it
     (:func:`_w8a8_row_plan`; 32 x 1024 x 1024 on Zen 4, avx512vnni256, 2
@@ -1383,13 +1383,14 @@ def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN, wsum=None):
     Lowered through the ``i8dot_tile_*`` intrinsics on the host's int8 path
     (:func:`simd_path`: ``vpdpbusd`` with AVX-512 VNNI / AVX-VNNI, ``vpmaddubsw``
     + ``vpmaddwd`` on AVX2, portable IR elsewhere); rows go four at a time
-    through a 4 x 4 register tile, then 2 x 4, then 1 x 4.  On a VNNI host a
+    through a 4 x 4 register tile, then 2 x 4, then 1 x 4.  On a VNNI or AVX2 host a
     prefill (``m >= I8_PANEL_MIN_M = 16``) instead runs the outer-product
     panel tiles (:func:`~opscope_nb.kernels.make_i8_panel_tile`): the
     activations of 32 (or 16) rows are packed once per call with the ``+128``
     offset, and each step broadcasts four weight bytes of 6 outputs against
     them -- every ``vpdpbusd`` lane is an output, so no horizontal sums, and
-    10 loads feed 24 ``vpdpbusd`` instead of 8 feeding 16.  The rows past the
+    10 loads feed 24 ``vpdpbusd`` instead of 8 feeding 16 (AVX2: the signed
+    codes, no offset, ``vpmaddubsw`` sign trick, 8 rows per pass over k).  The rows past the
     last multiple of 16 and the last ``n % 6`` outputs use the dot tiles.
     Equals
     ``xq.astype(np.int32) @ wtq.astype(np.int32).T`` bit for bit for codes in

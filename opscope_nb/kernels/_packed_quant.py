@@ -580,7 +580,7 @@ W4_PANEL_MIN_M = 9
 
 @njit
 def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
-    """:func:`_run` for int8 activations: int4 prefill on a VNNI host goes
+    """:func:`_run` for int8 activations: int4 prefill on a VNNI or AVX2 host goes
     through the outer-product panel (:mod:`._w4panel`), its ``n % 6`` last
     outputs through the dot tiles."""
     m = xq.shape[0]
