@@ -12,8 +12,6 @@ import os
 import shutil
 
 import numpy as np
-import pytest
-
 from naive_models import write_tiny_llama
 from opscope_nb.cli import main
 from opscope_nb.profiling import result_settings
@@ -43,6 +41,21 @@ def _ckpt(path, bump=None):
     return path
 
 
+def _interrupt_at(monkeypatch, n):
+    """Make the n-th profile_layer call raise KeyboardInterrupt (Ctrl-C mid-run);
+    returns the real function to restore."""
+    from opscope_nb import mining
+    real, calls = mining.profile_layer, []
+
+    def flaky(name, w, **kw):
+        calls.append(name)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(name, w, **kw)
+    monkeypatch.setattr(mining, "profile_layer", flaky)
+    return real
+
+
 def test_profile_records_fingerprints(tmp_path):
     p = _ckpt(tmp_path / "m.safetensors")
     d = tmp_path / "o"
@@ -62,14 +75,7 @@ def test_resume_against_a_changed_tensor_is_refused(tmp_path, monkeypatch):
     from opscope_nb import mining
     p = _ckpt(tmp_path / "m.safetensors")
     d = tmp_path / "o"
-    real, calls = mining.profile_layer, []
-
-    def flaky(name, w, **kw):
-        calls.append(name)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(name, w, **kw)
-    monkeypatch.setattr(mining, "profile_layer", flaky)
+    real = _interrupt_at(monkeypatch, 3)
     assert run(["profile", p, "--rank-cap", "4", "--out", d, "-q"])[0] == 130
     monkeypatch.setattr(mining, "profile_layer", real)
     saved = json.load(open(d / "profile.json"))["layers"]
@@ -105,14 +111,7 @@ def test_resume_with_calib_after_an_interrupt_resumes(tmp_path, monkeypatch):
     out = tmp_path / "o"
     args = ["profile", d0, "--calib", "--calib-tokens", "48", "--rank-cap", "4",
             "--include", "layers.0.", "--out", out, "-q", "--method", "greedy"]
-    real, calls = mining.profile_layer, []
-
-    def flaky(name, w, **kw):
-        calls.append(name)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(name, w, **kw)
-    monkeypatch.setattr(mining, "profile_layer", flaky)
+    real = _interrupt_at(monkeypatch, 3)
     assert run(args)[0] == 130
     monkeypatch.setattr(mining, "profile_layer", real)
     n_saved = len(json.load(open(out / "profile.json"))["layers"])
