@@ -370,7 +370,8 @@ def test_smollm2_int8_plan_kl_small(tmp_path, capsys):
     layers = [{"name": n, "option": 1, "label": "int8/chan"} for n in shapes]
     os.makedirs(tmp_path / "p")
     with open(tmp_path / "p" / "plan.json", "w") as f:
-        json.dump({"methods": {"exact": {"layers": layers}}}, f)
+        json.dump({"methods": {"exact": {"layers": layers}},
+                   "source": {"sha256": {e.name: e.sha256() for e in chosen}}}, f)
     out = str(tmp_path / "c.safetensors")
     rc, o, e = _run(capsys, "apply", SMOL, str(tmp_path / "p" / "plan.json"), "-o", out, "-q")
     assert rc == 0, e

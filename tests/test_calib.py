@@ -235,8 +235,8 @@ def test_cli_profile_calib_allocate_apply(tmp_path):
     d = Decomp.from_label("int4/g32+gptq")
     lp = next(r for r in prof["layers"] if r["name"] == row["name"])["profile"]
     j = [o["label"] for o in lp["options"]].index("int4/g32+gptq")
-    row.update(option=j, label=d.label, bytes=lp["options"][j]["bytes"],
-               rel_err=lp["options"][j]["rel_err"])
+    row.update(option=j, label=d.label, decomp=lp["options"][j]["decomp"],
+               bytes=lp["options"][j]["bytes"], rel_err=lp["options"][j]["rel_err"])
     plan["methods"]["exact"]["choice"][0] = j
     (plan_dir / "plan.json").write_text(json.dumps(plan))
     ck = tmp_path / "c.safetensors"
