@@ -332,3 +332,22 @@ def njit_parallel(fn=None, **overrides):
     if fn is None:
         return lambda f: numba.njit(**opts)(f)
     return numba.njit(**opts)(fn)
+
+
+#: Options of kernels that must reproduce another library bit for bit (the
+#: ggml quantisers): IEEE float32 arithmetic, no reassociation, no FMA
+#: contraction (``fastmath`` off).
+JIT_EXACT = dict(JIT, fastmath=False)
+
+
+def njit_exact(fn=None, **overrides):
+    """``numba.njit`` with :data:`JIT_EXACT` (serial)."""
+    return njit(fn, **dict(JIT_EXACT, **overrides)) if fn is not None else \
+        njit(**dict(JIT_EXACT, **overrides))
+
+
+def njit_parallel_exact(fn=None, **overrides):
+    """``numba.njit`` with :data:`JIT_EXACT` and ``parallel=True``."""
+    return njit_parallel(fn, **dict(fastmath=False, **overrides)) if fn is not None else \
+        njit_parallel(**dict(fastmath=False, **overrides))
+

@@ -296,7 +296,7 @@ def test_nan_tensor_is_reported_and_skipped(tmp_path):
     write_st(p, {"a.weight": rng.standard_normal((8, 8)).astype(np.float32),
                  "b.weight": bad,
                  "c.weight": rng.standard_normal((8, 12)).astype(np.float32)})
-    rc, out, err = run(["profile", p, "--out", tmp_path / "o", "--rank-cap", "4"])
+    rc, out, err = run(["profile", p, "--out", tmp_path / "o", "--rank-cap", "4", "-q"])
     assert rc == 0
     assert err.count("\n") == 1 and "b.weight" in err and "2 NaN/Inf" in err
     prof = load_json(tmp_path / "o" / "profile.json")
@@ -333,9 +333,10 @@ def test_resume_reuses_same_name_and_shape(small_st, tmp_path):
     assert new["model.layers.1.mlp.up_proj.weight"]["shape"] == [8, 16]
     assert new["model.layers.3.mlp.up_proj.weight"]["seconds"] >= 0      # new
     assert "2 resumed" in text
-    # different settings: warn and re-profile everything
-    rc, text, err = run(["profile", p, "--out", out, "--rank-cap", "3", "--resume"])
-    assert rc == 0 and "re-profiling" in err and "0 resumed" in text
+    # a setting that changes results: refused, naming it (issue 21: a resume
+    # continues only with the same source bytes and result-changing settings)
+    rc, text, err = run(["profile", p, "--out", out, "--rank-cap", "3", "--resume", "-q"])
+    assert rc == 2 and "rank_cap" in err and err.count("\n") == 1
 
 
 def test_interrupted_run_keeps_done_layers(small_st, tmp_path, monkeypatch):
@@ -742,7 +743,7 @@ def test_integer_tensors_are_skipped_not_fatal(tmp_path):
     assert rc == 0 and "a.qweight" in err and "c.weight" in out
     only = tmp_path / "ints.safetensors"
     write_st(only, {"x.weight": np.arange(16, dtype=np.int64).reshape(4, 4)})
-    rc, out, err = run(["profile", only, "--rank-cap", "2"])
+    rc, out, err = run(["profile", only, "--rank-cap", "2", "-q"])
     assert rc == 2 and "Traceback" not in err
     assert err.splitlines()[0].startswith("opscope-nb: warning: skipping x.weight")
     assert err.splitlines()[1].startswith("opscope-nb: error:") and len(err.splitlines()) == 2

@@ -80,15 +80,14 @@ def assert_same_profile(a_dir, b_dir):
         for oa, ob in zip(pa["options"], pb["options"]):
             assert oa["decomp"] == ob["decomp"]
             assert (oa["bytes"], oa["flops"]) == (ob["bytes"], ob["flops"])
-            if oa["decomp"]["kind"] == "tucker":
-                # LAPACK's threaded BLAS: the one kind that moves (tests/test_determinism.py)
-                assert ob["rel_err"] == pytest.approx(oa["rel_err"], rel=1e-8), \
-                    (ra["name"], oa["label"])
-            else:
-                assert ob["rel_err"] == oa["rel_err"], (ra["name"], oa["label"])
+            # a worker's BLAS/LAPACK threads differ from the serial run's: the
+            # LAPACK-backed kinds may move in the last digits (tests/test_determinism.py
+            # pins what moves between 1 and 2 threads in one process)
+            assert ob["rel_err"] == pytest.approx(oa["rel_err"], rel=REL_TOL, abs=ABS_TOL), \
+                (ra["name"], oa["label"])
             n += 1
             exact += oa["rel_err"] == ob["rel_err"]
-    assert exact >= 1, f"none of {n} errors bit-identical"
+    assert exact >= 0.8 * n, f"only {exact} of {n} errors bit-identical"
     return a, b
 
 

@@ -35,7 +35,7 @@ import math
 import numpy as np
 from numba import prange
 
-from opscope_nb._config import njit, njit_parallel
+from opscope_nb._config import njit_exact, njit_parallel_exact
 
 F = np.float32
 _EPS = np.float32(1e-15)          # GROUP_MAX_EPS
@@ -44,12 +44,11 @@ _KV = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
                dtype=np.int8)
 _KVF = _KV.astype(np.float32)
 
-_S = dict(fastmath=False)          # exact IEEE float32 semantics
 
 
 
 # ----------------------------------------------------------------- primitives
-@njit(**_S)
+@njit_exact
 def _nearest_int(fval):
     """ggml ``nearest_int``: float bits of ``fval + 1.5*2**23``, low 23 bits."""
     val = F(fval + _MAGIC)
@@ -57,7 +56,7 @@ def _nearest_int(fval):
     return (i & 0x007FFFFF) - 0x00400000
 
 
-@njit(**_S)
+@njit_exact
 def _fp16_bits(f):
     """ggml ``ggml_compute_fp32_to_fp16`` (round to nearest even), as an int."""
     base = (F(abs(f)) * F(5.192296858534828e+33)) * F(7.703719777548943e-34)
@@ -77,7 +76,7 @@ def _fp16_bits(f):
     return ((sign >> 16) | nonsign) & 0xFFFF
 
 
-@njit(**_S)
+@njit_exact
 def _fp16_value(h):
     """fp16 bits -> float32 value (exact)."""
     s = (h >> 15) & 1
@@ -92,13 +91,13 @@ def _fp16_value(h):
     return F(-v) if s else F(v)
 
 
-@njit(**_S)
+@njit_exact
 def _round_f16(f):
     """float32 -> fp16 -> float32 (what ggml reads back after storing)."""
     return _fp16_value(_fp16_bits(f))
 
 
-@njit(**_S)
+@njit_exact
 def _put_f16(out, p, f):
     h = _fp16_bits(f)
     out[p] = h & 0xFF
@@ -106,12 +105,12 @@ def _put_f16(out, p, f):
     return h
 
 
-@njit(**_S)
+@njit_exact
 def _get_f16(data, p):
     return _fp16_value(np.int64(data[p]) | (np.int64(data[p + 1]) << 8))
 
 
-@njit(**_S)
+@njit_exact
 def _roundf(x):
     """C ``roundf``/``lroundf``: half away from zero, exact for any float32."""
     t = F(math.trunc(x))
@@ -123,7 +122,7 @@ def _roundf(x):
     return np.int64(t)
 
 
-@njit(**_S)
+@njit_exact
 def _best_index(x):
     """ggml ``best_index_int8`` over ``kvalues_iq4nl``."""
     if x <= _KVF[0]:
@@ -141,13 +140,13 @@ def _best_index(x):
     return mu - 1 if x - _KVF[mu - 1] < _KVF[mu] - x else mu
 
 
-@njit(**_S)
+@njit_exact
 def _i8(v):
     return ((v + 128) & 0xFF) - 128
 
 
 # ------------------------------------------------------- scale/level searches
-@njit(**_S)
+@njit_exact
 def _make_qx_quants(n, nmax, x, L, w):
     """ggml ``make_qx_quants`` with ``rmse_type == 1`` and weights ``w``."""
     mx = F(0.0)
@@ -194,7 +193,7 @@ def _make_qx_quants(n, nmax, x, L, w):
     return scale
 
 
-@njit(**_S)
+@njit_exact
 def _make_q3_quants(n, nmax, x, L):
     """ggml ``make_q3_quants`` with ``do_rmse`` (x**2 weights)."""
     mx = F(0.0)
@@ -245,7 +244,7 @@ def _make_q3_quants(n, nmax, x, L):
     return sumlx / suml2 if suml2 > F(0.0) else F(0.0)
 
 
-@njit(**_S)
+@njit_exact
 def _make_qkx_quants(n, nmax, x, w, L, Laux, rmin, rdelta, nstep, use_mad):
     """ggml ``make_qkx2_quants`` / ``make_qkx3_quants`` (weights given).
 
@@ -311,7 +310,7 @@ def _make_qkx_quants(n, nmax, x, w, L, Laux, rmin, rdelta, nstep, use_mad):
     return scale, -mn
 
 
-@njit(**_S)
+@njit_exact
 def _make_qp_quants(n, nmax, x, L, qw):
     """ggml ``make_qp_quants`` (super-block scales; ``L`` is uint8)."""
     mx = F(0.0)
@@ -373,7 +372,7 @@ def _make_qp_quants(n, nmax, x, L, qw):
     return sumlx / suml2 if suml2 > F(0.0) else F(0.0)
 
 
-@njit(**_S)
+@njit_exact
 def _row_sigma2(x, n):
     """Sequential float32 sum of squares (ggml's order)."""
     s = F(0.0)
@@ -382,7 +381,7 @@ def _row_sigma2(x, n):
     return s
 
 
-@njit(**_S)
+@njit_exact
 def _iq_weights(x, qw, sigma2, w):
     """``w[j] = qw[j] * sqrtf(sigma2 + x[j]**2)``."""
     for j in range(x.shape[0]):
@@ -390,7 +389,7 @@ def _iq_weights(x, qw, sigma2, w):
 
 
 # ========================================================== 32-element types
-@njit(**_S)
+@njit_exact
 def _q8_0_row(x, qw, out):
     for ib in range(x.shape[0] // 32):
         xb = x[32 * ib:32 * ib + 32]
@@ -406,7 +405,7 @@ def _q8_0_row(x, qw, out):
             out[o + 2 + j] = _roundf(xb[j] * idd) & 0xFF
 
 
-@njit(**_S)
+@njit_exact
 def _amax_signed(xb, n):
     amax = F(0.0)
     mx = F(0.0)
@@ -418,7 +417,7 @@ def _amax_signed(xb, n):
     return mx
 
 
-@njit(**_S)
+@njit_exact
 def _min_max(xb, n):
     mn = F(3.4028234663852886e+38)
     mx = F(-3.4028234663852886e+38)
@@ -431,7 +430,7 @@ def _min_max(xb, n):
     return mn, mx
 
 
-@njit(**_S)
+@njit_exact
 def _q4_0_row(x, qw, out):
     n = x.shape[0]
     nb = n // 32
@@ -462,7 +461,7 @@ def _q4_0_row(x, qw, out):
             out[o + 2 + j] = (L[j] | (L[j + 16] << 4)) & 0xFF
 
 
-@njit(**_S)
+@njit_exact
 def _q4_1_row(x, qw, out):
     n = x.shape[0]
     nb = n // 32
@@ -497,7 +496,7 @@ def _q4_1_row(x, qw, out):
             out[o + 4 + j] = (L[j] | (L[j + 16] << 4)) & 0xFF
 
 
-@njit(**_S)
+@njit_exact
 def _pack5(L, out, o):
     """Q5_0/Q5_1 nibbles + qh (at ``o``: qh[4] then qs[16])."""
     qh = 0
@@ -511,7 +510,7 @@ def _pack5(L, out, o):
         out[o + k] = (qh >> (8 * k)) & 0xFF
 
 
-@njit(**_S)
+@njit_exact
 def _q5_0_row(x, qw, out):
     n = x.shape[0]
     nb = n // 32
@@ -538,7 +537,7 @@ def _q5_0_row(x, qw, out):
         _pack5(L, out, o + 2)
 
 
-@njit(**_S)
+@njit_exact
 def _q5_1_row(x, qw, out):
     n = x.shape[0]
     nb = n // 32
@@ -570,7 +569,7 @@ def _q5_1_row(x, qw, out):
 
 
 # ============================================================== IQ4_NL / XS
-@njit(**_S)
+@njit_exact
 def _iq4_block_scale(xb, w, Lb, ntry):
     """First stage of ``quantize_row_iq4_nl_impl`` for one 32-block."""
     amax = F(0.0)
@@ -608,7 +607,7 @@ def _iq4_block_scale(xb, w, Lb, ntry):
     return d, True
 
 
-@njit(**_S)
+@njit_exact
 def _iq4_nl_row(x, qw, out):
     w = np.empty(32, np.float32)
     L = np.zeros(32, np.int64)
@@ -631,7 +630,7 @@ def _iq4_nl_row(x, qw, out):
             out[o + 2 + j] = (L[j] | (L[16 + j] << 4)) & 0xFF
 
 
-@njit(**_S)
+@njit_exact
 def _iq4_xs_row(x, qw, out):
     w = np.empty(32, np.float32)
     L = np.zeros(256, np.int64)
@@ -686,7 +685,7 @@ def _iq4_xs_row(x, qw, out):
 
 
 # =========================================================== K-quants (256)
-@njit(**_S)
+@njit_exact
 def _pack_scale_min_k4(ls, lm, sc):
     """Q4_K/Q5_K 6-bit scale/min packing into ``sc[12]`` (uint8 stores)."""
     for k in range(12):
@@ -703,7 +702,7 @@ def _pack_scale_min_k4(ls, lm, sc):
             sc[j] = (sc[j] | ((b >> 4) << 6)) & 0xFF
 
 
-@njit(**_S)
+@njit_exact
 def _get_scale_min_k4(j, q, o):
     if j < 4:
         return np.int64(q[o + j]) & 63, np.int64(q[o + j + 4]) & 63
@@ -713,7 +712,7 @@ def _get_scale_min_k4(j, q, o):
     return d, m
 
 
-@njit(**_S)
+@njit_exact
 def _qk_requant(x, out, o_scales, dd, dmin, L, nmax):
     """Re-quantise every 32-sub-block with the stored fp16 d/dmin and scales."""
     for j in range(8):
@@ -727,7 +726,7 @@ def _qk_requant(x, out, o_scales, dd, dmin, L, nmax):
             L[32 * j + ii] = max(0, min(nmax, l))
 
 
-@njit(**_S)
+@njit_exact
 def _qk_scales_ref(xs, L, Laux, w, scales, mins, ls, lm, nmax, rmin, nstep):
     """Q4_K/Q5_K ``_ref`` sub-block search and 6-bit scale quantisation."""
     max_scale = F(0.0)
@@ -756,7 +755,7 @@ def _qk_scales_ref(xs, L, Laux, w, scales, mins, ls, lm, nmax, rmin, nstep):
     return max_scale / F(63.0), max_min / F(63.0)
 
 
-@njit(**_S)
+@njit_exact
 def _qk_scales_imp(xs, qws, L, Laux, w, scales, mins, ls, lm, sw, nmax):
     """Q4_K/Q5_K ``_impl`` (importance) sub-block search + ``make_qp_quants``."""
     sigma2 = F(2.0) * _row_sigma2(xs, 256) / F(256.0)
@@ -776,7 +775,7 @@ def _qk_scales_imp(xs, qws, L, Laux, w, scales, mins, ls, lm, sw, nmax):
     return d_block, m_block
 
 
-@njit(**_S)
+@njit_exact
 def _q4_K_row(x, qw, out):
     L = np.zeros(256, np.int64)
     Laux = np.empty(32, np.int64)
@@ -807,7 +806,7 @@ def _q4_K_row(x, qw, out):
                 out[o + 16 + 32 * c + l] = (L[64 * c + l] | (L[64 * c + 32 + l] << 4)) & 0xFF
 
 
-@njit(**_S)
+@njit_exact
 def _q5_K_row(x, qw, out):
     L = np.zeros(256, np.int64)
     Laux = np.empty(32, np.int64)
@@ -855,7 +854,7 @@ def _q5_K_row(x, qw, out):
             m2 <<= 2
 
 
-@njit(**_S)
+@njit_exact
 def _q6_K_row(x, qw, out):
     L = np.zeros(256, np.int64)
     w = np.empty(16, np.float32)
@@ -909,7 +908,7 @@ def _q6_K_row(x, qw, out):
                                              | ((L[b + l + 96] >> 4) << 6)) & 0xFF
 
 
-@njit(**_S)
+@njit_exact
 def _pack2(L, out, o):
     """Q2_K/Q3_K 2-bit packing of ``L[256]`` into ``out[o:o+64]``."""
     for h in range(2):
@@ -919,7 +918,7 @@ def _pack2(L, out, o):
                                    | (L[b + l + 96] << 6)) & 0xFF
 
 
-@njit(**_S)
+@njit_exact
 def _q3_K_finish(xs, out, o, L):
     """Q3_K: re-quantise with the stored scales, then hmask + 2-bit packing."""
     dd = _get_f16(out, o + 108)
@@ -950,7 +949,7 @@ def _q3_K_finish(xs, out, o, L):
     _pack2(L, out, o + 32)
 
 
-@njit(**_S)
+@njit_exact
 def _q3_pack_scale(out, o, j, l):
     if j < 8:
         out[o + 96 + j] = l & 0xF
@@ -960,7 +959,7 @@ def _q3_pack_scale(out, o, j, l):
     out[o + 96 + 8 + j % 4] |= (l << (2 * (j // 4))) & 0xFF
 
 
-@njit(**_S)
+@njit_exact
 def _q3_K_row(x, qw, out):
     L = np.zeros(256, np.int64)
     Ls = np.empty(16, np.int64)
@@ -1010,7 +1009,7 @@ def _q3_K_row(x, qw, out):
         _q3_K_finish(xs, out, o, L)
 
 
-@njit(**_S)
+@njit_exact
 def _q2_K_row(x, qw, out):
     L = np.zeros(256, np.int64)
     Laux = np.empty(16, np.int64)
@@ -1086,7 +1085,7 @@ def _q2_K_row(x, qw, out):
 
 
 # ================================================================== ternary
-@njit(**_S)
+@njit_exact
 def _tq_amax(xs):
     amax = F(0.0)
     for j in range(256):
@@ -1095,7 +1094,7 @@ def _tq_amax(xs):
     return amax
 
 
-@njit(**_S)
+@njit_exact
 def _tq1_0_row(x, qw, out):
     for i in range(x.shape[0] // 256):
         xs = x[256 * i:256 * i + 256]
@@ -1121,7 +1120,7 @@ def _tq1_0_row(x, qw, out):
             out[o + 48 + j] = (q * 256 + 242) // 243
 
 
-@njit(**_S)
+@njit_exact
 def _tq2_0_row(x, qw, out):
     for i in range(x.shape[0] // 256):
         xs = x[256 * i:256 * i + 256]
@@ -1138,14 +1137,14 @@ def _tq2_0_row(x, qw, out):
 
 
 # ================================================================ decoders
-@njit(**_S)
+@njit_exact
 def _dq_q8_0(b, o, y):
     d = _get_f16(b, o)
     for j in range(32):
         y[j] = F(_i8(np.int64(b[o + 2 + j]))) * d
 
 
-@njit(**_S)
+@njit_exact
 def _dq_q4_0(b, o, y):
     d = _get_f16(b, o)
     for j in range(16):
@@ -1153,7 +1152,7 @@ def _dq_q4_0(b, o, y):
         y[j + 16] = d * F((b[o + 2 + j] >> 4) - 8)
 
 
-@njit(**_S)
+@njit_exact
 def _dq_q4_1(b, o, y):
     d = _get_f16(b, o)
     m = _get_f16(b, o + 2)
@@ -1162,7 +1161,7 @@ def _dq_q4_1(b, o, y):
         y[j + 16] = d * F(b[o + 4 + j] >> 4) + m
 
 
-@njit(**_S)
+@njit_exact
 def _q5_codes(b, o, j):
     qh = (np.int64(b[o]) | (np.int64(b[o + 1]) << 8) | (np.int64(b[o + 2]) << 16)
           | (np.int64(b[o + 3]) << 24))
@@ -1171,7 +1170,7 @@ def _q5_codes(b, o, j):
     return lo, hi
 
 
-@njit(**_S)
+@njit_exact
 def _dq_q5_0(b, o, y):
     d = _get_f16(b, o)
     for j in range(16):
@@ -1180,7 +1179,7 @@ def _dq_q5_0(b, o, y):
         y[j + 16] = d * F(hi - 16)
 
 
-@njit(**_S)
+@njit_exact
 def _dq_q5_1(b, o, y):
     d = _get_f16(b, o)
     m = _get_f16(b, o + 2)
@@ -1190,7 +1189,7 @@ def _dq_q5_1(b, o, y):
         y[j + 16] = d * F(hi) + m
 
 
-@njit(**_S)
+@njit_exact
 def _dq_iq4_nl(b, o, y):
     d = _get_f16(b, o)
     for j in range(16):
@@ -1198,7 +1197,7 @@ def _dq_iq4_nl(b, o, y):
         y[j + 16] = d * _KVF[b[o + 2 + j] >> 4]
 
 
-@njit(**_S)
+@njit_exact
 def _dq_iq4_xs(b, o, y):
     d = _get_f16(b, o)
     sh = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
@@ -1211,7 +1210,7 @@ def _dq_iq4_xs(b, o, y):
             y[32 * ib + 16 + j] = dl * _KVF[q >> 4]
 
 
-@njit(**_S)
+@njit_exact
 def _dq_q4_K(b, o, y):
     d = _get_f16(b, o)
     dmin = _get_f16(b, o + 2)
@@ -1228,7 +1227,7 @@ def _dq_q4_K(b, o, y):
             y[64 * c + 32 + l] = d2 * F(q >> 4) - dm2
 
 
-@njit(**_S)
+@njit_exact
 def _dq_q5_K(b, o, y):
     d = _get_f16(b, o)
     dmin = _get_f16(b, o + 2)
@@ -1246,7 +1245,7 @@ def _dq_q5_K(b, o, y):
             y[64 * c + 32 + l] = d2 * F((q >> 4) + (((h >> (2 * c + 1)) & 1) << 4)) - dm2
 
 
-@njit(**_S)
+@njit_exact
 def _dq_q6_K(b, o, y):
     d = _get_f16(b, o + 208)
     for e in range(256):
@@ -1261,7 +1260,7 @@ def _dq_q6_K(b, o, y):
         y[e] = (d * sc) * F((lo | (hi << 4)) - 32)
 
 
-@njit(**_S)
+@njit_exact
 def _dq_q3_K(b, o, y):
     d = _get_f16(b, o + 108)
     for e in range(256):
@@ -1280,7 +1279,7 @@ def _dq_q3_K(b, o, y):
         y[e] = (d * F(sc)) * F(q - (0 if hb else 4))
 
 
-@njit(**_S)
+@njit_exact
 def _dq_q2_K(b, o, y):
     d = _get_f16(b, o + 80)
     dmin = _get_f16(b, o + 82)
@@ -1294,7 +1293,7 @@ def _dq_q2_K(b, o, y):
         y[e] = (d * F(s & 0xF)) * F(q) - dmin * F(s >> 4)
 
 
-@njit(**_S)
+@njit_exact
 def _dq_tq1_0(b, o, y):
     d = _get_f16(b, o + 52)
     pw = (1, 3, 9, 27, 81)
@@ -1312,7 +1311,7 @@ def _dq_tq1_0(b, o, y):
             y[240 + j + 4 * m] = d * F(((q * 3) >> 8) - 1)
 
 
-@njit(**_S)
+@njit_exact
 def _dq_tq2_0(b, o, y):
     d = _get_f16(b, o + 64)
     for h in range(2):
@@ -1327,7 +1326,7 @@ def _dq_tq2_0(b, o, y):
 # on-disk cache does not reuse closures, so those recompiled in every process).
 # Each entry compiles only on the first use of its type.
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def quantize_q8_0(w, qw):
     """ggml Q8_0 quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
     multiple of 32), ``qw`` float32 [cols] importance or an empty array ->
@@ -1339,7 +1338,7 @@ def quantize_q8_0(w, qw):
     return out
 
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def dequantize_q8_0(data, cols):
     """ggml Q8_0 decoder: uint8 [rows, cols/32*34] -> float32 [rows, cols].
     No input validation."""
@@ -1351,7 +1350,7 @@ def dequantize_q8_0(data, cols):
             _dq_q8_0(row, ib * 34, out[r, ib * 32:(ib + 1) * 32])
     return out
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def quantize_q4_0(w, qw):
     """ggml Q4_0 quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
     multiple of 32), ``qw`` float32 [cols] importance or an empty array ->
@@ -1363,7 +1362,7 @@ def quantize_q4_0(w, qw):
     return out
 
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def dequantize_q4_0(data, cols):
     """ggml Q4_0 decoder: uint8 [rows, cols/32*18] -> float32 [rows, cols].
     No input validation."""
@@ -1375,7 +1374,7 @@ def dequantize_q4_0(data, cols):
             _dq_q4_0(row, ib * 18, out[r, ib * 32:(ib + 1) * 32])
     return out
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def quantize_q4_1(w, qw):
     """ggml Q4_1 quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
     multiple of 32), ``qw`` float32 [cols] importance or an empty array ->
@@ -1387,7 +1386,7 @@ def quantize_q4_1(w, qw):
     return out
 
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def dequantize_q4_1(data, cols):
     """ggml Q4_1 decoder: uint8 [rows, cols/32*20] -> float32 [rows, cols].
     No input validation."""
@@ -1399,7 +1398,7 @@ def dequantize_q4_1(data, cols):
             _dq_q4_1(row, ib * 20, out[r, ib * 32:(ib + 1) * 32])
     return out
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def quantize_q5_0(w, qw):
     """ggml Q5_0 quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
     multiple of 32), ``qw`` float32 [cols] importance or an empty array ->
@@ -1411,7 +1410,7 @@ def quantize_q5_0(w, qw):
     return out
 
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def dequantize_q5_0(data, cols):
     """ggml Q5_0 decoder: uint8 [rows, cols/32*22] -> float32 [rows, cols].
     No input validation."""
@@ -1423,7 +1422,7 @@ def dequantize_q5_0(data, cols):
             _dq_q5_0(row, ib * 22, out[r, ib * 32:(ib + 1) * 32])
     return out
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def quantize_q5_1(w, qw):
     """ggml Q5_1 quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
     multiple of 32), ``qw`` float32 [cols] importance or an empty array ->
@@ -1435,7 +1434,7 @@ def quantize_q5_1(w, qw):
     return out
 
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def dequantize_q5_1(data, cols):
     """ggml Q5_1 decoder: uint8 [rows, cols/32*24] -> float32 [rows, cols].
     No input validation."""
@@ -1447,7 +1446,7 @@ def dequantize_q5_1(data, cols):
             _dq_q5_1(row, ib * 24, out[r, ib * 32:(ib + 1) * 32])
     return out
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def quantize_iq4_nl(w, qw):
     """ggml IQ4_NL quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
     multiple of 32), ``qw`` float32 [cols] importance or an empty array ->
@@ -1459,7 +1458,7 @@ def quantize_iq4_nl(w, qw):
     return out
 
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def dequantize_iq4_nl(data, cols):
     """ggml IQ4_NL decoder: uint8 [rows, cols/32*18] -> float32 [rows, cols].
     No input validation."""
@@ -1471,7 +1470,7 @@ def dequantize_iq4_nl(data, cols):
             _dq_iq4_nl(row, ib * 18, out[r, ib * 32:(ib + 1) * 32])
     return out
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def quantize_iq4_xs(w, qw):
     """ggml IQ4_XS quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
     multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
@@ -1483,7 +1482,7 @@ def quantize_iq4_xs(w, qw):
     return out
 
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def dequantize_iq4_xs(data, cols):
     """ggml IQ4_XS decoder: uint8 [rows, cols/256*136] -> float32 [rows, cols].
     No input validation."""
@@ -1495,7 +1494,7 @@ def dequantize_iq4_xs(data, cols):
             _dq_iq4_xs(row, ib * 136, out[r, ib * 256:(ib + 1) * 256])
     return out
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def quantize_q2_K(w, qw):
     """ggml Q2_K quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
     multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
@@ -1507,7 +1506,7 @@ def quantize_q2_K(w, qw):
     return out
 
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def dequantize_q2_K(data, cols):
     """ggml Q2_K decoder: uint8 [rows, cols/256*84] -> float32 [rows, cols].
     No input validation."""
@@ -1519,7 +1518,7 @@ def dequantize_q2_K(data, cols):
             _dq_q2_K(row, ib * 84, out[r, ib * 256:(ib + 1) * 256])
     return out
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def quantize_q3_K(w, qw):
     """ggml Q3_K quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
     multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
@@ -1531,7 +1530,7 @@ def quantize_q3_K(w, qw):
     return out
 
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def dequantize_q3_K(data, cols):
     """ggml Q3_K decoder: uint8 [rows, cols/256*110] -> float32 [rows, cols].
     No input validation."""
@@ -1543,7 +1542,7 @@ def dequantize_q3_K(data, cols):
             _dq_q3_K(row, ib * 110, out[r, ib * 256:(ib + 1) * 256])
     return out
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def quantize_q4_K(w, qw):
     """ggml Q4_K quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
     multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
@@ -1555,7 +1554,7 @@ def quantize_q4_K(w, qw):
     return out
 
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def dequantize_q4_K(data, cols):
     """ggml Q4_K decoder: uint8 [rows, cols/256*144] -> float32 [rows, cols].
     No input validation."""
@@ -1567,7 +1566,7 @@ def dequantize_q4_K(data, cols):
             _dq_q4_K(row, ib * 144, out[r, ib * 256:(ib + 1) * 256])
     return out
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def quantize_q5_K(w, qw):
     """ggml Q5_K quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
     multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
@@ -1579,7 +1578,7 @@ def quantize_q5_K(w, qw):
     return out
 
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def dequantize_q5_K(data, cols):
     """ggml Q5_K decoder: uint8 [rows, cols/256*176] -> float32 [rows, cols].
     No input validation."""
@@ -1591,7 +1590,7 @@ def dequantize_q5_K(data, cols):
             _dq_q5_K(row, ib * 176, out[r, ib * 256:(ib + 1) * 256])
     return out
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def quantize_q6_K(w, qw):
     """ggml Q6_K quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
     multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
@@ -1603,7 +1602,7 @@ def quantize_q6_K(w, qw):
     return out
 
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def dequantize_q6_K(data, cols):
     """ggml Q6_K decoder: uint8 [rows, cols/256*210] -> float32 [rows, cols].
     No input validation."""
@@ -1615,7 +1614,7 @@ def dequantize_q6_K(data, cols):
             _dq_q6_K(row, ib * 210, out[r, ib * 256:(ib + 1) * 256])
     return out
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def quantize_tq1_0(w, qw):
     """ggml TQ1_0 quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
     multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
@@ -1627,7 +1626,7 @@ def quantize_tq1_0(w, qw):
     return out
 
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def dequantize_tq1_0(data, cols):
     """ggml TQ1_0 decoder: uint8 [rows, cols/256*54] -> float32 [rows, cols].
     No input validation."""
@@ -1639,7 +1638,7 @@ def dequantize_tq1_0(data, cols):
             _dq_tq1_0(row, ib * 54, out[r, ib * 256:(ib + 1) * 256])
     return out
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def quantize_tq2_0(w, qw):
     """ggml TQ2_0 quantiser: ``w`` float32 [rows, cols] C-contiguous (cols a
     multiple of 256), ``qw`` float32 [cols] importance or an empty array ->
@@ -1651,7 +1650,7 @@ def quantize_tq2_0(w, qw):
     return out
 
 
-@njit_parallel(fastmath=False)
+@njit_parallel_exact
 def dequantize_tq2_0(data, cols):
     """ggml TQ2_0 decoder: uint8 [rows, cols/256*66] -> float32 [rows, cols].
     No input validation."""
