@@ -13,7 +13,7 @@ from . import io as tio
 from .checkpoint import CheckpointWriter
 from .profiling import FingerprintError, check_fingerprints
 from .formats import Decomp, packed_bytes
-from .runtime import PackedLinear
+from ._runtime import PackedLinear
 
 __all__ = ["apply_plan", "read_plan", "PlanError", "FINGERPRINT", "check_made_from"]
 

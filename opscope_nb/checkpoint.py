@@ -48,7 +48,7 @@ import numpy as np
 from ._fs import atomic_writer
 from .formats import Decomp
 from .io import SourceError, read_safetensors_header
-from .runtime import PackedLinear
+from ._runtime import PackedLinear
 
 __all__ = ["save", "load", "read_record", "FORMAT", "FORMAT_VERSION",
            "CheckpointWriter", "CheckpointError"]

@@ -50,7 +50,7 @@ from .ggml import GGML_TYPES, row_bytes
 from .gptq import check_gram, output_error
 from .kernels._probe import rel_err as _rel_err
 from .kernels._svd import truncated_svd
-from .runtime import PackedLinear, check_ms, measure_latency
+from ._runtime import PackedLinear, check_ms, measure_latency
 
 __all__ = [
     "stored_bytes",

@@ -17,16 +17,17 @@ LAYERS = {
     0: ["opscope_nb", "_config", "_validation", "_fs", "kernels", "data", "synth",
         "imatrix"],
     1: ["formats", "probe", "svd", "decompose", "gptq", "matmul", "accel", "io", "ggml"],
-    2: ["runtime"],
-    3: ["mining", "checkpoint", "apply", "profiling", "calib", "models", "allocate",
+    2: ["_runtime"],
+    3: ["runtime", "mining", "checkpoint", "apply", "profiling", "calib", "models", "allocate",
         "gguf_export"],
     4: ["distributed"],
     5: ["cli", "bench", "__main__", "warmup"],   # warmup drives the CLI and the bench
 }
 
 #: Upward imports allowed, each a documented lazy re-export in a module-level
-#: ``__getattr__`` that keeps an old public name working (not a loop at import).
-SHIMS = {("runtime", "checkpoint")}
+#: ``__getattr__`` (none today: ``runtime`` is a facade above ``_runtime`` and
+#: ``checkpoint``, so ``runtime.save`` needs no upward import).
+SHIMS = set()
 
 
 def _modules():

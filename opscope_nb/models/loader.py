@@ -47,7 +47,7 @@ class UnsupportedModelError(ModelError):
 # --------------------------------------------------------------------------- #
 def dense_linear(w: np.ndarray):
     """A dense ``PackedLinear`` over ``w`` ``[out, in]`` float32 (no copy when possible)."""
-    from ..runtime import PackedLinear
+    from .._runtime import PackedLinear
     from ..mining import Decomp
     w = np.ascontiguousarray(w, dtype=np.float32)
     return PackedLinear(Decomp.dense(), {"w": w}, w.shape)
@@ -56,7 +56,7 @@ def dense_linear(w: np.ndarray):
 def is_linear(x) -> bool:
     """Whether a model tensor is a linear layer (a :class:`~opscope_nb.runtime.
     PackedLinear`, dense or packed) rather than a plain array."""
-    from ..runtime import PackedLinear
+    from .._runtime import PackedLinear
     return isinstance(x, PackedLinear)
 
 
