@@ -202,7 +202,9 @@ def test_profile_menu_order_with_intn():
              "int4/chan", "int4/g32", "int4/g128",
              "int3/chan", "int3/g32", "int3/g128",
              "int2/g32"]
-    assert labels[: 1 + len(quant) + 2] == ["dense"] + quant + ["ternary", "sparse2:4"]
+    # the half-width options follow dense: 2 bytes per weight, any stored dtype
+    assert labels[: 3 + len(quant) + 2] == ["dense", "BF16", "F16"] + quant + \
+        ["ternary", "sparse2:4"]
     for o in prof.options:
         assert o.bytes == packed_bytes(16, 200, o.decomp) == \
             sum(a.nbytes for a in pack(w, o.decomp).values()), o.label
@@ -222,10 +224,10 @@ def test_profile_menu_options_and_rules():
     w = gauss(8, 40, seed=5)
     labels = [o.label for o in profile_layer("m", w, intn_bits=(), int2_groups=()).options]
     assert not any(lbl.startswith(("int2", "int3", "int5", "int6")) for lbl in labels)
-    assert labels[:4] == ["dense", "int8/chan", "int4/chan", "int4/g32"]
+    assert labels[:6] == ["dense", "BF16", "F16", "int8/chan", "int4/chan", "int4/g32"]
     labels = [o.label for o in profile_layer("m", w, intn_bits=(3, 5), groups=(32,),
                                              int2_groups=(8, 64)).options]
-    assert labels[:9] == ["dense", "int8/chan", "int5/chan", "int5/g32", "int4/chan",
+    assert labels[:11] == ["dense", "BF16", "F16", "int8/chan", "int5/chan", "int5/g32", "int4/chan",
                           "int4/g32", "int3/chan", "int3/g32", "int2/g8"]
     assert "int2/g64" not in labels  # 40 columns: one group of 64 is not group-wise
     with pytest.raises(ValueError, match="intn_bits"):
