@@ -1,31 +1,39 @@
 """Calibration: the inputs every linear layer sees, and how much each layer matters.
 
-:func:`calibrate` opens a model with :func:`opscope_nb.models.open_model`, runs
-its dense forward pass (:mod:`opscope_nb.models.bert` /
-:mod:`opscope_nb.models.llama`, the ``opscope-nb eval`` forwards) on
-calibration text and, for every linear layer, accumulates the second moment of
-its inputs
+:func:`calibrate` (and the :class:`CalibrationStream` behind it) opens a model
+lazily with :func:`opscope_nb.models.open_model` and runs its dense forward
+pass **one block at a time** (the :func:`opscope_nb.models.bert.block` /
+:func:`opscope_nb.models.llama.block` of ``opscope-nb eval``): the
+calibration activations of every chunk of text go through block ``i``, then
+block ``i``'s weights are dropped and block ``i + 1`` is read.  Peak memory is
+one block's weights (float32), that block's grams and the activations of the
+calibration tokens -- independent of the number of blocks, so a 7 B model
+calibrates in a few GB.  For every linear layer the stream accumulates the
+second moment of its inputs
 
-    ``H = sum_t x_t x_tᵀ``  (``[cols, cols]`` float64, ``cols`` = in_features)
+    ``H = sum_t x_t x_tᵀ``  (``[cols, cols]``, float64 at any width)
 
-streamed one batch at a time (never all activations at once).  Layers are
-observed by wrapping the model's ``PackedLinear`` objects from outside
-(:class:`_Tap`, a duck-typed callable); layers that receive the very same
-input array in a forward (q/k/v, gate/up) share one accumulator.  Padding
-rows of an encoder batch are left out.  A layer with more than
-``full_max_cols`` inputs (default 2048: at most 32 MiB per accumulator) keeps
-``diag(H)`` only.
+Float64 because ``H`` is a sum over thousands of tokens whose small
+eigenvalues GPTQ's Cholesky and the ``out_err`` differences need; a
+14336-input gram is 1.6 GB in float64, held only while its block is profiled.
+Layers that receive the very same input array (q/k/v, gate/up) share one
+accumulator; padding rows of an encoder batch are left out.  ``diag(H)``
+instead of ``H`` above ``full_max_cols`` inputs is an explicit choice
+(default: never).
 
-Sensitivity (``d metric / d out_err**2``, one layer at a time): for each layer,
-its output ``y = x Wᵀ`` (before the bias) gets Gaussian noise of relative size
-``eps`` (``eps * rms(y) * z``, ``z`` from an explicit seed), the model's final
-output is compared with the clean one and ``sensitivity = metric / eps**2``
--- encoders: mean over texts of ``1 - cos`` of the pooled embeddings;
-decoders: mean next-token ``KL(clean || perturbed)``.  For a small error
-both metrics are quadratic in the output error, so ``sensitivity *
-out_err**2`` predicts the metric a quantised layer costs; the one-layer
-perturbation *is* the measurement (no proxy), at ``n_layers + 1`` forwards
-over at most ``sens_tokens`` tokens.
+Sensitivity (``d metric / d out_err**2``, one layer at a time): for each layer
+asked for, its output ``y = x Wᵀ`` (before the bias) gets Gaussian noise of
+relative size ``eps`` (``eps * rms(y) * z``, ``z`` from an explicit seed), the
+model's final output is compared with the clean one and ``sensitivity =
+metric / eps**2`` -- encoders: mean over texts of ``1 - cos`` of the pooled
+embeddings; decoders: mean next-token ``KL(clean || perturbed)``.  For a small
+error both metrics are quadratic in the output error, so ``sensitivity *
+out_err**2`` predicts the metric a quantised layer costs.  A perturbed forward
+starts from the cached clean input of its block and runs in the same sweep
+over the blocks as the grams: a layer of block ``b`` costs ``n_blocks - b``
+block forwards over at most ``sens_tokens`` tokens (:attr:`CalibrationStream.
+sens_block_forwards`), and each pending perturbed activation is held until the
+head (``sens_tokens x hidden`` float32 each).
 """
 from __future__ import annotations
 
@@ -35,11 +43,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Calibration", "calibrate", "FULL_MAX_COLS", "save_grams", "load_grams",
-           "GramsError"]
+__all__ = ["Calibration", "CalibrationStream", "calibrate", "FULL_MAX_COLS", "save_grams",
+           "load_grams", "GramsError", "GramsWriter"]
 
-#: Largest in_features for which the full ``[cols, cols]`` gram is kept.
-FULL_MAX_COLS = 2048
+#: Default ``full_max_cols``: ``None`` keeps the full gram at every width (the
+#: diagonal-only fallback is an explicit choice, never silent).
+FULL_MAX_COLS = None
 
 
 @dataclass
@@ -50,7 +59,8 @@ class Calibration:
     ----------
     grams : dict of str -> ndarray of float64
         Per linear weight name: ``[cols, cols]`` (full) or ``[cols]`` (diagonal).
-        Layers sharing an input share the same array object.
+        Layers sharing an input share the same array object.  Empty when the
+        stream handed them to a callback instead (``keep_grams=False``).
     tokens : int
         Token rows accumulated into every gram.
     sensitivity : dict of str -> float
@@ -61,7 +71,15 @@ class Calibration:
     sens_tokens : int
         Tokens the sensitivity forwards ran on.
     seconds : dict of str -> float
-        ``load``, ``grams``, ``sensitivity``.
+        ``load`` (weights read), ``grams`` (block forwards and grams),
+        ``sensitivity`` (perturbed block forwards and the head).
+    blocks : int
+        Blocks streamed.
+    peak_block_bytes : int
+        Largest float32 weights held at once: the stem (embeddings, norms)
+        plus one block.
+    layers, full_grams : int
+        Grams recorded (by layer name) and how many of them are full.
     """
 
     grams: dict
@@ -71,14 +89,20 @@ class Calibration:
     eps: float = 0.0
     sens_tokens: int = 0
     seconds: dict = field(default_factory=dict)
+    blocks: int = 0
+    peak_block_bytes: int = 0
+    layers: int = 0
+    full_grams: int = 0
 
     def summary(self) -> dict:
         """JSON-ready facts (no arrays)."""
-        full = sum(1 for g in self.grams.values() if g.ndim == 2)
-        return {"tokens": int(self.tokens), "layers": len(self.grams),
-                "full_grams": full, "diag_grams": len(self.grams) - full,
+        return {"tokens": int(self.tokens), "layers": int(self.layers),
+                "full_grams": int(self.full_grams),
+                "diag_grams": int(self.layers - self.full_grams),
                 "metric": self.metric, "eps": float(self.eps),
-                "sens_tokens": int(self.sens_tokens),
+                "sens_tokens": int(self.sens_tokens), "blocks": int(self.blocks),
+                "sens_layers": len(self.sensitivity),
+                "peak_block_bytes": int(self.peak_block_bytes),
                 "seconds": {k: float(v) for k, v in self.seconds.items()}}
 
 
@@ -92,7 +116,6 @@ class _Recorder:
         self.prev_name = None
         self.on = True
         self.perturb = None  # (name, eps, rng)
-        self.tokens = 0
 
     def observe(self, name, x):
         if not self.on:
@@ -110,7 +133,7 @@ class _Recorder:
             x2 = x2[self.rows]
         x64 = x2.astype(np.float64)
         cols = x64.shape[1]
-        if cols <= self.full_max_cols:
+        if self.full_max_cols is None or cols <= self.full_max_cols:
             g = x64.T @ x64
         else:
             g = np.einsum("ij,ij->j", x64, x64)
@@ -118,6 +141,13 @@ class _Recorder:
             self.acc[key] += g
         else:
             self.acc[key] = g
+
+    def take(self, names) -> dict:
+        """The finished grams of ``names`` (shared arrays stay shared); forgets them."""
+        out = {n: self.acc[self.alias[n]] for n in names if n in self.alias}
+        self.acc, self.alias = {}, {}
+        self.prev_x = self.prev_name = None
+        return out
 
 
 class _Tap:
@@ -140,10 +170,12 @@ class _Tap:
         return y
 
 
-def calibrate(source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS,
-              sensitivity=True, eps=0.05, seed=0, sens_tokens=256, act="f32",
-              batch=32, window=256, log=None) -> Calibration:
-    """Accumulate every linear layer's input gram (and sensitivity) on calibration text.
+def _stderr_log(s):
+    print(s, file=sys.stderr, flush=True)
+
+
+class CalibrationStream:
+    """Block-by-block calibration of a dense checkpoint (see the module docstring).
 
     Parameters
     ----------
@@ -157,14 +189,341 @@ def calibrate(source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS
     max_tokens : int, optional
         Cap on calibration tokens (encoders: whole sentences while within the
         cap, at least one).
-    full_max_cols : int
-        Keep the full gram up to this many inputs, ``diag(H)`` above.
-    sensitivity : bool
-        Also measure per-layer sensitivity (``n_layers + 1`` forwards).
+    full_max_cols : int or None
+        Keep ``diag(H)`` instead of ``H`` for layers with more inputs
+        (``None``: the full gram at every width).
+    sensitivity : bool or iterable of str
+        Measure sensitivity for every linear layer (``True``), none
+        (``False``), or the named ones.
+    eps, seed, sens_tokens, act, batch, window, log
+        As :func:`calibrate`.
+
+    Attributes
+    ----------
+    stages : list of list of str
+        Linear names finished by each stage: blocks ``0 .. n_blocks - 1``,
+        then the head stage (a decoder's output projection; empty for encoders).
+    tokens, sens_tokens : int
+    sens_block_forwards : int
+        Perturbed stage runs (blocks and the head) the sensitivity sweep does.
+
+    Notes
+    -----
+    Call :meth:`next_stage` (or iterate) until it returns ``None``, then
+    :meth:`result`; or :meth:`gram` for a layer, which advances as far as
+    needed.  The grams of a stage are released when the next one runs.
+    """
+
+    def __init__(self, source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS,
+                 sensitivity=True, eps=0.05, seed=0, sens_tokens=256, act="f32",
+                 batch=32, window=256, log=None):
+        from .models import open_model
+        from .models.evaluate import load_passages
+        if not (isinstance(eps, (int, float)) and np.isfinite(eps) and eps > 0):
+            raise ValueError(f"eps must be a finite number > 0; got {eps!r}.")
+        if full_max_cols is not None and int(full_max_cols) < 1:
+            raise ValueError(f"full_max_cols must be >= 1 or None; got {full_max_cols!r}.")
+        if max_tokens is not None and int(max_tokens) < 2:
+            raise ValueError(f"max_tokens must be >= 2; got {max_tokens!r}.")
+        if int(sens_tokens) < 2:
+            raise ValueError(f"sens_tokens must be >= 2; got {sens_tokens!r}.")
+        self.log = log if log is not None else (_stderr_log if sys.stderr.isatty()
+                                                else (lambda s: None))
+        t0 = time.perf_counter()
+        self.model = m = open_model(source, lazy=True)
+        self.family = m.family
+        self.act, self.eps, self.seed = act, float(eps), int(seed)
+        self.rec = _Recorder(None if full_max_cols is None else int(full_max_cols))
+        self.n_blocks = int(m.config["n_layers"])
+        blocks = [m.block_tensors(i) for i in range(self.n_blocks)]
+        in_blocks = {n for lin, oth in blocks for n in lin + oth}
+        self._head = None
+        if self.family == "decoder":
+            nm = m.config["names"]
+            self._head = nm["embed"] if m.config.get("tied") else nm["head"]
+        # the stem (embeddings, norms) stays loaded; an untied head waits for its stage
+        stem = [n for n in m.entries if n not in in_blocks
+                and (m.config.get("tied") or n != self._head)]
+        self._stage_names = [lin + oth for lin, oth in blocks]
+        self.stages = [list(lin) for lin, _ in blocks] + [[self._head] if self._head else []]
+        self._order = {n: k for k, names in enumerate(self.stages) for n in names}
+        all_lin = [n for names in self.stages for n in names]
+        if sensitivity is True:
+            sens = all_lin
+        elif sensitivity is False or sensitivity is None:
+            sens = []
+        else:
+            want = set(sensitivity)
+            sens = [n for n in all_lin if n in want]
+        self._sens_index = {n: all_lin.index(n) for n in sens}
+        #: the layers whose sensitivity the sweep measures, in block order
+        self.sens_layers = list(sens)
+        #: ``on_stage(stage, grams)`` after each stage (e.g. a :class:`GramsWriter`)
+        self.on_stage = None
+        self.metric = "1-cos" if self.family == "encoder" else "kl"
+        self._stem = self._peak = m.load(stem)
+        passages = load_passages(text)
+        if self.family == "encoder":
+            self._setup_encoder(passages, text is None, max_tokens, sens_tokens, batch)
+        else:
+            self._setup_decoder(passages, max_tokens, sens_tokens, window)
+        # every stage from the layer's own to the head (included)
+        self.sens_block_forwards = sum(self.n_blocks + 1 - self._order[n] for n in sens)
+        self._sens_clean = None          # clean sensitivity activations per chunk
+        self._sens_states = {}           # layer name -> perturbed activations per chunk
+        self._sens = {}
+        self._pending = set(sens)
+        self.stage = -1                  # last finished stage
+        self.current = {}                # grams of the last finished stage
+        self.seconds = {"load": time.perf_counter() - t0, "grams": 0.0, "sensitivity": 0.0}
+        self.n_layers = 0
+        self.n_full = 0
+
+    # ---- per family ------------------------------------------------------ #
+    def _setup_encoder(self, passages, builtin, max_tokens, sens_tokens, batch):
+        from .models import bert
+        from .models.evaluate import _sentences
+        m = self.model
+        texts = _sentences(passages) if builtin else list(passages)
+        lens = [min(len(m.tokenizer.encode(t).ids), m.config["max_seq_len"]) for t in texts]
+
+        def cap(n):
+            keep, tot = [], 0
+            for t, k in zip(texts, lens):
+                if keep and tot + k > n:
+                    break
+                keep.append(t)
+                tot += k
+            return keep, tot
+
+        cal, ntok = cap(max_tokens) if max_tokens is not None else (texts, sum(lens))
+        sens_texts, nsens = cap(int(sens_tokens) if max_tokens is None
+                                else min(int(sens_tokens), int(max_tokens)))
+
+        def chunks(ts):
+            out = []
+            for s in range(0, len(ts), batch):
+                ids, mask = bert.tokenize_batch(m, ts[s:s + batch])
+                out.append({"x": bert.embed_tokens(m, ids), "bias": bert.attention_bias(mask),
+                            "mask": mask, "rows": mask.reshape(-1) > 0})
+            return out
+
+        self._cal = chunks(cal)
+        self._sens_chunks = chunks(sens_texts) if self._sens_index else []
+        self.tokens, self.sens_tokens = int(ntok), int(nsens)
+
+    def _setup_decoder(self, passages, max_tokens, sens_tokens, window):
+        from .models import llama
+        m = self.model
+        cfg = m.config
+        ids = list(m.tokenizer.encode("\n".join(passages)).ids)
+        if cfg.get("add_bos") and cfg.get("bos") is not None:
+            ids = [int(cfg["bos"])] + ids
+        if max_tokens is not None:
+            ids = ids[:int(max_tokens)]
+        ids = np.asarray(ids, dtype=np.int64)
+        window = int(min(window, cfg.get("context", window)))
+        sens_ids = ids[:max(2, min(int(sens_tokens), len(ids), window))]
+        self._cal = [{"x": llama.embed_tokens(m, ids[s:s + window]), "rows": None}
+                     for s in range(0, len(ids), window)]
+        self._sens_chunks = [{"x": llama.embed_tokens(m, sens_ids), "rows": None}] \
+            if self._sens_index else []
+        self.tokens, self.sens_tokens = int(len(ids)), int(len(sens_ids))
+        self._ctx = {}
+
+    def _block(self, i, c, x):
+        """Block ``i`` on chunk ``c``'s activations ``x``."""
+        from .models import bert, llama
+        if self.family == "encoder":
+            return bert.block(self.model, i, x, c["bias"], act=self.act)
+        cfg = self.model.config
+        T = x.shape[0]
+        ctx = self._ctx.get(T)
+        if ctx is None:
+            ctx = self._ctx[T] = llama.rope_context(cfg, 0, T)
+        kc = np.zeros((cfg["n_kv"], T, cfg["head_dim"]), dtype=np.float32)
+        return llama.block(self.model, i, x, kc, np.zeros_like(kc), 0, ctx, act=self.act)
+
+    def _final(self, c, x):
+        """The model output of chunk ``c`` from the last block's ``x``: pooled
+        embeddings (encoder) or logits (decoder)."""
+        from .models import bert, llama
+        m = self.model
+        if self.family == "encoder":
+            B, L = c["mask"].shape
+            return bert.pool(m, x.reshape(B, L, m.config["hidden"]), c["mask"])
+        return llama.head_linear(m)(llama.final_norm(m, x), act=self.act)
+
+    def _distance(self, clean, outs) -> float:
+        from .models.evaluate import cosine, kl_stats
+        if self.family == "encoder":
+            return float(np.mean(1.0 - cosine(np.concatenate(clean), np.concatenate(outs))))
+        return float(np.concatenate([kl_stats(a, b)[0] for a, b in zip(clean, outs)]).mean())
+
+    # ---- the sweep ------------------------------------------------------- #
+    def _run_chunks(self, fn, chunks, xs):
+        out = []
+        for c, x in zip(chunks, xs):
+            self.rec.rows = c["rows"]
+            self.rec.prev_x = None
+            out.append(fn(c, x))
+        self.rec.rows = None
+        return out
+
+    def _perturbed(self, name, fn, xs):
+        """``fn`` over the sensitivity chunks with ``name``'s output perturbed."""
+        rng = np.random.default_rng([self.seed, self._sens_index[name]])
+        self.rec.perturb = (name, self.eps, rng)
+        try:
+            return self._run_chunks(fn, self._sens_chunks, xs)
+        finally:
+            self.rec.perturb = None
+
+    def next_stage(self):
+        """Run the next stage; returns ``(stage, {name: gram})`` or ``None`` when done."""
+        k = self.stage + 1
+        if k > self.n_blocks:
+            return None
+        m = self.model
+        self.current = {}
+        t0 = time.perf_counter()
+        names = self._stage_names[k] if k < self.n_blocks else (
+            [self._head] if self._head and not m.config.get("tied") else [])
+        nb = m.load(names)
+        self._peak = max(self._peak, self._stem + nb)
+        t1 = time.perf_counter()
+        self.seconds["load"] += t1 - t0
+        lin = self.stages[k]
+        tied = k == self.n_blocks and m.config.get("tied")
+        if tied:
+            # the tied head wraps the (stem) embedding; llama.head_linear reads extras
+            from .models.loader import dense_linear
+            m.extras["head"] = _Tap(dense_linear(m.tensors[self._head]), self._head, self.rec)
+        else:
+            for n in lin:
+                m.tensors[n] = _Tap(m.tensors[n], n, self.rec)
+        if k < self.n_blocks:
+            def fn(c, x):
+                return self._block(k, c, x)
+        else:
+            fn = self._final
+        self.rec.on = True
+        outs = self._run_chunks(fn, self._cal, [c["x"] for c in self._cal])
+        if k < self.n_blocks:
+            for c, x in zip(self._cal, outs):
+                c["x"] = x
+        else:
+            for c in self._cal:
+                c["x"] = None
+        grams = self.rec.take(lin)
+        self.rec.on = False
+        t2 = time.perf_counter()
+        self.seconds["grams"] += t2 - t1
+        if self._sens_chunks:
+            self._sens_stage(k, fn, lin)
+        self.seconds["sensitivity"] += time.perf_counter() - t2
+        if tied:
+            m.extras.pop("head", None)
+        else:
+            for n in lin:
+                m.tensors[n] = m.tensors[n]._inner
+        m.drop(names)
+        self.stage = k
+        self.current = grams
+        self.n_layers += len(grams)
+        self.n_full += sum(1 for g in grams.values() if g.ndim == 2)
+        if self.on_stage is not None:
+            self.on_stage(k, grams)
+        where = f"block {k + 1}/{self.n_blocks}" if k < self.n_blocks else "head"
+        extra = f", {len(self._sens_states)} perturbed forwards in flight" \
+            if self._sens_states else ""
+        self.log(f"calibration: {where}, {len(grams)} grams, "
+                 f"{time.perf_counter() - t0:.1f}s{extra}")
+        return k, grams
+
+    def _sens_stage(self, k, fn, lin):
+        """Advance the clean and every pending perturbed sensitivity activation
+        through stage ``k``; start the perturbed runs of this stage's layers;
+        at the head, turn each into its sensitivity."""
+        if self._sens_clean is None:
+            self._sens_clean = [c["x"] for c in self._sens_chunks]
+        xin = self._sens_clean
+        for n, xs in list(self._sens_states.items()):
+            self._sens_states[n] = self._run_chunks(fn, self._sens_chunks, xs)
+        for n in lin:
+            if n in self._pending:
+                self._sens_states[n] = self._perturbed(n, fn, xin)
+                self._pending.discard(n)
+        self._sens_clean = self._run_chunks(fn, self._sens_chunks, xin)
+        if k == self.n_blocks:
+            for n, outs in self._sens_states.items():
+                self._sens[n] = self._distance(self._sens_clean, outs) / self.eps ** 2
+            self._sens_states = {}
+
+    def __iter__(self):
+        while True:
+            r = self.next_stage()
+            if r is None:
+                return
+            yield r
+
+    def stage_of(self, name):
+        """Stage index whose run finishes ``name``'s gram (``None``: not a linear layer)."""
+        return self._order.get(name)
+
+    def gram(self, name):
+        """``name``'s gram, running stages up to the one that finishes it (the
+        grams of earlier stages are gone by then); ``None`` for a name no stage
+        records or one whose stage has already passed."""
+        k = self._order.get(name)
+        if k is None or k < self.stage:
+            return None
+        while self.stage < k:
+            self.next_stage()
+        return self.current.get(name)
+
+    def result(self, grams=None, *, rest=True) -> Calibration:
+        """Run the remaining stages (``rest=False``: only while a sensitivity
+        sweep still needs them -- the caller wants no more grams); the
+        :class:`Calibration` with ``grams`` as given."""
+        while self.stage < self.n_blocks and (rest or self._pending or self._sens_states):
+            self.next_stage()
+        return Calibration(grams if grams is not None else {}, self.tokens, dict(self._sens),
+                           self.metric, self.eps,
+                           self.sens_tokens if self._sens_index else 0,
+                           dict(self.seconds), self.n_blocks, int(self._peak),
+                           self.n_layers, self.n_full)
+
+
+def calibrate(source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS,
+              sensitivity=True, eps=0.05, seed=0, sens_tokens=256, act="f32",
+              batch=32, window=256, log=None, keep_grams=True, on_stage=None) -> Calibration:
+    """Accumulate every linear layer's input gram (and sensitivity) on calibration
+    text, streaming the model one block at a time (:class:`CalibrationStream`).
+
+    Parameters
+    ----------
+    source : str
+        A checkpoint :func:`opscope_nb.models.open_model` reads (BERT-style
+        encoder or Llama-style decoder).
+    text : str, optional
+        Text file, one passage per line; ``None`` = the built-in English
+        sample (:func:`opscope_nb.models.evaluate.load_passages`): encoders use
+        its sentences, decoders its token stream.
+    max_tokens : int, optional
+        Cap on calibration tokens (encoders: whole sentences while within the
+        cap, at least one).
+    full_max_cols : int or None
+        Keep ``diag(H)`` instead of the full gram above this many inputs
+        (default ``None``: full at every width).
+    sensitivity : bool or iterable of str
+        Also measure per-layer sensitivity: every linear layer, none, or the
+        named ones (one perturbed sweep each, from its block on).
     eps : float
         Relative size of the output noise of the sensitivity probe (> 0).
     seed : int
-        Seed of the probe noise (one generator per layer: ``seed + index``).
+        Seed of the probe noise (one generator per layer: ``[seed, index]``,
+        the layer's index in block order).
     sens_tokens : int
         Token cap for the sensitivity forwards (also capped by ``max_tokens``).
     act : {"f32", "auto", "int8"}
@@ -172,142 +531,31 @@ def calibrate(source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS
     batch : int
         Encoder sentences per forward.
     window : int
-        Decoder tokens per forward (fresh KV cache each).
+        Decoder tokens per forward (each window attends only within itself).
     log : callable, optional
-        ``log(str)`` progress lines (default: stderr when it is a terminal).
+        ``log(str)`` progress lines, one per block (default: stderr when it is
+        a terminal).
+    keep_grams : bool
+        Return every gram in :attr:`Calibration.grams` (``False``: only
+        ``on_stage`` sees them, so memory holds one block's grams).
+    on_stage : callable, optional
+        ``on_stage(stage, grams)`` after each block (and the head stage).
 
     Returns
     -------
     Calibration
     """
-    from .models import open_model
-    from .models.evaluate import load_passages
-    from .models.loader import is_linear
-    if not (isinstance(eps, (int, float)) and np.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps must be a finite number > 0; got {eps!r}.")
-    if int(full_max_cols) < 1:
-        raise ValueError(f"full_max_cols must be >= 1; got {full_max_cols!r}.")
-    if max_tokens is not None and int(max_tokens) < 2:
-        raise ValueError(f"max_tokens must be >= 2; got {max_tokens!r}.")
-    if log is None:
-        log = (lambda s: print(s, file=sys.stderr, flush=True)) if sys.stderr.isatty() \
-            else (lambda s: None)
-    t0 = time.perf_counter()
-    model = open_model(source)
-    passages = load_passages(text)
-    rec = _Recorder(int(full_max_cols))
-    names = [n for n, v in model.tensors.items() if is_linear(v)]
-    for n in names:
-        model.tensors[n] = _Tap(model.tensors[n], n, rec)
-    if model.family == "decoder" and model.config.get("tied"):
-        from .models.loader import dense_linear
-        en = model.config["names"]["embed"]
-        model.extras["head"] = _Tap(dense_linear(model.tensors[en]), en, rec)
-        names.append(en)
-    secs = {"load": time.perf_counter() - t0}
-    t1 = time.perf_counter()
-    if model.family == "encoder":
-        run, ntok, nsens = _encoder_runner(model, passages, text is None, max_tokens,
-                                           sens_tokens, rec, act, batch)
-        metric = "1-cos"
-    else:
-        run, ntok, nsens = _decoder_runner(model, passages, max_tokens, sens_tokens, rec,
-                                           act, window)
-        metric = "kl"
-    run("grams")
-    grams = {n: rec.acc[rec.alias[n]] for n in names if n in rec.alias}
-    secs["grams"] = time.perf_counter() - t1
-    log(f"calibration: {ntok} tokens, {len(grams)} layers "
-        f"({sum(1 for g in grams.values() if g.ndim == 2)} full grams), "
-        f"{secs['grams']:.1f}s")
-    sens = {}
-    if sensitivity:
-        t2 = time.perf_counter()
-        rec.on = False
-        clean = run("clean")
-        for i, n in enumerate(names):
-            rec.perturb = (n, float(eps), np.random.default_rng([int(seed), i]))
-            sens[n] = float(run(clean)) / float(eps) ** 2
-            rec.perturb = None
-            if (i + 1) % 8 == 0 or i + 1 == len(names):
-                log(f"sensitivity: {i + 1}/{len(names)} layers, "
-                    f"{time.perf_counter() - t2:.1f}s")
-        secs["sensitivity"] = time.perf_counter() - t2
-    return Calibration(grams, ntok, sens, metric, float(eps), nsens, secs)
-
-
-def _encoder_runner(model, passages, builtin, max_tokens, sens_tokens, rec, act, batch):
-    from .models import bert
-    from .models.evaluate import _sentences
-    texts = _sentences(passages) if builtin else list(passages)
-    lens = [min(len(model.tokenizer.encode(t).ids), model.config["max_seq_len"])
-            for t in texts]
-
-    def cap(n):
-        keep, tot = [], 0
-        for t, k in zip(texts, lens):
-            if keep and tot + k > n:
-                break
-            keep.append(t)
-            tot += k
-        return keep, tot
-
-    cal, ntok = cap(max_tokens) if max_tokens is not None else (texts, sum(lens))
-    sens_texts, nsens = cap(int(sens_tokens) if max_tokens is None
-                            else min(int(sens_tokens), int(max_tokens)))
-
-    def embed(ts):
-        out = []
-        for s in range(0, len(ts), batch):
-            ids, mask = bert.tokenize_batch(model, ts[s:s + batch])
-            rec.rows = mask.reshape(-1) > 0
-            rec.prev_x = None
-            out.append(bert.pool(model, bert.forward(model, ids, mask, act=act), mask))
-        rec.rows = None
-        return np.concatenate(out, axis=0)
-
-    def run(what):
-        if isinstance(what, str) and what == "grams":
-            embed(cal)
-            return None
-        e = embed(sens_texts)
-        if isinstance(what, str):
-            return e
-        from .models.evaluate import cosine
-        return float(np.mean(1.0 - cosine(what, e)))
-
-    return run, int(ntok), int(nsens)
-
-
-def _decoder_runner(model, passages, max_tokens, sens_tokens, rec, act, window):
-    from .models import llama
-    from .models.evaluate import kl_stats
-    cfg = model.config
-    ids = list(model.tokenizer.encode("\n".join(passages)).ids)
-    if cfg.get("add_bos") and cfg.get("bos") is not None:
-        ids = [int(cfg["bos"])] + ids
-    if max_tokens is not None:
-        ids = ids[:int(max_tokens)]
-    ids = np.asarray(ids, dtype=np.int64)
-    window = int(min(window, cfg.get("context", window)))
-    sens_ids = ids[:max(2, min(int(sens_tokens), len(ids), window))]
-
-    def fwd(chunk):
-        cache = llama.KVCache(model.config, len(chunk))
-        rec.prev_x = None
-        return llama.forward(model, chunk, cache, act=act)
-
-    def run(what):
-        if isinstance(what, str) and what == "grams":
-            for s in range(0, len(ids), window):
-                fwd(ids[s:s + window])
-            return None
-        lg = fwd(sens_ids)
-        if isinstance(what, str):
-            return lg
-        return float(kl_stats(what, lg)[0].mean())
-
-    return run, int(len(ids)), int(len(sens_ids))
+    st = CalibrationStream(source, text=text, max_tokens=max_tokens,
+                           full_max_cols=full_max_cols, sensitivity=sensitivity, eps=eps,
+                           seed=seed, sens_tokens=sens_tokens, act=act, batch=batch,
+                           window=window, log=log)
+    grams = {}
+    for k, g in st:
+        if on_stage is not None:
+            on_stage(k, g)
+        if keep_grams:
+            grams.update(g)
+    return st.result(grams)
 
 
 class GramsError(ValueError):
@@ -331,8 +579,119 @@ def _check_gram_array(name, g, where):
     return np.ascontiguousarray(a, dtype=np.float64)
 
 
+class GramsWriter:
+    """Write a :func:`load_grams` file one stage at a time (a streamed
+    calibration never holds every gram): ``add`` grams as they finish, then
+    ``close(meta)``; the file appears atomically at ``close`` and an error or
+    :meth:`abort` leaves no file (and the old one, if any, untouched).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+
+    Attributes
+    ----------
+    bytes : int
+        Array bytes written so far.
+
+    Notes
+    -----
+    Layout: arrays ``g0, g1, ...``; ``names``, a JSON list of ``[name, key]``
+    string pairs; ``meta``, a JSON object.  Names sharing one array object
+    within one :meth:`add` are stored once and share it again after
+    :func:`load_grams`.  Usable as a context manager (an exception aborts).
+    """
+
+    def __init__(self, path):
+        import os
+        import zipfile
+        from ._fs import atomic_writer          # the package's one atomic writer
+        self.path = os.fspath(path)
+        self._cm = atomic_writer(self.path, "wb")
+        f = self._cm.__enter__()
+        self._z = zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self._pairs, self._seen, self._n, self.bytes = [], set(), 0, 0
+
+    def _entry(self, key, arr):
+        with self._z.open(key + ".npy", "w", force_zip64=True) as fh:
+            np.lib.format.write_array(fh, arr, allow_pickle=False)
+
+    def add(self, grams) -> None:
+        """Append ``grams`` (mapping name -> ``[cols]`` / ``[cols, cols]`` float,
+        finite); :class:`GramsError` on a bad name or array (the file is then
+        aborted)."""
+        try:
+            if not hasattr(grams, "items"):
+                raise GramsError(f"{self.path}: grams must be a mapping name -> array; got "
+                                 f"{type(grams).__name__}.")
+            keys = {}
+            for n, g in grams.items():
+                if not isinstance(n, str):
+                    raise GramsError(f"{self.path}: gram names must be strings; got {n!r}.")
+                if n in self._seen:
+                    raise GramsError(f"{self.path}: gram {n!r} was added twice.")
+                k = keys.get(id(g))
+                if k is None:
+                    k = keys[id(g)] = f"g{self._n}"
+                    self._n += 1
+                    a = _check_gram_array(n, g, self.path)
+                    self._entry(k, a)
+                    self.bytes += int(a.nbytes)
+                self._seen.add(n)
+                self._pairs.append([n, k])
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+
+    def close(self, meta=None) -> None:
+        """Write ``names`` and ``meta`` (JSON-serialisable) and commit the file."""
+        import json
+        try:
+            meta_json = json.dumps(meta or {})
+        except (TypeError, ValueError) as exc:
+            err = GramsError(f"{self.path}: meta must be JSON-serialisable ({exc}).")
+            self.abort(err)
+            raise err from None
+        try:
+            self._entry("names", np.array(json.dumps(self._pairs)))
+            self._entry("meta", np.array(meta_json))
+            self._z.close()
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        cm, self._cm = self._cm, None
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+    def abort(self, exc=None) -> None:
+        """Drop the temporary file (idempotent)."""
+        cm, self._cm = self._cm, None
+        if cm is None:
+            return
+        try:
+            self._z.close()
+        except Exception:
+            pass
+        err = exc if isinstance(exc, BaseException) else GramsError("aborted")
+        try:
+            cm.__exit__(type(err), err, None)
+        except BaseException:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, ev, tb):
+        if ev is not None:
+            self.abort(ev)
+        else:
+            self.abort()        # left without close(): nothing is written
+        return False
+
+
 def save_grams(path, grams, meta=None) -> None:
-    """Write calibration grams to an ``.npz`` file (atomic replace).
+    """Write calibration grams to an ``.npz`` file (atomic replace; see
+    :class:`GramsWriter` for the layout).
 
     Parameters
     ----------
@@ -343,38 +702,14 @@ def save_grams(path, grams, meta=None) -> None:
     meta : dict, optional
         JSON-serialisable facts stored beside the arrays.
 
-    Notes
-    -----
-    Layout: arrays ``g0, g1, ...``; ``names``, a JSON list of ``[name, key]``
-    string pairs; ``meta``, a JSON object.
-
     Raises
     ------
     GramsError
         A name that is not a string, or an array breaking the rules above.
     """
-    import json
-    import os
-    path = os.fspath(path)
-    if not hasattr(grams, "items"):
-        raise GramsError(f"{path}: grams must be a mapping name -> array; got "
-                         f"{type(grams).__name__}.")
-    keys, arrays, pairs = {}, {}, []
-    for n, g in grams.items():
-        if not isinstance(n, str):
-            raise GramsError(f"{path}: gram names must be strings; got {n!r}.")
-        k = keys.get(id(g))
-        if k is None:
-            k = keys[id(g)] = f"g{len(keys)}"
-            arrays[k] = _check_gram_array(n, g, path)
-        pairs.append([n, k])
-    try:
-        meta_json = json.dumps(meta or {})
-    except (TypeError, ValueError) as exc:
-        raise GramsError(f"{path}: meta must be JSON-serialisable ({exc}).") from None
-    from ._fs import atomic_writer          # the package's one atomic writer
-    with atomic_writer(path, "wb") as f:
-        np.savez(f, names=np.array(json.dumps(pairs)), meta=np.array(meta_json), **arrays)
+    w = GramsWriter(path)
+    w.add(grams)
+    w.close(meta)
 
 
 def _short(value, limit=80):

@@ -5,6 +5,7 @@ and exact allocators and print the plan; ``--out DIR`` writes ``profile.json``
 ``plan.json`` and ``options.csv``."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -54,6 +55,14 @@ def add_parser(sub) -> None:
                         "sample: 2545 MiniLM tokens in its sentences)")
     c.add_argument("--calib-tokens", type=positive_int, default=None, metavar="N",
                    help="cap on calibration tokens (default: all of the text)")
+    c.add_argument("--sensitivity", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --calib: measure each profiled layer's sensitivity (one "
+                        "perturbed forward from its block on; default: on for --objective "
+                        "sensitivity/auto, off for output/weight)")
+    c.add_argument("--calib-diag-above", type=positive_int, default=None, metavar="COLS",
+                   help="with --calib: keep only diag(H) for layers with more than COLS "
+                        "inputs (less memory, no +gptq there; default: full grams at "
+                        "every width)")
     c.add_argument("--imatrix", metavar="FILE", default=None,
                    help="llama.cpp importance matrix (GGUF imatrix or legacy .dat) as "
                         "diag(H) per tensor (out_err only; no +gptq, no sensitivity)")
@@ -102,39 +111,65 @@ def _profile_kwargs(args) -> dict:
 
 
 def _calibration(args, src, chosen, kw, dist):
-    """Run --calib / read --imatrix; returns (settings record or None, kw or kw(name))."""
+    """Start the --calib stream / read --imatrix.
+
+    Returns ``(settings record or None, kw or kw(name), stream or None)``.
+    With ``--calib`` the calibration runs lazily, one block at a time, as the
+    profile loop asks for grams (``chosen`` is put in block order): the grams
+    of a block live while its layers are profiled, then go to
+    ``DIR/calib.npz`` (:class:`~opscope_nb.calib.GramsWriter`) and out of
+    memory.  Sensitivities come at the end (:func:`_finish_calibration`)."""
     if not args.calib and not args.imatrix:
-        if args.calib_text or args.calib_tokens:
-            raise CliError("--calib-text/--calib-tokens need --calib.")
+        if args.calib_text or args.calib_tokens or args.sensitivity is not None \
+                or args.calib_diag_above is not None:
+            raise CliError("--calib-text/--calib-tokens/--sensitivity/--calib-diag-above "
+                           "need --calib.")
         if getattr(args, "objective", "auto") not in ("weight", "auto"):
             warn(f"--objective {args.objective} without --calib/--imatrix: no layer has "
                  f"out_err, every layer uses its squared weight error (sum of rel_err^2).")
-        return None, kw
+        return None, kw, None
     if dist is not None:
         raise CliError("--calib/--imatrix run in this process; drop --workers/--scheduler.")
-    grams, sens, rec = {}, {}, {}
+    grams, rec, stream = {}, {}, None
     names = {e.name for e in chosen}
     if args.calib:
-        from ..calib import calibrate, save_grams
+        from ..calib import CalibrationStream
         from ..models import ModelError, UnsupportedModelError
-        t = time.perf_counter()
+        objective = getattr(args, "objective", "auto")
+        sens_on = args.sensitivity if args.sensitivity is not None else \
+            objective in ("sensitivity", "auto")
+        if objective == "sensitivity" and not sens_on:
+            raise CliError("--objective sensitivity needs the sensitivities: drop "
+                           "--no-sensitivity (or use --objective output).")
+        show = progress_enabled(args)
         try:
-            show = progress_enabled(args)
-            cal = calibrate(args.source, text=args.calib_text, max_tokens=args.calib_tokens,
-                            log=(lambda m: print(m, file=sys.stderr, flush=True)) if show
-                            else (lambda m: None))
-        except (ModelError, UnsupportedModelError) as exc:
+            stream = CalibrationStream(
+                args.source, text=args.calib_text, max_tokens=args.calib_tokens,
+                full_max_cols=args.calib_diag_above,
+                sensitivity=sorted(names) if sens_on else False,
+                log=(lambda m: print(m, file=sys.stderr, flush=True)) if show
+                else (lambda m: None))
+        except (ModelError, UnsupportedModelError, ValueError) as exc:
             raise CliError(f"--calib: {exc}")
-        grams.update(cal.grams)
-        sens.update(cal.sensitivity)
+        ns = len(stream.sens_layers)
+        sens_text = (f"sensitivity of {ns} layer(s): {stream.sens_block_forwards} perturbed "
+                     f"block forwards on {stream.sens_tokens} tokens" if ns else
+                     "no sensitivity")
+        print(f"calibration: {stream.n_blocks} blocks streamed one at a time, "
+              f"{stream.tokens} tokens; {sens_text}", flush=True)
         rec = {"text": args.calib_text, "max_tokens": args.calib_tokens,
-               **cal.summary(), "wall_seconds": time.perf_counter() - t}
-        print(f"calibration: {cal.tokens} tokens, {len(cal.grams)} linear layers "
-              f"({rec['full_grams']} full grams, {rec['diag_grams']} diagonal), "
-              f"sensitivity on {cal.sens_tokens} tokens ({cal.metric}), "
-              f"{rec['wall_seconds']:.1f}s")
+               "tokens": stream.tokens, "metric": stream.metric, "eps": stream.eps,
+               "sens_tokens": stream.sens_tokens if ns else 0, "sensitivity": bool(ns),
+               "full_max_cols": args.calib_diag_above}
+        # profile in block order: each block's grams are needed once, then dropped
+        chosen.sort(key=lambda e: (stream.stage_of(e.name) is None,
+                                   stream.stage_of(e.name) or 0))
+        stream.writer = None
         if args.out:
-            save_grams(os.path.join(ensure_outdir(args.out), "calib.npz"), cal.grams, rec)
+            from ..calib import GramsWriter
+            stream.writer = GramsWriter(os.path.join(ensure_outdir(args.out), "calib.npz"))
+            stream.on_stage = lambda k, g: stream.writer.add(
+                {n: v for n, v in g.items() if n in names})
     if args.imatrix:
         from ..imatrix import ImatrixError, read_imatrix
         try:
@@ -153,20 +188,52 @@ def _calibration(args, src, chosen, kw, dist):
             grams.setdefault(n, d)
         rec["imatrix"] = {"file": os.path.abspath(args.imatrix), "layers": len(im.diag),
                           "unknown": im.unknown, "chunks": im.chunks}
-    missing = sorted(names - set(grams))
+    covered = set(grams) | ({n for n in names if stream.stage_of(n) is not None}
+                            if stream is not None else set())
+    missing = sorted(names - covered)
     if missing:
         warn(f"{len(missing)} profiled tensor(s) have no calibration data (e.g. "
              f"{missing[0]}); they get no out_err and fall back to weight error.")
 
     def per_layer(name):
         k = dict(kw)
-        if name in grams:
-            k["gram"] = grams[name]
-        if name in sens:
-            k["sensitivity"] = sens[name]
+        g = stream.gram(name) if stream is not None else None
+        if g is None:
+            g = grams.get(name)
+        if g is not None:
+            k["gram"] = g
         return k
 
-    return rec, per_layer
+    return rec, per_layer, stream
+
+
+def _finish_calibration(st, records, layers):
+    """Run the stream's remaining blocks, give every profiled layer its
+    sensitivity (record and LayerProfile), commit ``calib.npz``."""
+    stream = st.get("stream")
+    if stream is None:
+        return
+    cal = stream.result(rest=False)     # later blocks only for pending sensitivities
+    for rec, lp in zip(records, layers):
+        s = cal.sensitivity.get(lp.name)
+        if s is not None:
+            lp.sensitivity = float(s)
+            rec["profile"]["sensitivity"] = float(s)
+    summ = cal.summary()
+    st["settings"]["calib"].update(wall_seconds=sum(summ["seconds"].values()),
+                                   seconds=summ["seconds"])
+    print(f"calibration: {cal.tokens} tokens through {min(stream.stage + 1, cal.blocks)} of "
+          f"{cal.blocks} blocks, "
+          f"{summ['full_grams']} full / {summ['diag_grams']} diagonal grams, sensitivity "
+          f"of {len(cal.sensitivity)} layers ({cal.metric}); load "
+          f"{cal.seconds['load']:.1f}s, grams {cal.seconds['grams']:.1f}s, sensitivity "
+          f"{cal.seconds['sensitivity']:.1f}s; largest block + stem "
+          f"{fmt_bytes(cal.peak_block_bytes)} float32")
+    w = getattr(stream, "writer", None)
+    if w is not None:
+        w.close(st["settings"]["calib"])
+        stream.writer = None
+        print(f"wrote {w.path} ({fmt_bytes(w.bytes)} of grams)")
 
 
 def _setup(args):
@@ -196,7 +263,7 @@ def _setup(args):
     kw = _profile_kwargs(args)
     src, chosen, skipped_sel = open_and_select(args)
     kw_types = kw.get("ggml_types")
-    calib_settings, kw = _calibration(args, src, chosen, kw, dist)
+    calib_settings, kw, stream = _calibration(args, src, chosen, kw, dist)
     latency = list(args.latency) if args.latency else None
     settings = {"rank_cap": args.rank_cap, "seed": args.seed,
                 "budget": spec.get("budget_frac"), "bpw": spec.get("budget_bpw"),
@@ -217,7 +284,8 @@ def _setup(args):
                for e, r in skipped_sel]
     return {"spec": spec, "dist": dist, "src": src, "chosen": chosen, "kw": kw,
             "settings": settings, "source": source_info(src), "out": out,
-            "prof_path": prof_path, "previous": previous, "skipped": skipped}
+            "prof_path": prof_path, "previous": previous, "skipped": skipped,
+            "stream": stream}
 
 
 def _resumable(prof_path, settings, chosen) -> dict:
@@ -416,8 +484,13 @@ def run(args) -> int:
         loop = _serial_loop if st["dist"] is None else (
             lambda st_, bar_, save_: _dask_loop(args, st_, bar_, save_))
         records, layers, reused, skips = loop(st, bar, save)
+        bar.close()
+        _finish_calibration(st, records, layers)
     finally:
         bar.close()
+        w = getattr(st.get("stream"), "writer", None)
+        if w is not None:
+            w.abort()     # interrupted: no half-written calib.npz
     skipped += skips
     if not layers:
         raise CliError(f"{st['src'].path}: every selected tensor was skipped (NaN/Inf or a "

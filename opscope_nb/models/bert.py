@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import erf
 
-__all__ = ["forward", "pool", "embed", "tokenize_batch"]
+__all__ = ["forward", "pool", "embed", "tokenize_batch", "embed_tokens", "attention_bias",
+           "block"]
 
 
 def _layer_norm(x, g, b, eps):
@@ -54,6 +55,58 @@ def tokenize_batch(model, texts) -> tuple:
     return ids, mask
 
 
+def embed_tokens(model, ids) -> np.ndarray:
+    """The first block's input ``[B*L, hidden]`` float32 of padded ids ``[B, L]``:
+    word + position (+ token type 0) embeddings, then the embedding LayerNorm."""
+    cfg, T = model.config, model.tensors
+    p = cfg["prefix"]
+    B, L = ids.shape
+    x = T[p + "embeddings.word_embeddings.weight"][ids]
+    x = x + T[p + "embeddings.position_embeddings.weight"][:L][None]
+    tt = p + "embeddings.token_type_embeddings.weight"
+    if tt in T:
+        x = x + T[tt][0]
+    return _layer_norm(x.reshape(B * L, cfg["hidden"]), T[p + "embeddings.LayerNorm.weight"],
+                       T[p + "embeddings.LayerNorm.bias"], cfg["eps"])
+
+
+def attention_bias(mask) -> np.ndarray:
+    """Additive key mask ``[B, 1, 1, L]`` float32 (``-1e30`` on padding)."""
+    return ((1.0 - mask) * np.float32(-1e30)).astype(np.float32)[:, None, None, :]
+
+
+def block(model, i, h, bias, *, act="auto") -> np.ndarray:
+    """Encoder block ``i`` on ``h`` ``[B*L, hidden]`` float32 with the key mask
+    ``bias`` (:func:`attention_bias`, ``[B, 1, 1, L]``); returns ``[B*L, hidden]``.
+    Reads only block ``i``'s tensors (:mod:`opscope_nb.calib` streams the
+    model one block at a time)."""
+    cfg, T = model.config, model.tensors
+    B, L = bias.shape[0], bias.shape[-1]
+    H, nh = cfg["hidden"], cfg["n_heads"]
+    hd = H // nh
+    scale = np.float32(1.0 / np.sqrt(hd))
+    b = f"{cfg['prefix']}encoder.layer.{i}."
+
+    def lin(name, v):
+        return T[name + ".weight"](v, act=act) + T[name + ".bias"]
+
+    q = lin(b + "attention.self.query", h).reshape(B, L, nh, hd).transpose(0, 2, 1, 3)
+    k = lin(b + "attention.self.key", h).reshape(B, L, nh, hd).transpose(0, 2, 3, 1)
+    v = lin(b + "attention.self.value", h).reshape(B, L, nh, hd).transpose(0, 2, 1, 3)
+    s = np.matmul(q, k) * scale + bias                           # [B, nh, L, L]
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    ctx = np.matmul(s, v).transpose(0, 2, 1, 3).reshape(B * L, H)
+    a = lin(b + "attention.output.dense", np.ascontiguousarray(ctx))
+    h = _layer_norm(h + a, T[b + "attention.output.LayerNorm.weight"],
+                    T[b + "attention.output.LayerNorm.bias"], cfg["eps"])
+    f = _gelu(lin(b + "intermediate.dense", h))
+    f = lin(b + "output.dense", f)
+    return _layer_norm(h + f, T[b + "output.LayerNorm.weight"],
+                       T[b + "output.LayerNorm.bias"], cfg["eps"])
+
+
 def forward(model, ids, mask, *, act="auto") -> np.ndarray:
     """Last hidden states ``[B, L, hidden]`` float32 of a padded batch.
 
@@ -67,42 +120,12 @@ def forward(model, ids, mask, *, act="auto") -> np.ndarray:
     act : {"auto", "f32", "int8"}
         Activation mode passed to every ``PackedLinear`` call.
     """
-    cfg, T = model.config, model.tensors
-    p = cfg["prefix"]
     B, L = ids.shape
-    H, nh = cfg["hidden"], cfg["n_heads"]
-    hd = H // nh
-    x = T[p + "embeddings.word_embeddings.weight"][ids]
-    x = x + T[p + "embeddings.position_embeddings.weight"][:L][None]
-    tt = p + "embeddings.token_type_embeddings.weight"
-    if tt in T:
-        x = x + T[tt][0]
-    h = _layer_norm(x.reshape(B * L, H), T[p + "embeddings.LayerNorm.weight"],
-                    T[p + "embeddings.LayerNorm.bias"], cfg["eps"])
-    bias = ((1.0 - mask) * np.float32(-1e30)).astype(np.float32)[:, None, None, :]
-    scale = np.float32(1.0 / np.sqrt(hd))
-
-    def lin(name, v):
-        return T[name + ".weight"](v, act=act) + T[name + ".bias"]
-
-    for i in range(cfg["n_layers"]):
-        b = f"{p}encoder.layer.{i}."
-        q = lin(b + "attention.self.query", h).reshape(B, L, nh, hd).transpose(0, 2, 1, 3)
-        k = lin(b + "attention.self.key", h).reshape(B, L, nh, hd).transpose(0, 2, 3, 1)
-        v = lin(b + "attention.self.value", h).reshape(B, L, nh, hd).transpose(0, 2, 1, 3)
-        s = np.matmul(q, k) * scale + bias                       # [B, nh, L, L]
-        s -= s.max(axis=-1, keepdims=True)
-        np.exp(s, out=s)
-        s /= s.sum(axis=-1, keepdims=True)
-        ctx = np.matmul(s, v).transpose(0, 2, 1, 3).reshape(B * L, H)
-        a = lin(b + "attention.output.dense", np.ascontiguousarray(ctx))
-        h = _layer_norm(h + a, T[b + "attention.output.LayerNorm.weight"],
-                        T[b + "attention.output.LayerNorm.bias"], cfg["eps"])
-        f = _gelu(lin(b + "intermediate.dense", h))
-        f = lin(b + "output.dense", f)
-        h = _layer_norm(h + f, T[b + "output.LayerNorm.weight"],
-                        T[b + "output.LayerNorm.bias"], cfg["eps"])
-    return h.reshape(B, L, H)
+    h = embed_tokens(model, ids)
+    bias = attention_bias(mask)
+    for i in range(model.config["n_layers"]):
+        h = block(model, i, h, bias, act=act)
+    return h.reshape(B, L, model.config["hidden"])
 
 
 def pool(model, hidden, mask) -> np.ndarray:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import expit
 
-__all__ = ["KVCache", "forward", "head_linear"]
+__all__ = ["KVCache", "forward", "head_linear", "embed_tokens", "rope_context", "block",
+           "final_norm"]
 
 
 class KVCache:
@@ -72,6 +73,91 @@ def head_linear(model):
     return h
 
 
+def embed_tokens(model, ids) -> np.ndarray:
+    """The token embeddings ``[T, hidden]`` float32 of ``ids`` (the first block's input)."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    return np.ascontiguousarray(model.tensors[model.config["names"]["embed"]][ids],
+                                dtype=np.float32)
+
+
+def rope_context(config, p0, T) -> tuple:
+    """``(cos, sin, mask)`` for ``T`` new tokens at positions ``p0 ..``: the RoPE
+    tables ``[T, head_dim / 2]`` and the causal mask ``[T, p0 + T]`` (``None``
+    for one token).  Shared by every block of a call."""
+    cos, sin = _rope_tables(config, np.arange(p0, p0 + T))
+    S = p0 + T
+    if T > 1:
+        # query t (absolute p0+t) sees keys <= p0+t
+        kpos = np.arange(S)[None, :]
+        qpos = np.arange(p0, S)[:, None]
+        mask = np.where(kpos <= qpos, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+    else:
+        mask = None
+    return cos, sin, mask
+
+
+def block(model, i, x, kc, vc, p0, ctx, *, act="auto") -> np.ndarray:
+    """Block ``i`` of the decoder on ``x`` ``[T, hidden]`` float32 (the new tokens).
+
+    ``kc`` / ``vc`` (``[n_kv, capacity, head_dim]`` float32, this block's
+    cache) receive the tokens' keys/values at ``p0 .. p0 + T - 1`` and hold
+    the earlier ones; ``ctx`` is :func:`rope_context` ``(config, p0, T)``.
+    Returns the block's output ``[T, hidden]`` float32.  Reads only block
+    ``i``'s tensors, so a caller may hold one block at a time
+    (:mod:`opscope_nb.calib` streams the model this way).
+    """
+    cfg, W = model.config, model.tensors
+    nm = cfg["names"]
+    T = x.shape[0]
+    S = p0 + T
+    nh, nkv, hd = cfg["n_heads"], cfg["n_kv"], cfg["head_dim"]
+    rep = nh // nkv
+    cos, sin, mask = ctx
+    scale = np.float32(1.0 / np.sqrt(hd))
+    inter = cfg["rope_interleaved"]
+
+    def name(role):
+        return nm[role].format(i=i)
+
+    h = _rms_norm(x, W[name("attn_norm")], cfg["eps"])
+    q = W[name("q")](h, act=act)
+    k = W[name("k")](h, act=act)
+    v = W[name("v")](h, act=act)
+    if cfg.get("qkv_bias"):
+        q = q + W[name("q_bias")]
+        k = k + W[name("k_bias")]
+        v = v + W[name("v_bias")]
+    q = _rope(q.reshape(T, nh, hd), cos, sin, inter)
+    k = _rope(k.reshape(T, nkv, hd), cos, sin, inter)
+    kc[:, p0:S] = k.transpose(1, 0, 2)
+    vc[:, p0:S] = v.reshape(T, nkv, hd).transpose(1, 0, 2)
+    K = kc[:, :S]                                                 # [nkv, S, hd]
+    V = vc[:, :S]
+    # queries grouped by their KV head: [nkv, rep*T, hd] (head-major inside a group)
+    qg = q.transpose(1, 0, 2).reshape(nkv, rep * T, hd)
+    s = np.matmul(qg, K.transpose(0, 2, 1)) * scale               # [nkv, rep*T, S]
+    if mask is not None:
+        s = s.reshape(nkv, rep, T, S)
+        s += mask
+        s = s.reshape(nkv, rep * T, S)
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    o = np.matmul(s, V).reshape(nh, T, hd).transpose(1, 0, 2).reshape(T, nh * hd)
+    x = x + W[name("o")](np.ascontiguousarray(o), act=act)
+    h = _rms_norm(x, W[name("ffn_norm")], cfg["eps"])
+    g = W[name("gate")](h, act=act)
+    u = W[name("up")](h, act=act)
+    a = g * expit(g) * u
+    return x + W[name("down")](np.ascontiguousarray(a, dtype=np.float32), act=act)
+
+
+def final_norm(model, x) -> np.ndarray:
+    """The output norm of the last block's output ``x`` (the head's input)."""
+    return np.ascontiguousarray(_rms_norm(x, model.tensors[model.config["names"]["out_norm"]],
+                                          model.config["eps"]))
+
+
 def forward(model, ids, cache: KVCache, *, act="auto", logits="all") -> np.ndarray:
     """Run ``ids`` (new tokens) through the decoder, appending to ``cache``.
 
@@ -92,66 +178,18 @@ def forward(model, ids, cache: KVCache, *, act="auto", logits="all") -> np.ndarr
     -------
     ndarray of float32, shape (T, vocab) or (1, vocab)
     """
-    cfg, W = model.config, model.tensors
-    nm = cfg["names"]
+    cfg = model.config
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     T = ids.shape[0]
     p0 = cache.length
     if p0 + T > cache.capacity:
         raise ValueError(f"KV cache holds {cache.capacity} positions; {p0} used + {T} new "
                          f"tokens do not fit. Make a larger KVCache.")
-    nh, nkv, hd = cfg["n_heads"], cfg["n_kv"], cfg["head_dim"]
-    rep = nh // nkv
-    emb = W[nm["embed"]]
-    x = np.ascontiguousarray(emb[ids], dtype=np.float32)
-    cos, sin = _rope_tables(cfg, np.arange(p0, p0 + T))
-    S = p0 + T
-    # causal mask for the new queries: query t (absolute p0+t) sees keys <= p0+t
-    if T > 1:
-        kpos = np.arange(S)[None, :]
-        qpos = np.arange(p0, S)[:, None]
-        mask = np.where(kpos <= qpos, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
-    else:
-        mask = None
-    scale = np.float32(1.0 / np.sqrt(hd))
-    inter = cfg["rope_interleaved"]
-    bias = cfg.get("qkv_bias")
+    x = embed_tokens(model, ids)
+    ctx = rope_context(cfg, p0, T)
     for i in range(cfg["n_layers"]):
-        def name(role):
-            return nm[role].format(i=i)
-        h = _rms_norm(x, W[name("attn_norm")], cfg["eps"])
-        q = W[name("q")](h, act=act)
-        k = W[name("k")](h, act=act)
-        v = W[name("v")](h, act=act)
-        if bias:
-            q = q + W[name("q_bias")]
-            k = k + W[name("k_bias")]
-            v = v + W[name("v_bias")]
-        q = _rope(q.reshape(T, nh, hd), cos, sin, inter)
-        k = _rope(k.reshape(T, nkv, hd), cos, sin, inter)
-        cache.k[i][:, p0:S] = k.transpose(1, 0, 2)
-        cache.v[i][:, p0:S] = v.reshape(T, nkv, hd).transpose(1, 0, 2)
-        K = cache.k[i][:, :S]                                     # [nkv, S, hd]
-        V = cache.v[i][:, :S]
-        # queries grouped by their KV head: [nkv, rep*T, hd] (head-major inside a group)
-        qg = q.transpose(1, 0, 2).reshape(nkv, rep * T, hd)
-        s = np.matmul(qg, K.transpose(0, 2, 1)) * scale           # [nkv, rep*T, S]
-        if mask is not None:
-            s = s.reshape(nkv, rep, T, S)
-            s += mask
-            s = s.reshape(nkv, rep * T, S)
-        s -= s.max(axis=-1, keepdims=True)
-        np.exp(s, out=s)
-        s /= s.sum(axis=-1, keepdims=True)
-        o = np.matmul(s, V).reshape(nh, T, hd).transpose(1, 0, 2).reshape(T, nh * hd)
-        x = x + W[name("o")](np.ascontiguousarray(o), act=act)
-        h = _rms_norm(x, W[name("ffn_norm")], cfg["eps"])
-        g = W[name("gate")](h, act=act)
-        u = W[name("up")](h, act=act)
-        a = g * expit(g) * u
-        x = x + W[name("down")](np.ascontiguousarray(a, dtype=np.float32), act=act)
-    cache.length = S
+        x = block(model, i, x, cache.k[i], cache.v[i], p0, ctx, act=act)
+    cache.length = p0 + T
     if logits == "last":
         x = x[-1:]
-    x = _rms_norm(x, W[nm["out_norm"]], cfg["eps"])
-    return head_linear(model)(np.ascontiguousarray(x), act=act)
+    return head_linear(model)(final_norm(model, x), act=act)

@@ -26,7 +26,7 @@ import numpy as np
 from .. import io as tio
 
 __all__ = ["Model", "ModelError", "UnsupportedModelError", "open_model", "detect",
-           "dense_linear", "gguf_metadata", "SUPPORTED"]
+           "dense_linear", "gguf_metadata", "SUPPORTED", "block_tensors"]
 
 #: One line naming what :func:`detect` accepts.
 SUPPORTED = ("BERT-style encoders (config.json model_type 'bert') and Llama-style "
@@ -90,6 +90,36 @@ class Model:
     source_path: str = ""
     #: derived objects that share memory with :attr:`tensors` (e.g. a tied head)
     extras: dict = field(default_factory=dict, repr=False)
+    #: name -> source entry of the tensors a lazy model (``open_model(...,
+    #: lazy=True)``) reads on :meth:`load`; empty for a loaded model
+    entries: dict = field(default_factory=dict, repr=False)
+    #: names of the linear layers (held as ``PackedLinear`` once loaded)
+    linear_names: frozenset = field(default_factory=frozenset, repr=False)
+
+    def load(self, names) -> int:
+        """Read ``names`` from the source into :attr:`tensors` (linear layers as
+        dense ``PackedLinear``, the rest float32) unless already held; returns
+        the bytes read.  For a lazy model (:func:`open_model` ``lazy=True``)."""
+        got = 0
+        for n in names:
+            if n in self.tensors:
+                continue
+            e = self.entries.get(n)
+            if e is None:
+                raise ModelError(f"{self.source_path}: tensor {n!r} is not in the source.")
+            a = e.load()
+            got += int(a.nbytes)
+            self.tensors[n] = dense_linear(a) if n in self.linear_names else a
+        return got
+
+    def drop(self, names) -> None:
+        """Forget ``names`` (a lazy model re-reads them on the next :meth:`load`)."""
+        for n in names:
+            self.tensors.pop(n, None)
+
+    def block_tensors(self, i) -> tuple:
+        """``(linear names, other names)`` block ``i``'s forward reads."""
+        return block_tensors(self.family, self.config, i)
 
     def weight_bytes(self) -> int:
         """Bytes of every array the model holds (packed arrays counted as packed)."""
@@ -361,6 +391,29 @@ def _bert_prefix(names) -> str:
                      "checkpoint.")
 
 
+_BERT_LINEAR = ("attention.self.query", "attention.self.key", "attention.self.value",
+                "attention.output.dense", "intermediate.dense", "output.dense")
+
+
+def block_tensors(family, conf, i) -> tuple:
+    """``(linear names, other names)`` of block ``i`` (after :func:`required_tensors`
+    has filled ``conf``): the tensors :func:`opscope_nb.models.bert.block` /
+    :func:`opscope_nb.models.llama.block` read."""
+    if family == "encoder":
+        b = f"{conf['prefix']}encoder.layer.{i}."
+        lin = [b + part + ".weight" for part in _BERT_LINEAR]
+        other = [b + part + ".bias" for part in _BERT_LINEAR]
+        for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
+            other += [b + ln + ".weight", b + ln + ".bias"]
+        return lin, other
+    nm = conf["names"]
+    lin = [nm[r].format(i=i) for r in DECODER_LINEAR]
+    other = [nm["attn_norm"].format(i=i), nm["ffn_norm"].format(i=i)]
+    if conf.get("qkv_bias"):
+        other += [nm[r].format(i=i) for r in ("q_bias", "k_bias", "v_bias")]
+    return lin, other
+
+
 def required_tensors(family, conf, names) -> tuple:
     """``(linear names, other names, optional names)`` the forward reads."""
     lin, other, opt = [], [], []
@@ -371,35 +424,25 @@ def required_tensors(family, conf, names) -> tuple:
                   p + "embeddings.position_embeddings.weight",
                   p + "embeddings.LayerNorm.weight", p + "embeddings.LayerNorm.bias"]
         opt.append(p + "embeddings.token_type_embeddings.weight")
-        for i in range(conf["n_layers"]):
-            b = f"{p}encoder.layer.{i}."
-            for part in ("attention.self.query", "attention.self.key",
-                         "attention.self.value", "attention.output.dense",
-                         "intermediate.dense", "output.dense"):
-                lin.append(b + part + ".weight")
-                other.append(b + part + ".bias")
-            for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
-                other += [b + ln + ".weight", b + ln + ".bias"]
-        return lin, other, opt
-    nm = conf["names"]
-    other += [nm["embed"], nm["out_norm"]]
-    for i in range(conf["n_layers"]):
-        lin += [nm[r].format(i=i) for r in DECODER_LINEAR]
-        other += [nm["attn_norm"].format(i=i), nm["ffn_norm"].format(i=i)]
-        if conf.get("qkv_bias"):
-            other += [nm[r].format(i=i) for r in ("q_bias", "k_bias", "v_bias")]
-    if nm["head"] in names:
-        lin.append(nm["head"])
-        conf["tied"] = False
     else:
-        conf["tied"] = True
+        nm = conf["names"]
+        other += [nm["embed"], nm["out_norm"]]
+        if nm["head"] in names:
+            lin.append(nm["head"])
+            conf["tied"] = False
+        else:
+            conf["tied"] = True
+    for i in range(conf["n_layers"]):
+        bl, bo = block_tensors(family, conf, i)
+        lin += bl
+        other += bo
     return lin, other, opt
 
 
 # --------------------------------------------------------------------------- #
 # loading
 # --------------------------------------------------------------------------- #
-def open_model(source, compressed=None, *, make_progress=None) -> Model:
+def open_model(source, compressed=None, *, make_progress=None, lazy=False) -> Model:
     """Load a model for eval: dense from ``source``, or its compressed checkpoint.
 
     Parameters
@@ -412,6 +455,10 @@ def open_model(source, compressed=None, *, make_progress=None) -> Model:
     make_progress : callable or None
         ``make_progress(n_items, total_work)`` -> a bar with ``show(i, name)`` /
         ``advance(work)`` / ``close()`` for reading the source's tensors.
+    lazy : bool
+        Read no weights now: :meth:`Model.load` / :meth:`Model.drop` bring
+        tensors in and out (one block at a time, see :mod:`opscope_nb.calib`).
+        Only without ``compressed``.
 
     Returns
     -------
@@ -424,6 +471,8 @@ def open_model(source, compressed=None, *, make_progress=None) -> Model:
         or holds one of another shape (a plan for another model).
     """
     family, arch, conf, tok = detect(source)
+    if lazy and compressed is not None:
+        raise ValueError("open_model: lazy=True reads the dense source; give compressed=None.")
     if compressed is None:
         src = tio.open_source(source)
         names = {e.name for e in src.entries}
@@ -435,6 +484,9 @@ def open_model(source, compressed=None, *, make_progress=None) -> Model:
                              f"missing); is this a complete {arch} checkpoint?")
         tensors = {}
         entries = [e for e in src.entries if e.name in want]
+        if lazy:
+            return Model(family, arch, conf, tensors, tok, os.fspath(source),
+                         entries={e.name: e for e in entries}, linear_names=frozenset(lin))
         progress = None if make_progress is None else \
             make_progress(len(entries), sum(e.numel for e in entries))
         for i, e in enumerate(entries):

