@@ -126,7 +126,9 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
         / ``advance(work)`` / ``close()`` (the CLI's stderr bar).
     grams : dict of str -> ndarray, optional
         Calibration grams by tensor name (:func:`opscope_nb.calib.load_grams`),
-        needed by planned ``+gptq`` layers.
+        needed by planned ``+gptq`` layers; or any object with ``get`` (e.g.
+        :class:`opscope_nb.calib.StreamedGrams`; with an ``order_key(name)``
+        the tensors are packed in that order).
     force : bool
         Apply even when a planned tensor's stored bytes differ from the
         fingerprint the plan records (``PlanError`` otherwise).
@@ -184,8 +186,11 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
     skipped, dense_layers, stored_bytes = [], 0, 0
     total = float(sum(e.numel for e in src.entries)) or 1.0
     progress = None if make_progress is None else make_progress(len(src.entries), total)
+    # grams streamed on demand (calib.StreamedGrams) come block by block: go in that order
+    entries = sorted(src.entries, key=lambda e: grams.order_key(e.name)) \
+        if hasattr(grams, "order_key") else src.entries
     try:
-        for i, e in enumerate(src.entries):
+        for i, e in enumerate(entries):
             if progress is not None:
                 progress.show(i, e.name)
             sha[e.name] = e.sha256()       # the stored bytes, as profile.json keys them

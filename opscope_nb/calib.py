@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Calibration", "CalibrationStream", "calibrate", "FULL_MAX_COLS", "save_grams",
+__all__ = ["Calibration", "CalibrationStream", "StreamedGrams", "calibrate", "FULL_MAX_COLS", "save_grams",
            "load_grams", "GramsError", "GramsWriter"]
 
 #: Default ``full_max_cols``: ``None`` keeps the full gram at every width (the
@@ -493,6 +493,42 @@ class CalibrationStream:
                            self.sens_tokens if self._sens_index else 0,
                            dict(self.seconds), self.n_blocks, int(self._peak),
                            self.n_layers, self.n_full)
+
+
+class StreamedGrams:
+    """Grams on demand from a :class:`CalibrationStream`: ``get(name)`` runs the
+    stream up to the block that finishes ``name`` and hands the gram over
+    (each gram once; the grams of wanted layers in blocks already passed wait
+    until taken, all others are dropped as the stream goes).  What ``apply``
+    uses when no ``calib.npz`` was kept.
+
+    Parameters
+    ----------
+    stream : CalibrationStream
+        A fresh stream (its ``on_stage`` is taken over).
+    want : iterable of str
+        The layer names whose grams will be asked for.
+    """
+
+    def __init__(self, stream, want):
+        self.stream, self.want, self.kept = stream, set(want), {}
+        stream.on_stage = self._keep
+
+    def _keep(self, k, grams):
+        self.kept.update({n: g for n, g in grams.items() if n in self.want})
+
+    def get(self, name, default=None):
+        if name not in self.want:
+            return default
+        st = self.stream
+        while name not in self.kept and st.stage < st.n_blocks:
+            st.next_stage()
+        return self.kept.pop(name, default)
+
+    def order_key(self, name):
+        """Sort key putting names in the stream's block order (others last)."""
+        k = self.stream.stage_of(name)
+        return (k is None, k if k is not None else 0)
 
 
 def calibrate(source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS,

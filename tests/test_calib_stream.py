@@ -331,3 +331,33 @@ def test_cli_interrupted_calibration_leaves_no_calib_npz(tmp_path, monkeypatch):
     assert not (out / "calib.npz").exists()
     assert [f for f in os.listdir(out) if f.endswith(".tmp")] == []
     assert len(json.load(open(out / "profile.json"))["layers"]) == 8
+
+
+def test_apply_restreams_grams_when_none_were_kept(tmp_path):
+    """A profile that kept no calib.npz: apply re-runs the calibration block by
+    block and writes the same arrays as apply with the kept grams."""
+    from opscope_nb.checkpoint import load
+    src = str(tmp_path / "m")
+    write_tiny_llama(src, seed=10, n_layers=2, hidden=64, ffn=96)
+    common = ["--calib", "--calib-tokens", "80", "--rank-cap", "4", "--bpw", "4.5",
+              "--objective", "output", "--method", "greedy", "-q"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert _cli("profile", src, *common, "--out", a).returncode == 0
+    r = _cli("profile", src, *common, "--out", b, "--no-keep-grams")
+    assert r.returncode == 0 and "grams not kept" in r.stdout, r.stderr
+    assert (a / "calib.npz").exists() and not (b / "calib.npz").exists()
+    plan = json.load(open(b / "plan.json"))
+    assert plan["calib"]["tokens"] == 80
+    labels = [row["label"] for row in plan["methods"]["greedy"]["layers"]]
+    assert any(lb.endswith("+gptq") for lb in labels), labels
+    ra = _cli("apply", src, a / "plan.json", "-o", tmp_path / "a.safetensors")
+    rb = _cli("apply", src, b / "plan.json", "-o", tmp_path / "b.safetensors")
+    assert ra.returncode == 0 and rb.returncode == 0, rb.stderr
+    assert "re-running the calibration" in rb.stdout
+    la, _ = load(str(tmp_path / "a.safetensors"))
+    lb_, _ = load(str(tmp_path / "b.safetensors"))
+    assert set(la) == set(lb_)
+    for n, v in la.items():
+        va, vb = (v.arrays, lb_[n].arrays) if hasattr(v, "arrays") else ({"": v}, {"": lb_[n]})
+        for k in va:
+            np.testing.assert_array_equal(va[k], vb[k], err_msg=f"{n}:{k}")

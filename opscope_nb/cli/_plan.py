@@ -261,10 +261,11 @@ def budget_text(spec: dict, layers) -> str:
     return text
 
 
-def plan_dict(layers, allocs: dict, spec, source=None) -> dict:
+def plan_dict(layers, allocs: dict, spec, source=None, calib=None) -> dict:
     """The ``plan.json`` document: each method's :meth:`Allocation.to_dict` (with
     per-layer rows, latencies and totals), its seconds and its gap against the
-    run's best bound."""
+    run's best bound; ``calib`` (the profile's calibration settings) lets
+    ``apply`` re-run the calibration when no ``calib.npz`` was kept."""
     if not isinstance(spec, dict):
         spec = {"budget_frac": float(spec)}
     dense = int(sum(int(lp.dense_bytes) for lp in layers))
@@ -287,6 +288,9 @@ def plan_dict(layers, allocs: dict, spec, source=None) -> dict:
            "methods": {}}
     if source is not None:
         doc["source"] = source
+    if calib:
+        doc["calib"] = {k: calib.get(k) for k in ("text", "max_tokens", "tokens",
+                                                   "full_max_cols") if k in calib}
     for m, (a, sec) in allocs.items():
         d = a.to_dict(layers)
         d["seconds"] = sec

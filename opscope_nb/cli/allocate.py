@@ -33,7 +33,8 @@ def run(args) -> int:
     if args.out:
         out = ensure_outdir(args.out)
         p = os.path.join(out, "plan.json")
-        write(p, json_text(plan_dict(layers, allocs, spec, doc.get("source"))))
+        write(p, json_text(plan_dict(layers, allocs, spec, doc.get("source"),
+                                            (doc.get("settings") or {}).get("calib"))))
         print(f"wrote {p}")
     if args.tensor_type_file:
         m = "exact" if "exact" in allocs else next(iter(allocs))

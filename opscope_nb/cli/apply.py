@@ -14,6 +14,7 @@ the command (``OUT.txt.cmd``)."""
 from __future__ import annotations
 
 import os
+import sys
 
 from ._common import CliError, Progress, first_run_notice, fmt_bytes, progress_enabled
 from ._ggml import add_tensor_type_arg, imatrix_of, profile_doc_near, write_type_file
@@ -42,6 +43,33 @@ def add_parser(sub) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     add_tensor_type_arg(p)
     p.set_defaults(func=run)
+
+
+def _restream(args, calib, want):
+    """The plan's calibration run again (same text and token cap, no
+    sensitivity), streamed block by block, handing each wanted gram to
+    ``apply`` as its block finishes -- for profiles that kept no calib.npz."""
+    from ..calib import CalibrationStream, StreamedGrams
+    from ..models import ModelError, UnsupportedModelError
+    text = calib.get("text")
+    if text is not None and not os.path.exists(text):
+        raise CliError(f"{args.plan}: its calibration text {text} is gone and there is no "
+                       f"calib.npz; give --grams FILE or restore the text.")
+    show = progress_enabled(args)
+    try:
+        st = CalibrationStream(args.source, text=text, max_tokens=calib.get("max_tokens"),
+                               full_max_cols=calib.get("full_max_cols"), sensitivity=False,
+                               log=(lambda m: print(m, file=sys.stderr, flush=True)) if show
+                               else (lambda m: None))
+    except (ModelError, UnsupportedModelError, ValueError) as exc:
+        raise CliError(f"{args.plan}: cannot re-run its calibration on {args.source}: "
+                       f"{exc}") from None
+    if calib.get("tokens") is not None and int(calib["tokens"]) != st.tokens:
+        raise CliError(f"{args.plan}: calibrated on {calib['tokens']} tokens, the text now "
+                       f"gives {st.tokens}; give --grams FILE (the profile's calib.npz).")
+    print(f"no calib.npz: re-running the calibration ({st.n_blocks} blocks, {st.tokens} "
+          f"tokens, streamed) for the grams of {len(want)} layer(s)", flush=True)
+    return StreamedGrams(st, want)
 
 
 def _imatrix_grams(plan_path, names):
@@ -84,15 +112,18 @@ def run(args) -> int:
     gpath = args.grams or os.path.join(os.path.dirname(os.path.abspath(args.plan)),
                                        "calib.npz")
     try:
-        _, plan, _ = read_plan(args.plan, args.method)
+        _, plan, pdoc = read_plan(args.plan, args.method)
     except PlanError as exc:
         raise CliError(str(exc)) from None
     need = sorted(n for n, (d, _) in plan.items() if d.rounding is not None)
+    calib = pdoc.get("calib") if isinstance(pdoc.get("calib"), dict) else None
     # ggml types take the gram's diagonal as importance when there is one
     want = sorted(n for n, (d, _) in plan.items() if d.rounding is not None
-                  or (d.kind == "ggml" and os.path.exists(gpath)))
+                  or (d.kind == "ggml" and (os.path.exists(gpath) or calib)))
     grams = None
-    if want:          # only a plan with +gptq (or ggml) layers reads grams, only theirs
+    if want and not os.path.exists(gpath) and args.grams is None and calib is not None:
+        grams = _restream(args, calib, want)
+    elif want:        # only a plan with +gptq (or ggml) layers reads grams, only theirs
         if need and not os.path.exists(gpath):
             raise CliError(f"{args.plan}: {len(need)} +gptq layer(s) (e.g. {need[0]}) need "
                            f"calibration grams; no {gpath} (give --grams FILE).")

@@ -59,6 +59,11 @@ def add_parser(sub) -> None:
                    help="with --calib: measure each profiled layer's sensitivity (one "
                         "perturbed forward from its block on; default: on for --objective "
                         "sensitivity/auto, off for output/weight)")
+    c.add_argument("--keep-grams", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --calib --out: write the profiled layers' grams to "
+                        "DIR/calib.npz for 'apply' (default: when they take at most "
+                        f"{KEEP_GRAMS_MAX >> 30} GiB; otherwise 'apply' re-runs the "
+                        "calibration, streamed, for the +gptq layers it packs)")
     c.add_argument("--calib-diag-above", type=positive_int, default=None, metavar="COLS",
                    help="with --calib: keep only diag(H) for layers with more than COLS "
                         "inputs (less memory, no +gptq there; default: full grams at "
@@ -80,6 +85,10 @@ def add_parser(sub) -> None:
                    help="use a running Dask cluster: tcp://host:8786, tls://..., or a "
                         "scheduler file; every worker must see SOURCE at the same path")
     p.set_defaults(func=run)
+
+
+#: Largest calib.npz (float64 grams of the profiled layers) written by default.
+KEEP_GRAMS_MAX = 2 << 30
 
 
 def _ggml_types(args):
@@ -121,9 +130,9 @@ def _calibration(args, src, chosen, kw, dist):
     memory.  Sensitivities come at the end (:func:`_finish_calibration`)."""
     if not args.calib and not args.imatrix:
         if args.calib_text or args.calib_tokens or args.sensitivity is not None \
-                or args.calib_diag_above is not None:
-            raise CliError("--calib-text/--calib-tokens/--sensitivity/--calib-diag-above "
-                           "need --calib.")
+                or args.calib_diag_above is not None or args.keep_grams is not None:
+            raise CliError("--calib-text/--calib-tokens/--sensitivity/--calib-diag-above/"
+                           "--keep-grams need --calib.")
         if getattr(args, "objective", "auto") not in ("weight", "auto"):
             warn(f"--objective {args.objective} without --calib/--imatrix: no layer has "
                  f"out_err, every layer uses its squared weight error (sum of rel_err^2).")
@@ -157,15 +166,26 @@ def _calibration(args, src, chosen, kw, dist):
                      "no sensitivity")
         print(f"calibration: {stream.n_blocks} blocks streamed one at a time, "
               f"{stream.tokens} tokens; {sens_text}", flush=True)
-        rec = {"text": args.calib_text, "max_tokens": args.calib_tokens,
-               "tokens": stream.tokens, "metric": stream.metric, "eps": stream.eps,
+        rec = {"text": os.path.abspath(args.calib_text) if args.calib_text else None,
+               "max_tokens": args.calib_tokens, "tokens": stream.tokens, "metric": stream.metric, "eps": stream.eps,
                "sens_tokens": stream.sens_tokens if ns else 0, "sensitivity": bool(ns),
                "full_max_cols": args.calib_diag_above}
         # profile in block order: each block's grams are needed once, then dropped
         chosen.sort(key=lambda e: (stream.stage_of(e.name) is None,
                                    stream.stage_of(e.name) or 0))
         stream.writer = None
-        if args.out:
+        # float64 bytes of the grams to keep (shared q/k/v inputs counted per layer:
+        # an upper bound)
+        cols = {e.name: int(e.shape[1]) for e in chosen if len(e.shape) == 2
+                and stream.stage_of(e.name) is not None}
+        est = sum(8 * (c if args.calib_diag_above and c > args.calib_diag_above else c * c)
+                  for c in cols.values())
+        keep = args.keep_grams if args.keep_grams is not None else est <= KEEP_GRAMS_MAX
+        if args.out and not keep:
+            print(f"calibration: grams not kept (up to {fmt_bytes(est)}; --keep-grams keeps "
+                  f"them): 'apply' re-runs the calibration for the +gptq layers it packs",
+                  flush=True)
+        if args.out and keep:
             from ..calib import GramsWriter
             stream.writer = GramsWriter(os.path.join(ensure_outdir(args.out), "calib.npz"))
             stream.on_stage = lambda k, g: stream.writer.add(
@@ -463,7 +483,8 @@ def _report(st, records, layers, reused, skipped, n_skip_load, t_start, args):
                                                skipped, t_start, True)))
         fp = {r["name"]: r["sha256"] for r in records if r.get("sha256")}
         write(os.path.join(out, "plan.json"),
-              json_text(plan_dict(layers, allocs, spec, dict(st["source"], sha256=fp))))
+              json_text(plan_dict(layers, allocs, spec, dict(st["source"], sha256=fp),
+                                 st["settings"].get("calib"))))
         write(os.path.join(out, "options.csv"), options_csv(layers))
         print(f"wrote {prof_path}, plan.json, options.csv")
 
