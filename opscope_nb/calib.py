@@ -217,6 +217,7 @@ class CalibrationStream:
     def __init__(self, source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS,
                  sensitivity=True, eps=0.05, seed=0, sens_tokens=256, act="f32",
                  batch=32, window=256, log=None):
+        from .data import TEXT_KEYWORDS
         from .models import open_model
         from .models.evaluate import load_passages
         if not (isinstance(eps, (int, float)) and np.isfinite(eps) and eps > 0):
@@ -264,7 +265,9 @@ class CalibrationStream:
         self._stem = self._peak = m.load(stem)
         passages = load_passages(text)
         if self.family == "encoder":
-            self._setup_encoder(passages, text is None, max_tokens, sens_tokens, batch)
+            # the built-in texts are prose passages: encoders take their sentences
+            self._setup_encoder(passages, text is None or text in TEXT_KEYWORDS, max_tokens,
+                                sens_tokens, batch)
         else:
             self._setup_decoder(passages, max_tokens, sens_tokens, window)
         # every stage from the layer's own to the head (included)

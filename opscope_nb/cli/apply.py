@@ -51,8 +51,9 @@ def _restream(args, calib, want):
     ``apply`` as its block finishes -- for profiles that kept no calib.npz."""
     from ..calib import CalibrationStream, StreamedGrams
     from ..models import ModelError, UnsupportedModelError
+    from ..data import TEXT_KEYWORDS
     text = calib.get("text")
-    if text is not None and not os.path.exists(text):
+    if text is not None and text not in TEXT_KEYWORDS and not os.path.exists(text):
         raise CliError(f"{args.plan}: its calibration text {text} is gone and there is no "
                        f"calib.npz; give --grams FILE or restore the text.")
     show = progress_enabled(args)

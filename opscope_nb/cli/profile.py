@@ -50,9 +50,11 @@ def add_parser(sub) -> None:
                    help="run the dense model on calibration text: per-layer input grams "
                         "H = sum x x^T (out_err per option, +gptq options), per-layer "
                         "sensitivity; grams saved to DIR/calib.npz for 'apply'")
-    c.add_argument("--calib-text", metavar="FILE", default=None,
-                   help="calibration text, one passage per line (default: the built-in "
-                        "sample: 2545 MiniLM tokens in its sentences)")
+    c.add_argument("--calib-text", metavar="FILE|sample|builtin", default=None,
+                   help="calibration text: a file, one passage per line; 'sample' (the "
+                        "default: 2545 MiniLM tokens of 19th-century prose); 'builtin' "
+                        "(~400 k characters of prose from this Python's standard-library "
+                        "docstrings, no download)")
     c.add_argument("--calib-tokens", type=positive_int, default=None, metavar="N",
                    help="cap on calibration tokens (default: all of the text)")
     c.add_argument("--sensitivity", action=argparse.BooleanOptionalAction, default=None,
@@ -166,7 +168,9 @@ def _calibration(args, src, chosen, kw, dist):
                      "no sensitivity")
         print(f"calibration: {stream.n_blocks} blocks streamed one at a time, "
               f"{stream.tokens} tokens; {sens_text}", flush=True)
-        rec = {"text": os.path.abspath(args.calib_text) if args.calib_text else None,
+        from ..data import TEXT_KEYWORDS
+        rec = {"text": os.path.abspath(args.calib_text)
+               if args.calib_text and args.calib_text not in TEXT_KEYWORDS else args.calib_text,
                "max_tokens": args.calib_tokens, "tokens": stream.tokens, "metric": stream.metric, "eps": stream.eps,
                "sens_tokens": stream.sens_tokens if ns else 0, "sensitivity": bool(ns),
                "full_max_cols": args.calib_diag_above}

@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from .._fs import peak_rss_mb
+from ..data import TEXT_KEYWORDS
 from .loader import ModelError, open_model
 
 __all__ = ["evaluate", "load_passages", "JSON_KEYS", "kl_stats", "cosine"]
@@ -41,16 +42,28 @@ JSON_KEYS = ("family", "tokens", "dense_weight_bytes", "compressed_weight_bytes"
 
 
 def load_passages(text=None) -> list:
-    """Passages to evaluate: non-empty lines of ``text`` (a path), else the built-in sample.
+    """Passages: non-empty lines of ``text`` (a path); ``None`` or ``"sample"``
+    the built-in sample; ``"builtin"`` the larger built-in set
+    (:func:`opscope_nb.data.builtin_passages`, the standard library's prose
+    docstrings).  The keywords win over a file of that name (write
+    ``./sample`` for the file).
 
     Raises
     ------
     ModelError
-        The file is missing, unreadable or has no non-blank line.
+        The file is missing, unreadable or has no non-blank line; ``builtin``
+        on an installation without the standard library's sources.
     """
-    if text is None:
+    if text is None or text == "sample":
         from ..data import sample_passages
         return sample_passages()
+    if text == "builtin":
+        from ..data import builtin_passages
+        got = list(builtin_passages())
+        if not got:
+            raise ModelError("--calib-text builtin: this Python has no standard-library "
+                             "sources to read; give a text file.")
+        return got
     path = os.fspath(text)
     try:
         with open(path, encoding="utf-8") as f:
@@ -193,8 +206,8 @@ def evaluate(source, compressed=None, *, text=None, act="f32", max_tokens=None,
                compressed_weight_bytes=None if comp is None else comp.weight_bytes(),
                load_seconds=load_s)
     if dense.family == "encoder":
-        _eval_encoder(res, dense, comp, passages, text is None, act, speed_act,
-                      max_tokens, mk)
+        _eval_encoder(res, dense, comp, passages, text is None or text in TEXT_KEYWORDS, act,
+                      speed_act, max_tokens, mk)
     else:
         _eval_decoder(res, dense, comp, passages, act, speed_act, max_tokens,
                       decode_steps, prompt_tokens, window, mk)
