@@ -361,3 +361,25 @@ def test_apply_restreams_grams_when_none_were_kept(tmp_path):
         va, vb = (v.arrays, lb_[n].arrays) if hasattr(v, "arrays") else ({"": v}, {"": lb_[n]})
         for k in va:
             np.testing.assert_array_equal(va[k], vb[k], err_msg=f"{n}:{k}")
+
+
+def test_builtin_text_is_prose_deterministic_and_selectable(tmp_path):
+    from opscope_nb.data import TEXT_KEYWORDS, builtin_passages, sample_passages
+    from opscope_nb.models.evaluate import load_passages
+    p = builtin_passages()
+    assert len(p) > 500 and 300_000 <= sum(map(len, p)) <= 402_000
+    assert len(set(x.lower() for x in p)) == len(p)               # deduplicated
+    assert all(">>>" not in x and "\n" not in x and x[-1] in ".!?" for x in p)
+    assert builtin_passages.__wrapped__(50_000) == p[:len(builtin_passages.__wrapped__(50_000))]
+    assert load_passages("builtin") == list(p) and load_passages("sample") == sample_passages()
+    assert load_passages(None) == sample_passages() and TEXT_KEYWORDS == ("sample", "builtin")
+    f = tmp_path / "t.txt"
+    f.write_text("one\n\n two \n", encoding="utf-8")
+    assert load_passages(str(f)) == ["one", "two"]
+
+
+def test_calibrate_on_builtin_text_caps_tokens(tmp_path):
+    from opscope_nb.calib import calibrate
+    write_tiny_llama(str(tmp_path), seed=3, n_layers=1)
+    c = calibrate(str(tmp_path), text="builtin", max_tokens=700, sensitivity=False)
+    assert c.tokens == 700 and c.full_grams == c.layers == 8
