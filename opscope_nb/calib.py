@@ -22,10 +22,10 @@ instead of ``H`` above ``full_max_cols`` inputs is an explicit choice
 (default: never).
 
 Sensitivity (``d metric / d out_err**2``, one layer at a time): for each layer
-asked for, its output ``y = x Wᵀ`` (before the bias) gets Gaussian noise of
-relative size ``eps`` (``eps * rms(y) * z``, ``z`` from an explicit seed), the
-model's final output is compared with the clean one and ``sensitivity =
-metric / eps**2`` -- encoders: mean over texts of ``1 - cos`` of the pooled
+asked for, its weight gets a Gaussian perturbation ``s Z`` (``Z`` from an
+explicit seed, the same for every token), ``s`` making the output error
+``||x (sZ)ᵀ|| / ||x Wᵀ|| = eps`` on the sensitivity tokens; the model's final
+output is compared with the clean one and ``sensitivity = metric / eps**2`` -- encoders: mean over texts of ``1 - cos`` of the pooled
 embeddings; decoders: mean next-token ``KL(clean || perturbed)``.  For a small
 error both metrics are quadratic in the output error, so ``sensitivity *
 out_err**2`` predicts the metric a quantised layer costs.  A perturbed forward
@@ -80,6 +80,13 @@ class Calibration:
         plus one block.
     layers, full_grams : int
         Grams recorded (by layer name) and how many of them are full.
+    validation : dict of str -> dict
+        Per plan given to the stream: ``metric`` (``"1-cos"`` / ``"kl"``),
+        ``measured`` (its mean on the validation part), ``cosine`` or
+        ``top1``, ``tokens``.
+    val_tokens : int
+        Tokens held out for validation (none of them in the grams or the
+        sensitivity forwards).
     """
 
     grams: dict
@@ -93,6 +100,8 @@ class Calibration:
     peak_block_bytes: int = 0
     layers: int = 0
     full_grams: int = 0
+    validation: dict = field(default_factory=dict)
+    val_tokens: int = 0
 
     def summary(self) -> dict:
         """JSON-ready facts (no arrays)."""
@@ -115,7 +124,7 @@ class _Recorder:
         self.prev_x = None
         self.prev_name = None
         self.on = True
-        self.perturb = None  # (name, eps, rng)
+        self.perturb = None  # (name, eps, rng, state): see _Tap
 
     def observe(self, name, x):
         if not self.on:
@@ -151,7 +160,17 @@ class _Recorder:
 
 
 class _Tap:
-    """Wraps a ``PackedLinear``: records its input, optionally perturbs its output."""
+    """Wraps a ``PackedLinear``: records its input, optionally perturbs its weight.
+
+    The sensitivity probe adds ``s Z`` to the weight (``Z`` ``[out, in]``
+    standard normal from the layer's generator, one draw for every token and
+    chunk), ``s`` set on the first chunk so that the output error is ``eps``
+    of the output (``||x (sZ)ᵀ|| = eps ||x Wᵀ||`` over its real rows):
+    ``out_err = eps`` measured on the sensitivity tokens.  A weight error,
+    like a quantisation error, moves every token's output the same way; iid
+    noise on the outputs instead averages away under mean pooling and makes
+    the last layers look harmless (review finding 6a).
+    """
 
     def __init__(self, inner, name, rec):
         self._inner, self._name, self._rec = inner, name, rec
@@ -164,9 +183,20 @@ class _Tap:
         y = self._inner(x, act=act)
         p = self._rec.perturb
         if p is not None and p[0] == self._name:
-            _, eps, rng = p
-            rms = float(np.sqrt(np.mean(np.square(y, dtype=np.float64))))
-            y = (y + (eps * rms) * rng.standard_normal(y.shape)).astype(np.float32)
+            _, eps, rng, state = p
+            x2 = x.reshape(-1, x.shape[-1])
+            y2 = y.reshape(-1, y.shape[-1])
+            if "z" not in state:
+                state["z"] = rng.standard_normal((y2.shape[1], x2.shape[1]),
+                                                 dtype=np.float32)
+            dy = x2 @ state["z"].T
+            if "s" not in state:
+                rows = self._rec.rows
+                sel = rows if rows is not None and rows.shape[0] == x2.shape[0] else slice(None)
+                num = float(np.linalg.norm(y2[sel].astype(np.float64)))
+                den = float(np.linalg.norm(dy[sel].astype(np.float64)))
+                state["s"] = eps * num / den if den > 0 else 0.0
+            y = (y2 + np.float32(state["s"]) * dy).astype(np.float32).reshape(y.shape)
         return y
 
 
@@ -197,6 +227,17 @@ class CalibrationStream:
         (``False``), or the named ones.
     eps, seed, sens_tokens, act, batch, window, log
         As :func:`calibrate`.
+    validate : float
+        Fraction of the text held out (seeded by ``split_seed``): encoder
+        sentences or passages, decoder passages; the grams and sensitivities
+        come from the rest.  ``max_tokens`` caps each part.
+    split_seed : int
+    plans : dict of str -> dict of str -> Decomp, optional
+        Plans to measure on the held-out part (needs ``validate > 0``): in the
+        same sweep, each block's planned layers are packed as the plan says
+        (``+gptq`` from that block's grams) and the plan's activations go
+        through them next to the dense ones; :attr:`validation` (and
+        :attr:`Calibration.validation`) get each plan's metric.
 
     Attributes
     ----------
@@ -216,7 +257,7 @@ class CalibrationStream:
 
     def __init__(self, source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS,
                  sensitivity=True, eps=0.05, seed=0, sens_tokens=256, act="f32",
-                 batch=32, window=256, log=None):
+                 batch=32, window=256, log=None, validate=0.0, split_seed=0, plans=None):
         from .data import TEXT_KEYWORDS
         from .models import open_model
         from .models.evaluate import load_passages
@@ -228,6 +269,12 @@ class CalibrationStream:
             raise ValueError(f"max_tokens must be >= 2; got {max_tokens!r}.")
         if int(sens_tokens) < 2:
             raise ValueError(f"sens_tokens must be >= 2; got {sens_tokens!r}.")
+        if not (isinstance(validate, (int, float)) and 0.0 <= float(validate) < 1.0):
+            raise ValueError(f"validate must be a fraction in [0, 1); got {validate!r}.")
+        self.validate, self.split_seed = float(validate), int(split_seed)
+        self.plans = {str(k): dict(v) for k, v in (plans or {}).items()}
+        if self.plans and not self.validate:
+            raise ValueError("plans are measured on the validation part: give validate > 0.")
         self.log = log if log is not None else (_stderr_log if sys.stderr.isatty()
                                                 else (lambda s: None))
         t0 = time.perf_counter()
@@ -272,6 +319,10 @@ class CalibrationStream:
             self._setup_decoder(passages, max_tokens, sens_tokens, window)
         # every stage from the layer's own to the head (included)
         self.sens_block_forwards = sum(self.n_blocks + 1 - self._order[n] for n in sens)
+        self._val_dense = None           # dense validation activations per chunk
+        self._val_states = {}            # plan -> its validation activations per chunk
+        #: plan -> measured metric on the validation part (after the head stage)
+        self.validation = {}
         self._sens_clean = None          # clean sensitivity activations per chunk
         self._sens_states = {}           # layer name -> perturbed activations per chunk
         self._sens = {}
@@ -283,14 +334,28 @@ class CalibrationStream:
         self.n_full = 0
 
     # ---- per family ------------------------------------------------------ #
+    def _split(self, items):
+        """``(fit, validation)``: a seeded choice of ``ceil(validate * n)`` items
+        (at least one, leaving at least one) held out, both in text order."""
+        n = len(items)
+        if not self.validate or n < 2:
+            return list(items), []
+        k = min(n - 1, max(1, int(np.ceil(self.validate * n))))
+        held = set(np.random.default_rng(self.split_seed).choice(n, k, replace=False).tolist())
+        return ([x for i, x in enumerate(items) if i not in held],
+                [x for i, x in enumerate(items) if i in held])
+
     def _setup_encoder(self, passages, builtin, max_tokens, sens_tokens, batch):
         from .models import bert
         from .models.evaluate import _sentences
         m = self.model
-        texts = _sentences(passages) if builtin else list(passages)
-        lens = [min(len(m.tokenizer.encode(t).ids), m.config["max_seq_len"]) for t in texts]
+        fit_texts, val_texts = self._split(_sentences(passages) if builtin else list(passages))
 
-        def cap(n):
+        def cap(texts, n):
+            lens = [min(len(m.tokenizer.encode(t).ids), m.config["max_seq_len"])
+                    for t in texts]
+            if n is None:
+                return list(texts), sum(lens)
             keep, tot = [], 0
             for t, k in zip(texts, lens):
                 if keep and tot + k > n:
@@ -299,9 +364,10 @@ class CalibrationStream:
                 tot += k
             return keep, tot
 
-        cal, ntok = cap(max_tokens) if max_tokens is not None else (texts, sum(lens))
-        sens_texts, nsens = cap(int(sens_tokens) if max_tokens is None
+        cal, ntok = cap(fit_texts, max_tokens)
+        sens_texts, nsens = cap(fit_texts, int(sens_tokens) if max_tokens is None
                                 else min(int(sens_tokens), int(max_tokens)))
+        val, nval = cap(val_texts, max_tokens)
 
         def chunks(ts):
             out = []
@@ -313,25 +379,34 @@ class CalibrationStream:
 
         self._cal = chunks(cal)
         self._sens_chunks = chunks(sens_texts) if self._sens_index else []
-        self.tokens, self.sens_tokens = int(ntok), int(nsens)
+        self._val_chunks = chunks(val) if self.plans else []
+        self.tokens, self.sens_tokens, self.val_tokens = int(ntok), int(nsens), int(nval)
 
     def _setup_decoder(self, passages, max_tokens, sens_tokens, window):
         from .models import llama
         m = self.model
         cfg = m.config
-        ids = list(m.tokenizer.encode("\n".join(passages)).ids)
-        if cfg.get("add_bos") and cfg.get("bos") is not None:
-            ids = [int(cfg["bos"])] + ids
-        if max_tokens is not None:
-            ids = ids[:int(max_tokens)]
-        ids = np.asarray(ids, dtype=np.int64)
+
+        def tokens(ps):
+            ids = list(m.tokenizer.encode("\n".join(ps)).ids) if ps else []
+            if ids and cfg.get("add_bos") and cfg.get("bos") is not None:
+                ids = [int(cfg["bos"])] + ids
+            if max_tokens is not None:
+                ids = ids[:int(max_tokens)]
+            return np.asarray(ids, dtype=np.int64)
+
+        fit_p, val_p = self._split(list(passages))
+        ids, vids = tokens(fit_p), tokens(val_p)
         window = int(min(window, cfg.get("context", window)))
         sens_ids = ids[:max(2, min(int(sens_tokens), len(ids), window))]
         self._cal = [{"x": llama.embed_tokens(m, ids[s:s + window]), "rows": None}
                      for s in range(0, len(ids), window)]
         self._sens_chunks = [{"x": llama.embed_tokens(m, sens_ids), "rows": None}] \
             if self._sens_index else []
-        self.tokens, self.sens_tokens = int(len(ids)), int(len(sens_ids))
+        self._val_chunks = [{"x": llama.embed_tokens(m, vids[s:s + window]), "rows": None}
+                            for s in range(0, len(vids), window)] if self.plans else []
+        self.tokens, self.sens_tokens, self.val_tokens = (int(len(ids)), int(len(sens_ids)),
+                                                          int(len(vids)))
         self._ctx = {}
 
     def _block(self, i, c, x):
@@ -376,7 +451,7 @@ class CalibrationStream:
     def _perturbed(self, name, fn, xs):
         """``fn`` over the sensitivity chunks with ``name``'s output perturbed."""
         rng = np.random.default_rng([self.seed, self._sens_index[name]])
-        self.rec.perturb = (name, self.eps, rng)
+        self.rec.perturb = (name, self.eps, rng, {})
         try:
             return self._run_chunks(fn, self._sens_chunks, xs)
         finally:
@@ -424,7 +499,12 @@ class CalibrationStream:
         self.seconds["grams"] += t2 - t1
         if self._sens_chunks:
             self._sens_stage(k, fn, lin)
-        self.seconds["sensitivity"] += time.perf_counter() - t2
+        t3 = time.perf_counter()
+        self.seconds["sensitivity"] += t3 - t2
+        if self._val_chunks:
+            self._val_stage(k, fn, lin, grams, tied)
+            self.seconds["validation"] = self.seconds.get("validation", 0.0) + \
+                time.perf_counter() - t3
         if tied:
             m.extras.pop("head", None)
         else:
@@ -463,6 +543,61 @@ class CalibrationStream:
                 self._sens[n] = self._distance(self._sens_clean, outs) / self.eps ** 2
             self._sens_states = {}
 
+    def _val_stage(self, k, fn, lin, grams, tied):
+        """Advance the dense and every plan's validation activations through
+        stage ``k``; each plan runs with its layers of this stage packed as it
+        says (``+gptq`` from this stage's grams).  At the head, the metrics."""
+        from ._runtime import PackedLinear
+        m = self.model
+        if self._val_dense is None:
+            self._val_dense = [c["x"] for c in self._val_chunks]
+            self._val_states = {p: list(self._val_dense) for p in self.plans}
+        packed = {}
+        for p, plan in self.plans.items():
+            swaps = {}
+            for n in lin:
+                d = plan.get(n)
+                if d is None or d.kind == "dense":
+                    continue
+                key = (n, repr(d))
+                if key not in packed:
+                    lay = m.extras["head"] if tied else m.tensors[n]
+                    w = np.asarray(lay._inner.arrays["w"], dtype=np.float32)
+                    packed[key] = PackedLinear.pack(w, d, gram=grams.get(n))
+                swaps[n] = packed[key]
+            saved = {}
+            for n, lay in swaps.items():
+                if tied:
+                    saved[n], m.extras["head"] = m.extras["head"], lay
+                else:
+                    saved[n], m.tensors[n] = m.tensors[n], lay
+            try:
+                self._val_states[p] = self._run_chunks(fn, self._val_chunks,
+                                                       self._val_states[p])
+            finally:
+                for n, lay in saved.items():
+                    if tied:
+                        m.extras["head"] = lay
+                    else:
+                        m.tensors[n] = lay
+        self._val_dense = self._run_chunks(fn, self._val_chunks, self._val_dense)
+        if k == self.n_blocks:
+            from .models.evaluate import cosine, kl_stats
+            for p, outs in self._val_states.items():
+                if self.family == "encoder":
+                    cos = cosine(np.concatenate(self._val_dense), np.concatenate(outs))
+                    self.validation[p] = {"metric": "1-cos", "measured": float(np.mean(1 - cos)),
+                                          "cosine": float(np.mean(cos)),
+                                          "tokens": self.val_tokens}
+                else:
+                    st = [kl_stats(a, b) for a, b in zip(self._val_dense, outs)]
+                    kl = np.concatenate([x[0] for x in st])
+                    agree = np.concatenate([x[1] for x in st])
+                    self.validation[p] = {"metric": "kl", "measured": float(kl.mean()),
+                                          "top1": float(agree.mean()),
+                                          "tokens": self.val_tokens}
+            self._val_states = {}
+
     def __iter__(self):
         while True:
             r = self.next_stage()
@@ -489,13 +624,15 @@ class CalibrationStream:
         """Run the remaining stages (``rest=False``: only while a sensitivity
         sweep still needs them -- the caller wants no more grams); the
         :class:`Calibration` with ``grams`` as given."""
-        while self.stage < self.n_blocks and (rest or self._pending or self._sens_states):
+        while self.stage < self.n_blocks and (rest or self._pending or self._sens_states
+                                              or self._val_chunks):
             self.next_stage()
         return Calibration(grams if grams is not None else {}, self.tokens, dict(self._sens),
                            self.metric, self.eps,
                            self.sens_tokens if self._sens_index else 0,
                            dict(self.seconds), self.n_blocks, int(self._peak),
-                           self.n_layers, self.n_full)
+                           self.n_layers, self.n_full, dict(self.validation),
+                           self.val_tokens if self.validate else 0)
 
 
 class StreamedGrams:

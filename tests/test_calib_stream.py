@@ -173,7 +173,7 @@ def test_sensitivity_only_where_asked_and_same_as_all(tmp_path):
 
 def test_sensitivity_equals_a_whole_model_perturbed_forward(tmp_path):
     """The perturbed run that starts at its block's cached input equals the
-    whole-model forward with the same noise on that layer's output."""
+    whole-model forward with the same weight perturbation on that layer."""
     from opscope_nb.calib import calibrate
     from opscope_nb.models import llama, open_model
     from opscope_nb.models.evaluate import kl_stats, load_passages
@@ -188,15 +188,20 @@ def test_sensitivity_equals_a_whole_model_perturbed_forward(tmp_path):
     # layer index in block order: block 1, role "up" (q k v o gate up down)
     rng = np.random.default_rng([7, 7 + 5])
 
+    w = np.asarray(inner.arrays["w"], dtype=np.float64)
+    z = rng.standard_normal(w.shape, dtype=np.float32)
+
     def noisy(x, act="auto"):
-        y = inner(x, act=act)
-        rms = float(np.sqrt(np.mean(np.square(y, dtype=np.float64))))
-        return (y + (0.05 * rms) * rng.standard_normal(y.shape)).astype(np.float32)
+        # W + s Z with ||x (sZ)ᵀ|| = 0.05 ||x Wᵀ||: out_err exactly 0.05 here
+        x64 = x.astype(np.float64)
+        dy = x64 @ z.T.astype(np.float64)
+        s = 0.05 * np.linalg.norm(x64 @ w.T) / np.linalg.norm(dy)
+        return (inner(x, act=act) + s * dy).astype(np.float32)
 
     m.tensors[name] = noisy
     pert = llama.forward(m, ids, llama.KVCache(m.config, 30), act="f32")
     want = float(kl_stats(clean, pert)[0].mean()) / 0.05 ** 2
-    assert c.sensitivity[name] == pytest.approx(want, rel=1e-6)
+    assert c.sensitivity[name] == pytest.approx(want, rel=1e-4)
 
 
 def test_wide_model_gets_full_grams_and_gptq(tmp_path):
@@ -383,3 +388,87 @@ def test_calibrate_on_builtin_text_caps_tokens(tmp_path):
     write_tiny_llama(str(tmp_path), seed=3, n_layers=1)
     c = calibrate(str(tmp_path), text="builtin", max_tokens=700, sensitivity=False)
     assert c.tokens == 700 and c.full_grams == c.layers == 8
+
+
+def test_validation_split_and_plan_measurement(tmp_path):
+    """Held-out part: disjoint from the fitting part, seeded; a plan with no
+    packed layer measures exactly 0, more bits measure less damage, and the
+    measurement equals a whole-model forward of the packed model on the
+    held-out text."""
+    from opscope_nb.calib import CalibrationStream
+    from opscope_nb.mining import Decomp
+    write_tiny_llama(str(tmp_path), seed=12, n_layers=2, hidden=64, ffn=96)
+    names = [f"model.layers.{i}.{r}" for i in range(2)
+             for r in ("self_attn.o_proj.weight", "mlp.down_proj.weight")]
+    plans = {"none": {}, "int8": {n: Decomp.from_label("int8/chan") for n in names},
+             "int3": {n: Decomp.from_label("int3/g32") for n in names}}
+    a = CalibrationStream(str(tmp_path), validate=0.25, split_seed=3, plans=plans,
+                          sensitivity=False).result()
+    whole = CalibrationStream(str(tmp_path), sensitivity=False)
+    assert a.val_tokens > 0 and a.tokens + a.val_tokens <= whole.tokens + 2
+    v = a.validation
+    assert v["none"]["measured"] == 0.0 and v["none"]["top1"] == 1.0
+    assert 0 < v["int8"]["measured"] < v["int3"]["measured"]
+    b = CalibrationStream(str(tmp_path), validate=0.25, split_seed=3, plans=plans,
+                          sensitivity=False).result()
+    assert b.validation == v                                  # seeded
+    c = CalibrationStream(str(tmp_path), validate=0.25, split_seed=4, sensitivity=False)
+    assert c.tokens != a.tokens or c.val_tokens != a.val_tokens  # another split
+    with pytest.raises(ValueError, match="validate"):
+        CalibrationStream(str(tmp_path), plans=plans)
+    with pytest.raises(ValueError, match="validate"):
+        CalibrationStream(str(tmp_path), validate=1.0)
+
+
+def test_validation_equals_the_packed_whole_model(tmp_path):
+    """The streamed measurement of a plan = the KL of a whole-model forward
+    with the plan's layers packed, on the same held-out tokens."""
+    from opscope_nb.calib import CalibrationStream
+    from opscope_nb.mining import Decomp
+    from opscope_nb.models import llama, open_model
+    from opscope_nb.models.evaluate import kl_stats
+    from opscope_nb.runtime import PackedLinear
+    write_tiny_llama(str(tmp_path), seed=13, n_layers=2, hidden=64, ffn=96)
+    plan = {"model.layers.0.mlp.up_proj.weight": Decomp.from_label("int4/g32"),
+            "model.layers.1.self_attn.q_proj.weight": Decomp.from_label("int3/chan")}
+    st = CalibrationStream(str(tmp_path), validate=0.5, split_seed=0, plans={"p": plan},
+                           sensitivity=False, window=200)
+    m = open_model(str(tmp_path))
+    emb = m.tensors[m.config["names"]["embed"]]
+    # recover the held-out ids (windows of 200) from their embeddings
+    windows = [np.array([int(np.argmin(np.abs(emb - row).sum(1))) for row in c["x"]])
+               for c in st._val_chunks]
+    assert len(windows) > 1
+    res = st.result()
+
+    def run(ids):
+        return llama.forward(m, ids, llama.KVCache(m.config, len(ids)), act="f32")
+
+    dense = [run(ids) for ids in windows]
+    for n, d in plan.items():
+        m.tensors[n] = PackedLinear.pack(np.asarray(m.tensors[n].arrays["w"]), d)
+    comp = [run(ids) for ids in windows]
+    kl = np.concatenate([kl_stats(a, b)[0] for a, b in zip(dense, comp)])
+    agree = np.concatenate([kl_stats(a, b)[1] for a, b in zip(dense, comp)])
+    assert res.validation["p"]["measured"] == pytest.approx(float(kl.mean()), rel=1e-5)
+    assert res.validation["p"]["top1"] == pytest.approx(float(agree.mean()))
+
+
+def test_cli_profile_reports_validation(tmp_path):
+    src = str(tmp_path / "m")
+    write_tiny_llama(src, seed=14, n_layers=2, hidden=64, ffn=96)
+    out = tmp_path / "o"
+    r = _cli("profile", src, "--calib", "--calib-tokens", "200", "--out", out, "--bpw", "5",
+             "--rank-cap", "4", "--method", "greedy")
+    assert r.returncode == 0, r.stderr
+    assert "held-out tokens, kl): greedy: predicted" in r.stdout
+    plan = json.load(open(out / "plan.json"))
+    v = plan["methods"]["greedy"]["validation"]
+    assert v["metric"] == "kl" and v["measured"] > 0 and v["predicted"] > 0
+    assert plan["calib"]["validate"] == 0.25
+    r = _cli("profile", src, "--calib", "--calib-tokens", "200", "--validate", "0", "--out",
+             tmp_path / "o0", "--bpw", "5", "--rank-cap", "4", "--method", "greedy")
+    assert r.returncode == 0 and "held-out" not in r.stdout
+    assert "validation" not in json.load(open(tmp_path / "o0" / "plan.json"))["methods"]["greedy"]
+    r = _cli("profile", src, "--calib", "--validate", "1.5")
+    assert r.returncode == 2 and "--validate" in r.stderr

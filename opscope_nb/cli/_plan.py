@@ -261,11 +261,13 @@ def budget_text(spec: dict, layers) -> str:
     return text
 
 
-def plan_dict(layers, allocs: dict, spec, source=None, calib=None) -> dict:
+def plan_dict(layers, allocs: dict, spec, source=None, calib=None, validation=None) -> dict:
     """The ``plan.json`` document: each method's :meth:`Allocation.to_dict` (with
     per-layer rows, latencies and totals), its seconds and its gap against the
     run's best bound; ``calib`` (the profile's calibration settings) lets
-    ``apply`` re-run the calibration when no ``calib.npz`` was kept."""
+    ``apply`` re-run the calibration when no ``calib.npz`` was kept;
+    ``validation`` (per method) is each plan's measured metric on held-out
+    text (``profile --calib --validate``)."""
     if not isinstance(spec, dict):
         spec = {"budget_frac": float(spec)}
     dense = int(sum(int(lp.dense_bytes) for lp in layers))
@@ -290,12 +292,15 @@ def plan_dict(layers, allocs: dict, spec, source=None, calib=None) -> dict:
         doc["source"] = source
     if calib:
         doc["calib"] = {k: calib.get(k) for k in ("text", "max_tokens", "tokens",
-                                                   "full_max_cols") if k in calib}
+                                                   "full_max_cols", "validate", "split_seed")
+                        if k in calib}
     for m, (a, sec) in allocs.items():
         d = a.to_dict(layers)
         d["seconds"] = sec
         g = gap_vs(a, value)
         d["gap_vs_best_bound"] = g if math.isfinite(g) else None
+        if validation and m in validation:
+            d["validation"] = validation[m]
         doc["methods"][m] = d
     return doc
 

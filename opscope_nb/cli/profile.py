@@ -61,6 +61,12 @@ def add_parser(sub) -> None:
                    help="with --calib: measure each profiled layer's sensitivity (one "
                         "perturbed forward from its block on; default: on for --objective "
                         "sensitivity/auto, off for output/weight)")
+    c.add_argument("--validate", type=float, default=None, metavar="FRAC",
+                   help="with --calib: hold out FRAC of the calibration text (sentences / "
+                        "passages, seeded by --seed; default 0.25, 0 = none); grams and "
+                        "sensitivities come from the rest, and each plan is then run on "
+                        "the held-out part: its predicted and measured metric (1-cos / KL) "
+                        "are printed and stored in plan.json")
     c.add_argument("--keep-grams", action=argparse.BooleanOptionalAction, default=None,
                    help="with --calib --out: write the profiled layers' grams to "
                         "DIR/calib.npz for 'apply' (default: when they take at most "
@@ -88,6 +94,9 @@ def add_parser(sub) -> None:
                         "scheduler file; every worker must see SOURCE at the same path")
     p.set_defaults(func=run)
 
+
+#: Default ``--validate``: the held-out fraction of the calibration text.
+VALIDATE_DEFAULT = 0.25
 
 #: Largest calib.npz (float64 grams of the profiled layers) written by default.
 KEEP_GRAMS_MAX = 2 << 30
@@ -132,9 +141,10 @@ def _calibration(args, src, chosen, kw, dist):
     memory.  Sensitivities come at the end (:func:`_finish_calibration`)."""
     if not args.calib and not args.imatrix:
         if args.calib_text or args.calib_tokens or args.sensitivity is not None \
-                or args.calib_diag_above is not None or args.keep_grams is not None:
+                or args.calib_diag_above is not None or args.keep_grams is not None \
+                or args.validate is not None:
             raise CliError("--calib-text/--calib-tokens/--sensitivity/--calib-diag-above/"
-                           "--keep-grams need --calib.")
+                           "--keep-grams/--validate need --calib.")
         if getattr(args, "objective", "auto") not in ("weight", "auto"):
             warn(f"--objective {args.objective} without --calib/--imatrix: no layer has "
                  f"out_err, every layer uses its squared weight error (sum of rel_err^2).")
@@ -153,11 +163,16 @@ def _calibration(args, src, chosen, kw, dist):
             raise CliError("--objective sensitivity needs the sensitivities: drop "
                            "--no-sensitivity (or use --objective output).")
         show = progress_enabled(args)
+        if args.validate is None:
+            args.validate = VALIDATE_DEFAULT
+        if not 0.0 <= args.validate < 1.0:
+            raise CliError(f"--validate is the held-out fraction of the calibration text, "
+                           f"in [0, 1); got {args.validate}.")
         try:
             stream = CalibrationStream(
                 args.source, text=args.calib_text, max_tokens=args.calib_tokens,
-                full_max_cols=args.calib_diag_above,
-                sensitivity=sorted(names) if sens_on else False,
+                full_max_cols=args.calib_diag_above, validate=args.validate,
+                split_seed=args.seed, sensitivity=sorted(names) if sens_on else False,
                 log=(lambda m: print(m, file=sys.stderr, flush=True)) if show
                 else (lambda m: None))
         except (ModelError, UnsupportedModelError, ValueError) as exc:
@@ -173,7 +188,8 @@ def _calibration(args, src, chosen, kw, dist):
                if args.calib_text and args.calib_text not in TEXT_KEYWORDS else args.calib_text,
                "max_tokens": args.calib_tokens, "tokens": stream.tokens, "metric": stream.metric, "eps": stream.eps,
                "sens_tokens": stream.sens_tokens if ns else 0, "sensitivity": bool(ns),
-               "full_max_cols": args.calib_diag_above}
+               "full_max_cols": args.calib_diag_above, "validate": args.validate,
+               "split_seed": args.seed}
         # profile in block order: each block's grams are needed once, then dropped
         chosen.sort(key=lambda e: (stream.stage_of(e.name) is None,
                                    stream.stage_of(e.name) or 0))
@@ -460,6 +476,55 @@ def _dask_loop(args, st, bar, save):
     return recs, [s[1] for s in slots if s is not None], reused, [skips[i] for i in sorted(skips)]
 
 
+def _validate_plans(st, layers, allocs, args) -> dict:
+    """Each distinct plan run on the held-out calibration text (one streamed
+    pass: :class:`~opscope_nb.calib.CalibrationStream` with ``plans``);
+    returns ``{method: {metric, measured, cosine|top1, tokens, predicted}}``
+    (``predicted``: the plan's sum of sensitivity x out_err**2, same units,
+    when the layers carry sensitivities) and prints one line per method."""
+    cal = st["settings"].get("calib")
+    if not cal or not cal.get("validate") or st.get("stream") is None or not allocs:
+        return {}
+    from .. import allocate as al
+    from ..calib import CalibrationStream
+    from ..models import ModelError
+    keyed, names = {}, {}
+    for m, (a, _) in allocs.items():
+        plan = {lp.name: lp.options[int(c)].decomp for lp, c in zip(layers, a.choice)}
+        key = tuple(sorted((n, repr(d)) for n, d in plan.items()))
+        keyed.setdefault(key, plan)
+        names.setdefault(key, []).append(m)
+    plans = {"/".join(ms): keyed[k] for k, ms in names.items()}
+    show = progress_enabled(args)
+    try:
+        vs = CalibrationStream(args.source, text=args.calib_text, max_tokens=args.calib_tokens,
+                               full_max_cols=args.calib_diag_above, validate=cal["validate"],
+                               split_seed=cal.get("split_seed", 0), sensitivity=False,
+                               plans=plans,
+                               log=(lambda s: print(s, file=sys.stderr, flush=True)) if show
+                               else (lambda s: None))
+        res = vs.result(rest=False)
+    except (ModelError, ValueError) as exc:
+        warn(f"--validate: the plans could not be measured ({exc}).")
+        return {}
+    if not res.validation:
+        warn("--validate: the text has too few passages to hold any out; nothing measured.")
+        return {}
+    predict = al.output_objective(layers) == "sensitivity"
+    out = {}
+    for label, meas in res.validation.items():
+        for m in label.split("/"):
+            a = allocs[m][0]
+            pred = al.predicted_damage(layers, a.choice, "sensitivity") if predict else None
+            out[m] = dict(meas, predicted=pred)
+            extra = (f"cosine {meas['cosine']:.5f}" if "cosine" in meas
+                     else f"top-1 {meas['top1']:.3f}")
+            ptxt = f"predicted {pred:.4g}, " if pred is not None else ""
+            print(f"validation ({meas['tokens']} held-out tokens, {meas['metric']}): {m}: "
+                  f"{ptxt}measured {meas['measured']:.4g} ({extra})")
+    return out
+
+
 def _report(st, records, layers, reused, skipped, n_skip_load, t_start, args):
     """Allocate, print the plan and the run's summary, write the output files."""
     spec, src = st["spec"], st["src"]
@@ -481,6 +546,7 @@ def _report(st, records, layers, reused, skipped, n_skip_load, t_start, args):
             f"{s['name']} ({s['reason']})" for s in skipped[-n_skip_load:]))
     if split:
         print(f"profile time split: {split}")
+    validation = _validate_plans(st, layers, allocs, args)
     out, prof_path = st["out"], st["prof_path"]
     if out:
         write(prof_path, json_text(profile_doc(st["source"], st["settings"], records,
@@ -488,7 +554,7 @@ def _report(st, records, layers, reused, skipped, n_skip_load, t_start, args):
         fp = {r["name"]: r["sha256"] for r in records if r.get("sha256")}
         write(os.path.join(out, "plan.json"),
               json_text(plan_dict(layers, allocs, spec, dict(st["source"], sha256=fp),
-                                 st["settings"].get("calib"))))
+                                 st["settings"].get("calib"), validation)))
         write(os.path.join(out, "options.csv"), options_csv(layers))
         print(f"wrote {prof_path}, plan.json, options.csv")
 
