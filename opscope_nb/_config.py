@@ -263,6 +263,37 @@ def _install_index_lock():
 
 _install_index_lock()
 
+
+def _forced_path_cache() -> bool:
+    """A forced int8 path (``OPSCOPE_I8_PATH``, see ``kernels._simd``) caches in
+    its own ``__pycache__/i8path-<path>`` (numba keys the cache on CPU
+    features, not on our path, so the shared cache would hand it another
+    path's machine code).  That directory keeps a copy of the source stamp
+    and is emptied when the stamp changed, as :func:`_drop_stale_cache` does
+    for the shared one.  Returns whether to cache (False if that is not
+    possible, e.g. a read-only install: forced runs then compile)."""
+    import os
+    import pathlib
+    import shutil
+
+    path = os.environ.get("OPSCOPE_I8_PATH", "").strip()
+    if not path:
+        return True
+    if not path.isalnum():  # kernels._simd raises the ValueError
+        return False
+    pyc = pathlib.Path(__file__).resolve().parent / "__pycache__"
+    d = pyc / f"i8path-{path}"
+    try:
+        stamp = (pyc / "opscope_sources.sha256").read_text()
+        if not (d / "sources.sha256").exists() or (d / "sources.sha256").read_text() != stamp:
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "sources.sha256").write_text(stamp)
+    except OSError:
+        return False
+    numba.config.CACHE_DIR = str(d)
+    return True
+
 # Start numba's thread pool now.  A serial @njit function loaded from the
 # on-disk cache that calls a parallel kernel does not start it by itself, and
 # the first such call in a fresh process would crash; every kernel module
@@ -273,7 +304,7 @@ _launch_threads()
 FASTMATH = frozenset({"nsz", "contract", "afn", "reassoc"})
 
 #: Cache compiled kernels on disk (``__pycache__``) for later processes.
-CACHE = True
+CACHE = _forced_path_cache()
 
 #: Options for serial kernels.
 JIT = dict(nogil=True, cache=CACHE, fastmath=set(FASTMATH), error_model="numpy")

@@ -179,12 +179,18 @@ def _panel_runner(path, rows):
     tile = S.make_i8_panel_tile(rows, path)
     L = S._PANEL_LANES[path]
     J = S.I8_PANEL_J
+    # pack_i8_panel lays out the host path's panel (x ^ 0x80 on the offset
+    # paths, signed codes on avx2): flip it for a path of the other kind
+    flip = S._PANEL_OFFSET[path] != bool(K.I8_PANEL_CORR)
 
     @numba.njit
     def run(xq, wtq):
         k4 = xq.shape[1] // 4
         P = np.empty(rows * k4, dtype=np.int32)
         K.pack_i8_panel(xq, 0, rows, k4, P, 0)
+        if flip:
+            for t in range(P.size):
+                P[t] ^= np.int32(-2139062144)
         buf = np.empty(rows * J, dtype=np.int32)
         tile(P, 0, wtq.ravel(), 0, wtq.shape[1], k4, buf, 0)
         out = np.empty((rows, J), dtype=np.int32)
@@ -199,24 +205,29 @@ def _panel_runner(path, rows):
 
 @pytest.mark.parametrize("path", S.I8_PATHS)
 def test_i8_panel_tile_bit_exact(path):
-    """Every panel tile returns sum (x + 128) w over the first 4 * (k // 4)
+    """Every panel tile returns sum (x + 128) w (the offset paths; sum x w on
+    avx2, whose panel holds the signed codes) over the first 4 * (k // 4)
     elements (wrapping int32), bit for bit with NumPy, on every path the CPU
-    runs -- the padded rows (past m) hold code 0."""
+    runs -- the padded rows (past m) hold code 0.  -128 is outside the
+    contract on the avx2 panel (sign trick), so it is only planted on the
+    offset paths."""
     _skip_unless(path)
     L = S._PANEL_LANES[path]
+    off = 128 if S._PANEL_OFFSET[path] else 0
+    lo = -128 if off else -127
     rng = np.random.default_rng(11)
     for rows in (2 * L, 4 * L) if L == 8 else (L, 2 * L):
         run = _panel_runner(path, rows)
         for m, k in ((rows, 4), (rows, 1024 + 3), (rows - 3, 37)):
-            xq = rng.integers(-128, 128, (m, k)).astype(np.int8)
-            wtq = rng.integers(-128, 128, (S.I8_PANEL_J, k)).astype(np.int8)
-            xq[0] = -128
-            wtq[1] = -128
+            xq = rng.integers(lo, 128, (m, k)).astype(np.int8)
+            wtq = rng.integers(lo, 128, (S.I8_PANEL_J, k)).astype(np.int8)
+            xq[0] = lo
+            wtq[1] = lo
             got = run(xq, wtq).astype(np.int64)
             kv = k // 4 * 4
             xp = np.zeros((rows, kv), np.int64)
             xp[:m] = xq[:, :kv]
-            ref = (xp + 128) @ wtq[:, :kv].astype(np.int64).T
+            ref = (xp + off) @ wtq[:, :kv].astype(np.int64).T
             ref = ((ref + 2**31) % 2**32) - 2**31
             np.testing.assert_array_equal(got, ref)
         # extremes: the offset lanes wrap, the difference is exact
@@ -224,7 +235,7 @@ def test_i8_panel_tile_bit_exact(path):
         xq = np.full((rows, k), 127, np.int8)
         wtq = np.full((S.I8_PANEL_J, k), -127, np.int8)
         got = run(xq, wtq).astype(np.int64)
-        corr = 128 * wtq.astype(np.int64).sum(1)
+        corr = off * wtq.astype(np.int64).sum(1)
         exact = ((got - corr[None, :] + 2**31) % 2**32) - 2**31
         np.testing.assert_array_equal(exact, naive_i8i8_i32(xq, wtq))
 
@@ -246,12 +257,16 @@ def test_i8_panel_finishing_tile(path):
     rows = 2 * L
     tile = S.make_i8_panel_tile(rows, path).finish_t
     J = S.I8_PANEL_J
+    flip = S._PANEL_OFFSET[path] != bool(K.I8_PANEL_CORR)
 
     @numba.njit
     def run(xq, wtq, ws, sx, sc):
         k4 = xq.shape[1] // 4
         P = np.empty(rows * k4, dtype=np.int32)
         K.pack_i8_panel(xq, 0, rows, k4, P, 0)
+        if flip:
+            for t in range(P.size):
+                P[t] ^= np.int32(-2139062144)
         yt = np.full(J * rows + 3, np.float32(-1.0))
         tile(P, 0, wtq.ravel(), 0, wtq.shape[1], k4, ws, sx, 0, sc, 0, yt, 3, rows)
         return yt
@@ -283,3 +298,129 @@ def test_f32_transpose8():
         for r in range(8):
             want[2 + r * 9 + q] = src[5 + q * 11 + r]
     np.testing.assert_array_equal(dst, want)
+
+
+# ------------------------------------------------------------ OPSCOPE_I8_PATH
+# The switch is read once at import, so each forced path runs in a subprocess:
+# it reports the path it took and computes small W8A8 / W4A8 / intN-A8
+# products (decode and prefill shapes, k and n tails) that must equal the
+# default process's bit for bit.
+_SWITCH_SCRIPT = r"""
+import json, sys
+import numpy as np
+import numba
+from opscope_nb import kernels as K
+
+def products():
+    rng = np.random.default_rng(11)
+    out = {}
+    for m in (1, 5, 37):
+        k, n = 262, 14
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        wtq = rng.integers(-127, 128, (n, k)).astype(np.int8)
+        sc = rng.random(n).astype(np.float32)
+        out[f"w8a8_{m}"] = K.dynamic_matmul_w8a8(x, wtq, sc, 1)
+        out[f"w8a8s_{m}"] = K.dynamic_matmul_w8a8(x, wtq, sc, 1, K.i8_row_sums(wtq))
+        xq = rng.integers(-127, 128, (m, 320)).astype(np.int8)
+        sx = rng.random(m).astype(np.float32)
+        codes = rng.integers(0, 256, (n, 160)).astype(np.uint8)
+        # power-of-two scales: exact float sums, so the W4A8 panel (m >= 9 on
+        # panel paths) and the dot tiles (portable) agree bit for bit too
+        for g in (32, 0):
+            s = (2.0 ** rng.integers(-3, 4, (n, 10) if g else n)).astype(np.float32)
+            out[f"w4a8_{m}_{g}"] = K.w4a8_matmul(xq, sx, codes, s, 320, g, 1)
+        for bits in (3, 5, 6):
+            lb = 2 if bits <= 3 else 4
+            lo = rng.integers(0, 256, (n, 320 * lb // 8)).astype(np.uint8)
+            hi = rng.integers(0, 256, (n, 320 * (bits - lb) // 8)).astype(np.uint8)
+            s = (2.0 ** rng.integers(-3, 4, (n, 10))).astype(np.float32)
+            out[f"int{bits}_{m}"] = K.intn_matmul_a8(xq, sx, lo, hi, s, bits, 320, 32, 1)
+    return out
+
+if __name__ == "__main__":
+    np.savez(sys.argv[1], **products())
+    print(json.dumps({"path": K.HOST_I8_PATH, "forced": bool(K.I8_PATH_FORCED),
+                      "lowbit": K.LOWBIT_PATH, "cache_dir": numba.config.CACHE_DIR}))
+"""
+
+
+def _run_switch(tmp_path, value, name="out"):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "switch.py"
+    script.write_text(_SWITCH_SCRIPT)
+    env = dict(os.environ)
+    env.pop(S.I8_PATH_ENV, None)
+    # the subprocess imports the package this process tests (not another install)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(K.__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in (env.get("PYTHONPATH"),) if p])
+    if value is not None:
+        env[S.I8_PATH_ENV] = value
+    out = tmp_path / f"{name}.npz"
+    r = subprocess.run([sys.executable, str(script), str(out)], env=env,
+                       capture_output=True, text=True, timeout=1200)
+    return r, out, (json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0
+                    else None)
+
+
+_SWITCH_DEFAULT = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", S.I8_PATHS)
+def test_forced_path_bit_identical(path, tmp_path):
+    """``OPSCOPE_I8_PATH=<path>`` runs that path (reported, cached apart) and
+    gives the default path's results bit for bit."""
+    _skip_unless(path)
+    r, out, info = _run_switch(tmp_path, path, path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert info["path"] == path and info["forced"]
+    assert info["lowbit"] == {"avx512vnni": "vnni256", "avx512vnni256": "vnni256"}.get(
+        path, path)
+    assert info["cache_dir"].endswith(f"i8path-{path}")
+    if "default" not in _SWITCH_DEFAULT:   # one default run for every path
+        _SWITCH_DEFAULT["default"] = _run_switch(tmp_path, None, "default")
+    r0, out0, info0 = _SWITCH_DEFAULT["default"]
+    assert r0.returncode == 0, r0.stderr[-3000:]
+    assert not info0["forced"] and info0["path"] == S._host_i8_path()
+    got, ref = np.load(out), np.load(out0)
+    assert sorted(got.files) == sorted(ref.files)
+    for key in ref.files:
+        np.testing.assert_array_equal(got[key], ref[key], err_msg=key)
+
+
+@pytest.mark.parametrize("value, match", [
+    ("sse9", "is not an int8 path"),
+    *[(p, "this host cannot run") for p in S.I8_PATHS if not S.path_supported(p)]])
+def test_forced_path_rejected(value, match):
+    """A value that is no path, or a path the host cannot run, fails at import
+    with a message naming the variable, the value, the host's paths and the fix."""
+    with pytest.raises(ValueError, match=match) as ei:
+        S._chosen_i8_path({S.I8_PATH_ENV: value})
+    msg = str(ei.value)
+    assert S.I8_PATH_ENV in msg and repr(value) in msg and "portable" in msg
+    assert "unset" in msg
+
+
+def test_forced_path_rejected_at_import(tmp_path):
+    """The same error ends the import of the package (subprocess)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **{S.I8_PATH_ENV: "sse9"})
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(K.__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in (env.get("PYTHONPATH"),) if p])
+    r = subprocess.run([sys.executable, "-c", "import opscope_nb.kernels"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    assert "ValueError" in r.stderr and f"{S.I8_PATH_ENV}='sse9'" in r.stderr
+
+
+def test_forced_path_choice():
+    assert S._chosen_i8_path({}) == (S._host_i8_path(), False)
+    assert S._chosen_i8_path({S.I8_PATH_ENV: " "}) == (S._host_i8_path(), False)
+    assert S._chosen_i8_path({S.I8_PATH_ENV: "portable"}) == ("portable", True)

@@ -64,8 +64,11 @@ def machine_info() -> dict:
         "llvm_cpu": numba.config.CPU_NAME or llb.get_host_cpu_name(),
         "simd_features": simd,
         "int8_path": K.simd_path(),
+        "int8_path_forced": K.I8_PATH_FORCED,
+        "lowbit_path": K.LOWBIT_PATH,
         "int8_prefill": (f"W8A8 m >= 16: outer-product panel tiles (32/16 rows x "
-                         f"{K.I8_PANEL_J} outputs, {K.I8_PANEL_LANES}-lane vpdpbusd, "
+                         f"{K.I8_PANEL_J} outputs, {K.I8_PANEL_LANES}-lane "
+                         f"{'vpdpbusd' if K.I8_PANEL_CORR else 'vpmaddubsw sign-trick'}, "
                          f"broadcast weights; weights <= {K.I8_ROWSPLIT_MAX_W >> 20} MiB with sums: row split, each thread quantises and packs its own rows); W4A8 m >= {K.W4_PANEL_MIN_M}: panel tiles "
                          f"({K.W4_PANEL_ROWS} rows x {K.W4_PANEL_J} outputs, int4 unpacked "
                          f"once per tile, per-group float32 scaling)" if K.I8_PANEL else

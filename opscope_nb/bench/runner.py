@@ -17,6 +17,7 @@ import numpy as np
 from tabulate import tabulate
 
 from opscope_nb import accel
+from opscope_nb import kernels as K
 
 from ._util import TIMING, Compile
 from .machine import machine_info, stream_bandwidth
@@ -119,7 +120,10 @@ def _header(quick, res, cfg):
     print("# opscope-nb kernel benchmark" + (" (--quick)" if quick else ""))
     print(f"CPU: {mi['cpu']}  |  LLVM target: {mi['llvm_cpu']}  |  SIMD: "
           f"{' '.join(mi['simd_features']) or 'n/a'}")
-    print(f"int8 dot path: {mi['int8_path']}")
+    forced = (f"forced by {K.I8_PATH_ENV}={K.HOST_I8_PATH}" if mi.get("int8_path_forced")
+              else f"the host's choice; {K.I8_PATH_ENV} forces another")
+    print(f"int8 dot path: {mi['int8_path']}  [{forced}]  |  low-bit tiles: "
+          f"{mi.get('lowbit_path', '?')}")
     print(f"int8 prefill: {mi['int8_prefill']}")
     print(f"threads: numba {mi['numba_threads']} ({mi['threading_layer']} layer), "
           f"{mi['cpu_count']} CPUs  |  numba {mi['numba']}, Python {mi['python']}")

@@ -56,7 +56,8 @@ from ._simd import (F32_CHUNK, I8_CHUNK, i8dot_raw_tile_4x4, i8dot_rawc_tile_4x4
                     f32dot_tile_2x4, i8dot_tile_1x1, i8dot_tile_1x4,
                     i8dot_tile_2x1, i8dot_tile_2x4, W16_CHUNK,
                     w16dot_tile_1x1, w16dot_tile_1x4, w16dot_tile_2x1,
-                    w16dot_tile_2x4, I8_PANEL, I8_PANEL_J, I8_PANEL_LANES, panel_pack8,
+                    w16dot_tile_2x4, I8_PANEL, I8_PANEL_CORR, I8_PANEL_J, I8_PANEL_LANES,
+                    panel_pack8,
                     i8panel_tile_16, i8panel_tile_32, i8panel_ttile_16, i8panel_ttile_32,
                     f32_transpose8)
 
@@ -949,14 +950,17 @@ def _pack_panel_part(xq, i0, rows, kk0, kk1, P, poff):
     for r0 in range(0, rows, 8):
         if i0 + r0 + 8 <= m and nch > 0:
             panel_pack8(xf, (i0 + r0) * k + 4 * kk0, k, nch, P, poff + kk0 * rows + r0, rows,
-                        S, 0, 1)
+                        S, 0, _PANEL_FLIP)
             for r in range(r0, r0 + 8):
-                _pack_panel_words(xq, i0 + r, r, rows, kv, kk1, P, poff)
+                _pack_panel_words(xq, i0 + r, r, rows, kv, kk1, P, poff, _PANEL_FLIP != 0)
         else:
             for r in range(r0, r0 + 8):
-                _pack_panel_words(xq, i0 + r, r, rows, kk0, kk1, P, poff)
+                _pack_panel_words(xq, i0 + r, r, rows, kk0, kk1, P, poff, _PANEL_FLIP != 0)
 
 
+#: Whether the host's W8A8 panel holds ``x ^ 0x80`` (1: the offset panels of
+#: the VNNI paths) or the signed codes (0: AVX2, see ``I8_PANEL_CORR``).
+_PANEL_FLIP = 1 if I8_PANEL_CORR else 0
 #: Four-element groups per panel-packing block (32 rows x 64 groups = 8 KiB:
 #: the strided panel writes stay in L1).
 _PACK_KB = 64
@@ -969,8 +973,9 @@ def pack_i8_panel(xq, i0, rows, k4, P, poff):
 
     ``P[poff + kk * rows + r]`` (int32) receives the four codes
     ``xq[i0 + r, 4kk:4kk+4] ^ 0x80`` (``x + 128`` as unsigned bytes, first
-    byte lowest) for ``kk < k4``.  Rows at or past ``m`` get ``0x80808080``
-    (code 0); the caller discards their sums.  No validation.
+    byte lowest) for ``kk < k4`` -- on the AVX2 panel (``I8_PANEL_CORR ==
+    0``) the signed codes without the flip.  Rows at or past ``m`` get code 0
+    (``0x80808080``, resp. 0); the caller discards their sums.  No validation.
     """
     for kk0 in range(0, k4, _PACK_KB):
         _pack_panel_part(xq, i0, rows, kk0, min(kk0 + _PACK_KB, k4), P, poff)
@@ -1053,7 +1058,11 @@ def _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, t0, t1, buf, on
     for t in range(t0, t1):
         j0 = t * J
         wo = j0 * k
-        if wsum.shape[0] == 0:
+        if I8_PANEL_CORR == 0:
+            # sums of x * w (the AVX2 panel): no weight-sum correction
+            ws = (np.int32(0), np.int32(0), np.int32(0), np.int32(0), np.int32(0),
+                  np.int32(0))
+        elif wsum.shape[0] == 0:
             ws = _wsum6(wf, wo, k, kv, ones)
         else:
             # the panel covers p < kv: drop the k % 4 tail from the given sums
@@ -1090,7 +1099,7 @@ def _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, t0, t1, buf, on
                     # wrapping int32: the offset sums may wrap, the exact
                     # product (|sum| < 2^31 for k <= I8_MAX_K) does not
                     v = np.int32(np.int32(buf[base + q * L])
-                                 - np.int32(np.int32(128) * ws[q]))
+                                 - np.int32(np.int32(I8_PANEL_CORR) * ws[q]))
                     if tail:
                         v += _i8_tail(xf, i * k, wf, wo + q * k, kv, k)
                     _put(acc, y, sx, scale, want_y, i, j0 + q, v)
@@ -1112,7 +1121,7 @@ def _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, t0, t1, buf, on
 
 @njit_parallel
 def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
-    """W8A8 prefill (``m >= 16`` on a VNNI host): the activation panel is
+    """W8A8 prefill (``m >= 16`` on a VNNI or AVX2 host): the activation panel is
     built once per call, then chunks of 6-output tiles run in parallel; the
     ``n % 6`` last outputs go through the 4-output dot tiles."""
     m, k = xq.shape
@@ -1135,7 +1144,7 @@ def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
     xf = xq.ravel()
     wf = wtq.ravel()
     # all-ones activations for _wsum6, only when the caller gave no sums
-    ones = np.ones(k if wsum.shape[0] == 0 else 0, dtype=np.int8)
+    ones = np.ones(k if wsum.shape[0] == 0 and I8_PANEL_CORR else 0, dtype=np.int8)
     nt = n // I8_PANEL_J
     nc = _chunks(nt)
     bsz = 2 * 16 * I8_PANEL_J
@@ -1152,7 +1161,7 @@ def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
         _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y, 0)
 
 
-#: Smallest m that takes the panel path (on a VNNI host; below it the dot
+#: Smallest m that takes the panel path (on a VNNI or AVX2 host; below it the dot
 #: tiles with their horizontal sums win, see :func:`_w8a8_panel`).
 I8_PANEL_MIN_M = 16
 
@@ -1160,7 +1169,7 @@ I8_PANEL_MIN_M = 16
 @njit_parallel
 def _w8a8_run(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
     """The W8A8 core behind both entry points (validated input; ``wsum``
-    empty when the caller gave none): panel tiles for a prefill on a VNNI
+    empty when the caller gave none): panel tiles for a prefill on a VNNI or AVX2
     host, else the dot tiles over blocks of 4 outputs."""
     m, k = xq.shape
     n = wtq.shape[0]
@@ -1215,7 +1224,7 @@ def _w8a8_row_plan(m, k, n, min_parallel, have_wsum, threads):
     The row split gives each thread whole row blocks: it quantises (the fused
     entry) and packs its own panel, then runs every output tile over it, so
     the call is one parallel region with no shared panel, and a 16-row panel
-    (16 KiB at k = 1024) stays in L1 next to the weight tile.  Taken on a VNNI
+    (16 KiB at k = 1024) stays in L1 next to the weight tile.  Taken on a VNNI or AVX2
     host for ``m >= 16``, ``k % 4 == 0``, given weight sums, weights of at
     most :data:`I8_ROWSPLIT_MAX_W` bytes, a parallel-sized call, and a split
     whose blocks spread over the threads within 10 % (static ``prange``
@@ -1306,7 +1315,7 @@ def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None):
     ``matmul_w8a8(*quantize_rows_i8(x), wtq, scale, min_parallel, wsum)`` bit
     for bit.
 
-    With ``wsum`` on a VNNI host, a prefill whose weights fit
+    With ``wsum`` on a VNNI or AVX2 host, a prefill whose weights fit
     :data:`I8_ROWSPLIT_MAX_W` runs as one parallel region: each thread
     quantises and packs its own block of rows and runs all outputs over it
     (:func:`_w8a8_row_plan`; 32 x 1024 x 1024 on Zen 4, avx512vnni256, 2
@@ -1374,13 +1383,14 @@ def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN, wsum=None):
     Lowered through the ``i8dot_tile_*`` intrinsics on the host's int8 path
     (:func:`simd_path`: ``vpdpbusd`` with AVX-512 VNNI / AVX-VNNI, ``vpmaddubsw``
     + ``vpmaddwd`` on AVX2, portable IR elsewhere); rows go four at a time
-    through a 4 x 4 register tile, then 2 x 4, then 1 x 4.  On a VNNI host a
+    through a 4 x 4 register tile, then 2 x 4, then 1 x 4.  On a VNNI or AVX2 host a
     prefill (``m >= I8_PANEL_MIN_M = 16``) instead runs the outer-product
     panel tiles (:func:`~opscope_nb.kernels.make_i8_panel_tile`): the
     activations of 32 (or 16) rows are packed once per call with the ``+128``
     offset, and each step broadcasts four weight bytes of 6 outputs against
     them -- every ``vpdpbusd`` lane is an output, so no horizontal sums, and
-    10 loads feed 24 ``vpdpbusd`` instead of 8 feeding 16.  The rows past the
+    10 loads feed 24 ``vpdpbusd`` instead of 8 feeding 16 (AVX2: the signed
+    codes, no offset, ``vpmaddubsw`` sign trick, 8 rows per pass over k).  The rows past the
     last multiple of 16 and the last ``n % 6`` outputs use the dot tiles.
     Equals
     ``xq.astype(np.int32) @ wtq.astype(np.int32).T`` bit for bit for codes in

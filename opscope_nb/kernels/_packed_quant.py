@@ -69,7 +69,7 @@ merged into the ``lo`` fields in registers; tile modes 4-6 of
 every bit width; groups that are neither 32 nor a multiple of 128, rows
 narrower than 128 columns and int16 activations keep the 64-column modes.
 
-int4 with int8 activations at ``m >= W4_PANEL_MIN_M`` on a ``vpdpbusd`` host
+int4 with int8 activations at ``m >= W4_PANEL_MIN_M`` on a ``vpdpbusd`` or AVX2 host
 (per channel, or groups that are a multiple of 32) runs the outer-product
 panel of :mod:`._w4panel` instead of the dot tiles below (6 outputs unpacked
 once per tile and broadcast against 16 activation rows; 32 x 4096 x 4096
@@ -590,7 +590,7 @@ W4_PANEL_MIN_M = 9
 
 @njit
 def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
-    """:func:`_run` for int8 activations: int4 prefill on a VNNI host goes
+    """:func:`_run` for int8 activations: int4 prefill on a VNNI or AVX2 host goes
     through the outer-product panel (:mod:`._w4panel`), its ``n % 6`` last
     outputs through the dot tiles."""
     m = xq.shape[0]

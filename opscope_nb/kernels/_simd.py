@@ -19,7 +19,8 @@ Tile kinds (``<kind>dot_tile_<R>x<C>``):
 
 * ``i8``  -- int8 x int8 (W8A8) through :func:`i8_dot_accumulate`, on the
   int8 path chosen from the host at import (:data:`HOST_I8_PATH`, one of
-  :data:`I8_PATHS`): ``vpdpbusd`` (AVX-512 VNNI at 256 or 512 bits, or
+  :data:`I8_PATHS`; the environment variable ``OPSCOPE_I8_PATH`` forces any
+  path the host can run, see :data:`I8_PATH_ENV`): ``vpdpbusd`` (AVX-512 VNNI at 256 or 512 bits, or
   AVX-VNNI), the AVX2 ``vpmaddubsw`` idiom (``|x|`` as unsigned times ``w *
   sign(x)`` via ``vpsignb``; the i16 pair sums, at most 2 * 128 * 127, never
   saturate, then ``vpmaddwd`` by ones into int32), or portable IR;
@@ -61,6 +62,7 @@ __all__ = [
     "I8_PANEL",
     "I8_PANEL_J",
     "I8_PANEL_LANES",
+    "I8_PANEL_CORR",
     "i8panel_tile_32",
     "i8panel_tile_16",
     "i8panel_ttile_32",
@@ -72,6 +74,8 @@ __all__ = [
     "I8_STEP",
     "I8_LANES",
     "HOST_I8_PATH",
+    "I8_PATH_ENV",
+    "I8_PATH_FORCED",
     "f32dot_tile_1x1",
     "f32dot_tile_1x4",
     "f32dot_tile_2x4",
@@ -163,8 +167,42 @@ def _host_i8_path() -> str:
     return "portable"
 
 
-#: The int8 path the package's kernels use on this machine.
-HOST_I8_PATH = _host_i8_path()
+#: Environment variable that forces the int8 path (one of :data:`I8_PATHS`
+#: the host can run), read once at import; unset or empty: the host's choice.
+I8_PATH_ENV = "OPSCOPE_I8_PATH"
+
+
+def _chosen_i8_path(environ=None) -> tuple[str, bool]:
+    """``(path, forced)``: :data:`I8_PATH_ENV` when set, else the host's pick.
+
+    A value that is not a path, or a path this host cannot run, raises a
+    ValueError naming the variable, the value, the supported paths and the fix
+    (the kernels would otherwise fail to compile or die of SIGILL).  Forced
+    runs cache their machine code apart (``_config``): numba keys its on-disk
+    cache on the CPU features, which do not change with the forced path.
+    """
+    import os
+
+    value = (os.environ if environ is None else environ).get(I8_PATH_ENV, "").strip()
+    if not value:
+        return _host_i8_path(), False
+    ok = [p for p in I8_PATHS if path_supported(p)]
+    if value not in I8_PATHS:
+        raise ValueError(f"{I8_PATH_ENV}={value!r} is not an int8 path; expected one of "
+                         f"{I8_PATHS} (this host runs {tuple(ok)}); set one of those or "
+                         f"unset {I8_PATH_ENV} for the host's choice ({_host_i8_path()!r})")
+    if value not in ok:
+        raise ValueError(f"{I8_PATH_ENV}={value!r}: this host cannot run the {value} int8 "
+                         f"path (it needs CPU features {_PATH_NEEDS[value]}); the host runs "
+                         f"{tuple(ok)}; set one of those or unset {I8_PATH_ENV} for the "
+                         f"host's choice ({_host_i8_path()!r})")
+    return value, True
+
+
+#: The int8 path the package's kernels use on this machine: the host's best
+#: (:func:`_host_i8_path`) unless :data:`I8_PATH_ENV` forces another.
+#: :data:`I8_PATH_FORCED` says whether it was forced.
+HOST_I8_PATH, I8_PATH_FORCED = _chosen_i8_path()
 #: int8 elements consumed per step of an ``i8dot_tile_*`` on the host path.
 I8_CHUNK = I8_STEP[HOST_I8_PATH]
 
@@ -679,9 +717,19 @@ w16dot_tile_2x4 = _make_tile(2, 4, "w16")
 #: twice as long (twelve weight streams; L1 set conflicts suspected, not
 #: measured); 16 x 8 was level with 32 x 6.
 I8_PANEL_J = 6
-#: Whether the host's int8 path runs the panel tiles (``vpdpbusd``: the u8
-#: operand of a VNNI product carries the offset activations for free).
-I8_PANEL = HOST_I8_PATH in ("avx512vnni", "avx512vnni256", "avxvnni")
+#: Whether the host's int8 path runs the panel tiles: ``vpdpbusd`` (the u8
+#: operand of a VNNI product carries the offset activations for free) or the
+#: AVX2 sign-trick panel (``vpmaddubsw`` on ``|x|`` and ``w * sign(x)``).
+I8_PANEL = HOST_I8_PATH in ("avx512vnni", "avx512vnni256", "avxvnni", "avx2")
+#: Per int8 path: whether its panel tiles sum ``(x + 128) * w`` (the panel
+#: holds ``x ^ 0x80``; the caller subtracts ``128 * sum w``) -- every path but
+#: ``avx2``, whose panel holds the signed codes and sums ``x * w`` directly:
+#: ``(x + 128) * w`` pairs would saturate ``vpmaddubsw``'s int16 sums.
+_PANEL_OFFSET = {"avx512vnni": True, "avx512vnni256": True, "avxvnni": True, "avx2": False,
+                 "portable": True}
+#: The host panel's offset (see :data:`_PANEL_OFFSET`): 128 when its sums
+#: carry ``128 * sum w``, else 0 -- what the callers subtract per weight sum.
+I8_PANEL_CORR = 128 if _PANEL_OFFSET[HOST_I8_PATH] else 0
 #: int32 lanes (activation rows) per panel vector of each int8 path.
 _PANEL_LANES = {"avx512vnni": 16, "avx512vnni256": 8, "avxvnni": 8, "avx2": 8, "portable": 8}
 #: Lanes of the host's panel vectors.
@@ -700,6 +748,35 @@ def _dpbusd(builder, acc, u8, s8, path):
                                                  builder.sext(builder.bitcast(s8, v8), vn)))
 
 
+def _dpbusd_small(builder, acc, u8, s8, path):
+    """:func:`_dpbusd` for operands whose adjacent-pair sums ``u0 s0 + u1 s1``
+    fit int16 (e.g. ``u <= 15`` against any int8 ``s``: ``2 * 15 * 128``): on
+    ``avx2`` ``vpmaddubsw`` + ``vpmaddwd`` by ones, exact there; elsewhere
+    :func:`_dpbusd`."""
+    if path != "avx2":
+        return _dpbusd(builder, acc, u8, s8, path)
+    v32 = ir.VectorType(_I8, 32)
+    return builder.add(acc, _madd16_ones(builder, _maddubs(builder, builder.bitcast(u8, v32),
+                                                           builder.bitcast(s8, v32))))
+
+
+def _maddubs(builder, u, s):
+    """``vpmaddubsw``: ``<32 x i8>`` unsigned x signed -> ``<16 x i16>``
+    adjacent-pair sums (saturating)."""
+    v32, v16 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v32, v32]),
+                                        "llvm.x86.avx2.pmadd.ub.sw")
+    return builder.call(fn, [u, s])
+
+
+def _madd16_ones(builder, p16):
+    """``vpmaddwd`` by ones: ``<16 x i16>`` -> ``<8 x i32>`` pair sums (exact)."""
+    v16, v8 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v16, v16]),
+                                        "llvm.x86.avx2.pmadd.wd")
+    return builder.call(fn, [p16, ir.Constant(v16, [ir.Constant(_I16, 1)] * 16)])
+
+
 def make_i8_panel_tile(rows: int, path: str | None = None):
     """Build the outer-product int8 tile for ``rows`` activation rows x
     :data:`I8_PANEL_J` outputs on an int8 ``path`` (default the host's).
@@ -710,8 +787,10 @@ def make_i8_panel_tile(rows: int, path: str | None = None):
     * ``P`` int32, C-contiguous: an activation panel from
       :func:`opscope_nb.kernels.pack_i8_panel` -- for each group of four k-elements ``kk``,
       ``rows`` int32 words, word ``r`` holding the four int8 codes
-      ``x[r, 4kk:4kk+4] ^ 0x80`` (i.e. ``x + 128`` as unsigned bytes);
-      ``poff`` is the word offset of the tile's first ``kk``.
+      ``x[r, 4kk:4kk+4] ^ 0x80`` (i.e. ``x + 128`` as unsigned bytes) on
+      the offset paths (:data:`_PANEL_OFFSET`: all but ``avx2``), the signed
+      codes ``x[r, 4kk:4kk+4]`` on ``avx2``; ``poff`` is the word offset of
+      the tile's first ``kk``.
     * ``w`` int8, C-contiguous: output-major weights ``wt[n, k]``; ``woff``
       the flat offset of output ``j0`` at ``k = 4 * kk0``, ``wstride`` the
       distance between outputs (``k``).
@@ -720,12 +799,17 @@ def make_i8_panel_tile(rows: int, path: str | None = None):
       ``ooff``; sum ``(v * J + j) * L + l`` (``L`` lanes per vector) is
       ``sum_kk sum_t (x[v*L + l, 4kk+t] + 128) * w[j0 + j, 4kk+t]`` in
       wrapping int32 -- subtract ``128 * sum_p w[j0 + j, p]`` over the same
-      ``p`` for the exact product.
+      ``p`` for the exact product (``avx2``: the sum without the ``+ 128``,
+      exact for codes in [-127, 127]; nothing to subtract).
 
     Each step loads ``rows / L`` panel vectors and broadcasts four weight
     bytes per output (``vpbroadcastd``), then issues ``rows / L *
     I8_PANEL_J`` ``vpdpbusd`` -- no horizontal sums, every lane is an
-    output.  No bounds or input validation.
+    output.  On ``avx2`` (16 vector registers) the tile runs one pass over k
+    per 8-row panel vector with 6 accumulators, each product as
+    ``vpmaddwd(vpmaddubsw(|x|, vpsignb(w, x)), 1)`` (the sign trick of
+    :func:`i8_dot_accumulate`: int16 pair sums at most ``2 * 127 * 127``, no
+    saturation).  No bounds or input validation.
     """
     path = path or HOST_I8_PATH
     if path not in I8_PATHS:
@@ -734,6 +818,35 @@ def make_i8_panel_tile(rows: int, path: str | None = None):
     if rows % lanes:
         raise ValueError(f"rows must be a multiple of {lanes} on path {path!r}, got {rows}")
     RV, J = rows // lanes, I8_PANEL_J
+    offset = _PANEL_OFFSET[path]
+
+    def accumulate_avx2(context, builder, accs, wrow, pbase, nkk):
+        """AVX2: one pass over k per 8-row panel vector (``J`` accumulators
+        live, 16 ymm registers), ``|x| * (w * sign(x))`` by ``vpmaddubsw``
+        (pair sums at most ``2 * 127 * 127``: no saturation for codes in
+        [-127, 127]) and ``vpmaddwd`` by ones."""
+        intp = context.get_value_type(types.intp)
+        vt = ir.VectorType(_I32, lanes)
+        v32 = ir.VectorType(_I8, 32)
+        splat = _const_vec(lanes, [0] * lanes)
+        for v in range(RV):
+            with cgutils.for_range(builder, nkk) as loop:
+                kk = loop.index
+                p = builder.gep(pbase, [builder.add(builder.mul(kk, ir.Constant(intp, rows)),
+                                                    ir.Constant(intp, v * lanes))],
+                                inbounds=True)
+                xv = builder.bitcast(builder.load(builder.bitcast(p, vt.as_pointer()), align=4),
+                                     v32)
+                xa = _abs_i8(builder, xv)
+                wo = builder.mul(kk, ir.Constant(intp, 4))
+                for j in range(J):
+                    p = builder.gep(wrow[j], [wo], inbounds=True)
+                    s32 = builder.load(builder.bitcast(p, _I32.as_pointer()), align=1)
+                    b = builder.insert_element(ir.Constant(vt, None), s32, ir.Constant(_I32, 0))
+                    b = builder.bitcast(builder.shuffle_vector(b, b, splat), v32)
+                    a = accs[v * J + j]
+                    builder.store(builder.add(builder.load(a),
+                                              _madd_sign32(builder, xa, xv, b)), a)
 
     def accumulate(context, builder, pa, wa, poff, woff, wst, nkk):
         """The k loop: ``RV * J`` int32 accumulators (loaded values)."""
@@ -748,6 +861,9 @@ def make_i8_panel_tile(rows: int, path: str | None = None):
             woff, builder.mul(wst, ir.Constant(intp, j)))], inbounds=True)
             for j in range(J)]
         pbase = builder.gep(pa.data, [poff], inbounds=True)
+        if not offset:
+            accumulate_avx2(context, builder, accs, wrow, pbase, nkk)
+            return [builder.load(a) for a in accs]
         splat = _const_vec(lanes, [0] * lanes)
         with cgutils.for_range(builder, nkk) as loop:
             kk = loop.index
@@ -830,7 +946,7 @@ def make_i8_panel_tile(rows: int, path: str | None = None):
 
             for j in range(J):
                 wj = builder.load(builder.gep(wsa.data, [c(j)], inbounds=True))
-                corr = splat(builder.mul(wj, ir.Constant(_I32, 128)), vt)
+                corr = splat(builder.mul(wj, ir.Constant(_I32, 128 if offset else 0)), vt)
                 scl = splat(builder.load(builder.gep(sca.data, [builder.add(scoff, c(j))],
                                                      inbounds=True)), vf)
                 yrow = builder.gep(ya.data, [builder.add(yoff, builder.mul(yst, c(j)))],
@@ -934,7 +1050,7 @@ typingctx, xq, xoff, xstride, nch, P, poff, prows, S, soff, flip):
                 p = builder.gep(pa.data, [pi], inbounds=True)
                 builder.store(builder.xor(cols[q], fv), builder.bitcast(p, vi.as_pointer()),
                               align=4)
-                acc = _dpbusd(builder, acc, ones, cols[q], HOST_I8_PATH)
+                acc = _dpbusd_small(builder, acc, ones, cols[q], HOST_I8_PATH)
             p = builder.gep(sa.data, [builder.add(soff, kk0)], inbounds=True)
             builder.store(acc, builder.bitcast(p, vi.as_pointer()), align=4)
         return ir.Constant(_I32, 0)

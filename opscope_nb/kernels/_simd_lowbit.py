@@ -82,7 +82,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._simd import _FEATS, _X86, _hsum, _madd16, _shuffle
+from ._simd import _FEATS, _X86, HOST_I8_PATH, I8_PATH_FORCED, _hsum, _madd16, _shuffle
 from ._simd import prefetch as _prefetch
 
 __all__ = [
@@ -113,7 +113,15 @@ _V8F32 = ir.VectorType(_F32, 8)
 _V8F64 = ir.VectorType(_F64, 8)
 
 
+#: The low-bit path of each int8 path (:data:`._simd.I8_PATHS`): a forced int8
+#: path (``OPSCOPE_I8_PATH``) forces the low-bit tiles onto the same instructions.
+_FROM_I8_PATH = {"avx512vnni": "vnni256", "avx512vnni256": "vnni256", "avxvnni": "avxvnni",
+                 "avx2": "avx2", "portable": "portable"}
+
+
 def _pick_path() -> str:
+    if I8_PATH_FORCED:
+        return _FROM_I8_PATH[HOST_I8_PATH]
     if _X86 and "avx512vnni" in _FEATS and "avx512vl" in _FEATS:
         return "vnni256"
     if _X86 and "avxvnni" in _FEATS:
@@ -124,8 +132,9 @@ def _pick_path() -> str:
 
 
 #: The ``u8 x s8`` dot path the low-bit tiles compile to on this machine
-#: (chosen at import from the features numba targets; numba's on-disk cache
-#: is keyed on the same CPU, so a cached kernel matches).
+#: (chosen at import from the features numba targets -- numba's on-disk cache
+#: is keyed on the same CPU, so a cached kernel matches -- or from a forced
+#: int8 path, ``OPSCOPE_I8_PATH``, whose runs cache apart).
 LOWBIT_PATH = _pick_path()
 #: Every ``u8 x s8`` path the tiles can be compiled for (tests build each one
 #: this machine can execute with ``make_lowbit_tile``).
@@ -306,6 +315,39 @@ def _dot_u8s8(builder, acc, u, s, path):
     for i in range(4):
         tot = builder.add(tot, _shuffle(builder, p, [4 * l + i for l in range(8)]))
     return tot
+
+
+#: Largest unsigned offset code of each fmt's int8-activation big units
+#: (``2**bits - 1``; int4: 15).
+_BIG_UMAX = {0: 15, 2: 3, 3: 7, 4: 31, 5: 63}
+
+
+def _dot_u8s8_many(builder, acc, us, ss, path, umax):
+    """``acc`` plus the products of every ``(us[i], ss[i])`` pair as
+    :func:`_dot_u8s8` (the same int32 lanes).  On ``avx2`` the ``vpmaddubsw``
+    int16 results of up to ``32767 // (2 * umax * 128)`` pairs are added in
+    int16 before one ``vpmaddwd`` by ones (each pair sum is at most ``2 *
+    umax * 128`` for codes ``u <= umax`` and any int8 activation, so no int16
+    sum saturates or wraps: the same exact int32 lanes, fewer widenings --
+    int4/int5/int3 units: one ``vpmaddwd`` instead of four, int6: two)."""
+    if path != "avx2":
+        for u, s in zip(us, ss):
+            acc = _dot_u8s8(builder, acc, u, s, path)
+        return acc
+    per = max(1, 32767 // (2 * umax * 128))
+    mod = builder.module
+    maddubs = cgutils.get_or_insert_function(
+        mod, ir.FunctionType(_V16I16, [_V32I8, _V32I8]), "llvm.x86.avx2.pmadd.ub.sw")
+    maddwd = cgutils.get_or_insert_function(
+        mod, ir.FunctionType(_V8I32, [_V16I16, _V16I16]), "llvm.x86.avx2.pmadd.wd")
+    ones = ir.Constant(_V16I16, [ir.Constant(_I16, 1)] * 16)
+    for i0 in range(0, len(us), per):
+        p16 = None
+        for u, s in zip(us[i0:i0 + per], ss[i0:i0 + per]):
+            p = builder.call(maddubs, [u, s])
+            p16 = p if p16 is None else builder.add(p16, p)
+        acc = builder.add(acc, builder.call(maddwd, [p16, ones]))
+    return acc
 
 
 def _zext16(builder, u, half):
@@ -603,9 +645,8 @@ def _make_tile(R: int, C: int, path: str | None = None):
                         nc = builder.sub(ir.Constant(_V8I32, None), vload(crow[r], foff, _V8I32))
                         for c in range(C):
                             t = r * C + c
-                            a = nc
-                            for v in range(4):
-                                a = _dot_u8s8(builder, a, pieces[c][v], xs[v], path)
+                            a = _dot_u8s8_many(builder, nc, pieces[c], xs, path,
+                                               _BIG_UMAX[fm])
                             flush(t, a, False, sp[c])
                 finish(False)
 
@@ -635,9 +676,8 @@ def _make_tile(R: int, C: int, path: str | None = None):
                                   for v in range(4)]
                             for c in range(C):
                                 t = r * C + c
-                                a = builder.load(iacc[t])
-                                for v in range(4):
-                                    a = _dot_u8s8(builder, a, pieces[c][v], xs[v], path)
+                                a = _dot_u8s8_many(builder, builder.load(iacc[t]),
+                                                   pieces[c], xs, path, _BIG_UMAX[fm])
                                 builder.store(a, iacc[t])
                     svec = [splat_scale(c, f) for c in range(C)] if md == 6 else []
                     for r in range(R):

@@ -4,8 +4,12 @@
 ``[n, ceil(k/2)]``, two's-complement nibbles, column ``2t`` in the low nibble of
 byte ``t``; ``scales`` float32 ``[n]`` per channel or ``[n, ceil(k/g)]`` for
 groups ``g`` that are a multiple of 32).  The int8-activation int4 entry points
-use it for ``m >= W4_PANEL_MIN_M`` (9) on hosts with ``vpdpbusd``
-(:data:`W4_PANEL`).
+use it for ``m >= W4_PANEL_MIN_M`` (9) on hosts with ``vpdpbusd`` or AVX2
+(:data:`W4_PANEL`).  On AVX2 the tile multiplies with ``vpmaddubsw`` (the
+unsigned codes ``u <= 15`` times the signed activations) and adds eight
+steps' int16 pair sums (at most ``8 * 2 * 15 * 128 = 30720``) before one
+``vpmaddwd`` by ones widens them into the int32 accumulators; its panel has
+8 rows (16 vector registers: 6 int16 + 6 float32 accumulators).
 
 Why it is built this way (the 4 rows x 2 outputs dot tiles it replaces
 re-unpack every nibble for each block of four rows and reduce every sum
@@ -42,7 +46,8 @@ from numba.extending import intrinsic
 
 from .._config import njit, njit_parallel
 from ._matmul import _pack_panel_words
-from ._simd import HOST_I8_PATH, I8_PATHS, _PANEL_LANES, _dpbusd, I8_PANEL, panel_pack8
+from ._simd import (HOST_I8_PATH, I8_PATHS, _PANEL_LANES, _dpbusd, _maddubs, _madd16_ones,
+                    I8_PANEL, panel_pack8)
 
 __all__ = [
     "W4_PANEL",
@@ -62,17 +67,24 @@ _F32 = ir.FloatType()
 
 #: Outputs per W4A8 panel tile.
 W4_PANEL_J = 6
-#: Whether the host runs the W4A8 panel (``vpdpbusd`` hosts, as for W8A8).
+#: Whether the host runs the W4A8 panel (``vpdpbusd`` or AVX2 hosts, as for W8A8).
 W4_PANEL = I8_PANEL
 #: 32-column chunks per scale pseudo-group of per-channel int4 (the exact
 #: int32 group sum, at most 1024 * 8 * 128, stays exact in float32).
 W4_PANEL_PCHUNKS = 32
 
 
+#: Steps (four columns each) the AVX2 tile sums in int16 before widening:
+#: ``vpmaddubsw`` pair sums of ``u <= 15`` by ``|x| <= 128`` are at most 3840,
+#: eight of them 30720 < 2**15 -- exact for every int8 activation.
+_AVX2_I16_STEPS = 8
+
+
 def _panel_rows(path):
     # two panel vectors: 12 int32 + 12 float32 accumulators + 2 panel vectors
-    # fit the 32 vector registers of AVX-512; AVX-VNNI (16 registers) takes one
-    return _PANEL_LANES[path] * (1 if path == "avxvnni" else 2)
+    # fit the 32 vector registers of AVX-512; AVX-VNNI and AVX2 (16 registers)
+    # take one (AVX2: 6 int16 + 6 float32 accumulators, panel, broadcast)
+    return _PANEL_LANES[path] * (1 if path in ("avxvnni", "avx2") else 2)
 
 
 #: Activation rows per panel on the host path (16 with 8-lane vectors).
@@ -151,6 +163,41 @@ def make_w4_panel_tile(path: str | None = None):
                                 inbounds=True) for j in range(J)]
             pbase = builder.gep(pa.data, [poff], inbounds=True)
             cbase = builder.gep(ca.data, [coff], inbounds=True)
+            def avx2_group(kk0):
+                """The group's ``gkk`` steps (a multiple of 8) on AVX2: blocks
+                of :data:`_AVX2_I16_STEPS` steps summed in int16 registers
+                (``vpmaddubsw`` of the broadcast unsigned codes by the signed
+                panel, ``vpaddw``), widened by ``vpmaddwd`` by ones into the
+                int32 accumulators."""
+                v32 = ir.VectorType(_I8, 32)
+                nblk = builder.udiv(gkk, c(_AVX2_I16_STEPS))
+                with cgutils.for_range(builder, nblk) as bl:
+                    kb = builder.add(kk0, builder.mul(bl.index, c(_AVX2_I16_STEPS)))
+                    a16 = [None] * (RV * J)
+                    for st in range(_AVX2_I16_STEPS):
+                        kk = builder.add(kb, c(st))
+                        po = builder.mul(kk, c(rows))
+                        xv = []
+                        for v in range(RV):
+                            p = builder.gep(pbase, [builder.add(po, c(v * lanes))],
+                                            inbounds=True)
+                            xv.append(builder.load(builder.bitcast(p, v32.as_pointer()),
+                                                   align=4))
+                        uo = builder.mul(kk, c(4))
+                        for j in range(J):
+                            p = builder.gep(urow[j], [uo], inbounds=True)
+                            u32 = builder.load(builder.bitcast(p, _I32.as_pointer()), align=1)
+                            b = builder.insert_element(ir.Constant(vi, None), u32,
+                                                       ir.Constant(_I32, 0))
+                            b = builder.bitcast(builder.shuffle_vector(b, b, splat), v32)
+                            for v in range(RV):
+                                t = v * J + j
+                                p16 = _maddubs(builder, b, xv[v])
+                                a16[t] = p16 if a16[t] is None else builder.add(a16[t], p16)
+                    for t in range(RV * J):
+                        builder.store(builder.add(builder.load(iacc[t]),
+                                                  _madd16_ones(builder, a16[t])), iacc[t])
+
             with cgutils.for_range(builder, ng) as gl:
                 g = gl.index
                 # int32 accumulators start at the group's offset correction
@@ -161,23 +208,26 @@ def make_w4_panel_tile(path: str | None = None):
                     for j in range(J):
                         builder.store(cv, iacc[v * J + j])
                 kk0 = builder.mul(g, gkk)
-                with cgutils.for_range(builder, gkk) as sl:
-                    kk = builder.add(kk0, sl.index)
-                    po = builder.mul(kk, c(rows))
-                    xv = []
-                    for v in range(RV):
-                        p = builder.gep(pbase, [builder.add(po, c(v * lanes))], inbounds=True)
-                        xv.append(builder.load(builder.bitcast(p, vi.as_pointer()), align=4))
-                    uo = builder.mul(kk, c(4))
-                    for j in range(J):
-                        p = builder.gep(urow[j], [uo], inbounds=True)
-                        u32 = builder.load(builder.bitcast(p, _I32.as_pointer()), align=1)
-                        b = builder.insert_element(ir.Constant(vi, None), u32,
-                                                   ir.Constant(_I32, 0))
-                        b = builder.shuffle_vector(b, b, splat)
+                if path == "avx2":
+                    avx2_group(kk0)
+                else:
+                    with cgutils.for_range(builder, gkk) as sl:
+                        kk = builder.add(kk0, sl.index)
+                        po = builder.mul(kk, c(rows))
+                        xv = []
                         for v in range(RV):
-                            a = iacc[v * J + j]
-                            builder.store(_dpbusd(builder, builder.load(a), b, xv[v], path), a)
+                            p = builder.gep(pbase, [builder.add(po, c(v * lanes))], inbounds=True)
+                            xv.append(builder.load(builder.bitcast(p, vi.as_pointer()), align=4))
+                        uo = builder.mul(kk, c(4))
+                        for j in range(J):
+                            p = builder.gep(urow[j], [uo], inbounds=True)
+                            u32 = builder.load(builder.bitcast(p, _I32.as_pointer()), align=1)
+                            b = builder.insert_element(ir.Constant(vi, None), u32,
+                                                       ir.Constant(_I32, 0))
+                            b = builder.shuffle_vector(b, b, splat)
+                            for v in range(RV):
+                                a = iacc[v * J + j]
+                                builder.store(_dpbusd(builder, builder.load(a), b, xv[v], path), a)
                 so = builder.mul(g, sgs)
                 for j in range(J):
                     s = builder.load(builder.gep(srow[j], [so], inbounds=True))
