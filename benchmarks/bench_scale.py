@@ -42,32 +42,10 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_distributed import _st_write  # noqa: E402  (bf16 shards, one writer)
+
 HIDDEN, FFN, HEADS, VOCAB = 4096, 11008, 32, 32000
-
-
-def _bf16_bytes(a: np.ndarray) -> bytes:
-    """float32 -> bfloat16 bytes, round to nearest even (as torch does)."""
-    u = np.ascontiguousarray(a, dtype="<f4").view("<u4")
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
-    return r.tobytes()
-
-
-def _write_shard(path, tensors: dict) -> None:
-    """A safetensors file of bf16 tensors (name -> float32 array)."""
-    header, blobs, off = {}, [], 0
-    for name, arr in tensors.items():
-        raw = _bf16_bytes(arr)
-        header[name] = {"dtype": "BF16", "shape": list(arr.shape),
-                        "data_offsets": [off, off + len(raw)]}
-        blobs.append(raw)
-        off += len(raw)
-    hj = json.dumps(header).encode()
-    hj += b" " * ((-len(hj)) % 8)
-    with open(path, "wb") as f:
-        f.write(len(hj).to_bytes(8, "little"))
-        f.write(hj)
-        for b in blobs:
-            f.write(b)
 
 
 def _tokenizer_json() -> str:
@@ -88,7 +66,7 @@ def write_checkpoint(root: str, blocks: int, seed: int = 0) -> dict:
     stem = {"model.embed_tokens.weight": r(VOCAB, HIDDEN, s=1.0),
             "model.norm.weight": np.ones(HIDDEN, np.float32),
             "lm_head.weight": r(VOCAB, HIDDEN)}
-    _write_shard(os.path.join(root, "stem.safetensors"), stem)
+    _st_write(os.path.join(root, "stem.safetensors"), stem)
     shards["stem.safetensors"] = list(stem)
     for i in range(blocks):
         p = f"model.layers.{i}."
@@ -102,7 +80,7 @@ def write_checkpoint(root: str, blocks: int, seed: int = 0) -> dict:
              p + "mlp.up_proj.weight": r(FFN, HIDDEN),
              p + "mlp.down_proj.weight": r(HIDDEN, FFN)}
         name = f"block-{i:02d}.safetensors"
-        _write_shard(os.path.join(root, name), t)
+        _st_write(os.path.join(root, name), t)
         shards[name] = list(t)
         del t
     return shards

@@ -679,27 +679,13 @@ def calibrate(source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS
 
     Parameters
     ----------
-    source : str
-        A checkpoint :func:`opscope_nb.models.open_model` reads (BERT-style
-        encoder or Llama-style decoder).
-    text : str, optional
-        Text file, one passage per line; ``None`` = the built-in English
-        sample (:func:`opscope_nb.models.evaluate.load_passages`): encoders use
-        its sentences, decoders its token stream.
-    max_tokens : int, optional
-        Cap on calibration tokens (encoders: whole sentences while within the
-        cap, at least one).
-    full_max_cols : int or None
-        Keep ``diag(H)`` instead of the full gram above this many inputs
-        (default ``None``: full at every width).
-    sensitivity : bool or iterable of str
-        Also measure per-layer sensitivity: every linear layer, none, or the
-        named ones (one perturbed sweep each, from its block on).
+    source, text, max_tokens, full_max_cols, sensitivity
+        As :class:`CalibrationStream`.
     eps : float
-        Relative size of the output noise of the sensitivity probe (> 0).
+        Relative output error of the sensitivity probe's weight perturbation (> 0).
     seed : int
-        Seed of the probe noise (one generator per layer: ``[seed, index]``,
-        the layer's index in block order).
+        Seed of the probe (one generator per layer: ``[seed, index]``, the
+        layer's index in block order).
     sens_tokens : int
         Token cap for the sensitivity forwards (also capped by ``max_tokens``).
     act : {"f32", "auto", "int8"}
