@@ -76,8 +76,9 @@ class Calibration:
     blocks : int
         Blocks streamed.
     peak_block_bytes : int
-        Largest float32 weights held at once: the stem (embeddings, norms)
-        plus one block.
+        Largest float32 weights held at once: the stem (embeddings and norms)
+        while the chunks are embedded, then the norms plus one block (or the
+        head).
     layers, full_grams : int
         Grams recorded (by layer name) and how many of them are full.
     validation : dict of str -> dict
@@ -116,8 +117,10 @@ class Calibration:
 
 
 class _Recorder:
-    def __init__(self, full_max_cols):
+    def __init__(self, full_max_cols, want=None):
         self.full_max_cols = full_max_cols
+        self.want = want     # layer names whose grams are needed (None: all)
+        self.pending = None  # (group key, input, real rows): accumulated on the next input
         self.acc = {}        # group key -> float64 accumulator
         self.alias = {}      # layer name -> group key
         self.rows = None     # bool mask of real token rows (encoder padding)
@@ -136,10 +139,23 @@ class _Recorder:
             self.alias[name] = self.alias[prev] if same and prev in self.alias else name
         key = self.alias[name]
         if same and self.alias.get(prev) == key:
-            return  # this input was already accumulated for the group
+            return  # this input is already pending for the group
+        self.flush()
+        # accumulated once the group is known (q, then k and v with the same
+        # input): only a group with a wanted member costs a gram
+        self.pending = (key, x, self.rows)
+
+    def flush(self):
+        if self.pending is None:
+            return
+        key, x, rows = self.pending
+        self.pending = None
+        if self.want is not None and not any(
+                k == key and n in self.want for n, k in self.alias.items()):
+            return
         x2 = x.reshape(-1, x.shape[-1])
-        if self.rows is not None and self.rows.shape[0] == x2.shape[0]:
-            x2 = x2[self.rows]
+        if rows is not None and rows.shape[0] == x2.shape[0]:
+            x2 = x2[rows]
         x64 = x2.astype(np.float64)
         cols = x64.shape[1]
         if self.full_max_cols is None or cols <= self.full_max_cols:
@@ -153,7 +169,9 @@ class _Recorder:
 
     def take(self, names) -> dict:
         """The finished grams of ``names`` (shared arrays stay shared); forgets them."""
-        out = {n: self.acc[self.alias[n]] for n in names if n in self.alias}
+        self.flush()
+        out = {n: self.acc[self.alias[n]] for n in names
+               if n in self.alias and self.alias[n] in self.acc}
         self.acc, self.alias = {}, {}
         self.prev_x = self.prev_name = None
         return out
@@ -232,6 +250,9 @@ class CalibrationStream:
         sentences or passages, decoder passages; the grams and sensitivities
         come from the rest.  ``max_tokens`` caps each part.
     split_seed : int
+    grams_for : iterable of str, optional
+        Only these layers' grams are accumulated (and returned); ``None``:
+        every linear layer's.  The forwards are the same.
     plans : dict of str -> dict of str -> Decomp, optional
         Plans to measure on the held-out part (needs ``validate > 0``): in the
         same sweep, each block's planned layers are packed as the plan says
@@ -257,7 +278,8 @@ class CalibrationStream:
 
     def __init__(self, source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS,
                  sensitivity=True, eps=0.05, seed=0, sens_tokens=256, act="f32",
-                 batch=32, window=256, log=None, validate=0.0, split_seed=0, plans=None):
+                 batch=32, window=256, log=None, validate=0.0, split_seed=0, plans=None,
+                 grams_for=None):
         from .data import TEXT_KEYWORDS
         from .models import open_model
         from .models.evaluate import load_passages
@@ -281,7 +303,8 @@ class CalibrationStream:
         self.model = m = open_model(source, lazy=True)
         self.family = m.family
         self.act, self.eps, self.seed = act, float(eps), int(seed)
-        self.rec = _Recorder(None if full_max_cols is None else int(full_max_cols))
+        self.rec = _Recorder(None if full_max_cols is None else int(full_max_cols),
+                             None if grams_for is None else set(grams_for))
         self.n_blocks = int(m.config["n_layers"])
         blocks = [m.block_tensors(i) for i in range(self.n_blocks)]
         in_blocks = {n for lin, oth in blocks for n in lin + oth}
@@ -309,7 +332,7 @@ class CalibrationStream:
         #: ``on_stage(stage, grams)`` after each stage (e.g. a :class:`GramsWriter`)
         self.on_stage = None
         self.metric = "1-cos" if self.family == "encoder" else "kl"
-        self._stem = self._peak = m.load(stem)
+        self._peak = m.load(stem)
         passages = load_passages(text)
         if self.family == "encoder":
             # the built-in texts are prose passages: encoders take their sentences
@@ -317,6 +340,11 @@ class CalibrationStream:
                                 sens_tokens, batch)
         else:
             self._setup_decoder(passages, max_tokens, sens_tokens, window)
+        # every chunk is embedded: the embedding tables leave memory (a tied
+        # head reads the table again at the last stage); the norms stay
+        tables = [n for n in stem if m.tensors[n].ndim == 2]
+        m.drop(tables)
+        self._stem = sum(int(m.tensors[n].nbytes) for n in stem if n in m.tensors)
         # every stage from the layer's own to the head (included)
         self.sens_block_forwards = sum(self.n_blocks + 1 - self._order[n] for n in sens)
         self._val_dense = None           # dense validation activations per chunk
@@ -466,7 +494,7 @@ class CalibrationStream:
         self.current = {}
         t0 = time.perf_counter()
         names = self._stage_names[k] if k < self.n_blocks else (
-            [self._head] if self._head and not m.config.get("tied") else [])
+            [self._head] if self._head else [])
         nb = m.load(names)
         self._peak = max(self._peak, self._stem + nb)
         t1 = time.perf_counter()

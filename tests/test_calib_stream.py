@@ -472,3 +472,30 @@ def test_cli_profile_reports_validation(tmp_path):
     assert "validation" not in json.load(open(tmp_path / "o0" / "plan.json"))["methods"]["greedy"]
     r = _cli("profile", src, "--calib", "--validate", "1.5")
     assert r.returncode == 2 and "--validate" in r.stderr
+
+
+def test_grams_only_for_the_wanted_layers_and_tables_dropped(tmp_path):
+    """grams_for keeps the forwards and computes only the wanted grams (a
+    wanted k_proj shares q_proj's input group); the embedding table is not
+    held once the chunks are embedded."""
+    from opscope_nb.calib import CalibrationStream
+    write_tiny_llama(str(tmp_path), seed=15, n_layers=2, tied=True)
+    full = CalibrationStream(str(tmp_path), max_tokens=90, sensitivity=False).result(
+        grams=None)
+    want = {"model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight",
+            "model.embed_tokens.weight"}
+    st = CalibrationStream(str(tmp_path), max_tokens=90, sensitivity=True, sens_tokens=20,
+                           grams_for=want)
+    assert "model.embed_tokens.weight" not in st.model.tensors
+    got = {}
+    for _, g in st:
+        got.update(g)
+    # q/v come along: they share k's input group (the same array, no extra cost)
+    q, v = "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight"
+    assert set(got) == want | {q, v} and got[q] is got[v] is got[
+        "model.layers.1.self_attn.k_proj.weight"]
+    ref = _whole_model_grams(str(tmp_path), 90)
+    for n in want:
+        np.testing.assert_allclose(got[n], ref[n], rtol=1e-9, atol=1e-9 * np.abs(ref[n]).max())
+    assert len(st.result().sensitivity) == 2 * 7 + 1
+    del full

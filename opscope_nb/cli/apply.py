@@ -61,6 +61,7 @@ def _restream(args, calib, want):
         st = CalibrationStream(args.source, text=text, max_tokens=calib.get("max_tokens"),
                                full_max_cols=calib.get("full_max_cols"), sensitivity=False,
                                validate=float(calib.get("validate") or 0.0),
+                               grams_for=want,
                                split_seed=int(calib.get("split_seed") or 0),
                                log=(lambda m: print(m, file=sys.stderr, flush=True)) if show
                                else (lambda m: None))

@@ -173,6 +173,7 @@ def _calibration(args, src, chosen, kw, dist):
                 args.source, text=args.calib_text, max_tokens=args.calib_tokens,
                 full_max_cols=args.calib_diag_above, validate=args.validate,
                 split_seed=args.seed, sensitivity=sorted(names) if sens_on else False,
+                grams_for=names,
                 log=(lambda m: print(m, file=sys.stderr, flush=True)) if show
                 else (lambda m: None))
         except (ModelError, UnsupportedModelError, ValueError) as exc:
@@ -500,7 +501,9 @@ def _validate_plans(st, layers, allocs, args) -> dict:
         vs = CalibrationStream(args.source, text=args.calib_text, max_tokens=args.calib_tokens,
                                full_max_cols=args.calib_diag_above, validate=cal["validate"],
                                split_seed=cal.get("split_seed", 0), sensitivity=False,
-                               plans=plans,
+                               plans=plans, grams_for={
+                                   n for plan in plans.values() for n, d in plan.items()
+                                   if d.rounding is not None or d.kind == "ggml"},
                                log=(lambda s: print(s, file=sys.stderr, flush=True)) if show
                                else (lambda s: None))
         res = vs.result(rest=False)
