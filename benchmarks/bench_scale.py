@@ -131,6 +131,29 @@ def run_profile(src, out, tokens, include):
             "stdout_calib": [ln for ln in r.stdout.splitlines() if ln.startswith("calibration")]}
 
 
+_CALIB_ONLY = r"""
+import json, resource, sys, time
+from opscope_nb.calib import calibrate
+src, tokens, layer = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+t = time.perf_counter()
+c = calibrate(src, max_tokens=tokens, sensitivity=[layer], keep_grams=False)
+print(json.dumps({"rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "wall": time.perf_counter() - t, "seconds": c.seconds,
+                  "peak_block_bytes": c.peak_block_bytes, "layers": c.layers}))
+"""
+
+
+def run_calib_only(src, tokens):
+    """The streamed calibration alone (every layer's gram, one sensitivity) in a
+    fresh process: its peak RSS and seconds."""
+    r = subprocess.run([sys.executable, "-c", _CALIB_ONLY, src, str(tokens),
+                        "model.layers.0.self_attn.k_proj.weight"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"calibration failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", default="2,4")
@@ -140,6 +163,9 @@ def main(argv=None) -> int:
                          "its sensitivity still streams every block)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--calib-only", action="store_true",
+                    help="time the streamed calibration alone (calib.calibrate: every "
+                         "layer's gram, block 0's k_proj sensitivity), no profile")
     ap.add_argument("--shapes", default=None, metavar="H,F,HEADS",
                     help="other hidden/FFN/head sizes (a smoke run; default Llama-7B's)")
     ap.add_argument("--workers", type=int, default=None,
@@ -159,6 +185,23 @@ def main(argv=None) -> int:
               f"{os.cpu_count()} cores; checkpoint {size / 1e9:.2f} GB bf16 "
               f"({max(counts)} blocks of {HIDDEN}/{FFN}/{HEADS} heads) written in "
               f"{time.perf_counter() - t:.0f}s")
+        if args.calib_only:
+            print(f"\n{'blocks':>6} {'peak RSS MiB':>12} {'load s':>7} {'grams s':>8} "
+                  f"{'sens s':>7} {'grams':>6} {'wall s':>7}")
+            rows = {}
+            for n in counts:
+                r = rows[n] = run_calib_only(model_dir(root, shards, n), args.tokens)
+                c = r["seconds"]
+                print(f"{n:>6} {r['rss_mib']:>12.0f} {c['load']:>7.1f} {c['grams']:>8.1f} "
+                      f"{c['sensitivity']:>7.1f} {r['layers']:>6} {r['wall']:>7.1f}",
+                      flush=True)
+            lo, hi = rows[counts[0]], rows[counts[-1]]
+            dn = max(1, counts[-1] - counts[0])
+            print(f"peak RSS {counts[-1]} vs {counts[0]} blocks: "
+                  f"{hi['rss_mib'] / lo['rss_mib']:.3f}x; per block: load "
+                  f"{(hi['seconds']['load'] - lo['seconds']['load']) / dn:.1f}s, grams "
+                  f"{(hi['seconds']['grams'] - lo['seconds']['grams']) / dn:.1f}s")
+            return 0
         # fill the kernel cache first (a 1-block model of small shapes, same
         # command), so no figure below includes numba compile time
         keep = HIDDEN, FFN, HEADS

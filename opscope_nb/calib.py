@@ -159,17 +159,34 @@ class _Recorder:
         x64 = x2.astype(np.float64)
         cols = x64.shape[1]
         if self.full_max_cols is None or cols <= self.full_max_cols:
-            g = x64.T @ x64
+            # H += xᵀx in place, upper triangle (BLAS syrk): no [cols, cols]
+            # temporary next to the accumulator (0.97 GB at 11008 inputs)
+            from scipy.linalg.blas import dsyrk
+            acc = self.acc.get(key)
+            if acc is None:
+                acc = self.acc[key] = np.zeros((cols, cols), dtype=np.float64, order="F")
+            dsyrk(1.0, x64, beta=1.0, c=acc, trans=1, lower=0, overwrite_c=1)
         else:
             g = np.einsum("ij,ij->j", x64, x64)
-        if key in self.acc:
-            self.acc[key] += g
-        else:
-            self.acc[key] = g
+            if key in self.acc:
+                self.acc[key] += g
+            else:
+                self.acc[key] = g
 
     def take(self, names) -> dict:
-        """The finished grams of ``names`` (shared arrays stay shared); forgets them."""
+        """The finished grams of ``names`` (shared arrays stay shared); forgets them.
+        The full ones are made symmetric (their lower triangle copied from the
+        upper one, a few rows at a time) and handed out C-contiguous."""
         self.flush()
+        for key, a in list(self.acc.items()):
+            if a.ndim == 2:
+                n = a.shape[0]
+                for i0 in range(0, n, 256):
+                    i1 = min(n, i0 + 256)
+                    a[i1:, i0:i1] = a[i0:i1, i1:].T      # below the diagonal block
+                    blk = a[i0:i1, i0:i1]
+                    a[i0:i1, i0:i1] = np.triu(blk) + np.triu(blk, 1).T
+                self.acc[key] = a.T      # symmetric: its C-order view, no copy
         out = {n: self.acc[self.alias[n]] for n in names
                if n in self.alias and self.alias[n] in self.acc}
         self.acc, self.alias = {}, {}
