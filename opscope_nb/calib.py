@@ -531,11 +531,16 @@ class CalibrationStream:
         else:
             fn = self._final
         self.rec.on = True
-        outs = self._run_chunks(fn, self._cal, [c["x"] for c in self._cal])
+        want = self.rec.want
         if k < self.n_blocks:
+            outs = self._run_chunks(fn, self._cal, [c["x"] for c in self._cal])
             for c, x in zip(self._cal, outs):
                 c["x"] = x
         else:
+            # the head stage runs the calibration chunks only for the head's
+            # gram (an encoder has none): no logits of every token otherwise
+            if lin and (want is None or any(n in want for n in lin)):
+                self._run_chunks(fn, self._cal, [c["x"] for c in self._cal])
             for c in self._cal:
                 c["x"] = None
         grams = self.rec.take(lin)

@@ -480,8 +480,6 @@ def test_grams_only_for_the_wanted_layers_and_tables_dropped(tmp_path):
     held once the chunks are embedded."""
     from opscope_nb.calib import CalibrationStream
     write_tiny_llama(str(tmp_path), seed=15, n_layers=2, tied=True)
-    full = CalibrationStream(str(tmp_path), max_tokens=90, sensitivity=False).result(
-        grams=None)
     want = {"model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight",
             "model.embed_tokens.weight"}
     st = CalibrationStream(str(tmp_path), max_tokens=90, sensitivity=True, sens_tokens=20,
@@ -498,4 +496,10 @@ def test_grams_only_for_the_wanted_layers_and_tables_dropped(tmp_path):
     for n in want:
         np.testing.assert_allclose(got[n], ref[n], rtol=1e-9, atol=1e-9 * np.abs(ref[n]).max())
     assert len(st.result().sensitivity) == 2 * 7 + 1
-    del full
+    # without the head among the wanted grams the head stage skips the
+    # calibration chunks (their logits); the sensitivities do not change
+    st2 = CalibrationStream(str(tmp_path), max_tokens=90, sensitivity=True, sens_tokens=20,
+                            grams_for=want - {"model.embed_tokens.weight"})
+    r2 = st2.result()
+    assert "model.embed_tokens.weight" not in r2.grams
+    assert r2.sensitivity == st.result().sensitivity
