@@ -27,6 +27,10 @@ rows, then a float32 matmul) have no integer-activation path: every ``act`` comp
 float32 (``"auto"`` = ``"f32"``).  The quantised kinds register their own
 entries (see their module).  A kind without a registered kernel raises
 ``NotImplementedError`` on call (never a silent densification).
+
+A ``+lr`` option (quantised codes plus a rank-``lr`` float16 correction,
+``Decomp.lr``) runs its quantised kind's kernel with ``act`` as above, then
+adds ``(x @ lr_vᵀ) @ lr_uᵀ`` in float32 in the same call.
 """
 from __future__ import annotations
 
@@ -248,7 +252,24 @@ class PackedLinear:
         if y is None:
             raise ValueError(f"x must be finite; it holds "
                              f"{int(x2.size - np.isfinite(x2).sum())} NaN/Inf element(s).")
+        if self._decomp.lr is not None:
+            y = _add_correction(self._arrays, x2, y)
         return y[0] if one else y
+
+
+def _add_correction(arrays, x2, y):
+    """``y + (x2 @ lr_vᵀ) @ lr_uᵀ`` of a ``+lr`` layer, in float32.
+
+    The float16 factors are widened per call (``(rows + cols) * lr`` values,
+    a few per cent of the quantised product's reads at ``lr <= 32``) rather
+    than kept as float32 copies, so the layer holds exactly its packed bytes.
+    """
+    v = arrays["lr_v"].astype(np.float32)
+    u = arrays["lr_u"].astype(np.float32)
+    t = x2 @ v.T
+    y = np.ascontiguousarray(y, dtype=np.float32)
+    y += t @ u.T
+    return y
 
 
 def _frozen(a):

@@ -98,12 +98,6 @@ def read_plan(plan_path, method=None) -> tuple:
     return method, out, doc
 
 
-def _uses_gram(d) -> bool:
-    """Whether packing ``d`` reads a calibration gram: ``+gptq`` rounding needs
-    it, a ggml type takes its diagonal as importance."""
-    return d.rounding is not None or d.kind == "ggml"
-
-
 def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
                grams=None, force=False) -> dict:
     """Compress ``source`` as ``plan.json`` says and write the checkpoint to ``out_path``.
@@ -197,7 +191,7 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
             stored_bytes += int(e.raw().size)
             ent = plan.get(e.name)
             if ent is not None and ent[0].kind != "dense":
-                g = None if grams is None or not _uses_gram(ent[0]) else grams.get(e.name)
+                g = None if grams is None or not ent[0].reads_gram else grams.get(e.name)
                 a = e.load()
                 w.add_layer(e.name, PackedLinear.pack(a, ent[0], gram=g))
                 del a

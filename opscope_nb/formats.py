@@ -31,6 +31,12 @@ label                arrays
 ``<q>+gptq``         any quantised label above with GPTQ-chosen codes
                      (``Decomp.rounding == "gptq"``): the same arrays as
                      ``<q>``, so the same kernels run it
+``<q>+lr{r}``        any quantised label above (``int8``, ``int4``, ``int4g``,
+                     ``intn``, with or without ``+gptq``) plus a rank-``r``
+                     correction of its residual (``Decomp.lr == r``): the
+                     ``<q>`` arrays, then ``lr_u`` f16 [rows, r] and ``lr_v``
+                     f16 [r, cols]; ``W ~ Q + lr_u @ lr_v``
+                     (:func:`correction_factors`)
 ``int6/chan``        ``lo`` u8 [rows, ceil(cols/2)] (nibble plane: bits 0-3 of
                      ``u``); ``hi`` u8 [rows, ceil(cols/4)] (crumb plane: bits
                      4-5 of ``u``); ``scales`` f32 [rows]
@@ -121,6 +127,13 @@ __all__ = [
     "check_applicable",
     "GramRequiredError",
     "ggml_importance",
+    "LR_KINDS",
+    "LR_SKETCH",
+    "correction_factors",
+    "correction_basis",
+    "correction_metric",
+    "correction_slice",
+    "correction_product",
 ]
 
 KINDS = ("dense", "int8", "int4", "int4g", "intn", "ternary", "sparse24", "lowrank",
@@ -130,6 +143,12 @@ KINDS = ("dense", "int8", "int4", "int4g", "intn", "ternary", "sparse24", "lowra
 INTN_BITS = (2, 3, 5, 6)
 #: Data-aware roundings a quantised Decomp may name (None = round to nearest).
 ROUNDINGS = ("gptq",)
+#: Kinds that take a low-rank correction of their residual (``Decomp.lr``).
+LR_KINDS = ("int8", "int4", "int4g", "intn")
+#: Rank of the one truncated SVD a correction of rank ``lr <= LR_SKETCH`` is cut
+#: from (its leading ``lr`` triplets), so ``+lr8``, ``+lr16`` and ``+lr32`` of
+#: one quantisation share a single SVD and nest.
+LR_SKETCH = 32
 
 
 class GramRequiredError(ValueError):
@@ -189,9 +208,18 @@ class Decomp:
         arrays and kernels as the round-to-nearest twin; the label gains
         ``+gptq`` (e.g. ``int4/g128+gptq``).  :func:`pack` /
         :func:`approximate` need ``gram=`` for it.
+    lr : int or None
+        Rank of a low-rank correction of the quantisation residual (quantised
+        kinds :data:`LR_KINDS` only, ``1 <= lr <= min(rows, cols)``): the
+        packed arrays gain ``lr_u`` / ``lr_v`` (float16) and the weight is
+        ``Q + lr_u @ lr_v`` (:func:`correction_factors`; fitted in output
+        space from ``gram=`` when given, in weight space otherwise).  Label
+        suffix ``+lr{lr}`` after any ``+gptq`` (``int3/g32+gptq+lr16``);
+        build with :meth:`with_correction`.
     svd_rank, seed : int
         How a low-rank option is computed: the leading ``r`` triplets of one
-        ``truncated_svd(w, svd_rank, seed)`` (``svd_rank=None`` means ``r``).
+        ``truncated_svd(w, svd_rank, seed)`` (``svd_rank=None`` means ``r``);
+        ``seed`` is also the sketch seed of a ``+lr`` correction.
         Provenance only: not part of equality, hash or label.
     """
 
@@ -205,6 +233,7 @@ class Decomp:
     bits: int | None = None
     rounding: str | None = None
     qtype: str | None = None
+    lr: int | None = None
     svd_rank: int | None = field(default=None, compare=False)
     seed: int = field(default=0, compare=False)
 
@@ -256,6 +285,13 @@ class Decomp:
             if self.kind not in ("int8", "int4", "int4g", "intn"):
                 raise ValueError(f"rounding={self.rounding!r} applies to the quantised kinds "
                                  f"int8/int4/int4g/intn only; got kind {self.kind!r}.")
+        if self.lr is not None:
+            if self.kind not in LR_KINDS:
+                raise ValueError(f"lr (a low-rank correction of the quantisation residual) "
+                                 f"applies to the kinds {LR_KINDS} only; got kind "
+                                 f"{self.kind!r}. Use Decomp.lowrank(r) for a plain "
+                                 f"low-rank weight.")
+            object.__setattr__(self, "lr", check_int(self.lr, "lr", 1))
         if self.svd_rank is not None:
             object.__setattr__(self, "svd_rank", check_int(self.svd_rank, "svd_rank", 1))
         object.__setattr__(self, "seed", check_int(self.seed, "seed", 0))
@@ -329,12 +365,27 @@ class Decomp:
         ``lowrank(r=12)``, ``tucker(1024x48x64->32,24,32)``,
         ``tt(32x32x48x64,cap=16)``."""
         base = self._base_label()
-        return base if self.rounding is None else f"{base}+{self.rounding}"
+        if self.rounding is not None:
+            base = f"{base}+{self.rounding}"
+        return base if self.lr is None else f"{base}+lr{self.lr}"
 
     def with_rounding(self, rounding) -> "Decomp":
         """The same decomposition with another ``rounding`` (None: to nearest)."""
         import dataclasses
         return dataclasses.replace(self, rounding=rounding)
+
+    def with_correction(self, lr) -> "Decomp":
+        """The same quantisation with a rank-``lr`` residual correction
+        (``None``: without one)."""
+        import dataclasses
+        return dataclasses.replace(self, lr=lr)
+
+    @property
+    def reads_gram(self) -> bool:
+        """Whether :func:`pack` uses a calibration gram when given one:
+        ``+gptq`` needs it, a ggml type takes its diagonal as importance, a
+        ``+lr`` correction is fitted in output space with it."""
+        return self.rounding is not None or self.kind == "ggml" or self.lr is not None
 
     def _base_label(self) -> str:
         k = self.kind
@@ -385,6 +436,9 @@ class Decomp:
                   "ternary": "ternary", "sparse2:4": "sparse24", "monarch": "monarch"}
         if not isinstance(s, str):
             raise TypeError(f"label must be a str; got {type(s).__name__}.")
+        m = re.match(r"^(.+)\+lr(\d+)$", s)
+        if m:
+            return cls.from_label(m[1]).with_correction(int(m[2]))
         for rnd in ROUNDINGS:
             if s.endswith("+" + rnd):
                 return cls.from_label(s[:-len(rnd) - 1]).with_rounding(rnd)
@@ -398,13 +452,13 @@ class Decomp:
                 return make(m)
         raise ValueError(f"unknown decomposition label {s!r}; expected e.g. 'dense', "
                          f"'int8/chan', 'int4/g128', 'int{{2,3,5,6}}/chan', 'int5/g32', "
-                         f"'lowrank(r=12)', a ggml type such as 'Q4_K', "
+                         f"'lowrank(r=12)', 'int3/g32+gptq+lr16', a ggml type such as 'Q4_K', "
                          f"'tucker(64x8x8->32,4,4)', 'tt(8x8x8x8,cap=16)'.")
 
     def to_dict(self) -> dict:
         """JSON-ready dict: ``kind``, ``label`` and the kind's parameters."""
         d = {"kind": self.kind, "label": self.label}
-        for f in ("r", "group", "cap", "bits", "qtype"):
+        for f in ("r", "group", "cap", "bits", "qtype", "lr"):
             if getattr(self, f) is not None:
                 d[f] = getattr(self, f)
         for f in ("dims", "ranks", "modes"):
@@ -414,6 +468,7 @@ class Decomp:
             d["rounding"] = self.rounding
         if self.kind == "lowrank":
             d["svd_rank"] = self.svd_rank
+        if self.kind == "lowrank" or self.lr is not None:
             d["seed"] = self.seed
         return d
 
@@ -482,6 +537,9 @@ def _tt_flops(modes, cap, rows):
 
 def check_applicable(rows, cols, d: Decomp):
     k = d.kind
+    if d.lr is not None and d.lr > min(rows, cols):
+        raise ValueError(f"the correction rank lr must be <= min(rows, cols) = "
+                         f"{min(rows, cols)}; got {d.label} for a {rows}x{cols} weight.")
     if k == "lowrank":
         if d.r > min(rows, cols):
             raise ValueError(f"lowrank r must be <= min(rows, cols) = {min(rows, cols)}; "
@@ -536,6 +594,12 @@ def layout(rows: int, cols: int, decomp: Decomp) -> dict:
         weight).
     """
     check_applicable(rows, cols, decomp)
+    if decomp.lr is not None:
+        f16 = np.dtype(np.float16)
+        out = layout(rows, cols, decomp.with_correction(None))
+        out["lr_u"] = (f16, (rows, decomp.lr))
+        out["lr_v"] = (f16, (decomp.lr, cols))
+        return out
     f32, u8, i8 = np.dtype(np.float32), np.dtype(np.uint8), np.dtype(np.int8)
     d = decomp
     k = d.kind
@@ -593,6 +657,8 @@ def flops(rows: int, cols: int, d: Decomp) -> int:
     """Multiply-adds per input row of the ``d`` operator of a ``[rows, cols]`` weight."""
     n = rows * cols
     k = d.kind
+    if d.lr is not None:
+        return flops(rows, cols, d.with_correction(None)) + (rows + cols) * d.lr
     if k in ("dense", "int8", "int4", "int4g", "intn", "ggml"):
         return n
     if k == "ternary":
@@ -649,9 +715,118 @@ def ggml_importance(gram):
     return np.ascontiguousarray(np.diagonal(g) if g.ndim == 2 else g, dtype=np.float32)
 
 
+def correction_factors(residual, lr, gram=None, *, seed=0) -> tuple:
+    """Rank-``lr`` factors ``(u, v)`` with ``u @ v ~ residual`` in the output
+    space of ``gram``: the correction a ``+lr`` Decomp stores.
+
+    With ``H = gram / mean(diag gram) + DAMP * I`` (GPTQ's damping,
+    :data:`opscope_nb.gptq.DAMP`) and its Cholesky factor ``H = L Lᵀ``,
+    ``‖(E − u v) L‖_F`` is minimised over rank ``lr`` by the truncated SVD of
+    ``E L = P Σ Qᵀ`` (Eckart–Young in the ``L``-weighted norm):
+    ``u = P √Σ``, ``v = √Σ Qᵀ L⁻¹``.  That is the calibration inputs' output
+    error ``‖(E − u v) Xᵀ‖`` up to the damping, which keeps ``L`` invertible
+    and pulls the fit toward the weight-space one on directions the
+    calibration text barely excites (held-out text may).  A diagonal gram
+    gives ``L = diag(√h)``; no gram (or one that saw no input) ``L = I``, the
+    plain truncated SVD of ``E``.  The SVD is
+    :func:`opscope_nb.kernels.truncated_svd` at rank ``max(lr, LR_SKETCH)``
+    (clamped to ``min(rows, cols)``) with ``seed``; the factors are its
+    leading ``lr`` triplets, so corrections of one residual at several ranks
+    nest exactly (:func:`correction_basis` computes them once).
+
+    Parameters
+    ----------
+    residual : ndarray of shape (rows, cols)
+        ``E = W − Q(W)``, finite.
+    lr : int
+        ``1 <= lr <= min(rows, cols)``.
+    gram : ndarray of float64, optional
+        Validated (:func:`opscope_nb.gptq.check_gram`): ``[cols, cols]`` or
+        its diagonal ``[cols]``.
+    seed : int
+        Sketch seed of the truncated SVD.
+
+    Returns
+    -------
+    u : ndarray of float16, shape (rows, lr)
+    v : ndarray of float16, shape (lr, cols)
+        Balanced (``√Σ`` on each side) so both stay well inside float16's
+        range; non-finite only if the residual itself is beyond it.
+    """
+    basis = correction_basis(residual, lr, gram, seed=seed)
+    return correction_slice(basis, lr)
+
+
+def correction_metric(gram):
+    """The output-space metric :func:`correction_basis` fits in, once per
+    weight: ``("chol", L, float32(L))`` with ``L Lᵀ = gram / mean(diag) + DAMP * I``,
+    ``("diag", √(h / mean(h) + DAMP))`` for a diagonal gram, or ``None``
+    (weight space: no gram, or one whose diagonal is all zero)."""
+    from .gptq import DAMP
+    if gram is None:
+        return None
+    g = np.asarray(gram, dtype=np.float64)
+    diag = g if g.ndim == 1 else np.diagonal(g)
+    mean = float(diag.mean()) if diag.size else 0.0
+    if not mean > 0.0:          # no input ever reached this layer: weight space
+        return None
+    if g.ndim == 1:
+        return ("diag", np.sqrt(g / mean + DAMP))
+    h = g / mean
+    h[np.diag_indices(h.shape[0])] += DAMP
+    chol = np.linalg.cholesky(h)
+    return ("chol", chol, chol.astype(np.float32))
+
+
+def correction_basis(residual, lr, gram=None, *, seed=0, metric=None) -> tuple:
+    """The float64 factors ``(u, v)`` of :func:`correction_factors` for every
+    triplet of its SVD (rank ``min(max(lr, LR_SKETCH), rows, cols)``): slice
+    them with :func:`correction_slice` for any rank ``<= lr`` (the same
+    values :func:`correction_factors` gives for that rank).  ``metric``:
+    :func:`correction_metric` of ``gram`` when already computed."""
+    e = np.ascontiguousarray(residual, dtype=np.float64)
+    rows, cols = e.shape
+    k = min(max(int(lr), LR_SKETCH), rows, cols)
+    if metric is None:
+        metric = correction_metric(gram)
+    if metric is None:
+        a = e
+    elif metric[0] == "diag":
+        a = e * metric[1]
+    else:       # the SVD runs in float32 anyway: so does the product feeding it
+        a = e.astype(np.float32) @ metric[2]
+    u, s, vt = _kern().truncated_svd(np.ascontiguousarray(a, dtype=np.float32), k, seed)
+    root = np.sqrt(np.asarray(s, dtype=np.float64))
+    uf = np.asarray(u, dtype=np.float64) * root
+    vf = root[:, None] * np.asarray(vt, dtype=np.float64)
+    if metric is not None and metric[0] == "diag":
+        vf = vf / metric[1]
+    elif metric is not None:
+        from scipy.linalg import solve_triangular
+        # v L = √Σ Qᵀ  <=>  Lᵀ vᵀ = Q √Σ (all k rows at once: slices stay identical)
+        vf = solve_triangular(metric[1], vf.T, lower=True, trans="T").T
+    return uf, vf
+
+
+def correction_slice(basis, lr) -> tuple:
+    """The leading ``lr`` factors of a :func:`correction_basis` as float16
+    ``(u [rows, lr], v [lr, cols])``."""
+    uf, vf = basis
+    with np.errstate(over="ignore"):
+        return (np.ascontiguousarray(uf[:, :lr], dtype=np.float16),
+                np.ascontiguousarray(vf[:lr], dtype=np.float16))
+
+
 def _pack(w, d: Decomp, svd=None, gram=None):
     """Pack a validated ``w``; ``svd`` optionally supplies ``(U, S, Vt)``;
-    ``gram`` is the calibration gram a ``rounding="gptq"`` Decomp needs."""
+    ``gram`` is the calibration gram a ``rounding="gptq"`` Decomp needs (and
+    a ``+lr`` correction is fitted with)."""
+    if d.lr is not None:
+        base = d.with_correction(None)
+        out = _pack(w, base, svd, gram)
+        resid = w.astype(np.float64) - unpack(out, base, w.shape)
+        out["lr_u"], out["lr_v"] = correction_factors(resid, d.lr, gram, seed=d.seed)
+        return out
     rows, cols = w.shape
     k = d.kind
     if k == "dense":
@@ -726,6 +901,10 @@ def unpack(packed: dict, d: Decomp, shape) -> np.ndarray:
     """
     rows, cols = (int(shape[0]), int(shape[1]))
     k = d.kind
+    if d.lr is not None:
+        out = unpack(packed, d.with_correction(None), shape)
+        out += correction_product(packed["lr_u"], packed["lr_v"])
+        return out
     if k == "dense":
         out = packed["w"]
     elif k == "int8":
@@ -760,6 +939,12 @@ def unpack(packed: dict, d: Decomp, shape) -> np.ndarray:
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
+def correction_product(u, v) -> np.ndarray:
+    """``u @ v`` of float16 correction factors, computed in float32 (what the
+    runtime adds): ``[rows, cols]`` float32."""
+    return np.asarray(u, dtype=np.float32) @ np.asarray(v, dtype=np.float32)
+
+
 def _as_core_list(cores):
     try:
         from numba.typed import List
@@ -785,7 +970,9 @@ def pack(w, decomp: Decomp, *, gram=None) -> dict:
         inputs; required by ``+gptq`` decompositions (``ValueError`` without);
         a ``ggml`` Decomp takes its diagonal as ggml's importance vector
         (:func:`ggml_importance`; without a gram ggml's reference quantiser
-        runs); ignored by the others.
+        runs); a ``+lr`` correction is fitted in its output space
+        (:func:`correction_factors`; weight space without); ignored by the
+        others.
 
     Returns
     -------
@@ -797,7 +984,7 @@ def pack(w, decomp: Decomp, *, gram=None) -> dict:
         raise TypeError(f"decomp must be a Decomp; got {type(decomp).__name__}. "
                         f"Use e.g. Decomp.int8() or Decomp.from_label('int8/chan').")
     check_applicable(*w.shape, decomp)
-    if gram is not None and (decomp.rounding is not None or decomp.kind == "ggml"):
+    if gram is not None and decomp.reads_gram:
         from .gptq import check_gram
         gram = check_gram(gram, w.shape[1])
     return _pack(w, decomp, gram=gram)

@@ -24,7 +24,8 @@ import numpy as np
 
 from ._validation import as_matrix
 
-__all__ = ["check_gram", "output_error", "gptq_quantize", "hessian_factor", "DAMP"]
+__all__ = ["check_gram", "output_error", "output_energy", "output_ratio", "gptq_quantize",
+           "hessian_factor", "DAMP"]
 
 #: Default relative dampening of the Hessian diagonal.
 DAMP = 0.01
@@ -94,7 +95,26 @@ def check_gram(gram, cols, *, name="gram", tol=1e-6) -> np.ndarray:
     return g
 
 
-def output_error(w, w_hat, gram) -> float:
+def output_energy(a, gram) -> float:
+    """``tr(A H Aᵀ)`` in float64 (``A`` ``[rows, cols]``, ``gram`` validated,
+    1-D meaning diagonal): the squared output norm of ``A`` on the inputs."""
+    a = np.asarray(a, dtype=np.float64)
+    if gram.ndim == 1:
+        return float(((a * a) @ gram).sum())
+    return float(np.einsum("ij,ij->", a @ gram, a))
+
+
+def output_ratio(num, den) -> float:
+    """``sqrt(num / den)`` with :func:`output_error`'s conventions: ``num``
+    clipped at 0; 0 when ``den <= 0`` and ``num == 0``, ``inf`` when only
+    ``num`` is non-zero."""
+    num = max(float(num), 0.0)
+    if den <= 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return float(np.sqrt(num / den))
+
+
+def output_error(w, w_hat, gram, *, den=None) -> float:
     """Relative output error ``sqrt(tr(dW H dWᵀ) / tr(W H Wᵀ))``, ``dW = w - w_hat``.
 
     Parameters
@@ -103,6 +123,9 @@ def output_error(w, w_hat, gram) -> float:
         ``[out, in]``; computed in float64.
     gram : ndarray of float64, shape (cols, cols) or (cols,)
         A validated gram (:func:`check_gram`); 1-D means diagonal.
+    den : float, optional
+        ``tr(W H Wᵀ)`` (:func:`output_energy` of ``w``) when already known:
+        one ``rows x cols x cols`` product fewer.
 
     Returns
     -------
@@ -111,17 +134,8 @@ def output_error(w, w_hat, gram) -> float:
         when only the error is non-zero.
     """
     w = np.asarray(w, dtype=np.float64)
-    dw = w - np.asarray(w_hat, dtype=np.float64)
-    if gram.ndim == 1:
-        num = float(((dw * dw) @ gram).sum())
-        den = float(((w * w) @ gram).sum())
-    else:
-        num = float(np.einsum("ij,ij->", dw @ gram, dw))
-        den = float(np.einsum("ij,ij->", w @ gram, w))
-    num = max(num, 0.0)
-    if den <= 0.0:
-        return 0.0 if num == 0.0 else float("inf")
-    return float(np.sqrt(num / den))
+    num = output_energy(w - np.asarray(w_hat, dtype=np.float64), gram)
+    return output_ratio(num, output_energy(w, gram) if den is None else float(den))
 
 
 def hessian_factor(gram, damp=DAMP) -> np.ndarray:

@@ -45,15 +45,17 @@ from .formats import (  # noqa: F401  (re-exported: mining.Decomp, mining.pack, 
     packed_bytes,
     unpack,
 )
-from .formats import _pack
+from .formats import (LR_KINDS, LR_SKETCH, _pack, correction_basis, correction_metric,
+                      correction_product, correction_slice)
 from .ggml import GGML_TYPES, row_bytes
-from .gptq import check_gram, output_error
+from .gptq import check_gram, output_energy, output_error, output_ratio
 from .kernels._probe import rel_err as _rel_err
 from .kernels._svd import truncated_svd
 from ._runtime import PackedLinear, check_ms, measure_latency
 
 __all__ = [
     "stored_bytes",
+    "LR_RANKS",
     "quant_menu",
     "structured_menu",
     "lowrank_ranks",
@@ -71,6 +73,10 @@ __all__ = [
     "parse_layer_kind",
     "balanced_factor",
 ]
+
+
+#: Ranks of the ``+lr`` corrections :func:`profile_layer` offers by default.
+LR_RANKS = (8, 16, 32)
 
 
 @dataclass(frozen=True)
@@ -244,7 +250,7 @@ def _int_seq(v, name, what, example):
 def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
                   latency=None, intn_bits=(6, 5, 3), int2_groups=(32,), gram=None,
                   gptq=True, sensitivity=None, stored_dtype="F32", menu="default",
-                  ggml_types=None) -> LayerProfile:
+                  ggml_types=None, lr_ranks=LR_RANKS) -> LayerProfile:
     """Measure every applicable compression option of one weight.
 
     Options, in order: dense; then the quantisation ladder by decreasing bits
@@ -253,7 +259,12 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
     ``groups`` and ``g2`` over ``int2_groups`` in the given order, a group
     option only when ``cols > g`` (at least two groups; a short last group is
     packed with its own scale), and int6/int5/int3 only for the widths in
-    ``intn_bits``; then ternary; sparse2:4; low-rank at the
+    ``intn_bits``; each quantised option (and each ``+gptq`` twin) followed
+    by its ``+lr{r}`` composites for ``r`` in ``lr_ranks`` -- the codes plus
+    a rank-``r`` float16 correction of the residual, fitted in the gram's
+    output space (weight space without a gram;
+    :func:`opscope_nb.formats.correction_factors`) -- when ``r <= min(rows,
+    cols)`` and the composite takes fewer bytes than the stored weight; then ternary; sparse2:4; low-rank at the
     smallest ranks holding 90 / 99 / 99.9 % of the energy of the top
     ``min(rank_cap, rows, cols)`` singular values (one truncated SVD serves
     all; deduplicated; only when ``(rows + cols) r < rows cols``); Monarch when
@@ -314,12 +325,15 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         (:func:`opscope_nb.formats.ggml_importance`) and gets ``out_err``.
     ggml_types : sequence of str, optional
         The ggml types :func:`ggml_menu` may offer (``None``: its default set).
+    lr_ranks : sequence of int
+        Ranks of the ``+lr`` composites (default :data:`LR_RANKS` = 8, 16,
+        32; ``()``: none).  Ignored by ``menu="ggml"``.
 
     Returns
     -------
     LayerProfile
-        ``timings`` holds seconds per part (``latency`` when measured,
-        ``gptq`` and ``out_err`` with a gram).
+        ``timings`` holds seconds per part (``lr`` for the composites'
+        fits, ``latency`` when measured, ``gptq`` and ``out_err`` with a gram).
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str; got {type(name).__name__}.")
@@ -329,6 +343,8 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
     gs = _int_seq(groups, "groups", "group lengths along a row", "groups=(32, 128)")
     g2s = _int_seq(int2_groups, "int2_groups", "int2 group lengths", "int2_groups=(32,)")
     nbits = _int_seq(intn_bits, "intn_bits", "intn code widths", "intn_bits=(6, 5, 3)")
+    lrs = _int_seq(lr_ranks, "lr_ranks", "ranks of the low-rank corrections",
+                   "lr_ranks=(8, 16, 32) or lr_ranks=()")
     for b in nbits:
         if b not in (3, 5, 6):
             raise ValueError(f"intn_bits entries must be 3, 5 or 6 (int4/int8 are always in "
@@ -355,7 +371,9 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
                             str(stored_dtype).upper())
     for d, part in quant_menu(cols, groups=gs, intn_bits=nbits, int2_groups=g2s,
                               gptq=with_gptq):
-        meas(d, part)
+        got = meas(d, part)
+        if got is not None and lrs and d.kind in LR_KINDS:
+            meas.corrections(d, *got, lrs, ref)
     svd, ranks = meas.spectrum(rank_cap, ref)
     for r in ranks:
         meas(Decomp.lowrank(r, svd_rank=min(rows, cols, rank_cap), seed=seed), "lowrank", svd)
@@ -366,7 +384,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
 
 
 #: Parts of :attr:`LayerProfile.timings` that every profile reports.
-_PARTS = ("quant", "ternary", "sparse", "svd", "lowrank", "monarch", "tucker", "tt")
+_PARTS = ("quant", "ternary", "sparse", "svd", "lowrank", "monarch", "tucker", "tt", "lr")
 
 
 def quant_menu(cols, *, groups=(32, 128), intn_bits=(6, 5, 3), int2_groups=(32,),
@@ -512,11 +530,22 @@ class _Measure:
         self.w, self.gram, self.lat_ms, self.seed = w, gram, lat_ms, seed
         self.options = []
         self.timings = {k: 0.0 for k in _PARTS}
+        self._den = None
+        self._metric = False
+        self._eh = None
 
     def _tick(self, part, t0):
         self.timings[part] = self.timings.get(part, 0.0) + time.perf_counter() - t0
 
+    def den(self):
+        """``tr(W H Wᵀ)``, once per weight (every option's ``out_err`` divides by it)."""
+        if self._den is None:
+            self._den = output_energy(self.w, self.gram)
+        return self._den
+
     def __call__(self, d, part, svd=None):
+        """Measure ``d``; returns ``(packed, recon)``, or None when ``d`` cannot
+        represent the weight."""
         w = self.w
         t0 = time.perf_counter()
         packed = _pack(w, d, svd, self.gram)
@@ -525,18 +554,85 @@ class _Measure:
         if part:
             self._tick(part, t0)
         if not math.isfinite(err):
-            return        # not representable (f16 past 65504): not an option here
+            return None   # not representable (f16 past 65504): not an option here
         oerr = None
+        self._eh = None
         if self.gram is not None:
             t0 = time.perf_counter()
-            oerr = output_error(w, recon, self.gram)
+            if self.gram.ndim == 2:
+                # keep E H for the +lr composites of this option (same product)
+                e = w.astype(np.float64) - recon
+                self._eh = e @ self.gram
+                oerr = output_ratio(float(np.einsum("ij,ij->", self._eh, e)), self.den())
+            else:
+                oerr = output_error(w, recon, self.gram, den=self.den())
             self._tick("out_err", t0)
+        self._record(d, packed, err, oerr)
+        return packed, recon
+
+    def _record(self, d, packed, err, oerr):
         lat = {}
         if self.lat_ms is not None:
             t0 = time.perf_counter()
-            lat = measure_latency(PackedLinear(d, packed, w.shape), self.lat_ms, seed=self.seed)
+            lat = measure_latency(PackedLinear(d, packed, self.w.shape), self.lat_ms,
+                                  seed=self.seed)
             self._tick("latency", t0)
-        self.options.append(DecompOption(d, err, nbytes(packed), flops(*w.shape, d), lat, oerr))
+        self.options.append(DecompOption(d, err, nbytes(packed), flops(*self.w.shape, d), lat,
+                                         oerr))
+
+    def corrections(self, d, packed, recon, ranks, ref_bytes):
+        """The ``+lr{r}`` options of the measured quantisation ``d`` for each
+        ``r`` in ``ranks`` that fits the weight and takes fewer than
+        ``ref_bytes``: one :func:`~opscope_nb.formats.correction_basis` serves
+        every rank, and ``out_err`` comes from the base residual's output
+        energy by expanding ``tr((E − UV) H (E − UV)ᵀ)`` (exact, float64, on
+        the float16 factors) instead of one ``rows x cols x cols`` product per
+        rank."""
+        import dataclasses
+        w = self.w
+        rows, cols = w.shape
+        todo = [r for r in ranks if r <= min(rows, cols)
+                and packed_bytes(rows, cols, d.with_correction(r)) < ref_bytes]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        e = w.astype(np.float64) - recon
+        bases = {}          # one SVD per sketch rank (LR_SKETCH for every r <= it)
+        for r in todo:
+            k = min(max(r, LR_SKETCH), rows, cols)
+            if k not in bases:
+                if self._metric is False:
+                    self._metric = correction_metric(self.gram)
+                bases[k] = correction_basis(e, k, self.gram, seed=self.seed,
+                                            metric=self._metric)
+        g = self.gram
+        if g is not None and g.ndim == 2:
+            eh = self._eh if self._eh is not None else e @ g
+            num0 = float(np.einsum("ij,ij->", eh, e))
+        self._tick("lr", t0)
+        for r in todo:
+            t0 = time.perf_counter()
+            dr = dataclasses.replace(d, lr=r, seed=self.seed)
+            u, v = correction_slice(bases[min(max(r, LR_SKETCH), rows, cols)], r)
+            out = dict(packed)
+            out["lr_u"], out["lr_v"] = u, v
+            rec = recon + correction_product(u, v)
+            err = float(_rel_err(w, rec))
+            self._tick("lr", t0)
+            if not math.isfinite(err):
+                continue
+            oerr = None
+            if g is not None:
+                t0 = time.perf_counter()
+                if g.ndim == 1:
+                    oerr = output_error(w, rec, g, den=self.den())
+                else:
+                    u64, v64 = u.astype(np.float64), v.astype(np.float64)
+                    num = (num0 - 2.0 * float(np.einsum("ij,ij->", u64, eh @ v64.T))
+                           + float(np.einsum("ij,ij->", u64.T @ u64, (v64 @ g) @ v64.T)))
+                    oerr = output_ratio(num, self.den())
+                self._tick("out_err", t0)
+            self._record(dr, out, err, oerr)
 
     def spectrum(self, rank_cap, ref_bytes):
         """``((U, S, Vt), ranks)`` of the one truncated SVD, or ``(None, [])``

@@ -195,7 +195,8 @@ def test_intn_bytes_formula_vs_packed_arrays(shape):
 def test_profile_menu_order_with_intn():
     w = gauss(16, 200, seed=4)
     prof = profile_layer("m", w)
-    labels = [o.label for o in prof.options]
+    # the +lr composites follow their base (tests/test_lr_correction.py)
+    labels = [o.label for o in prof.options if "+lr" not in o.label]
     quant = ["int8/chan",
              "int6/chan", "int6/g32", "int6/g128",
              "int5/chan", "int5/g32", "int5/g128",
@@ -211,7 +212,7 @@ def test_profile_menu_order_with_intn():
         assert o.rel_err == pytest.approx(naive_rel_err(w, approximate(w, o.decomp)),
                                           rel=1e-6, abs=1e-9), o.label
         if o.decomp.kind == "intn":
-            assert o.flops == 16 * 200
+            assert o.flops == 16 * 200 + (16 + 200) * (o.decomp.lr or 0)
     err = {o.label: o.rel_err for o in prof.options}
     # more bits, less error (per channel and per group)
     assert err["int8/chan"] < err["int6/chan"] < err["int5/chan"] < err["int4/chan"] \
@@ -222,11 +223,12 @@ def test_profile_menu_order_with_intn():
 
 def test_profile_menu_options_and_rules():
     w = gauss(8, 40, seed=5)
-    labels = [o.label for o in profile_layer("m", w, intn_bits=(), int2_groups=()).options]
+    labels = [o.label for o in profile_layer("m", w, intn_bits=(), int2_groups=(),
+                                             lr_ranks=()).options]
     assert not any(lbl.startswith(("int2", "int3", "int5", "int6")) for lbl in labels)
     assert labels[:6] == ["dense", "BF16", "F16", "int8/chan", "int4/chan", "int4/g32"]
     labels = [o.label for o in profile_layer("m", w, intn_bits=(3, 5), groups=(32,),
-                                             int2_groups=(8, 64)).options]
+                                             int2_groups=(8, 64), lr_ranks=()).options]
     assert labels[:11] == ["dense", "BF16", "F16", "int8/chan", "int5/chan", "int5/g32", "int4/chan",
                           "int4/g32", "int3/chan", "int3/g32", "int2/g8"]
     assert "int2/g64" not in labels  # 40 columns: one group of 64 is not group-wise

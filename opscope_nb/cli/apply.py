@@ -121,9 +121,10 @@ def run(args) -> int:
         raise CliError(str(exc)) from None
     need = sorted(n for n, (d, _) in plan.items() if d.rounding is not None)
     calib = pdoc.get("calib") if isinstance(pdoc.get("calib"), dict) else None
-    # ggml types take the gram's diagonal as importance when there is one
+    # ggml types take the gram's diagonal as importance and +lr corrections
+    # are fitted in its output space when there is one (as profile did)
     want = sorted(n for n, (d, _) in plan.items() if d.rounding is not None
-                  or (d.kind == "ggml" and (os.path.exists(gpath) or calib)))
+                  or (d.reads_gram and (os.path.exists(gpath) or calib)))
     grams = None
     if want and not os.path.exists(gpath) and args.grams is None and calib is not None:
         grams = _restream(args, calib, want)

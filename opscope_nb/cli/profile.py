@@ -35,6 +35,11 @@ def add_parser(sub) -> None:
     p.add_argument("--latency", type=int_list, default=None, metavar="M[,M...]",
                    help="measure each option's latency at these activation rows, e.g. "
                         "1,32 (stored in profile.json; needed by --latency-budget)")
+    p.add_argument("--lr-ranks", type=_lr_ranks, default=None, metavar="R[,R...]|none",
+                   help="ranks of the quantised + low-rank-correction composites "
+                        "(int4/g32+lr16: the codes plus a float16 rank-r fit of their "
+                        "residual, in output space with --calib); default 8,16,32; "
+                        "'none' leaves them out")
     p.add_argument("--out", metavar="DIR",
                    help="write profile.json, plan.json and options.csv here")
     p.add_argument("--menu", choices=("default", "ggml"), default="default",
@@ -118,8 +123,27 @@ def _ggml_types(args):
         raise CliError(f"--types: {exc}") from None
 
 
+def _lr_ranks(text):
+    """``--lr-ranks``: ``none`` or comma-separated positive ranks."""
+    if text.strip().lower() in ("none", ""):
+        return []
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        out = []
+    if not out or any(r < 1 for r in out):
+        raise argparse.ArgumentTypeError(
+            f"expected positive ranks like 8,16,32 or 'none'; got {text!r}")
+    return out
+
+
+def _lr_list(args) -> list:
+    from ..mining import LR_RANKS
+    return list(LR_RANKS) if args.lr_ranks is None else list(args.lr_ranks)
+
+
 def _profile_kwargs(args) -> dict:
-    kw = {"rank_cap": args.rank_cap, "seed": args.seed}
+    kw = {"rank_cap": args.rank_cap, "seed": args.seed, "lr_ranks": tuple(_lr_list(args))}
     if args.latency:
         kw["latency"] = tuple(args.latency)
     if args.menu != "default":
@@ -311,7 +335,7 @@ def _setup(args):
                 "latency": latency,
                 "include": args.include, "exclude": args.exclude,
                 "include_embeddings": args.include_embeddings,
-                "menu": args.menu, "ggml_types": kw_types}
+                "menu": args.menu, "ggml_types": kw_types, "lr_ranks": _lr_list(args)}
     if calib_settings is not None:
         settings["calib"] = calib_settings
     out = ensure_outdir(args.out) if args.out else None
@@ -503,7 +527,7 @@ def _validate_plans(st, layers, allocs, args) -> dict:
                                split_seed=cal.get("split_seed", 0), sensitivity=False,
                                plans=plans, grams_for={
                                    n for plan in plans.values() for n, d in plan.items()
-                                   if d.rounding is not None or d.kind == "ggml"},
+                                   if d.reads_gram},
                                log=(lambda s: print(s, file=sys.stderr, flush=True)) if show
                                else (lambda s: None))
         res = vs.result(rest=False)
