@@ -15,11 +15,15 @@ user's commands in fresh processes:
    library's prose docstrings, while calibration uses the shipped sample),
 
 and prints one row per budget: the eval metric (cosine for encoders, KL and
-top-1 agreement for decoders) and the profile's own validation line.
+top-1 agreement for decoders), how many layers the plan gives a ``+lr``
+composite, and the profile's own validation line.  With ``--ablate-lr`` each
+budget is solved, applied and evaluated a second time from a copy of the same
+``profile.json`` without the ``+lr`` options (same calibration, same fits):
+what the composites are worth.
 
 Usage: ``python benchmarks/bench_heldout.py [--models minilm,smollm2]
 [--budgets 0.2,0.15,0.125] [--eval-text builtin] [--max-tokens 4096]
-[--include REGEX] [--workdir DIR]``.
+[--include REGEX] [--ablate-lr] [--workdir DIR]``.
 """
 from __future__ import annotations
 
@@ -60,6 +64,11 @@ def _run(args, what):
     return r.stdout, time.perf_counter() - t
 
 
+def _plan_labels(meth):
+    """The chosen option's label of every layer of one plan.json method."""
+    return [lay["label"] for lay in meth["layers"]]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="minilm,smollm2")
@@ -68,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--include", default=None, help="profile --include REGEX")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--ablate-lr", action="store_true",
+                    help="also solve each budget without the +lr composites")
     args = ap.parse_args(argv)
     srcs = _sources()
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -90,27 +101,42 @@ def main(argv=None) -> int:
         print(f"\n## {name}: profile --calib {secs:.0f}s")
         for ln in val:
             print(f"  {ln}")
-        print(f"  {'budget':>7} {'cos / KL':>12} {'top-1':>7} {'plan bytes':>11} "
-              f"{'eval tokens':>11}")
+        print(f"  {'budget':>7} {'menu':>8} {'cos / KL':>12} {'top-1':>7} {'plan bytes':>11} "
+              f"{'+lr layers':>10} {'eval tokens':>11}")
+        profs = {"full": os.path.join(d, "profile.json")}
+        if args.ablate_lr:
+            doc = json.load(open(profs["full"]))
+            for rec in doc["layers"]:
+                p = rec["profile"]
+                p["options"] = [o for o in p["options"] if "+lr" not in o["label"]]
+            profs["no +lr"] = os.path.join(d, "profile-nolr.json")
+            with open(profs["no +lr"], "w") as f:
+                json.dump(doc, f)
         for b in budgets:
-            bd = os.path.join(d, f"b{b}")
-            _run(["allocate", os.path.join(d, "profile.json"), "--budget", b, "--out", bd,
-                  "--method", "exact"], "allocate")
-            comp = os.path.join(bd, "model.opscope.safetensors")
-            _run(["apply", src, os.path.join(bd, "plan.json"), "-o", comp, "--grams",
-                  os.path.join(d, "calib.npz"), "-q"], "apply")
-            js = os.path.join(bd, "eval.json")
-            _run(["eval", src, "--compressed", comp, "--act", "f32", "--text", args.eval_text,
-                  "--max-tokens", args.max_tokens, "--json", js, "-q"], "eval")
-            ev = json.load(open(js))
-            q = ev.get("quality", ev)
-            metric = q.get("cosine_mean", q.get("kl_mean"))
-            top1 = q.get("top1_agree")
-            plan = json.load(open(os.path.join(bd, "plan.json")))
-            pb = plan["methods"]["exact"]["total_bytes"]
-            print(f"  {b:>7.3f} {metric if metric is not None else float('nan'):>12.5f} "
-                  f"{top1 if top1 is not None else float('nan'):>7.3f} {pb:>11d} "
-                  f"{q.get('tokens', 0):>11d}")
+            for menu, pj in profs.items():
+                bd = os.path.join(d, f"b{b}" + ("" if menu == "full" else "-nolr"))
+                _run(["allocate", pj, "--budget", b, "--out", bd, "--method", "exact"],
+                     "allocate")
+                comp = os.path.join(bd, "model.opscope.safetensors")
+                _run(["apply", src, os.path.join(bd, "plan.json"), "-o", comp, "--grams",
+                      os.path.join(d, "calib.npz"), "-q"], "apply")
+                js = os.path.join(bd, "eval.json")
+                _run(["eval", src, "--compressed", comp, "--act", "f32", "--text",
+                      args.eval_text, "--max-tokens", args.max_tokens, "--json", js, "-q"],
+                     "eval")
+                ev = json.load(open(js))
+                q = ev.get("quality", ev)
+                metric = q.get("cosine_mean", q.get("kl_mean"))
+                top1 = q.get("top1_agree")
+                plan = json.load(open(os.path.join(bd, "plan.json")))
+                meth = plan["methods"]["exact"]
+                pb = meth["total_bytes"]
+                labels = _plan_labels(meth)
+                nlr = sum("+lr" in lab for lab in labels)
+                print(f"  {b:>7.3f} {menu:>8} "
+                      f"{metric if metric is not None else float('nan'):>12.5f} "
+                      f"{top1 if top1 is not None else float('nan'):>7.3f} {pb:>11d} "
+                      f"{nlr:>4d}/{len(labels):<5d} {q.get('tokens', 0):>11d}", flush=True)
     if args.workdir is None:
         shutil.rmtree(root, ignore_errors=True)
     return 0

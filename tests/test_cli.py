@@ -590,6 +590,7 @@ def _err_cases(tmp_path):
         "budget_nan": ["quant", "--budget", "nan"],
         "budget_text": ["profile", "--budget", "lots"],
         "rank_cap": ["profile", "--rank-cap", "0"],
+        "lr_ranks": ["profile", "--lr-ranks", "0"],
         "no_command": [],
         "bad_method": ["profile", "--method", "magic"],
         "not_profile": ["allocate", notprof],
@@ -603,7 +604,7 @@ def _err_cases(tmp_path):
 
 ERR_KEYS = ["out_is_file", "plot_no_dir", "empty_profile", "layer_no_options",
             "bad_numbers", "missing", "truncated", "unreadable", "regex", "regex_ex",
-            "budget_hi", "budget_zero", "budget_nan", "budget_text", "rank_cap",
+            "budget_hi", "budget_zero", "budget_nan", "budget_text", "rank_cap", "lr_ranks",
             "no_command", "bad_method", "not_profile", "bad_json", "missing_profile",
             "resume_no_out", "nothing_selected", "unknown_type"]
 

@@ -229,3 +229,22 @@ def test_profile_layer_only_composites_that_compress():
         profile_layer("l", w, lr_ranks="8")
     with pytest.raises(ValueError):
         profile_layer("l", w, lr_ranks=(0,))
+
+
+def test_cli_lr_ranks(tmp_path):
+    import json
+
+    from opscope_nb.cli import main
+    from test_io import write_st
+    rng = np.random.default_rng(1)
+    src = tmp_path / "m.safetensors"
+    write_st(src, {"a.weight": rng.standard_normal((24, 64)).astype(np.float32)})
+    for arg, want in (([], {8, 16}), (["--lr-ranks", "8"], {8}), (["--lr-ranks", "none"],
+                                                                   set())):
+        out = tmp_path / f"o{len(want)}"
+        assert main(["profile", str(src), "--out", str(out), "-q", *arg]) == 0
+        doc = json.load(open(out / "profile.json"))
+        got = {o["decomp"].get("lr") for o in doc["layers"][0]["profile"]["options"]} - {None}
+        assert got == want
+        assert doc["settings"]["lr_ranks"] == ([8, 16, 32] if not arg else
+                                               ([8] if want else []))
