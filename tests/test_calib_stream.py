@@ -466,6 +466,19 @@ def test_cli_profile_reports_validation(tmp_path):
     v = plan["methods"]["greedy"]["validation"]
     assert v["metric"] == "kl" and v["measured"] > 0 and v["predicted"] > 0
     assert plan["calib"]["validate"] == 0.25
+    # allocate re-solves and measures again on the same held-out text: the same
+    # plan (same budget, same method) gives the same measurement
+    r = _cli("allocate", out / "profile.json", "--bpw", "5", "--method", "greedy", "--out",
+             tmp_path / "a")
+    assert r.returncode == 0, r.stderr
+    assert "held-out tokens, kl): greedy: predicted" in r.stdout
+    va = json.load(open(tmp_path / "a" / "plan.json"))["methods"]["greedy"]["validation"]
+    assert va["measured"] == pytest.approx(v["measured"], rel=1e-9)
+    assert va["tokens"] == v["tokens"]
+    r = _cli("allocate", out / "profile.json", "--bpw", "5", "--method", "greedy",
+             "--no-validate", "--out", tmp_path / "a2")
+    assert r.returncode == 0 and "held-out" not in r.stdout
+    assert "validation" not in json.load(open(tmp_path / "a2" / "plan.json"))["methods"]["greedy"]
     r = _cli("profile", src, "--calib", "--calib-tokens", "200", "--validate", "0", "--out",
              tmp_path / "o0", "--bpw", "5", "--rank-cap", "4", "--method", "greedy")
     assert r.returncode == 0 and "held-out" not in r.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io as _stdio
 import math
+import os
 import time
 
 from ._common import (PROG, CliError, __version__, budget_arg, fmt_bytes, fmt_err, fmt_us,
@@ -346,3 +347,66 @@ __all__ = ["METHODS", "TIGHT_ERR", "DEFAULT_BUDGET", "BOUND_NAMES", "OPTIONS_CSV
            "run_allocators", "allocate_checked", "best_bound", "gap_vs", "plan_table",
            "totals_table", "bound_line", "budget_text", "plan_dict", "options_csv",
            "print_plan"]
+
+
+def validate_plans(source, cal, layers, allocs, show=False) -> dict:
+    """Each distinct plan of ``allocs`` run on the held-out part of the
+    calibration text recorded in ``cal`` (a profile's ``settings.calib``: same
+    text, token cap, diagonal threshold, split and seed): one streamed pass of
+    :class:`~opscope_nb.calib.CalibrationStream` with ``plans``.
+
+    Returns ``{method: {metric, measured, cosine|top1, tokens, predicted}}``
+    (``predicted``: the plan's sum of sensitivity x out_err**2, same units,
+    when the layers carry sensitivities) and prints one line per method; ``{}``
+    (with a warning) when there is nothing to hold out or the model cannot run.
+    """
+    import sys
+    if not cal or not cal.get("validate") or not allocs:
+        return {}
+    from .. import allocate as al
+    from ..calib import CalibrationStream
+    from ..data import TEXT_KEYWORDS
+    from ..models import ModelError, UnsupportedModelError
+    text = cal.get("text")
+    if text is not None and text not in TEXT_KEYWORDS and not os.path.exists(text):
+        warn(f"--validate: the calibration text {text} is gone; nothing measured.")
+        return {}
+    keyed, names = {}, {}
+    for m, (a, _) in allocs.items():
+        plan = {lp.name: lp.options[int(c)].decomp for lp, c in zip(layers, a.choice)}
+        key = tuple(sorted((n, repr(d)) for n, d in plan.items()))
+        keyed.setdefault(key, plan)
+        names.setdefault(key, []).append(m)
+    plans = {"/".join(ms): keyed[k] for k, ms in names.items()}
+    try:
+        vs = CalibrationStream(source, text=text, max_tokens=cal.get("max_tokens"),
+                               full_max_cols=cal.get("full_max_cols"),
+                               validate=float(cal["validate"]),
+                               split_seed=int(cal.get("split_seed") or 0), sensitivity=False,
+                               plans=plans, grams_for={
+                                   n for plan in plans.values() for n, d in plan.items()
+                                   if d.reads_gram},
+                               log=(lambda s: print(s, file=sys.stderr, flush=True)) if show
+                               else (lambda s: None))
+        res = vs.result(rest=False)
+    except (ModelError, UnsupportedModelError, ValueError, OSError) as exc:
+        warn(f"--validate: the plans could not be measured ({exc}).")
+        return {}
+    if not res.validation:
+        warn("--validate: the text has too few passages to hold any out; nothing measured.")
+        return {}
+    predict = al.output_objective(layers) == "sensitivity"
+    out = {}
+    for label, meas in res.validation.items():
+        for m in label.split("/"):
+            a = allocs[m][0]
+            pred = al.predicted_damage(layers, a.choice, "sensitivity") if predict else None
+            out[m] = dict(meas, predicted=pred)
+            extra = (f"cosine {meas['cosine']:.5f}" if "cosine" in meas
+                     else f"top-1 {meas['top1']:.3f}")
+            ptxt = (f"predicted {pred:.4g}, " if pred is not None else "")
+            ratio = (f" ({meas['measured'] / pred:.2f}x the prediction)"
+                     if pred and pred > 0 else "")
+            print(f"validation ({meas['tokens']} held-out tokens, {meas['metric']}): {m}: "
+                  f"{ptxt}measured {meas['measured']:.4g}{ratio} ({extra})")
+    return out

@@ -1,14 +1,19 @@
 """``opscope-nb allocate PROFILE.json``: re-solve a saved profile at another budget
 (bytes as a fraction or in bits per weight, optionally a latency budget) without
-touching the weights; ``--out DIR`` writes ``plan.json``."""
+touching the weights; ``--out DIR`` writes ``plan.json``.  A profile made with
+``--calib --validate FRAC`` has its plans measured on the held-out text again
+(one streamed pass over the source, which must still be where the profile
+read it; ``--no-validate`` skips it)."""
 from __future__ import annotations
 
+import argparse
 import os
 
 from ._ggml import add_tensor_type_arg, write_type_file
-from ._common import ensure_outdir, json_text, layers_from_doc, load_profile_doc, write
+from ._common import (ensure_outdir, json_text, layers_from_doc, load_profile_doc,
+                      progress_enabled, warn, write)
 from ._plan import (add_budget_args, allocate_checked, budget_spec, budget_text, methods_of,
-                    plan_dict, print_plan)
+                    plan_dict, print_plan, validate_plans)
 
 NAME = "allocate"
 
@@ -18,6 +23,9 @@ def add_parser(sub) -> None:
     p.add_argument("profile", metavar="PROFILE.json")
     add_budget_args(p)
     p.add_argument("--out", metavar="DIR", help="write plan.json here")
+    p.add_argument("--validate", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the plans on the profile's held-out calibration text "
+                        "(default when the profile has one; re-reads the source model)")
     add_tensor_type_arg(p)
     p.set_defaults(func=run)
 
@@ -30,11 +38,20 @@ def run(args) -> int:
                               args.time_limit)
     print_plan(layers, allocs)
     print(f"{len(layers)} layers, {budget_text(spec, layers)}")
+    cal = (doc.get("settings") or {}).get("calib")
+    validation = {}
+    if args.validate and isinstance(cal, dict) and cal.get("validate"):
+        src = (doc.get("source") or {}).get("path")
+        if not src or not os.path.exists(src):
+            warn(f"--validate: the profiled model {src} is not there; plans not measured "
+                 f"(--no-validate silences this).")
+        else:
+            validation = validate_plans(src, cal, layers, allocs, progress_enabled(args))
     if args.out:
         out = ensure_outdir(args.out)
         p = os.path.join(out, "plan.json")
-        write(p, json_text(plan_dict(layers, allocs, spec, doc.get("source"),
-                                            (doc.get("settings") or {}).get("calib"))))
+        write(p, json_text(plan_dict(layers, allocs, spec, doc.get("source"), cal,
+                                     validation)))
         print(f"wrote {p}")
     if args.tensor_type_file:
         m = "exact" if "exact" in allocs else next(iter(allocs))

@@ -20,7 +20,7 @@ from ._common import (CliError, add_source_args, ensure_outdir, fmt_bytes, int_l
                       open_and_select, peak_rss_mb,
                       positive_int, Progress, progress_enabled, source_info, warn, write)
 from ._plan import (add_budget_args, budget_spec, budget_text, check_latencies, methods_of,
-                    options_csv, plan_dict, print_plan, run_allocators)
+                    options_csv, plan_dict, print_plan, run_allocators, validate_plans)
 
 NAME = "profile"
 
@@ -502,54 +502,12 @@ def _dask_loop(args, st, bar, save):
 
 
 def _validate_plans(st, layers, allocs, args) -> dict:
-    """Each distinct plan run on the held-out calibration text (one streamed
-    pass: :class:`~opscope_nb.calib.CalibrationStream` with ``plans``);
-    returns ``{method: {metric, measured, cosine|top1, tokens, predicted}}``
-    (``predicted``: the plan's sum of sensitivity x out_err**2, same units,
-    when the layers carry sensitivities) and prints one line per method."""
-    cal = st["settings"].get("calib")
-    if not cal or not cal.get("validate") or st.get("stream") is None or not allocs:
+    """The plans measured on the held-out calibration text
+    (:func:`~opscope_nb.cli._plan.validate_plans`)."""
+    if st.get("stream") is None:
         return {}
-    from .. import allocate as al
-    from ..calib import CalibrationStream
-    from ..models import ModelError
-    keyed, names = {}, {}
-    for m, (a, _) in allocs.items():
-        plan = {lp.name: lp.options[int(c)].decomp for lp, c in zip(layers, a.choice)}
-        key = tuple(sorted((n, repr(d)) for n, d in plan.items()))
-        keyed.setdefault(key, plan)
-        names.setdefault(key, []).append(m)
-    plans = {"/".join(ms): keyed[k] for k, ms in names.items()}
-    show = progress_enabled(args)
-    try:
-        vs = CalibrationStream(args.source, text=args.calib_text, max_tokens=args.calib_tokens,
-                               full_max_cols=args.calib_diag_above, validate=cal["validate"],
-                               split_seed=cal.get("split_seed", 0), sensitivity=False,
-                               plans=plans, grams_for={
-                                   n for plan in plans.values() for n, d in plan.items()
-                                   if d.reads_gram},
-                               log=(lambda s: print(s, file=sys.stderr, flush=True)) if show
-                               else (lambda s: None))
-        res = vs.result(rest=False)
-    except (ModelError, ValueError) as exc:
-        warn(f"--validate: the plans could not be measured ({exc}).")
-        return {}
-    if not res.validation:
-        warn("--validate: the text has too few passages to hold any out; nothing measured.")
-        return {}
-    predict = al.output_objective(layers) == "sensitivity"
-    out = {}
-    for label, meas in res.validation.items():
-        for m in label.split("/"):
-            a = allocs[m][0]
-            pred = al.predicted_damage(layers, a.choice, "sensitivity") if predict else None
-            out[m] = dict(meas, predicted=pred)
-            extra = (f"cosine {meas['cosine']:.5f}" if "cosine" in meas
-                     else f"top-1 {meas['top1']:.3f}")
-            ptxt = f"predicted {pred:.4g}, " if pred is not None else ""
-            print(f"validation ({meas['tokens']} held-out tokens, {meas['metric']}): {m}: "
-                  f"{ptxt}measured {meas['measured']:.4g} ({extra})")
-    return out
+    return validate_plans(args.source, st["settings"].get("calib"), layers, allocs,
+                          progress_enabled(args))
 
 
 def _report(st, records, layers, reused, skipped, n_skip_load, t_start, args):
