@@ -4,11 +4,12 @@
 For a model (default: the all-MiniLM-L6-v2 and SmolLM2-135M wheels), runs the
 user's commands in fresh processes:
 
-1. ``opscope-nb profile SOURCE --calib --out DIR --budget B0`` (the default
+1. ``opscope-nb profile SOURCE --calib --out DIR --bpw 32B0`` (the default
    objective; ``--validate`` at its default holds out a quarter of the
    calibration text and prints each plan's predicted and measured metric);
-2. ``opscope-nb allocate DIR/profile.json --budget B --out DIR/bB`` for every
-   budget;
+2. ``opscope-nb allocate DIR/profile.json --bpw 32B --out DIR/bB`` for every
+   budget (a budget is a fraction of the float32 weight, passed as bits per
+   weight so a quantised source means the same);
 3. ``opscope-nb apply SOURCE DIR/bB/plan.json -o ... --grams DIR/calib.npz``;
 4. ``opscope-nb eval SOURCE --compressed ... --act f32 --text EVAL --max-tokens N``
    on text outside the calibration set (default ``builtin``: the standard
@@ -92,7 +93,9 @@ def main(argv=None) -> int:
             print(f"{name}: wheel not installed, skipped")
             continue
         d = os.path.join(root, name)
-        prof = ["profile", src, "--calib", "--out", d, "--budget", budgets[0], "-q",
+        # budgets are fractions of the float32 weight, given as bits per weight so a
+        # quantised source (SmolLM2's Q4_1 GGUF) means the same as a float32 one
+        prof = ["profile", src, "--calib", "--out", d, "--bpw", 32 * budgets[0], "-q",
                 "--method", "exact"]
         if args.include:
             prof += ["--include", args.include]
@@ -115,8 +118,8 @@ def main(argv=None) -> int:
         for b in budgets:
             for menu, pj in profs.items():
                 bd = os.path.join(d, f"b{b}" + ("" if menu == "full" else "-nolr"))
-                _run(["allocate", pj, "--budget", b, "--out", bd, "--method", "exact"],
-                     "allocate")
+                aout, _ = _run(["allocate", pj, "--bpw", 32 * b, "--out", bd, "--method",
+                                "exact"], "allocate")
                 comp = os.path.join(bd, "model.opscope.safetensors")
                 _run(["apply", src, os.path.join(bd, "plan.json"), "-o", comp, "--grams",
                       os.path.join(d, "calib.npz"), "-q"], "apply")
@@ -137,6 +140,9 @@ def main(argv=None) -> int:
                       f"{metric if metric is not None else float('nan'):>12.5f} "
                       f"{top1 if top1 is not None else float('nan'):>7.3f} {pb:>11d} "
                       f"{nlr:>4d}/{len(labels):<5d} {q.get('tokens', 0):>11d}", flush=True)
+                for ln in aout.splitlines():
+                    if ln.startswith("validation"):
+                        print(f"          {ln}", flush=True)
     if args.workdir is None:
         shutil.rmtree(root, ignore_errors=True)
     return 0

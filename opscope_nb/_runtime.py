@@ -28,9 +28,9 @@ float32 (``"auto"`` = ``"f32"``).  The quantised kinds register their own
 entries (see their module).  A kind without a registered kernel raises
 ``NotImplementedError`` on call (never a silent densification).
 
-A ``+lr`` option (quantised codes plus a rank-``lr`` float16 correction,
+A ``+lr`` option (quantised codes plus a rank-``lr`` int8 correction,
 ``Decomp.lr``) runs its quantised kind's kernel with ``act`` as above, then
-adds ``(x @ lr_vᵀ) @ lr_uᵀ`` in float32 in the same call.
+adds ``((x @ lr_vᵀ) * lr_s) @ lr_uᵀ`` in float32 in the same call.
 """
 from __future__ import annotations
 
@@ -258,15 +258,16 @@ class PackedLinear:
 
 
 def _add_correction(arrays, x2, y):
-    """``y + (x2 @ lr_vᵀ) @ lr_uᵀ`` of a ``+lr`` layer, in float32.
+    """``y + ((x2 @ lr_vᵀ) * lr_s) @ lr_uᵀ`` of a ``+lr`` layer, in float32.
 
-    The float16 factors are widened per call (``(rows + cols) * lr`` values,
+    The int8 factors are widened per call (``(rows + cols) * lr`` values,
     a few per cent of the quantised product's reads at ``lr <= 32``) rather
     than kept as float32 copies, so the layer holds exactly its packed bytes.
     """
     v = arrays["lr_v"].astype(np.float32)
     u = arrays["lr_u"].astype(np.float32)
     t = x2 @ v.T
+    t *= arrays["lr_s"]
     y = np.ascontiguousarray(y, dtype=np.float32)
     y += t @ u.T
     return y

@@ -261,7 +261,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
     packed with its own scale), and int6/int5/int3 only for the widths in
     ``intn_bits``; each quantised option (and each ``+gptq`` twin) followed
     by its ``+lr{r}`` composites for ``r`` in ``lr_ranks`` -- the codes plus
-    a rank-``r`` float16 correction of the residual, fitted in the gram's
+    a rank-``r`` int8 correction of the residual, fitted in the gram's
     output space (weight space without a gram;
     :func:`opscope_nb.formats.correction_factors`) -- when ``r <= min(rows,
     cols)`` and the composite takes fewer bytes than the stored weight; then ternary; sparse2:4; low-rank at the
@@ -586,7 +586,7 @@ class _Measure:
         ``ref_bytes``: one :func:`~opscope_nb.formats.correction_basis` serves
         every rank, and ``out_err`` comes from the base residual's output
         energy by expanding ``tr((E − UV) H (E − UV)ᵀ)`` (exact, float64, on
-        the float16 factors) instead of one ``rows x cols x cols`` product per
+        the packed int8 factors) instead of one ``rows x cols x cols`` product per
         rank."""
         import dataclasses
         w = self.w
@@ -613,10 +613,10 @@ class _Measure:
         for r in todo:
             t0 = time.perf_counter()
             dr = dataclasses.replace(d, lr=r, seed=self.seed)
-            u, v = correction_slice(bases[min(max(r, LR_SKETCH), rows, cols)], r)
+            u, v, sc = correction_slice(bases[min(max(r, LR_SKETCH), rows, cols)], r)
             out = dict(packed)
-            out["lr_u"], out["lr_v"] = u, v
-            rec = recon + correction_product(u, v)
+            out["lr_u"], out["lr_v"], out["lr_s"] = u, v, sc
+            rec = recon + correction_product(u, v, sc)
             err = float(_rel_err(w, rec))
             self._tick("lr", t0)
             if not math.isfinite(err):
@@ -627,7 +627,7 @@ class _Measure:
                 if g.ndim == 1:
                     oerr = output_error(w, rec, g, den=self.den())
                 else:
-                    u64, v64 = u.astype(np.float64), v.astype(np.float64)
+                    u64, v64 = u.astype(np.float64) * sc, v.astype(np.float64)
                     num = (num0 - 2.0 * float(np.einsum("ij,ij->", u64, eh @ v64.T))
                            + float(np.einsum("ij,ij->", u64.T @ u64, (v64 @ g) @ v64.T)))
                     oerr = output_ratio(num, self.den())

@@ -211,7 +211,7 @@ def test_kl_grows_as_the_plan_compresses_more(tiny, tmp_path):
 
 
 def test_lr_composite_plan_applies_and_beats_its_base(tiny, tmp_path):
-    """A plan of ``+lr`` composites: apply packs the float16 factors (weight-space
+    """A plan of ``+lr`` composites: apply packs the int8 factors (weight-space
     fit without grams), eval runs codes + correction, and the model's output
     moves less than with the bare codes, for exactly the factors' bytes more."""
     _, W = tiny
@@ -219,7 +219,7 @@ def test_lr_composite_plan_applies_and_beats_its_base(tiny, tmp_path):
     r1, comp = _eval_tiny(tiny, tmp_path / "c", lambda n: "int3/chan+lr4")
     assert r0["layers"] == r1["layers"] == 14
     assert 0.0 < comp["kl_mean"] < base["kl_mean"]
-    extra = sum(2 * (W[n].shape[0] + W[n].shape[1]) * 4 for n in _linear_names(W))
+    extra = sum((W[n].shape[0] + W[n].shape[1] + 4) * 4 for n in _linear_names(W))
     assert comp["compressed_weight_bytes"] - base["compressed_weight_bytes"] == extra
 
 
