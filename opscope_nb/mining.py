@@ -264,9 +264,9 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
     a rank-``r`` int8 correction of the residual, fitted in the gram's
     output space (weight space without a gram;
     :func:`opscope_nb.formats.correction_factors`) -- when ``r <= min(rows,
-    cols)`` and the composite takes fewer bytes than the stored weight; then ternary; sparse2:4; low-rank at the
-    smallest ranks holding 90 / 99 / 99.9 % of the energy of the top
-    ``min(rank_cap, rows, cols)`` singular values (one truncated SVD serves
+    cols)`` and the composite takes fewer bytes than the stored weight; then
+    ternary; sparse2:4; low-rank at the smallest ranks holding 90 / 99 / 99.9
+    % of the energy of the top ``min(rank_cap, rows, cols)`` singular values (one truncated SVD serves
     all; deduplicated; only when ``(rows + cols) r < rows cols``); Monarch when
     square with a perfect-square side; Tucker of the view ``[rows, c1, c2]``
     (``c1 * c2 = cols`` balanced) with ranks ``(min(rows // 2, 32, cols),
