@@ -17,7 +17,7 @@ from opscope_nb.runtime import PackedLinear
 
 from naive_runtime import unpack as twin_unpack
 
-DAMP = 0.01          # GPTQ's damping, restated (the twin does not import it)
+DAMP = 0.1           # formats.LR_DAMP, restated (the twin does not import it)
 
 
 def _data(rows=48, cols=96, n=300, seed=0):
