@@ -40,6 +40,16 @@ def crumbs(codes, n):
 
 
 def unpack(a, kind, shape, group=None, modes=None, bits=None, qtype=None):
+    """The dense weight; a ``+lr`` layer's arrays (``lr_u`` int8 [rows, r],
+    ``lr_v`` int8 [r, cols], ``lr_s`` f32 [r]) add ``(lr_u * lr_s) @ lr_v``."""
+    w = _unpack_base(a, kind, shape, group, modes, bits, qtype)
+    if "lr_u" in a:
+        w = w + (a["lr_u"].astype(np.float64) * a["lr_s"].astype(np.float64)) \
+            @ a["lr_v"].astype(np.float64)
+    return w
+
+
+def _unpack_base(a, kind, shape, group, modes, bits, qtype):
     rows, cols = shape
     if kind == "dense":
         return a["w"].astype(np.float64)
