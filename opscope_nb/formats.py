@@ -748,6 +748,13 @@ def correction_factors(residual, lr, gram=None, *, seed=0) -> tuple:
     leading ``lr`` triplets, so corrections of one residual at several ranks
     nest exactly (:func:`correction_basis` computes them once).
 
+    Thread count: without a gram (or with a diagonal one) the factors are the
+    same for any thread count (the SVD kernel's exact path; its Krylov path
+    for short sides above ``max(128, 4 lr)`` follows
+    :func:`opscope_nb.kernels.truncated_svd`); with a full gram the product
+    ``E L`` and the triangular solve run in the vendor BLAS, whose rounding
+    may move with its thread count (errors then agree to ~1e-8 relative).
+
     Parameters
     ----------
     residual : ndarray of shape (rows, cols)
@@ -964,8 +971,13 @@ def unpack(packed: dict, d: Decomp, shape) -> np.ndarray:
 
 def correction_product(u, v, s) -> np.ndarray:
     """``(u * s) @ v`` of packed correction factors (int8 ``u`` [rows, r],
-    int8 ``v`` [r, cols], float32 ``s`` [r]) in float32: ``[rows, cols]``."""
-    return (np.asarray(u, dtype=np.float32) * s) @ np.asarray(v, dtype=np.float32)
+    int8 ``v`` [r, cols], float32 ``s`` [r]) in float32: ``[rows, cols]``.
+
+    NumPy's own ``einsum`` loop rather than BLAS: a threaded sgemm may round
+    differently with the thread count, and :func:`unpack` / the profile's
+    errors must not (``rows * cols * r`` MACs, ``r <= 32``)."""
+    return np.einsum("ik,kj->ij", np.asarray(u, dtype=np.float32) * s,
+                     np.asarray(v, dtype=np.float32), optimize=False)
 
 
 def _as_core_list(cores):

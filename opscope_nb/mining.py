@@ -587,7 +587,8 @@ class _Measure:
         every rank, and ``out_err`` comes from the base residual's output
         energy by expanding ``tr((E − UV) H (E − UV)ᵀ)`` (exact, float64, on
         the packed int8 factors) instead of one ``rows x cols x cols`` product per
-        rank."""
+        rank; it leaves out the float32 rounding of the dense reconstruction
+        (``rel_err`` includes it), ~1e-7 of the weight's output."""
         import dataclasses
         w = self.w
         rows, cols = w.shape

@@ -85,6 +85,8 @@ def assert_same_profile(a_dir, b_dir):
             # pins what moves between 1 and 2 threads in one process)
             assert ob["rel_err"] == pytest.approx(oa["rel_err"], rel=REL_TOL, abs=ABS_TOL), \
                 (ra["name"], oa["label"])
+            if "+lr" in oa["label"]:
+                continue      # SVD-backed like lowrank, and three per quantisation
             n += 1
             exact += oa["rel_err"] == ob["rel_err"]
     assert exact >= 0.8 * n, f"only {exact} of {n} errors bit-identical"

@@ -63,7 +63,10 @@ def test_out_err_matches_explicit_products():
     lp = profile_layer("l", w, gram=h, rank_cap=8)
     for o in lp.options:
         wh = approximate(w, o.decomp, gram=h)
-        assert o.out_err == pytest.approx(ng.out_err_explicit(w, wh, x), rel=1e-9, abs=1e-15)
+        # +lr: out_err by float64 expansion of the exact factor product, which
+        # the float32 reconstruction rounds (~1e-7 of the weight's output)
+        rel, ab = (1e-6, 1e-7) if o.decomp.lr else (1e-9, 1e-15)
+        assert o.out_err == pytest.approx(ng.out_err_explicit(w, wh, x), rel=rel, abs=ab)
 
 
 def test_diag_path_equals_full_path_for_diagonal_gram():
@@ -73,7 +76,10 @@ def test_diag_path_equals_full_path_for_diagonal_gram():
     b = profile_layer("l", w, gram=np.diag(dg), rank_cap=4, gptq=False)
     assert [o.label for o in a.options] == [o.label for o in b.options]
     for oa, ob in zip(a.options, b.options):
-        assert oa.out_err == pytest.approx(ob.out_err, rel=1e-12, abs=1e-15)
+        # +lr fits: the diagonal metric scales in float64, the full one runs a
+        # float32 product and a triangular solve (same fit, other rounding)
+        rel = 1e-5 if oa.decomp.lr else 1e-12
+        assert oa.out_err == pytest.approx(ob.out_err, rel=rel, abs=1e-15)
     # the diagonal gram offers no +gptq options (nothing to compensate)
     assert not any("+gptq" in o.label for o in a.options)
 
