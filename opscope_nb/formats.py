@@ -753,7 +753,7 @@ def correction_factors(residual, lr, gram=None, *, seed=0) -> tuple:
     for short sides above ``max(128, 4 lr)`` follows
     :func:`opscope_nb.kernels.truncated_svd`); with a full gram the product
     ``E L`` and the triangular solve run in the vendor BLAS, whose rounding
-    may move with its thread count (errors then agree to ~1e-8 relative).
+    may move with its thread count (in the last digits; not pinned by a test).
 
     Parameters
     ----------

@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
                         "1,32 (stored in profile.json; needed by --latency-budget)")
     p.add_argument("--lr-ranks", type=_lr_ranks, default=None, metavar="R[,R...]|none",
                    help="ranks of the quantised + low-rank-correction composites "
-                        "(int4/g32+lr16: the codes plus a float16 rank-r fit of their "
+                        "(int4/g32+lr16: the codes plus an int8 rank-r fit of their "
                         "residual, in output space with --calib); default 8,16,32; "
                         "'none' leaves them out")
     p.add_argument("--out", metavar="DIR",
@@ -124,17 +124,8 @@ def _ggml_types(args):
 
 
 def _lr_ranks(text):
-    """``--lr-ranks``: ``none`` or comma-separated positive ranks."""
-    if text.strip().lower() in ("none", ""):
-        return []
-    try:
-        out = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        out = []
-    if not out or any(r < 1 for r in out):
-        raise argparse.ArgumentTypeError(
-            f"expected positive ranks like 8,16,32 or 'none'; got {text!r}")
-    return out
+    """``--lr-ranks``: ``none`` or comma-separated positive ranks (:func:`int_list`)."""
+    return [] if text.strip().lower() in ("none", "") else list(int_list(text))
 
 
 def _lr_list(args) -> list:
