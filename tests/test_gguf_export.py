@@ -217,6 +217,28 @@ def test_cli_profile_ggml_allocate_apply(tmp_path, capsys):
                       if t.name in got and t.name in {p["name"] for p in plan})
     want = src_bytes - planned_src + sum(p["bytes"] for p in plan)
     assert abs(os.path.getsize(out) - want) <= 0.01 * want
+    # eval's loader runs the written file's ggml layers from their own blocks
+    from opscope_nb.models.loader import open_model
+    m = open_model(SMOL, str(out))
+    for p in plan:
+        lin = m.tensors[p["name"]]
+        assert lin.decomp.label == p["label"] and lin.nbytes == p["bytes"]
+        t = got[p["name"]]
+        want_w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(lin.shape)
+        np.testing.assert_array_equal(lin.dense(), want_w)
+
+
+@needs_smol
+def test_eval_gguf_compressed_is_the_source_itself(tmp_path):
+    """The source as its own 'compressed' GGUF: its Q4_1 layers held packed
+    (20 bytes per 32 weights, not float32) and run from their blocks, giving
+    the dense forward's next-token distributions."""
+    from opscope_nb.models.evaluate import evaluate
+    r = evaluate(SMOL, SMOL, max_tokens=40, decode_steps=2, prompt_tokens=4, window=40)
+    assert r["top1_agree"] == 1.0 and r["kl_mean"] < 1e-6
+    assert abs(r["ppl_dense"] - r["ppl_compressed"]) < 1e-3 * r["ppl_dense"]
+    # the 2-D linear weights: float32 in the dense model, Q4_1 blocks in the other
+    assert r["compressed_weight_bytes"] < 0.5 * r["dense_weight_bytes"]
 
 
 @needs_smol

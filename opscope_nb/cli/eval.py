@@ -1,11 +1,14 @@
-"""``opscope-nb eval SOURCE [--compressed OUT.safetensors] [--text FILE] [--act
-auto|f32|int8] [--max-tokens N] [--json FILE]``: run the model in this package's
+"""``opscope-nb eval SOURCE [--compressed OUT.safetensors|OUT.gguf] [--runtime
+numba|llama.cpp] [--text FILE] [--act auto|f32|int8] [--max-tokens N] [--json FILE]``: run the model in this package's
 own forward pass (numpy + ``PackedLinear`` for every linear layer) and report
 what the compressed checkpoint costs and gains against the dense source on the
 same tokens: encoders the cosine of the pooled sentence embeddings, decoders
 KL(dense || compressed), top-1 agreement and perplexity; both the weight bytes
 held, peak RSS and the warm speed (decoders: decode tokens/s at m = 1 with a KV
-cache, and the prefill rate).  See :mod:`opscope_nb.models.evaluate`."""
+cache, and the prefill rate).  ``--compressed OUT.gguf`` runs a GGUF file's
+ggml-typed layers from their own blocks; ``--runtime llama.cpp`` scores both
+GGUF files with llama.cpp's logits instead (the ``[llama]`` extra).  See
+:mod:`opscope_nb.models.evaluate`."""
 from __future__ import annotations
 
 import argparse
@@ -28,8 +31,13 @@ def add_parser(sub) -> None:
     p = sub.add_parser(NAME, help="run the model: dense vs compressed outputs, size, speed")
     p.add_argument("source", metavar="SOURCE",
                    help="the original checkpoint (safetensors with config.json, or GGUF)")
-    p.add_argument("--compressed", metavar="OUT.safetensors", default=None,
-                   help="checkpoint written by 'opscope-nb apply' for SOURCE")
+    p.add_argument("--compressed", metavar="OUT.safetensors|OUT.gguf", default=None,
+                   help="checkpoint written by 'opscope-nb apply' for SOURCE, or a GGUF "
+                        "file of the same model (apply SOURCE.gguf PLAN -o OUT.gguf, "
+                        "llama-quantize output)")
+    p.add_argument("--runtime", choices=("numba", "llama.cpp"), default="numba",
+                   help="numba: this package's forward (default); llama.cpp: score both "
+                        "GGUF files with llama.cpp's own logits (pip install -e \".[llama]\")")
     p.add_argument("--text", metavar="FILE", default=None,
                    help="UTF-8 text, one passage per line (default: built-in English sample)")
     p.add_argument("--act", choices=("f32", "auto", "int8"), default="f32",
@@ -64,7 +72,9 @@ def run(args) -> int:
     from ..models import ModelError
     from ..models.evaluate import evaluate
     show = progress_enabled(args)
-    if args.compressed and not args.force:
+    from ..models.loader import is_gguf
+    # a GGUF file carries no fingerprint record; its tensor shapes are checked on load
+    if args.compressed and not args.force and not is_gguf(args.compressed):
         from ..apply import check_made_from
         from ..checkpoint import read_record
         from ..profiling import FingerprintError
@@ -78,11 +88,16 @@ def run(args) -> int:
         r = evaluate(args.source, args.compressed, text=args.text, act=args.act, speed_act=args.speed_act,
                      max_tokens=args.max_tokens, decode_steps=args.decode_steps,
                      prompt_tokens=args.prompt_tokens, window=args.window,
-                     make_progress=lambda n, w: Progress(n, w, show))
+                     make_progress=lambda n, w: Progress(n, w, show), runtime=args.runtime)
     except (ModelError, CheckpointError) as exc:
         raise CliError(str(exc)) from None
     comp = r["compressed"] is not None
-    print(f"{r['arch']} {r['family']}, {r['tokens']} tokens, act={r['act']} (speed: act={r['speed_act']})")
+    if args.runtime == "llama.cpp":
+        print(f"{r['arch']} {r['family']}, {r['tokens']} tokens, llama.cpp's forward "
+              f"(weight bytes as stored in the files)")
+    else:
+        print(f"{r['arch']} {r['family']}, {r['tokens']} tokens, act={r['act']} "
+              f"(speed: act={r['speed_act']})")
     rows = [("weight bytes", fmt_bytes(r["dense_weight_bytes"]),
              fmt_bytes(r["compressed_weight_bytes"]) if comp else "-")]
     if r["family"] == "decoder":

@@ -137,7 +137,7 @@ class _NoBar:
 
 def evaluate(source, compressed=None, *, text=None, act="f32", max_tokens=None,
              decode_steps=64, prompt_tokens=64, window=256, make_progress=None,
-             speed_act="auto") -> dict:
+             speed_act="auto", runtime="numba") -> dict:
     """Run the dense (and compressed) model on the same tokens; return the figures.
 
     Parameters
@@ -145,7 +145,9 @@ def evaluate(source, compressed=None, *, text=None, act="f32", max_tokens=None,
     source : str
         The original checkpoint (its config and tokenizer are used for both models).
     compressed : str or None
-        ``opscope-nb apply`` output for ``source``.
+        ``opscope-nb apply`` output for ``source``: a checkpoint, or a GGUF file
+        (``apply SOURCE.gguf PLAN -o OUT.gguf``, or a llama-quantize output of
+        the same model) whose ggml-typed layers run from their own blocks.
     text : str or None
         Text file, one passage per line; None = the built-in English sample.
     act : {"f32", "auto", "int8"}
@@ -167,6 +169,12 @@ def evaluate(source, compressed=None, *, text=None, act="f32", max_tokens=None,
     make_progress : callable or None
         ``make_progress(n_items, total_work) -> bar`` with ``show(i, name)``,
         ``advance(work)``, ``close()`` (the CLI's stderr bar); None = silent.
+    runtime : {"numba", "llama.cpp"}
+        ``"numba"``: this package's forward (both models); ``"llama.cpp"``:
+        decoders in GGUF files scored by llama.cpp's own forward
+        (:mod:`opscope_nb.models.llamacpp`, needs llama-cpp-python) on the
+        same token ids; ``act`` / ``speed_act`` do not apply, the weight bytes
+        are the files' tensor bytes as stored.
 
     Returns
     -------
@@ -190,8 +198,21 @@ def evaluate(source, compressed=None, *, text=None, act="f32", max_tokens=None,
             raise ValueError(f"{nm} must be >= 1; got {v}.")
     if max_tokens is not None and int(max_tokens) < 2:
         raise ValueError(f"max_tokens must be >= 2; got {max_tokens}.")
+    if runtime not in ("numba", "llama.cpp"):
+        raise ValueError(f"runtime must be 'numba' or 'llama.cpp'; got {runtime!r}.")
     passages = load_passages(text)
     mk = make_progress or (lambda n, w: _NoBar())
+    if runtime == "llama.cpp":
+        res = {k: None for k in JSON_KEYS}
+        res.update(runtime=runtime, act=None, speed_act=None, source=os.fspath(source),
+                   compressed=None if compressed is None else os.fspath(compressed))
+        t0 = time.perf_counter()
+        _eval_llamacpp(res, source, compressed, passages, max_tokens, decode_steps,
+                       prompt_tokens, window, mk)
+        res["seconds"] = time.perf_counter() - t0
+        rss = peak_rss_mb()
+        res["peak_rss_mb"] = rss if np.isfinite(rss) else None
+        return res
     t0 = time.perf_counter()
     dense = open_model(source, make_progress=make_progress)
     comp = None
@@ -200,6 +221,7 @@ def evaluate(source, compressed=None, *, text=None, act="f32", max_tokens=None,
     load_s = time.perf_counter() - t0
     res = {k: None for k in JSON_KEYS}
     res.update(family=dense.family, arch=dense.arch, act=act, speed_act=speed_act,
+               runtime=runtime,
                source=os.fspath(source),
                compressed=None if compressed is None else os.fspath(compressed),
                dense_weight_bytes=dense.weight_bytes(),
@@ -255,23 +277,11 @@ def _eval_encoder(res, dense, comp, passages, builtin, act, speed_act, max_token
         res["cosine_min"] = float(c.min())
 
 
-def _eval_decoder(res, dense, comp, passages, act, speed_act, max_tokens, decode_steps,
-                  prompt_tokens, window, mk):
-    from . import llama
-    cfg = dense.config
-    ids = list(dense.tokenizer.encode("\n".join(passages)).ids)
-    if cfg.get("add_bos") and cfg.get("bos") is not None:
-        ids = [int(cfg["bos"])] + ids
-    if max_tokens is not None:
-        ids = ids[:int(max_tokens)]
-    if len(ids) < 2:
-        raise ModelError("the text has fewer than 2 tokens; give a longer text.")
-    ids = np.asarray(ids, dtype=np.int64)
-    window = int(min(window, cfg.get("context", window)))
-    models = [("dense", dense)] + ([("compressed", comp)] if comp is not None else [])
+def _score_windows(res, ids, window, models, run, bar) -> None:
+    """Perplexity of each model and KL / top-1 of the second against the first
+    over non-overlapping windows of ``ids``; ``run(model, chunk) -> logits [T, V]``
+    (a fresh context per window).  Fills ``res``; one ``bar`` step per window."""
     starts = list(range(0, len(ids) - 1, window))
-    n_work = len(starts) * len(models) + len(models) * (decode_steps + 1)
-    bar = mk(len(starts) + len(models), n_work)
     nll = {tag: [] for tag, _ in models}
     kls, agree = [], []
     for wi, s in enumerate(starts):
@@ -281,23 +291,92 @@ def _eval_decoder(res, dense, comp, passages, act, speed_act, max_tokens, decode
         bar.show(wi, f"window {wi + 1}/{len(starts)}")
         logits = {}
         for tag, m in models:
-            cache = llama.KVCache(m.config, len(chunk))
-            logits[tag] = llama.forward(m, chunk, cache, act=act)
+            logits[tag] = run(m, chunk)
             nll[tag].append(_nll(logits[tag][:-1], chunk[1:]))
             bar.advance(1)
-        if comp is not None:
+        if len(models) > 1:
             k, a = kl_stats(logits["dense"], logits["compressed"])
             kls.append(k)
             agree.append(a)
         del logits
     res["tokens"] = int(sum(len(x) for x in nll["dense"]) + len(nll["dense"]))
     res["ppl_dense"] = float(np.exp(np.concatenate(nll["dense"]).mean()))
-    if comp is not None:
+    if len(models) > 1:
         res["ppl_compressed"] = float(np.exp(np.concatenate(nll["compressed"]).mean()))
         k = np.concatenate(kls)
         res["kl_mean"] = float(k.mean())
         res["kl_max"] = float(k.max())
         res["top1_agree"] = float(np.concatenate(agree).mean())
+
+
+def _eval_llamacpp(res, source, compressed, passages, max_tokens, decode_steps,
+                   prompt_tokens, window, mk) -> None:
+    """:func:`evaluate` with ``runtime="llama.cpp"``: both GGUF files scored by
+    llama.cpp's own forward on this package's token ids."""
+    from .. import io as tio
+    from . import llamacpp
+    from .loader import detect, is_gguf
+    family, arch, cfg, tok = detect(source)
+    for nm, p in (("source", source), ("compressed", compressed)):
+        if p is not None and not is_gguf(p):
+            raise ModelError(f"--runtime llama.cpp runs GGUF files; the {nm} {p} is not "
+                             f"one (write one with 'opscope-nb apply SOURCE.gguf PLAN -o "
+                             f"OUT.gguf').")
+    if family != "decoder":
+        raise ModelError(f"--runtime llama.cpp scores decoders; {source} is a {arch} {family}.")
+    ids = _decoder_ids(cfg, tok, passages, max_tokens)
+    window = int(min(window, cfg.get("context", window)))
+    prompt = ids[:max(1, min(int(prompt_tokens), len(ids)))]
+    n_ctx = max(window, len(prompt) + int(decode_steps) + 2)
+    paths = [("dense", source)] + ([("compressed", compressed)] if compressed else [])
+    for tag, p in paths:
+        res[f"{tag}_weight_bytes"] = int(sum(e.raw().size for e in tio.open_source(p).entries))
+    llms = [(tag, llamacpp.load(p, n_ctx=n_ctx)) for tag, p in paths]
+    starts = list(range(0, len(ids) - 1, window))
+    bar = mk(len(starts) + len(llms), len(starts) * len(llms) + len(llms))
+    _score_windows(res, ids, window, llms, llamacpp.logits, bar)
+    for j, (tag, llm) in enumerate(llms):
+        bar.show(len(starts) + j, f"{tag} decode speed")
+        pre, dec = llamacpp.speed(llm, prompt, int(decode_steps))
+        res[f"{tag}_prefill_tokens_per_s"] = pre
+        res[f"{tag}_tokens_per_s"] = dec
+        bar.advance(1)
+    bar.close()
+    res.setdefault("compressed_prefill_tokens_per_s", None)
+    res.update(family=family, arch=arch, decode_steps=int(decode_steps),
+               prompt_tokens=int(len(prompt)))
+    for _tag, llm in llms:
+        llm.close()
+
+
+def _decoder_ids(cfg, tokenizer, passages, max_tokens) -> np.ndarray:
+    """The evaluated token stream: the passages joined by newlines, BOS first
+    when the model wants one, cut at ``max_tokens``."""
+    ids = list(tokenizer.encode("\n".join(passages)).ids)
+    if cfg.get("add_bos") and cfg.get("bos") is not None:
+        ids = [int(cfg["bos"])] + ids
+    if max_tokens is not None:
+        ids = ids[:int(max_tokens)]
+    if len(ids) < 2:
+        raise ModelError("the text has fewer than 2 tokens; give a longer text.")
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _eval_decoder(res, dense, comp, passages, act, speed_act, max_tokens, decode_steps,
+                  prompt_tokens, window, mk):
+    from . import llama
+    cfg = dense.config
+    ids = _decoder_ids(cfg, dense.tokenizer, passages, max_tokens)
+    window = int(min(window, cfg.get("context", window)))
+    models = [("dense", dense)] + ([("compressed", comp)] if comp is not None else [])
+    starts = list(range(0, len(ids) - 1, window))
+    n_work = len(starts) * len(models) + len(models) * (decode_steps + 1)
+    bar = mk(len(starts) + len(models), n_work)
+
+    def run(m, chunk):
+        return llama.forward(m, chunk, llama.KVCache(m.config, len(chunk)), act=act)
+
+    _score_windows(res, ids, window, models, run, bar)
     # speed: warm prefill of a prompt, then greedy decode one token at a time
     prompt = ids[:max(1, min(int(prompt_tokens), len(ids)))]
     for j, (tag, m) in enumerate(models):

@@ -442,6 +442,41 @@ def required_tensors(family, conf, names) -> tuple:
 # --------------------------------------------------------------------------- #
 # loading
 # --------------------------------------------------------------------------- #
+def is_gguf(path) -> bool:
+    """True when ``path`` is a GGUF file (its magic, else its ``.gguf`` suffix)."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return path.lower().endswith(".gguf")
+
+
+def _gguf_held(path, family, conf) -> dict:
+    """The tensors of a GGUF file (``apply SOURCE.gguf PLAN -o OUT.gguf`` or a
+    llama-quantize output) as the forward holds them: linear layers stored in a
+    ggml type as ``PackedLinear`` of that type over the file's own blocks (run
+    by :mod:`opscope_nb.formats`' ggml decode, counted at their stored bytes),
+    F32 linear layers dense, every other tensor dequantised to float32."""
+    from .._runtime import PackedLinear
+    from ..formats import Decomp
+    from ..ggml import GGML_TYPES, row_bytes
+    src = tio.open_source(path)
+    names = {e.name for e in src.entries}
+    lin, _other, _opt = required_tensors(family, conf, names)
+    lin = set(lin)
+    out = {}
+    for e in src.entries:
+        if e.name in lin and len(e.shape) == 2 and e.dtype.upper() in GGML_TYPES:
+            rows, cols = (int(x) for x in e.shape)
+            qt = e.dtype.upper()
+            blocks = np.array(e.raw(), dtype=np.uint8).reshape(rows, row_bytes(qt, cols))
+            out[e.name] = PackedLinear(Decomp.ggml(qt), {"blocks": blocks}, (rows, cols))
+        else:
+            out[e.name] = e.load()
+    return out
+
+
 def open_model(source, compressed=None, *, make_progress=None, lazy=False) -> Model:
     """Load a model for eval: dense from ``source``, or its compressed checkpoint.
 
@@ -502,7 +537,10 @@ def open_model(source, compressed=None, *, make_progress=None, lazy=False) -> Mo
         from ..checkpoint import load as ck_load
         src = tio.open_source(source)
         shapes = {e.name: tuple(e.shape) for e in src.entries}
-        loaded, _meta = ck_load(compressed)
+        if is_gguf(compressed):
+            loaded = _gguf_held(compressed, family, conf)
+        else:
+            loaded, _meta = ck_load(compressed)
         names = set(loaded)
         lin, other, opt = required_tensors(family, conf, names)
         want = set(lin) | set(other) | (set(opt) & names)
