@@ -121,7 +121,7 @@ def _check_ggml_plan(plan, what):
 
 # ───────────────────────────── tensor-type file ─────────────────────────────
 
-def tensor_type_text(plan) -> str:
+def tensor_type_text(plan, stored=None) -> str:
     """The ``--tensor-type-file`` of a plan: one ``^escaped\\.name$=type`` line
     per planned tensor, in the plan's order.
 
@@ -129,7 +129,12 @@ def tensor_type_text(plan) -> str:
     ----------
     plan : dict of str -> Decomp
         Tensor name (GGUF or mapped Hugging Face, :func:`gguf_name`) -> its
-        ggml or dense Decomp (dense -> ``f32``).
+        ggml or dense Decomp.
+    stored : dict of str -> str, optional
+        The source's stored type per tensor name (``F16``, ``Q4_1``, ...): a
+        dense tensor keeps it (llama-quantize converts an F16 tensor to F16
+        exactly, as ``apply`` copies it); without it, or for a type llama.cpp
+        cannot be asked for, dense -> ``f32``.
 
     Returns
     -------
@@ -141,7 +146,10 @@ def tensor_type_text(plan) -> str:
     _check_ggml_plan(plan, "a tensor-type file")
     lines = []
     for name, d in plan.items():
-        lines.append(f"^{re.escape(gguf_name(name))}$={ggml_type_name(d)}")
+        t = ggml_type_name(d)
+        if d.kind == "dense" and stored and str(stored.get(name, "")).upper() in ggml.GGML_TYPES:
+            t = ggml_type_name(stored[name])
+        lines.append(f"^{re.escape(gguf_name(name))}$={t}")
     return "\n".join(lines) + "\n"
 
 
@@ -181,14 +189,15 @@ def quantize_command(plan, type_file, *, source=None, output=None, imatrix=None,
 
 
 def write_tensor_type_file(path, plan, *, source=None, imatrix=None, requantize=False,
-                           note=None) -> tuple:
+                           note=None, stored=None) -> tuple:
     """Write :func:`tensor_type_text` to ``path`` and the llama-quantize
     command (:func:`quantize_command`) to ``path + ".cmd"``, both atomically.
 
     ``source``: the ``.gguf`` to quantise (``None``: a placeholder, convert the
     checkpoint with llama.cpp's ``convert_hf_to_gguf.py`` first); the output is
     ``path`` with ``.txt`` replaced by ``.gguf``.  ``note``: an extra comment
-    line for the command file.
+    line for the command file.  ``stored``: the source's stored types, for
+    dense tensors (:func:`tensor_type_text`).
 
     Returns
     -------
@@ -196,7 +205,7 @@ def write_tensor_type_file(path, plan, *, source=None, imatrix=None, requantize=
         The tensor-type text, the command, and the command file's path.
     """
     path = os.fspath(path)
-    text = tensor_type_text(plan)
+    text = tensor_type_text(plan, stored)
     out = (path[:-4] if path.endswith(".txt") else path) + ".gguf"
     cmd = quantize_command(plan, path, source=source, output=out, imatrix=imatrix,
                            requantize=requantize)

@@ -89,6 +89,12 @@ def test_tensor_type_text_and_command():
         r"^blk\.1\.attn_v\.weight$=q6_K", r"^blk\.2\.ffn_up\.weight$=f32",
         r"^output\.weight$=q8_0", r"^token_embd\.weight$=iq4_xs"]
     assert "#" not in text                       # llama-quantize reads no comments
+    # dense keeps the source's stored type when it is known (F16 -> f16, exact)
+    st = tensor_type_text(plan, stored={"model.layers.2.mlp.up_proj.weight": "F16",
+                                        "lm_head.weight": "F16"}).splitlines()
+    assert st[3] == r"^blk\.2\.ffn_up\.weight$=f16" and st[4] == r"^output\.weight$=q8_0"
+    assert tensor_type_text({"a.weight": Decomp.dense()}, stored={"a.weight": "I8"}) \
+        == "^a\\.weight$=f32\n"
     # anchored and escaped: blk.1 never matches blk.10 (ECMAScript = re here)
     import re
     pats = [ln.split("=")[0] for ln in text.splitlines()]

@@ -130,7 +130,7 @@ def test_output_space_fit_beats_weight_space_on_the_inputs():
 def test_ranks_nest_and_improve():
     w, _, g = _data()
     errs = []
-    prev = None
+    prev = prev_s = None
     for r in (4, 8, 16, 32):
         p = pack(w, Decomp.int4(32).with_correction(r), gram=g)
         if prev is not None:          # the leading triplets of one SVD

@@ -48,6 +48,8 @@ def write_type_file(path, plan, doc, source=None) -> None:
         source = None
     requant = any(str(r.get("dtype")) not in _FLOAT for r in doc.get("layers", [])
                   if isinstance(r, dict) and r.get("name") in plan)
+    stored = {r["name"]: str(r.get("dtype")) for r in doc.get("layers", [])
+              if isinstance(r, dict) and r.get("name") in plan}
     calib = ((doc.get("settings") or {}).get("calib") or {})
     note = None
     if calib and not imatrix_of(doc):
@@ -57,7 +59,8 @@ def write_type_file(path, plan, doc, source=None) -> None:
     try:
         _, cmd, cmd_path = write_tensor_type_file(path, plan, source=source,
                                                   imatrix=imatrix_of(doc),
-                                                  requantize=requant, note=note)
+                                                  requantize=requant, note=note,
+                                                  stored=stored)
     except GGUFExportError as exc:
         raise CliError(f"--tensor-type-file: {exc}") from None
     except OSError as exc:

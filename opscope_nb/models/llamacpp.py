@@ -174,9 +174,9 @@ def quantize(source, out, ftype: str, *, tensor_types=None, imatrix=None,
     LlamaCppError
         Unknown ftype or type name, or llama.cpp returned an error.
     """
-    lib = _lib()
     if ftype not in FTYPES:
         raise LlamaCppError(f"unknown llama-quantize type {ftype!r}; one of {list(FTYPES)}.")
+    lib = _lib()
     p = lib.llama_model_quantize_default_params()
     p.nthread = int(nthread or os.cpu_count() or 1)
     p.ftype = FTYPES[ftype]
