@@ -88,6 +88,12 @@ class Calibration:
     val_tokens : int
         Tokens held out for validation (none of them in the grams or the
         sensitivity forwards).
+    sensitivity_val : dict of str -> float
+        The same probe (same perturbation, rescaled to ``eps`` there) measured
+        on the held-out part: how far each layer's sensitivity carries over to
+        text it was not measured on (empty without a held-out part).
+    sens_val_tokens : int
+        Held-out tokens those forwards ran on.
     """
 
     grams: dict
@@ -103,6 +109,8 @@ class Calibration:
     full_grams: int = 0
     validation: dict = field(default_factory=dict)
     val_tokens: int = 0
+    sensitivity_val: dict = field(default_factory=dict)
+    sens_val_tokens: int = 0
 
     def summary(self) -> dict:
         """JSON-ready facts (no arrays)."""
@@ -112,6 +120,7 @@ class Calibration:
                 "metric": self.metric, "eps": float(self.eps),
                 "sens_tokens": int(self.sens_tokens), "blocks": int(self.blocks),
                 "sens_layers": len(self.sensitivity),
+                "sens_val_tokens": int(self.sens_val_tokens),
                 "peak_block_bytes": int(self.peak_block_bytes),
                 "seconds": {k: float(v) for k, v in self.seconds.items()}}
 
@@ -364,13 +373,20 @@ class CalibrationStream:
         self._stem = sum(int(m.tensors[n].nbytes) for n in stem if n in m.tensors)
         # every stage from the layer's own to the head (included)
         self.sens_block_forwards = sum(self.n_blocks + 1 - self._order[n] for n in sens)
+        if self._sens_val_chunks:
+            self.sens_block_forwards *= 2
         self._val_dense = None           # dense validation activations per chunk
         self._val_states = {}            # plan -> its validation activations per chunk
         #: plan -> measured metric on the validation part (after the head stage)
         self.validation = {}
-        self._sens_clean = None          # clean sensitivity activations per chunk
-        self._sens_states = {}           # layer name -> perturbed activations per chunk
         self._sens = {}
+        self._sens_val = {}
+        # the probe's parts: the fitting text (the objective's sensitivities) and
+        # the held-out text (how well they carry over); each keeps its clean and
+        # per-layer perturbed activations per chunk while they are in flight
+        self._sparts = [{"chunks": ch, "clean": None, "states": {}, "out": out}
+                        for ch, out in ((self._sens_chunks, self._sens),
+                                        (self._sens_val_chunks, self._sens_val)) if ch]
         self._pending = set(sens)
         self.stage = -1                  # last finished stage
         self.current = {}                # grams of the last finished stage
@@ -413,6 +429,8 @@ class CalibrationStream:
         sens_texts, nsens = cap(fit_texts, int(sens_tokens) if max_tokens is None
                                 else min(int(sens_tokens), int(max_tokens)))
         val, nval = cap(val_texts, max_tokens)
+        sval, nsval = cap(val_texts, int(sens_tokens) if max_tokens is None
+                          else min(int(sens_tokens), int(max_tokens)))
 
         def chunks(ts):
             out = []
@@ -424,8 +442,10 @@ class CalibrationStream:
 
         self._cal = chunks(cal)
         self._sens_chunks = chunks(sens_texts) if self._sens_index else []
+        self._sens_val_chunks = chunks(sval) if self._sens_index and sval else []
         self._val_chunks = chunks(val) if self.plans else []
         self.tokens, self.sens_tokens, self.val_tokens = int(ntok), int(nsens), int(nval)
+        self.sens_val_tokens = int(nsval) if self._sens_val_chunks else 0
 
     def _setup_decoder(self, passages, max_tokens, sens_tokens, window):
         from .models import llama
@@ -444,12 +464,16 @@ class CalibrationStream:
         ids, vids = tokens(fit_p), tokens(val_p)
         window = int(min(window, cfg.get("context", window)))
         sens_ids = ids[:max(2, min(int(sens_tokens), len(ids), window))]
+        sval_ids = vids[:max(2, min(int(sens_tokens), len(vids), window))]
         self._cal = [{"x": llama.embed_tokens(m, ids[s:s + window]), "rows": None}
                      for s in range(0, len(ids), window)]
         self._sens_chunks = [{"x": llama.embed_tokens(m, sens_ids), "rows": None}] \
             if self._sens_index else []
         self._val_chunks = [{"x": llama.embed_tokens(m, vids[s:s + window]), "rows": None}
                             for s in range(0, len(vids), window)] if self.plans else []
+        self._sens_val_chunks = [{"x": llama.embed_tokens(m, sval_ids), "rows": None}] \
+            if self._sens_index and len(sval_ids) >= 2 else []
+        self.sens_val_tokens = int(len(sval_ids)) if self._sens_val_chunks else 0
         self.tokens, self.sens_tokens, self.val_tokens = (int(len(ids)), int(len(sens_ids)),
                                                           int(len(vids)))
         self._ctx = {}
@@ -493,12 +517,13 @@ class CalibrationStream:
         self.rec.rows = None
         return out
 
-    def _perturbed(self, name, fn, xs):
-        """``fn`` over the sensitivity chunks with ``name``'s output perturbed."""
+    def _perturbed(self, name, fn, xs, chunks):
+        """``fn`` over ``chunks`` with ``name``'s output perturbed (the same
+        ``Z`` for every part: its generator is seeded by the layer alone)."""
         rng = np.random.default_rng([self.seed, self._sens_index[name]])
         self.rec.perturb = (name, self.eps, rng, {})
         try:
-            return self._run_chunks(fn, self._sens_chunks, xs)
+            return self._run_chunks(fn, chunks, xs)
         finally:
             self.rec.perturb = None
 
@@ -547,7 +572,7 @@ class CalibrationStream:
         self.rec.on = False
         t2 = time.perf_counter()
         self.seconds["grams"] += t2 - t1
-        if self._sens_chunks:
+        if self._sparts:
             self._sens_stage(k, fn, lin)
         t3 = time.perf_counter()
         self.seconds["sensitivity"] += t3 - t2
@@ -568,8 +593,8 @@ class CalibrationStream:
         if self.on_stage is not None:
             self.on_stage(k, grams)
         where = f"block {k + 1}/{self.n_blocks}" if k < self.n_blocks else "head"
-        extra = f", {len(self._sens_states)} perturbed forwards in flight" \
-            if self._sens_states else ""
+        fly = self._in_flight()
+        extra = f", {fly} perturbed forwards in flight" if fly else ""
         self.log(f"calibration: {where}, {len(grams)} grams, "
                  f"{time.perf_counter() - t0:.1f}s{extra}")
         return k, grams
@@ -578,20 +603,25 @@ class CalibrationStream:
         """Advance the clean and every pending perturbed sensitivity activation
         through stage ``k``; start the perturbed runs of this stage's layers;
         at the head, turn each into its sensitivity."""
-        if self._sens_clean is None:
-            self._sens_clean = [c["x"] for c in self._sens_chunks]
-        xin = self._sens_clean
-        for n, xs in list(self._sens_states.items()):
-            self._sens_states[n] = self._run_chunks(fn, self._sens_chunks, xs)
-        for n in lin:
-            if n in self._pending:
-                self._sens_states[n] = self._perturbed(n, fn, xin)
-                self._pending.discard(n)
-        self._sens_clean = self._run_chunks(fn, self._sens_chunks, xin)
-        if k == self.n_blocks:
-            for n, outs in self._sens_states.items():
-                self._sens[n] = self._distance(self._sens_clean, outs) / self.eps ** 2
-            self._sens_states = {}
+        for part in self._sparts:
+            ch, states = part["chunks"], part["states"]
+            if part["clean"] is None:
+                part["clean"] = [c["x"] for c in ch]
+            xin = part["clean"]
+            for n, xs in list(states.items()):
+                states[n] = self._run_chunks(fn, ch, xs)
+            for n in lin:
+                if n in self._pending:
+                    states[n] = self._perturbed(n, fn, xin, ch)
+            part["clean"] = self._run_chunks(fn, ch, xin)
+            if k == self.n_blocks:
+                for n, outs in states.items():
+                    part["out"][n] = self._distance(part["clean"], outs) / self.eps ** 2
+                states.clear()
+        self._pending.difference_update(lin)
+
+    def _in_flight(self) -> int:
+        return sum(len(p["states"]) for p in self._sparts)
 
     def _val_stage(self, k, fn, lin, grams, tied):
         """Advance the dense and every plan's validation activations through
@@ -674,7 +704,7 @@ class CalibrationStream:
         """Run the remaining stages (``rest=False``: only while a sensitivity
         sweep still needs them -- the caller wants no more grams); the
         :class:`Calibration` with ``grams`` as given."""
-        while self.stage < self.n_blocks and (rest or self._pending or self._sens_states
+        while self.stage < self.n_blocks and (rest or self._pending or self._in_flight()
                                               or self._val_chunks):
             self.next_stage()
         return Calibration(grams if grams is not None else {}, self.tokens, dict(self._sens),
@@ -682,7 +712,8 @@ class CalibrationStream:
                            self.sens_tokens if self._sens_index else 0,
                            dict(self.seconds), self.n_blocks, int(self._peak),
                            self.n_layers, self.n_full, dict(self.validation),
-                           self.val_tokens if self.validate else 0)
+                           self.val_tokens if self.validate else 0, dict(self._sens_val),
+                           self.sens_val_tokens)
 
 
 class StreamedGrams:

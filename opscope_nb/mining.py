@@ -150,6 +150,10 @@ class LayerProfile:
     stored_dtype : str
         How the source stores the weight: ``F32``, ``F16``, ``BF16`` or a
         GGUF block type (``Q8_0``, ``Q4_1`` ...).
+    sensitivity_val : float or None
+        The same probe on the calibration text's held-out part (``profile
+        --calib --validate``): how well :attr:`sensitivity` carries over to
+        text it was not measured on.  Reported, never used by the objective.
     """
 
     name: str
@@ -160,6 +164,7 @@ class LayerProfile:
     timings: dict = field(default_factory=dict)
     sensitivity: float | None = None
     stored_dtype: str = "F32"
+    sensitivity_val: float | None = None
 
     @property
     def f32_bytes(self) -> int:
@@ -185,15 +190,18 @@ class LayerProfile:
                 "options": [o.to_dict() for o in self.options],
                 "timings": {k: float(v) for k, v in self.timings.items()},
                 "sensitivity": None if self.sensitivity is None else float(self.sensitivity),
-                "stored_dtype": self.stored_dtype, "f32_bytes": self.f32_bytes}
+                "stored_dtype": self.stored_dtype, "f32_bytes": self.f32_bytes,
+                **({} if self.sensitivity_val is None
+                   else {"sensitivity_val": float(self.sensitivity_val)})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayerProfile":
-        sens = d.get("sensitivity")
+        sens, sv = d.get("sensitivity"), d.get("sensitivity_val")
         return cls(str(d["name"]), int(d["rows"]), int(d["cols"]), int(d["dense_bytes"]),
                    [DecompOption.from_dict(o) for o in d["options"]],
                    {k: float(v) for k, v in d.get("timings", {}).items()},
-                   None if sens is None else float(sens), str(d.get("stored_dtype", "F32")))
+                   None if sens is None else float(sens), str(d.get("stored_dtype", "F32")),
+                   None if sv is None else float(sv))
 
 
 # ───────────────────────────── profiling ─────────────────────────────

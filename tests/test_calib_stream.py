@@ -204,6 +204,48 @@ def test_sensitivity_equals_a_whole_model_perturbed_forward(tmp_path):
     assert c.sensitivity[name] == pytest.approx(want, rel=1e-4)
 
 
+def test_held_out_sensitivity_is_the_same_probe_on_the_held_out_text(tmp_path):
+    """validate > 0: ``sensitivity_val`` is the whole-model perturbed forward
+    (same Z, rescaled to out_err 0.05 there) on the held-out passages' first
+    tokens; ``sensitivity`` comes from the fitting passages only."""
+    from opscope_nb.calib import CalibrationStream
+    from opscope_nb.models import llama, open_model
+    from opscope_nb.models.evaluate import kl_stats, load_passages
+    write_tiny_llama(str(tmp_path), seed=6, n_layers=3)
+    name = "model.layers.1.mlp.up_proj.weight"
+    c = CalibrationStream(str(tmp_path), max_tokens=60, sens_tokens=30, sensitivity=[name],
+                          eps=0.05, seed=7, validate=0.5).result()
+    assert c.sens_val_tokens == 30 and set(c.sensitivity_val) == {name}
+    m = open_model(str(tmp_path))
+    passages = load_passages(None)
+    n = len(passages)
+    held = set(np.random.default_rng(0).choice(n, int(np.ceil(0.5 * n)), replace=False).tolist())
+    inner = m.tensors[name]
+    w = np.asarray(inner.arrays["w"], dtype=np.float64)
+    z = np.random.default_rng([7, 7 + 5]).standard_normal(w.shape, dtype=np.float32)
+
+    def sens(part):
+        ids = np.asarray(m.tokenizer.encode("\n".join(part)).ids[:30])
+        m.tensors[name] = inner
+        clean = llama.forward(m, ids, llama.KVCache(m.config, 30), act="f32")
+
+        def noisy(x, act="auto"):
+            x64 = x.astype(np.float64)
+            dy = x64 @ z.T.astype(np.float64)
+            s = 0.05 * np.linalg.norm(x64 @ w.T) / np.linalg.norm(dy)
+            return (inner(x, act=act) + s * dy).astype(np.float32)
+
+        m.tensors[name] = noisy
+        pert = llama.forward(m, ids, llama.KVCache(m.config, 30), act="f32")
+        return float(kl_stats(clean, pert)[0].mean()) / 0.05 ** 2
+
+    fit = [p for i, p in enumerate(passages) if i not in held]
+    val = [p for i, p in enumerate(passages) if i in held]
+    assert c.sensitivity_val[name] == pytest.approx(sens(val), rel=1e-4)
+    assert c.sensitivity[name] == pytest.approx(sens(fit), rel=1e-4)
+    assert c.sensitivity_val[name] != pytest.approx(c.sensitivity[name], rel=1e-6)
+
+
 def test_wide_model_gets_full_grams_and_gptq(tmp_path):
     """Hidden 2304 (> the old 2048 cut-off): full grams, +gptq on every int
     option, out_err = ||X (W - Ŵ)ᵀ|| / ||X Wᵀ|| on the same activations X."""
@@ -299,10 +341,16 @@ def test_cli_profile_calib_streams_and_keeps_grams(tmp_path):
     r = _cli("profile", src, "--calib", "--calib-tokens", "80", "--out", out + "2",
              "--budget", "0.4", "--rank-cap", "4", "--include", r"layers\.1\.")
     assert r.returncode == 0, r.stderr
-    assert "sensitivity of 7 layer(s): 14 perturbed block forwards" in r.stdout
+    # 7 layers x 2 stages (their block's and the head), on the fitting and held-out text
+    assert "sensitivity of 7 layer(s): 28 perturbed block forwards" in r.stdout
+    assert "held-out tokens" in r.stdout
+    assert "sensitivity on the held-out text: 7 layers, held-out / fit ratio" in r.stdout
     doc = json.load(open(os.path.join(out + "2", "profile.json")))
     assert len(doc["layers"]) == 7
     assert all(rec["profile"]["sensitivity"] > 0 for rec in doc["layers"])
+    assert all(rec["profile"]["sensitivity_val"] > 0 for rec in doc["layers"])
+    assert doc["settings"]["calib"]["sens_val_tokens"] > 0
+    assert "with the held-out sensitivities" in r.stdout
 
 
 def test_cli_sensitivity_flags_fail_early(tmp_path):

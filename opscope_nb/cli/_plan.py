@@ -8,6 +8,8 @@ import math
 import os
 import time
 
+import numpy as np
+
 from ._common import (PROG, CliError, __version__, budget_arg, fmt_bytes, fmt_err, fmt_us,
                       positive_float, positive_int, tabulate_rows, warn)
 
@@ -349,6 +351,35 @@ __all__ = ["METHODS", "TIGHT_ERR", "DEFAULT_BUDGET", "BOUND_NAMES", "OPTIONS_CSV
            "print_plan"]
 
 
+def sensitivity_transfer_line(layers) -> str:
+    """How the sensitivities measured on the fitting text compare with the same
+    probe on the held-out text (``LayerProfile.sensitivity_val``): one line,
+    or ``""`` when fewer than two layers carry both."""
+    pairs = np.asarray([(lp.sensitivity, lp.sensitivity_val) for lp in layers
+                        if getattr(lp, "sensitivity_val", None) is not None
+                        and lp.sensitivity is not None and lp.sensitivity > 0], dtype=np.float64)
+    if len(pairs) < 2:
+        return ""
+    r = pairs[:, 1] / pairs[:, 0]
+    lo, med, hi = np.percentile(r, [10, 50, 90])
+    ranks = np.argsort(np.argsort(pairs, axis=0), axis=0).astype(np.float64)
+    rho = float(np.corrcoef(ranks[:, 0], ranks[:, 1])[0, 1]) if np.ptp(ranks[:, 0]) else 1.0
+    return (f"sensitivity on the held-out text: {len(pairs)} layers, held-out / fit ratio "
+            f"median {med:.2f} (10-90 %: {lo:.2f}-{hi:.2f}), rank correlation {rho:.2f}")
+
+
+def _held_out_prediction(layers, choice):
+    """The plan's predicted damage with each layer's held-out sensitivity where
+    measured (the fitting one elsewhere); None when no layer has one."""
+    import dataclasses
+    from .. import allocate as al
+    if not any(getattr(lp, "sensitivity_val", None) is not None for lp in layers):
+        return None
+    swapped = [dataclasses.replace(lp, sensitivity=lp.sensitivity_val)
+               if getattr(lp, "sensitivity_val", None) is not None else lp for lp in layers]
+    return al.predicted_damage(swapped, choice, "sensitivity")
+
+
 def validate_plans(source, cal, layers, allocs, show=False) -> dict:
     """Each distinct plan of ``allocs`` run on the held-out part of the
     calibration text recorded in ``cal`` (a profile's ``settings.calib``: same
@@ -357,7 +388,9 @@ def validate_plans(source, cal, layers, allocs, show=False) -> dict:
 
     Returns ``{method: {metric, measured, cosine|top1, tokens, predicted}}``
     (``predicted``: the plan's sum of sensitivity x out_err**2, same units,
-    when the layers carry sensitivities) and prints one line per method; ``{}``
+    when the layers carry sensitivities; ``predicted_heldout_sens``: the same
+    sum with the sensitivities measured on the held-out text, when the
+    profile has them) and prints one line per method; ``{}``
     (with a warning) when there is nothing to hold out or the model cannot run.
     """
     import sys
@@ -401,10 +434,13 @@ def validate_plans(source, cal, layers, allocs, show=False) -> dict:
         for m in label.split("/"):
             a = allocs[m][0]
             pred = al.predicted_damage(layers, a.choice, "sensitivity") if predict else None
-            out[m] = dict(meas, predicted=pred)
+            pv = _held_out_prediction(layers, a.choice) if predict else None
+            out[m] = dict(meas, predicted=pred, predicted_heldout_sens=pv)
             extra = (f"cosine {meas['cosine']:.5f}" if "cosine" in meas
                      else f"top-1 {meas['top1']:.3f}")
-            ptxt = (f"predicted {pred:.4g}, " if pred is not None else "")
+            ptxt = (f"predicted {pred:.4g}" + (f" ({pv:.4g} with the held-out "
+                                               f"sensitivities)" if pv is not None else "")
+                    + ", " if pred is not None else "")
             ratio = (f" ({meas['measured'] / pred:.2f}x the prediction)"
                      if pred and pred > 0 else "")
             print(f"validation ({meas['tokens']} held-out tokens, {meas['metric']}): {m}: "

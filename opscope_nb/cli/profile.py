@@ -20,6 +20,7 @@ from ._common import (CliError, add_source_args, ensure_outdir, fmt_bytes, int_l
                       open_and_select, peak_rss_mb,
                       positive_int, Progress, progress_enabled, source_info, warn, write)
 from ._plan import (add_budget_args, budget_spec, budget_text, check_latencies, methods_of,
+                    sensitivity_transfer_line,
                     options_csv, plan_dict, print_plan, run_allocators, validate_plans)
 
 NAME = "profile"
@@ -194,8 +195,10 @@ def _calibration(args, src, chosen, kw, dist):
         except (ModelError, UnsupportedModelError, ValueError) as exc:
             raise CliError(f"--calib: {exc}")
         ns = len(stream.sens_layers)
+        held = (f" + {stream.sens_val_tokens} held-out tokens"
+                if getattr(stream, "sens_val_tokens", 0) else "")
         sens_text = (f"sensitivity of {ns} layer(s): {stream.sens_block_forwards} perturbed "
-                     f"block forwards on {stream.sens_tokens} tokens" if ns else
+                     f"block forwards on {stream.sens_tokens} tokens{held}" if ns else
                      "no sensitivity")
         print(f"calibration: {stream.n_blocks} blocks streamed one at a time, "
               f"{stream.tokens} tokens; {sens_text}", flush=True)
@@ -204,6 +207,7 @@ def _calibration(args, src, chosen, kw, dist):
                if args.calib_text and args.calib_text not in TEXT_KEYWORDS else args.calib_text,
                "max_tokens": args.calib_tokens, "tokens": stream.tokens, "metric": stream.metric, "eps": stream.eps,
                "sens_tokens": stream.sens_tokens if ns else 0, "sensitivity": bool(ns),
+               "sens_val_tokens": stream.sens_val_tokens if ns else 0,
                "full_max_cols": args.calib_diag_above, "validate": args.validate,
                "split_seed": args.seed}
         # profile in block order: each block's grams are needed once, then dropped
@@ -275,6 +279,10 @@ def _finish_calibration(st, records, layers):
         if s is not None:
             lp.sensitivity = float(s)
             rec["profile"]["sensitivity"] = float(s)
+        sv = cal.sensitivity_val.get(lp.name)
+        if sv is not None:
+            lp.sensitivity_val = float(sv)
+            rec["profile"]["sensitivity_val"] = float(sv)
     summ = cal.summary()
     st["settings"]["calib"].update(wall_seconds=sum(summ["seconds"].values()),
                                    seconds=summ["seconds"])
@@ -285,6 +293,9 @@ def _finish_calibration(st, records, layers):
           f"{cal.seconds['load']:.1f}s, grams {cal.seconds['grams']:.1f}s, sensitivity "
           f"{cal.seconds['sensitivity']:.1f}s; largest block + stem "
           f"{fmt_bytes(cal.peak_block_bytes)} float32")
+    line = sensitivity_transfer_line(layers)
+    if line:
+        print(line)
     w = getattr(stream, "writer", None)
     if w is not None:
         w.close(st["settings"]["calib"])
