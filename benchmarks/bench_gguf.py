@@ -22,8 +22,13 @@ Needs the ``[llama]`` extra (llama-cpp-python) and the SmolLM2-135M wheel.
    evaluation text (default: the shipped English sample): mean KL(F16 || file),
    top-1 agreement, perplexity; windows of ``--window`` tokens.
 
+``--forward-gap`` instead prints KL(this package's forward || llama.cpp's) on
+the same files (F16 and each preset): llama.cpp quantises activations inside
+its quantised matmuls, so even identical weights differ by that much.
+
 Usage: ``python benchmarks/bench_gguf.py [--presets Q8_0,Q6_K,...]
-[--imatrix both|no|yes] [--max-tokens 2048] [--window 256] [--workdir DIR]``.
+[--imatrix both|no|yes] [--max-tokens 2048] [--window 256] [--workdir DIR]
+[--forward-gap]``.
 """
 from __future__ import annotations
 
@@ -105,6 +110,34 @@ class _Scorer:
                 "top1": float(np.concatenate(agree).mean()), "ppl": self._ppl(got)}
 
 
+def _forward_gap(f16, args, root):
+    """KL(ours || llama.cpp) of the same GGUF file on the same tokens: how far
+    llama.cpp's forward (activations quantised inside its quantised matmuls)
+    is from this package's float forward of the same weights."""
+    from opscope_nb.models import llama, llamacpp
+    from opscope_nb.models.evaluate import _decoder_ids, kl_stats, load_passages
+    from opscope_nb.models.loader import open_model
+    dense = open_model(f16)
+    ids = _decoder_ids(dense.config, dense.tokenizer, load_passages(args.eval_text),
+                       args.window)
+    files = [("F16", f16)]
+    for preset in args.presets.split(","):
+        p = os.path.join(root, f"gap-{preset}.gguf")
+        llamacpp.quantize(f16, p, preset)
+        files.append((preset, p))
+    for name, path in files:
+        m = dense if path == f16 else open_model(f16, path)
+        mine = llama.forward(m, ids, llama.KVCache(m.config, len(ids)), act="f32")
+        llm = llamacpp.load(path, n_ctx=len(ids))
+        theirs = llamacpp.logits(llm, ids)
+        llm.close()
+        kl, agree = kl_stats(mine, theirs)
+        print(f"{name:>8}: {len(ids)} tokens, KL(ours || llama.cpp) mean {kl.mean():.3g} "
+              f"(max {kl.max():.3g}), top-1 agreement {agree.mean():.4f}", flush=True)
+        if path != f16:
+            os.remove(path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default=",".join(PRESETS))
@@ -114,6 +147,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--forward-gap", action="store_true",
+                    help="only: KL(this package's forward || llama.cpp's) on the same files "
+                         "(F16 and --presets), on the first --window tokens")
     args = ap.parse_args(argv)
     from opscope_nb.models import llamacpp
     if not llamacpp.available():
@@ -138,6 +174,9 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         _write_f16(src, f16)
         print(f"F16 source: {os.path.getsize(f16)} bytes ({time.perf_counter() - t:.1f}s)")
+    if args.forward_gap:
+        _forward_gap(f16, args, root)
+        return 0
     variants = {"both": ("no", "yes"), "no": ("no",), "yes": ("yes",)}[args.imatrix]
     profs = {}
     for v in variants:
