@@ -218,8 +218,10 @@ def main(argv=None) -> int:
             nw = sum(planned.values())
             bpw = 8.0 * budget / nw
             bd = os.path.join(root, f"ours-{tag}")
-            _run(["allocate", profs[v], "--bpw", repr(bpw), "--method", "exact", "--out", bd],
-                 "allocate")
+            # --no-validate: the scores below are the measurement (a held-out pass
+            # per plan would re-run the calibration text through the model)
+            _run(["allocate", profs[v], "--bpw", repr(bpw), "--method", "exact", "--out", bd,
+                  "--no-validate"], "allocate")
             plan = json.load(open(os.path.join(bd, "plan.json")))["methods"]["exact"]
             ours = os.path.join(root, f"ours-{tag}.gguf")
             cmd = ["apply", f16, os.path.join(bd, "plan.json"), "-o", ours, "-q"]
