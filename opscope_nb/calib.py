@@ -563,9 +563,15 @@ class CalibrationStream:
                 c["x"] = x
         else:
             # the head stage runs the calibration chunks only for the head's
-            # gram (an encoder has none): no logits of every token otherwise
+            # gram (an encoder has none), which needs the head's input alone:
+            # the logits of every calibration token (tokens x vocab floats) are
+            # never formed
             if lin and (want is None or any(n in want for n in lin)):
-                self._run_chunks(fn, self._cal, [c["x"] for c in self._cal])
+                from .models import llama
+                for c in self._cal:
+                    self.rec.rows, self.rec.prev_x = c["rows"], None
+                    self.rec.observe(self._head, llama.final_norm(m, c["x"]))
+                self.rec.rows = None
             for c in self._cal:
                 c["x"] = None
         grams = self.rec.take(lin)
@@ -608,16 +614,26 @@ class CalibrationStream:
             if part["clean"] is None:
                 part["clean"] = [c["x"] for c in ch]
             xin = part["clean"]
+            if k == self.n_blocks:
+                # at the head each run becomes its distance at once: the outputs
+                # (logits: tokens x vocab floats) of every layer in flight are
+                # never held together
+                clean = self._run_chunks(fn, ch, xin)
+                for n in list(states):
+                    outs = self._run_chunks(fn, ch, states.pop(n))
+                    part["out"][n] = self._distance(clean, outs) / self.eps ** 2
+                for n in lin:
+                    if n in self._pending:
+                        outs = self._perturbed(n, fn, xin, ch)
+                        part["out"][n] = self._distance(clean, outs) / self.eps ** 2
+                part["clean"] = clean
+                continue
             for n, xs in list(states.items()):
                 states[n] = self._run_chunks(fn, ch, xs)
             for n in lin:
                 if n in self._pending:
                     states[n] = self._perturbed(n, fn, xin, ch)
             part["clean"] = self._run_chunks(fn, ch, xin)
-            if k == self.n_blocks:
-                for n, outs in states.items():
-                    part["out"][n] = self._distance(part["clean"], outs) / self.eps ** 2
-                states.clear()
         self._pending.difference_update(lin)
 
     def _in_flight(self) -> int:
@@ -628,10 +644,20 @@ class CalibrationStream:
         stage ``k``; each plan runs with its layers of this stage packed as it
         says (``+gptq`` from this stage's grams).  At the head, the metrics."""
         from ._runtime import PackedLinear
+        from .models.evaluate import cosine, kl_stats
         m = self.model
         if self._val_dense is None:
             self._val_dense = [c["x"] for c in self._val_chunks]
             self._val_states = {p: list(self._val_dense) for p in self.plans}
+        # a decoder's head is scored chunk by chunk: the logits of every held-out
+        # token at once (tokens x vocab floats, twice) would not fit in memory
+        stream_kl = k == self.n_blocks and self.family == "decoder"
+        if stream_kl:
+            from .models import llama
+            dense_head = llama.head_linear(m)
+
+            def logits(head, x):
+                return head(llama.final_norm(m, x), act=self.act)
         packed = {}
         for p, plan in self.plans.items():
             swaps = {}
@@ -652,30 +678,32 @@ class CalibrationStream:
                 else:
                     saved[n], m.tensors[n] = m.tensors[n], lay
             try:
-                self._val_states[p] = self._run_chunks(fn, self._val_chunks,
-                                                       self._val_states[p])
+                if stream_kl:
+                    plan_head = llama.head_linear(m)
+                    st = [kl_stats(logits(dense_head, xd), logits(plan_head, xp))
+                          for xd, xp in zip(self._val_dense, self._val_states[p])]
+                    self.validation[p] = {
+                        "metric": "kl", "measured": float(np.concatenate([x[0] for x in st]).mean()),
+                        "top1": float(np.concatenate([x[1] for x in st]).mean()),
+                        "tokens": self.val_tokens}
+                else:
+                    self._val_states[p] = self._run_chunks(fn, self._val_chunks,
+                                                           self._val_states[p])
             finally:
                 for n, lay in saved.items():
                     if tied:
                         m.extras["head"] = lay
                     else:
                         m.tensors[n] = lay
+        if stream_kl:
+            self._val_states, self._val_dense = {}, None
+            return
         self._val_dense = self._run_chunks(fn, self._val_chunks, self._val_dense)
-        if k == self.n_blocks:
-            from .models.evaluate import cosine, kl_stats
+        if k == self.n_blocks:          # encoders: pooled embeddings are small
             for p, outs in self._val_states.items():
-                if self.family == "encoder":
-                    cos = cosine(np.concatenate(self._val_dense), np.concatenate(outs))
-                    self.validation[p] = {"metric": "1-cos", "measured": float(np.mean(1 - cos)),
-                                          "cosine": float(np.mean(cos)),
-                                          "tokens": self.val_tokens}
-                else:
-                    st = [kl_stats(a, b) for a, b in zip(self._val_dense, outs)]
-                    kl = np.concatenate([x[0] for x in st])
-                    agree = np.concatenate([x[1] for x in st])
-                    self.validation[p] = {"metric": "kl", "measured": float(kl.mean()),
-                                          "top1": float(agree.mean()),
-                                          "tokens": self.val_tokens}
+                cos = cosine(np.concatenate(self._val_dense), np.concatenate(outs))
+                self.validation[p] = {"metric": "1-cos", "measured": float(np.mean(1 - cos)),
+                                      "cosine": float(np.mean(cos)), "tokens": self.val_tokens}
             self._val_states = {}
 
     def __iter__(self):

@@ -428,6 +428,30 @@ def test_calibrate_on_builtin_text_caps_tokens(tmp_path):
     assert c.tokens == 700 and c.full_grams == c.layers == 8
 
 
+def test_head_never_holds_every_tokens_logits(tmp_path):
+    """A decoder's head stage (grams, sensitivity, validation) never forms the
+    logits of all calibration or held-out tokens at once: peak traced memory
+    stays below half of one ``tokens x vocab`` float32 logit array."""
+    import tracemalloc
+    from opscope_nb.calib import CalibrationStream
+    from opscope_nb.mining import Decomp
+    write_tiny_llama(str(tmp_path), seed=16, n_layers=2, vocab=8192, tied=True)
+    plan = {"model.layers.1.mlp.down_proj.weight": Decomp.from_label("int4/g32"),
+            "model.embed_tokens.weight": Decomp.from_label("int8/chan")}
+    st = CalibrationStream(str(tmp_path), validate=0.5, plans={"p": plan}, sens_tokens=64,
+                           sensitivity=True, window=64)
+    n_tok = st.tokens + st.val_tokens
+    assert n_tok > 1500
+    tracemalloc.start()
+    try:
+        c = st.result()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert c.validation["p"]["measured"] > 0 and len(c.sensitivity) == 15
+    assert peak < 0.5 * min(st.tokens, st.val_tokens) * 8192 * 4, peak
+
+
 def test_validation_split_and_plan_measurement(tmp_path):
     """Held-out part: disjoint from the fitting part, seeded; a plan with no
     packed layer measures exactly 0, more bits measure less damage, and the
