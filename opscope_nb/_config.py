@@ -167,6 +167,9 @@ def _drop_stale_cache(root=None, base=None) -> None:
             h.update(str(f.relative_to(root)).encode())
             h.update(f.read_bytes())
         digest = h.hexdigest()
+        if root == _ROOT:
+            global SOURCES_DIGEST
+            SOURCES_DIGEST = digest
         stamp_dir, dirs = _cache_dirs(root, base)
         stamp = stamp_dir / "opscope_sources.sha256"
         if stamp.exists() and stamp.read_text().strip() == digest:
@@ -183,6 +186,11 @@ def _drop_stale_cache(root=None, base=None) -> None:
             tmp.replace(stamp)
     except OSError:
         pass
+
+
+#: SHA-256 of the package's sources and numba's version (set by
+#: :func:`_drop_stale_cache` at import; ``None`` if the sources could not be read).
+SOURCES_DIGEST = None
 
 
 try:

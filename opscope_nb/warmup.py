@@ -35,7 +35,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["GROUPS", "ITEMS", "items", "warm_item", "warm", "default_jobs"]
+__all__ = ["GROUPS", "ITEMS", "items", "warm_item", "warm", "default_jobs", "warm_first",
+           "startable",
+           "is_warm", "mark_warm", "can_autowarm"]
 
 #: Warm-up groups, in the order ``warm`` runs them.
 GROUPS = ("profile", "runtime", "bench")
@@ -44,14 +46,19 @@ GROUPS = ("profile", "runtime", "bench")
 @dataclass(frozen=True)
 class Item:
     """One unit of warm-up work: ``name`` (unique), ``group``, ``phase`` (items
-    of phase 1 run only after every phase-0 item of the run finished) and
-    ``fn`` (name of the function of this module doing it)."""
+    of phase 1 run only after every phase-0 item of the run finished), ``fn``
+    (name of the function of this module doing it), ``arg`` and ``after``
+    (names of items that must finish first when they are part of the run:
+    an item whose kernels call another item's kernels waits for them, so two
+    processes never compile the same chain at once and the later one loads it
+    from the cache)."""
 
     name: str
     group: str
     phase: int
     fn: str
     arg: object = None
+    after: tuple = ()
 
 
 def _w(rows=64, cols=64, seed=0):
@@ -123,7 +130,7 @@ def _profile_cli(_):
     from .cli import main
     with tempfile.TemporaryDirectory() as tmp, \
             contextlib.redirect_stdout(io.StringIO()):
-        code = main(["profile", "--out", tmp])
+        code = main(["profile", "--out", tmp, "--no-warmup"])
     if code:
         raise RuntimeError(f"opscope-nb profile exited with status {code}")
 
@@ -160,21 +167,23 @@ def _bench_section(sec):
 def _build_items():
     out = []
 
-    def add(name, group, fn, arg=None, phase=0):
-        out.append(Item(name, group, phase, fn, arg))
+    def add(name, group, fn, arg=None, phase=0, after=()):
+        out.append(Item(name, group, phase, fn, arg, tuple(after)))
 
-    # longest first inside a group, so N workers finish together
+    # longest first inside a group, so N workers finish together; Tucker and TT
+    # call the truncated SVD (the longest compile), so they wait for it
+    svd = "profile svd + lowrank"
+    add(svd, "profile", "_profile_svd")
+    add("profile allocators", "profile", "_profile_allocate")
     add("profile intN (int6/int5/int3/int2)", "profile", "_profile_labels",
         ("int6/chan", "int6/g32", "int5/chan", "int5/g32", "int3/chan", "int3/g32",
          "int2/g32"))
-    add("profile svd + lowrank", "profile", "_profile_svd")
-    add("profile tucker", "profile", "_profile_family", "tucker")
-    add("profile tt", "profile", "_profile_family", "tt")
     add("profile monarch", "profile", "_profile_family", "monarch")
+    add("profile tucker", "profile", "_profile_family", "tucker", after=(svd,))
+    add("profile tt", "profile", "_profile_family", "tt", after=(svd,))
+    add("profile ternary / sparse2:4", "profile", "_profile_labels", ("ternary", "sparse2:4"))
     add("profile int8 / int4", "profile", "_profile_labels",
         ("dense", "int8/chan", "int4/chan", "int4/g32"))
-    add("profile ternary / sparse2:4", "profile", "_profile_labels", ("ternary", "sparse2:4"))
-    add("profile allocators", "profile", "_profile_allocate")
     add("profile command (built-in model)", "profile", "_profile_cli", phase=1)
     for label in ("int6/g128", "int5/g32", "int3/g128", "int2/g32", "int4/chan", "ternary",
                   "int8/chan"):
@@ -258,6 +267,29 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def startable(waiting, todo, finished, free):
+    """The items of ``waiting`` (in order) to start now on ``free`` idle workers.
+
+    An item may start once every item it waits for has finished: those of an
+    earlier phase and its ``after`` names, among the items of the run
+    (``todo``).  ``finished``: names done so far.  Only what can start now is
+    returned, so an item never queues behind one waiting for its
+    dependencies; with nothing running and nothing ready (cannot happen with
+    the items here) the first waiting item starts, so a run always ends.
+    """
+    run = {it.name for it in todo}
+
+    def ready(it):
+        if any(o.phase < it.phase and o.name not in finished for o in todo):
+            return False
+        return all(a in finished or a not in run for a in it.after)
+
+    out = [it for it in waiting if ready(it)]
+    if not out and free > 0 and len(finished) + len(waiting) == len(todo):
+        out = list(waiting[:1])     # nothing running: never wait forever
+    return out[:max(0, free)]
+
+
 def _worker_init():
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -299,22 +331,116 @@ def warm(only=None, jobs=None, on_result=None, names=None):
     t0 = time.perf_counter()
     results = []
     ctx = multiprocessing.get_context("spawn")
+    names_run = {it.name for it in todo}
+    finished = set()
     with ProcessPoolExecutor(max_workers=min(jobs, max(len(todo), 1)), mp_context=ctx,
                              initializer=_worker_init) as pool:
-        for phase in sorted({it.phase for it in todo}):
-            pending = {pool.submit(warm_item, it.name): it for it in todo if it.phase == phase}
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    it = pending.pop(fut)
-                    try:
-                        r = fut.result()
-                    except Exception as exc:  # a worker died
-                        r = {"name": it.name, "group": it.group, "seconds": float("nan"),
-                             "cpu": float("nan"), "compiled": 0, "loaded": 0,
-                             "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-                    results.append(r)
-                    if on_result is not None:
-                        on_result(r)
+        waiting = list(todo)        # longest first: the order of ITEMS
+        pending = {}
+        while waiting or pending:
+            # submit only what a worker can start now, so a later item never
+            # queues behind one that is waiting for its dependencies
+            for it in startable(waiting, todo, finished, jobs - len(pending)):
+                waiting.remove(it)
+                pending[pool.submit(warm_item, it.name)] = it
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                it = pending.pop(fut)
+                try:
+                    r = fut.result()
+                except Exception as exc:  # a worker died
+                    r = {"name": it.name, "group": it.group, "seconds": float("nan"),
+                         "cpu": float("nan"), "compiled": 0, "loaded": 0,
+                         "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+                finished.add(it.name)
+                results.append(r)
+                if on_result is not None:
+                    on_result(r)
+    failed = [r["name"] for r in results if r["error"]]
+    for g in GROUPS:
+        # a group whose every item ran without error is warm (see is_warm)
+        full = {it.name for it in ITEMS if it.group == g}
+        if full <= names_run and not full & set(failed):
+            mark_warm(g)
     return {"results": results, "seconds": time.perf_counter() - t0, "jobs": jobs,
-            "failed": [r["name"] for r in results if r["error"]]}
+            "failed": failed}
+
+
+# ─────────────────────── warm stamps and the first run ───────────────────────
+
+def _stamp(group):
+    from . import _config
+    return _config.CACHE_LOCK.parent / f"opscope_warm_{group}"
+
+
+def can_autowarm() -> bool:
+    """Whether a command may warm its group first (:func:`warm_first`): the
+    kernels are cached on disk (a forced ``OPSCOPE_I8_PATH`` caches elsewhere
+    and is left alone), the cache directory is writable, and
+    ``OPSCOPE_AUTOWARM`` is not ``0``."""
+    from . import _config
+    if os.environ.get("OPSCOPE_AUTOWARM", "1").strip() == "0":
+        return False
+    if not _config.CACHE or os.environ.get("OPSCOPE_I8_PATH", "").strip():
+        return False
+    if _config.SOURCES_DIGEST is None:
+        return False
+    return _config._writable(_config.CACHE_LOCK.parent)
+
+
+def is_warm(group) -> bool:
+    """Whether ``group``'s kernels were warmed for the current sources (a stamp
+    next to the cache holding the sources' digest; any edit of the package
+    makes it stale, as it drops the cache)."""
+    from . import _config
+    try:
+        return _stamp(group).read_text().strip() == str(_config.SOURCES_DIGEST)
+    except OSError:
+        return False
+
+
+def mark_warm(group) -> None:
+    """Record that ``group`` was warmed for the current sources (best effort)."""
+    from . import _config
+    if _config.SOURCES_DIGEST is None:
+        return
+    try:
+        p = _stamp(group)
+        tmp = p.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(_config.SOURCES_DIGEST + "\n")
+        tmp.replace(p)
+    except OSError:
+        pass
+
+
+def warm_first(group, jobs=None, log=None) -> bool:
+    """Before a command's first run: compile ``group``'s kernels in ``jobs``
+    processes (default: every core) unless they are warm already.
+
+    A cold ``opscope-nb profile`` compiles one kernel after another in one
+    process; spread over the cores first, the command then loads them from
+    the cache.  Items of a later phase (the command itself) are left out.
+    Returns whether a warm-up ran.  ``log``: called with one line per item
+    and a first and last line (progress off a terminal too).  A failed item
+    is reported and the command goes on (it compiles what it needs itself).
+    """
+    if not can_autowarm() or is_warm(group):
+        return False
+    todo = [it.name for it in items(group) if it.phase == 0]
+    jobs = default_jobs() if jobs is None else int(jobs)
+    say = log or (lambda line: None)
+    say(f"first run: compiling the {group} kernels in {jobs} processes "
+        f"({len(todo)} items; once per install and version, later runs load them; "
+        f"OPSCOPE_AUTOWARM=0 skips this)")
+    n = [0]
+
+    def line(r):
+        n[0] += 1
+        status = f"FAILED: {r['error']}" if r["error"] else f"compiled {r['compiled']}"
+        say(f"first run: [{n[0]}/{len(todo)}] {r['name']} {r['seconds']:.1f} s ({status})")
+
+    out = warm(jobs=jobs, on_result=line, names=todo)
+    if not out["failed"]:
+        mark_warm(group)
+    say(f"first run: {group} kernels compiled in {out['seconds']:.1f} s")
+    return True

@@ -91,3 +91,107 @@ def test_concurrent_warmups_share_one_cache(tmp_path):
     checks = json.loads(out.stdout.strip().splitlines()[-1])
     assert all(c["error"] is None for c in checks), checks
     assert all(c["compiled"] == 0 and c["loaded"] > 0 for c in checks), checks
+
+
+def _names(its):
+    return [it.name for it in its]
+
+
+def test_startable_waits_for_dependencies_and_phases():
+    """Tucker and TT wait for the SVD item (they call its kernels: two processes
+    would compile the same chain), the profile command waits for every phase-0
+    item, and no more items start than there are idle workers."""
+    todo = wu.items("profile")
+    svd = "profile svd + lowrank"
+    assert {"profile tucker", "profile tt"} <= {it.name for it in todo
+                                                 if svd in it.after}
+    first = _names(wu.startable(todo, todo, set(), 9))
+    assert svd in first and "profile tucker" not in first and "profile tt" not in first
+    assert "profile command (built-in model)" not in first
+    assert _names(wu.startable(todo, todo, set(), 2)) == first[:2]
+    assert wu.startable(todo, todo, set(), 0) == []
+    rest = [it for it in todo if it.name != svd]
+    assert {"profile tucker", "profile tt"} <= set(_names(wu.startable(rest, todo, {svd}, 9)))
+    phase0 = {it.name for it in todo if it.phase == 0}
+    last = [it for it in todo if it.phase == 1]
+    assert wu.startable(last, todo, phase0 - {svd}, 9) == []
+    assert _names(wu.startable(last, todo, phase0, 9)) == _names(last)
+    # an item whose dependency is not part of the run starts at once
+    tucker = [it for it in todo if it.name == "profile tucker"]
+    assert wu.startable(tucker, tucker, set(), 1) == tucker
+
+
+@pytest.fixture
+def stamp_dir(tmp_path, monkeypatch):
+    """Warm stamps in a temporary directory, for sources with digest 'd1'."""
+    from opscope_nb import _config
+    monkeypatch.setattr(_config, "CACHE_LOCK", tmp_path / "opscope.lock")
+    monkeypatch.setattr(_config, "SOURCES_DIGEST", "d1")
+    monkeypatch.setattr(_config, "CACHE", True)
+    monkeypatch.delenv("OPSCOPE_AUTOWARM", raising=False)
+    monkeypatch.delenv("OPSCOPE_I8_PATH", raising=False)
+    return tmp_path
+
+
+def test_warm_stamps_follow_the_sources(stamp_dir, monkeypatch):
+    from opscope_nb import _config
+    assert not wu.is_warm("profile")
+    wu.mark_warm("profile")
+    assert wu.is_warm("profile") and not wu.is_warm("runtime")
+    assert (stamp_dir / "opscope_warm_profile").read_text().strip() == "d1"
+    monkeypatch.setattr(_config, "SOURCES_DIGEST", "d2")     # an edited package
+    assert not wu.is_warm("profile")
+
+
+def _fake_warm(calls, fail=()):
+    def fake(only=None, jobs=None, on_result=None, names=None):
+        calls.append({"only": only, "jobs": jobs, "names": list(names or ())})
+        res = [{"name": n, "group": "profile", "seconds": 0.5, "cpu": 0.5, "compiled": 1,
+                "loaded": 0, "error": "RuntimeError: boom" if n in fail else None}
+               for n in names or ()]
+        for r in res:
+            on_result(r)
+        return {"results": res, "seconds": 1.0, "jobs": jobs,
+                "failed": [r["name"] for r in res if r["error"]]}
+    return fake
+
+
+def test_warm_first_runs_once_then_the_stamp_holds(stamp_dir, monkeypatch):
+    calls, lines = [], []
+    monkeypatch.setattr(wu, "warm", _fake_warm(calls))
+    assert wu.warm_first("profile", jobs=2, log=lines.append)
+    phase0 = [it.name for it in wu.items("profile") if it.phase == 0]
+    assert calls == [{"only": None, "jobs": 2, "names": phase0}]
+    assert lines[0].startswith("first run: compiling the profile kernels in 2 processes")
+    assert len(lines) == len(phase0) + 2 and all(ln.startswith("first run: ") for ln in lines)
+    assert wu.is_warm("profile")
+    assert not wu.warm_first("profile", jobs=2, log=lines.append)     # warm now
+    assert len(calls) == 1
+
+
+def test_warm_first_off_switches_and_failures(stamp_dir, monkeypatch):
+    calls = []
+    monkeypatch.setattr(wu, "warm", _fake_warm(calls, fail={"profile tt"}))
+    monkeypatch.setenv("OPSCOPE_AUTOWARM", "0")
+    assert not wu.warm_first("profile") and calls == []
+    monkeypatch.setenv("OPSCOPE_I8_PATH", "portable")        # caches elsewhere
+    monkeypatch.setenv("OPSCOPE_AUTOWARM", "1")
+    assert not wu.warm_first("profile") and calls == []
+    monkeypatch.delenv("OPSCOPE_I8_PATH")
+    lines = []
+    assert wu.warm_first("profile", jobs=1, log=lines.append)    # an item failed:
+    assert any("FAILED: RuntimeError: boom" in ln for ln in lines)
+    assert not wu.is_warm("profile")                           # no stamp, next run retries
+
+
+def test_cli_profile_warms_first_unless_told_not_to(stamp_dir, monkeypatch, tmp_path, capsys):
+    calls = []
+    monkeypatch.setattr(wu, "warm", _fake_warm(calls))
+    assert main(["profile", "--out", str(tmp_path / "a"), "--no-warmup", "-q"]) == 0
+    assert calls == []
+    assert main(["profile", "--out", str(tmp_path / "b")]) == 0
+    assert len(calls) == 1
+    err = capsys.readouterr().err
+    assert "opscope-nb: first run: compiling the profile kernels" in err
+    assert main(["profile", "--out", str(tmp_path / "c")]) == 0      # stamp: no second time
+    assert len(calls) == 1

@@ -268,6 +268,16 @@ def first_run_notice(args) -> None:
           f"'{PROG} warmup' precompiles)", file=sys.stderr, flush=True)
 
 
+def warm_first(args, group) -> bool:
+    """:func:`opscope_nb.warmup.warm_first` for a command: compile ``group``'s
+    kernels on every core before a cold first run, one stderr line per item
+    (none with ``--quiet``).  Returns whether it ran."""
+    from .. import warmup as wu
+    log = None if getattr(args, "quiet", False) else (
+        lambda line: print(f"{PROG}: {line}", file=sys.stderr, flush=True))
+    return wu.warm_first(group, log=log)
+
+
 # --------------------------------------------------------------------------- #
 # checkpoints
 # --------------------------------------------------------------------------- #
@@ -333,6 +343,6 @@ __all__ = [
     "positive_int", "nonneg_int", "int_list", "regex_arg", "add_source_args",
     "peak_rss_mb", "atomic_write", "json_text", "finite", "fmt_bytes",
     "fmt_err", "fmt_us", "ensure_outdir", "write", "tabulate_rows", "warn", "Progress",
-    "progress_enabled", "first_run_notice", "open_and_select", "load_checked", "source_info",
+    "progress_enabled", "first_run_notice", "warm_first", "open_and_select", "load_checked", "source_info",
     "load_profile_doc", "layers_from_doc", "timing_split", "__version__",
 ]

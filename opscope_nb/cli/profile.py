@@ -16,7 +16,7 @@ from ..mining import LayerProfile
 from ..profiling import (FingerprintError, check_fingerprints, profile_doc, profile_entry,
                          result_settings, timing_split)
 from ._common import (CliError, add_source_args, ensure_outdir, fmt_bytes, int_list,
-                      first_run_notice, json_text, load_profile_doc, nonneg_int,
+                      first_run_notice, warm_first, json_text, load_profile_doc, nonneg_int,
                       open_and_select, peak_rss_mb,
                       positive_int, Progress, progress_enabled, source_info, warn, write)
 from ._plan import (add_budget_args, budget_spec, budget_text, check_latencies, methods_of,
@@ -88,6 +88,10 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help="reuse layers already in DIR/profile.json (same name, shape and "
                         "settings)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a cold kernel cache, compile the profile kernels in one "
+                        "process per core first (once per install; also off with "
+                        "OPSCOPE_AUTOWARM=0)")
     d = p.add_argument_group("distributed (Dask; pip install -e \".[distributed]\")")
     d.add_argument("--workers", type=positive_int, default=None, metavar="N",
                    help="profile on a local Dask cluster of N worker processes "
@@ -548,7 +552,8 @@ def _report(st, records, layers, reused, skipped, n_skip_load, t_start, args):
 
 def run(args) -> int:
     st = _setup(args)
-    first_run_notice(args)
+    if not (args.warmup and args.scheduler is None and warm_first(args, "profile")):
+        first_run_notice(args)
     chosen, skipped = st["chosen"], st["skipped"]
     t_start = time.perf_counter()
 

@@ -53,14 +53,14 @@ def _factorize(w, r, seed):
     basis = np.zeros((r, k), dtype=np.float32)
     ot = uniform_sketch(r, n, seed)
     yt = np.dot(ot, w.T)                       # (r, k) = (W Omega)^T
-    p = _append_block(basis, 0, yt, 1e-5)
+    p = _append_block(basis, np.int64(0), yt, 1e-5)
     for _ in range(2):
         if p == 0:
             break
         zt = np.dot(np.ascontiguousarray(basis[:p]), w)     # (p, n) = (W^T Q)^T
         yt = np.dot(zt, w.T)                                # (p, k) = (W W^T Q)^T
         basis[:, :] = 0.0
-        p = _append_block(basis, 0, yt, 1e-5)
+        p = _append_block(basis, np.int64(0), yt, 1e-5)
     if p < r:
         _complete_rows(basis, p)
     v = np.dot(basis, w)                       # (r, n) = U^T W

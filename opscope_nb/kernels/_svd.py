@@ -63,6 +63,32 @@ def _splitmix_next(state):
 
 
 @njit
+def _copy_rows(dst, d0, src):
+    """``dst[d0:d0 + len(src)] = src`` (with a cast) as a plain loop: a slice
+    assignment from an array compiles numba's shape-mismatch error formatter
+    (string joins, ~5 s of a cold compile) into its caller."""
+    for i in range(src.shape[0]):
+        for j in range(src.shape[1]):
+            dst[d0 + i, j] = src[i, j]
+
+
+@njit
+def _order_desc(s):
+    """Indices sorting ``s`` descending, ties by ascending index (a stable
+    insertion sort: ``s`` has ``r`` entries, and ``np.argsort`` compiles
+    numba's whole mergesort)."""
+    n = s.shape[0]
+    order = np.empty(n, dtype=np.int64)
+    for k in range(n):
+        j = k
+        while j > 0 and s[order[j - 1]] < s[k]:
+            order[j] = order[j - 1]
+            j -= 1
+        order[j] = k
+    return order
+
+
+@njit
 def svd_flip(u, vt):
     """Make the largest-|.| entry of each column of ``u`` positive (in place).
 
@@ -199,7 +225,7 @@ def _whiten_rows(yt, ref2, drop_tol):
             for j in range(k):
                 coef[row, j] = v[j, i] * inv
             row += 1
-    out[:, :] = np.dot(coef, yd)
+    _copy_rows(out, np.int64(0), np.dot(coef, yd))
     return out
 
 
@@ -221,9 +247,8 @@ def _append_block(basis, p, yt, drop_tol):
         ref2 = np.float64(yt.shape[0])
         if yt.shape[0] == 0:
             return p
-    k = yt.shape[0]
-    basis[p:p + k, :] = yt
-    return p + k
+    _copy_rows(basis, p, yt)
+    return p + yt.shape[0]
 
 
 @njit
@@ -256,7 +281,7 @@ def _complete_rows(vt, start):
                 break
 
 
-@njit
+@njit(inline="always")
 def _exact_svd(w, trans, r, zero_tol):
     """Exact rank-``r`` SVD of ``M`` (``w.T`` if ``trans`` else ``w``) through
     the float64 Gram ``M M^T`` of its short side, LAPACK ``eigh``, and
@@ -289,7 +314,7 @@ def _sort_normalise(u_in, ct, s, r, zero_tol):
     ``u_in`` (m', r) are the left vectors, ``ct`` (r, n') the rows ``U^T M``.
     """
     # eigh order is by Rayleigh quotient; re-sort by the recomputed norms.
-    order = np.argsort(-s, kind="mergesort")
+    order = _order_desc(s)
     n = ct.shape[1]
     mp = u_in.shape[0]
     vt = np.empty((r, n), dtype=np.float32)
@@ -317,7 +342,7 @@ def _sort_normalise(u_in, ct, s, r, zero_tol):
     return u, sf, vt
 
 
-@njit
+@njit(inline="always")
 def _krylov_basis(w, trans, b, depth, seed, r):
     """Orthonormal rows ``Q^T`` spanning the block Krylov space of ``M M^T``
     started at ``M O``, and ``(M M^T Q)^T`` for the Rayleigh-Ritz step.
@@ -341,14 +366,14 @@ def _krylov_basis(w, trans, b, depth, seed, r):
     basis = np.zeros((max(l, r), mp), dtype=np.float32)
     yall = np.zeros((max(l, r), mp), dtype=np.float32)
     ot = uniform_sketch(b, np_, seed)
-    p = _append_block(basis, 0, _times_mt(ot, w, trans), 1e-5)   # (M O)^T
+    p = _append_block(basis, np.int64(0), _times_mt(ot, w, trans), 1e-5)   # (M O)^T
     start = 0
     for j in range(depth + 1):
         if p == start:
             break
         cur = np.ascontiguousarray(basis[start:p])                  # newest block
         yt = _times_mt(_times_m(cur, w, trans), w, trans)           # (M M^T Q_j)^T
-        yall[start:p, :] = yt
+        _copy_rows(yall, start, yt)
         if j == depth:
             break
         start = p
@@ -356,12 +381,12 @@ def _krylov_basis(w, trans, b, depth, seed, r):
     if p < r:
         _complete_rows(basis[:r], p)
         cur = np.ascontiguousarray(basis[p:r])
-        yall[p:r, :] = _times_mt(_times_m(cur, w, trans), w, trans)
+        _copy_rows(yall, p, _times_mt(_times_m(cur, w, trans), w, trans))
         p = r
     return np.ascontiguousarray(basis[:p]), np.ascontiguousarray(yall[:p])
 
 
-@njit
+@njit(inline="always")
 def _krylov_finish(w, trans, qt, yt, r, zero_tol):
     """Rayleigh-Ritz on the Krylov basis: ``G = Q^T M M^T Q``, ``eigh``,
     ``U = Q E``, ``C^T = U^T M`` (one pass of width ``r``), then an exact

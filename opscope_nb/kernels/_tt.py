@@ -62,8 +62,9 @@ def _tt_svd(x, dims, max_rank):
                                       np.int64(4), np.int64(64), 1e-6)
         cores.append(np.ascontiguousarray(u).reshape(r_prev, dims[k], rk))
         rem = np.empty((rk, cols), dtype=np.float32)
-        for i in range(rk):
-            rem[i, :] = s[i] * vt[i, :]
+        for i in range(rk):         # a loop: a slice assignment compiles an error formatter
+            for j in range(cols):
+                rem[i, j] = s[i] * vt[i, j]
         c = rem.ravel()
         r_prev = rk
     cores.append(c.reshape(r_prev, dims[nd - 1], 1))

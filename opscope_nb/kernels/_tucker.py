@@ -95,8 +95,10 @@ def _tucker_hosvd(x3, ranks):
     t0_3 = t0.reshape(r0, d1, d2)
     t1 = np.empty((r0, r1, d2), dtype=np.float32)
     u1t = np.ascontiguousarray(u1.T)
+    # np.dot(..., out): a slice assignment would compile numba's shape-mismatch
+    # error formatter into this function (seconds of a cold compile)
     for a in range(r0):
-        t1[a] = np.dot(u1t, np.ascontiguousarray(t0_3[a]))  # (r1, d2)
+        np.dot(u1t, np.ascontiguousarray(t0_3[a]), t1[a])   # (r1, d2)
     core = np.dot(t1.reshape(r0 * r1, d2), u2).reshape(r0, r1, r2)
     return core, (u0, u1, u2)
 
@@ -124,7 +126,7 @@ def _tucker_reconstruct(core, factors):
                u2.T).reshape(r0, r1, d2)
     b = np.empty((r0, d1, d2), dtype=np.float32)
     for i in range(r0):
-        b[i] = np.dot(u1, np.ascontiguousarray(a[i]))
+        np.dot(u1, np.ascontiguousarray(a[i]), b[i])
     out = np.dot(u0, b.reshape(r0, d1 * d2))
     return out.reshape(d0, d1, d2)
 
