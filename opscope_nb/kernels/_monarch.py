@@ -109,7 +109,7 @@ def _monarch_project(w):
     return w1, w2
 
 
-@njit_parallel
+@njit
 def _monarch_reconstruct(w1, w2):
     """Dense ``W[ri*m + j, l*m + s] = w1[ri, j, l] * w2[l, s, ri]``.
 
@@ -124,7 +124,8 @@ def _monarch_reconstruct(w1, w2):
     m = w1.shape[0]
     n = m * m
     out = np.empty((n, n), dtype=np.float32)
-    for ri in prange(m):
+    for ri in range(m):   # serial: one write per element, and a parallel
+        # loop costs a second of compile for no gain at these sizes
         for j in range(m):
             row = ri * m + j
             for l in range(m):

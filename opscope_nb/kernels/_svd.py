@@ -393,12 +393,13 @@ def _krylov_finish(w, trans, qt, yt, r, zero_tol):
     float64 SVD of the small ``C^T`` (its ``r x r`` Gram) so the rows of
     ``Vt`` are orthogonal to float32 round-off even when ``U`` is only a
     float32-accurate Ritz basis."""
-    # float32 product and float32 eigh: yt already carries float32 round-off
-    # of M M^T Q, so float64 here would buy nothing but time (ssyevd is ~2x
-    # faster than dsyevd); S and Vt are recomputed from U^T M below.
+    # float32 product (yt already carries float32 round-off of M M^T Q; S and
+    # Vt are recomputed from U^T M below), float64 eigh: a float32 eigh would
+    # compile a second top_eigvecs / eigh chain (~2.5 s of a cold start) to
+    # save well under a millisecond on this (l, l) matrix.
     g = np.dot(qt, yt.T)
     g = np.float32(0.5) * (g + g.T)
-    _, e = top_eigvecs(g, r)
+    _, e = top_eigvecs(g.astype(np.float64), r)
     ut = np.dot(e.T.astype(np.float32), qt)        # (r, m') = (Q E)^T
     ct = _times_m(np.ascontiguousarray(ut), w, trans)   # (r, n') = U^T M
     cd = ct.astype(np.float64)
