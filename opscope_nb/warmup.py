@@ -36,8 +36,7 @@ import time
 from dataclasses import dataclass
 
 __all__ = ["GROUPS", "ITEMS", "items", "warm_item", "warm", "default_jobs", "warm_first",
-           "startable",
-           "is_warm", "mark_warm", "can_autowarm"]
+           "startable", "is_warm", "mark_warm", "warmed", "can_autowarm"]
 
 #: Warm-up groups, in the order ``warm`` runs them.
 GROUPS = ("profile", "runtime", "bench")
@@ -185,14 +184,18 @@ def _build_items():
     add("profile int8 / int4", "profile", "_profile_labels",
         ("dense", "int8/chan", "int4/chan", "int4/g32"))
     add("profile command (built-in model)", "profile", "_profile_cli", phase=1)
-    for label in ("int6/g128", "int5/g32", "int3/g128", "int2/g32", "int4/chan", "ternary",
-                  "int8/chan"):
+    for label in ("int6/g128", "int5/g32", "int3/g128", "int2/g32", "int4/chan", "int4/g32",
+                  "ternary", "int8/chan"):
         for act in ("f32", "int8"):
             add(f"runtime {label} act={act}", "runtime", "_runtime_kind", (label, act))
     for label in ("dense", "sparse2:4", "lowrank(r=8)", "monarch", "tucker", "tt"):
         add(f"runtime {label}", "runtime", "_runtime_kind", (label, "f32"))
+    # section 8 runs every PackedLinear kind: one kind per item (the runtime
+    # items, spread over the workers) first, then the section loads them
+    kinds = tuple(it.name for it in out if it.group == "runtime")
     for sec in (8, 4, 9, 5, 3, 2, 1, 6):
-        add(f"bench section {sec}", "bench", "_bench_section", sec)
+        add(f"bench section {sec}", "bench", "_bench_section", sec,
+            after=kinds if sec == 8 else ())
     return tuple(out)
 
 
@@ -357,24 +360,20 @@ def warm(only=None, jobs=None, on_result=None, names=None):
                 if on_result is not None:
                     on_result(r)
     failed = [r["name"] for r in results if r["error"]]
-    for g in GROUPS:
-        # a group whose every item ran without error is warm (see is_warm)
-        full = {it.name for it in ITEMS if it.group == g}
-        if full <= names_run and not full & set(failed):
-            mark_warm(g)
+    mark_warm([r["name"] for r in results if not r["error"]])
     return {"results": results, "seconds": time.perf_counter() - t0, "jobs": jobs,
             "failed": failed}
 
 
 # ─────────────────────── warm stamps and the first run ───────────────────────
 
-def _stamp(group):
+def _stamp():
     from . import _config
-    return _config.CACHE_LOCK.parent / f"opscope_warm_{group}"
+    return _config.CACHE_LOCK.parent / "opscope_warm.json"
 
 
 def can_autowarm() -> bool:
-    """Whether a command may warm its group first (:func:`warm_first`): the
+    """Whether a command may warm its kernels first (:func:`warm_first`): the
     kernels are cached on disk (a forced ``OPSCOPE_I8_PATH`` caches elsewhere
     and is left alone), the cache directory is writable, and
     ``OPSCOPE_AUTOWARM`` is not ``0``."""
@@ -388,45 +387,71 @@ def can_autowarm() -> bool:
     return _config._writable(_config.CACHE_LOCK.parent)
 
 
-def is_warm(group) -> bool:
-    """Whether ``group``'s kernels were warmed for the current sources (a stamp
-    next to the cache holding the sources' digest; any edit of the package
-    makes it stale, as it drops the cache)."""
+def warmed() -> set:
+    """Names of the items warmed for the current sources: a record next to the
+    cache (``opscope_warm.json``) holding the sources' digest; any edit of
+    the package makes it stale, as it drops the cache."""
+    import json
     from . import _config
     try:
-        return _stamp(group).read_text().strip() == str(_config.SOURCES_DIGEST)
-    except OSError:
-        return False
+        rec = json.loads(_stamp().read_text())
+    except (OSError, ValueError):
+        return set()
+    if not isinstance(rec, dict) or rec.get("digest") != _config.SOURCES_DIGEST:
+        return set()
+    return {n for n in rec.get("items", ()) if isinstance(n, str)}
 
 
-def mark_warm(group) -> None:
-    """Record that ``group`` was warmed for the current sources (best effort)."""
+def _phase0(group):
+    return [it.name for it in items(group) if it.phase == 0]
+
+
+def is_warm(group=None, names=None) -> bool:
+    """Whether the items ``names`` (default: every phase-0 item of ``group``,
+    the kernels a command calls; the command itself is phase 1) are warm."""
+    want = set(_phase0(group) if names is None else names)
+    return want <= warmed()
+
+
+def mark_warm(names) -> None:
+    """Record items as warmed for the current sources (best effort; the
+    record's read-modify-write runs under the cache lock, so concurrent
+    warm-ups keep each other's names)."""
+    import json
     from . import _config
-    if _config.SOURCES_DIGEST is None:
+    names = list(names)
+    if _config.SOURCES_DIGEST is None or not names:
         return
     try:
-        p = _stamp(group)
-        tmp = p.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(_config.SOURCES_DIGEST + "\n")
-        tmp.replace(p)
+        with _config._locked(_config.CACHE_LOCK):
+            done = warmed() | set(names)
+            p = _stamp()
+            tmp = p.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"digest": _config.SOURCES_DIGEST,
+                                       "items": sorted(done)}) + "\n")
+            tmp.replace(p)
     except OSError:
         pass
 
 
-def warm_first(group, jobs=None, log=None) -> bool:
-    """Before a command's first run: compile ``group``'s kernels in ``jobs``
-    processes (default: every core) unless they are warm already.
+def warm_first(group, jobs=None, log=None, names=None) -> bool:
+    """Before a command runs: compile the kernels of its warm-up items in
+    ``jobs`` processes (default: every core), unless they are warm already.
 
-    A cold ``opscope-nb profile`` compiles one kernel after another in one
-    process; spread over the cores first, the command then loads them from
-    the cache.  Items of a later phase (the command itself) are left out.
-    Returns whether a warm-up ran.  ``log``: called with one line per item
-    and a first and last line (progress off a terminal too).  A failed item
-    is reported and the command goes on (it compiles what it needs itself).
+    A cold ``opscope-nb profile`` or ``python bench.py`` compiles one kernel
+    after another in one process; spread over the cores first, the command
+    then loads them from the cache.  ``names``: the items (default: every
+    phase-0 item of ``group``; the command itself is phase 1); only those not
+    yet warm run.  Returns whether a warm-up ran.  ``log``: called with a
+    first line, one per item and a last one (progress off a terminal too).  A
+    failed item is reported and the command goes on (it compiles what it
+    needs itself); it stays unwarmed, so the next run tries again.
     """
-    if not can_autowarm() or is_warm(group):
+    if not can_autowarm():
         return False
-    todo = [it.name for it in items(group) if it.phase == 0]
+    todo = [n for n in (_phase0(group) if names is None else names) if n not in warmed()]
+    if not todo:
+        return False
     jobs = default_jobs() if jobs is None else int(jobs)
     say = log or (lambda line: None)
     say(f"first run: compiling the {group} kernels in {jobs} processes "
@@ -440,7 +465,5 @@ def warm_first(group, jobs=None, log=None) -> bool:
         say(f"first run: [{n[0]}/{len(todo)}] {r['name']} {r['seconds']:.1f} s ({status})")
 
     out = warm(jobs=jobs, on_result=line, names=todo)
-    if not out["failed"]:
-        mark_warm(group)
     say(f"first run: {group} kernels compiled in {out['seconds']:.1f} s")
     return True

@@ -133,14 +133,20 @@ def stamp_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_warm_stamps_follow_the_sources(stamp_dir, monkeypatch):
+def test_warm_record_follows_the_sources(stamp_dir, monkeypatch):
     from opscope_nb import _config
-    assert not wu.is_warm("profile")
-    wu.mark_warm("profile")
+    assert not wu.is_warm("profile") and wu.warmed() == set()
+    phase0 = [it.name for it in wu.items("profile") if it.phase == 0]
+    wu.mark_warm(phase0[:2])
+    assert not wu.is_warm("profile") and wu.is_warm(names=phase0[:2])
+    wu.mark_warm(phase0[2:])                 # merged with what was there
     assert wu.is_warm("profile") and not wu.is_warm("runtime")
-    assert (stamp_dir / "opscope_warm_profile").read_text().strip() == "d1"
+    rec = json.loads((stamp_dir / "opscope_warm.json").read_text())
+    assert rec["digest"] == "d1" and set(rec["items"]) == set(phase0)
     monkeypatch.setattr(_config, "SOURCES_DIGEST", "d2")     # an edited package
-    assert not wu.is_warm("profile")
+    assert not wu.is_warm("profile") and wu.warmed() == set()
+    (stamp_dir / "opscope_warm.json").write_text("{not json")
+    assert wu.warmed() == set()
 
 
 def _fake_warm(calls, fail=()):
@@ -164,9 +170,12 @@ def test_warm_first_runs_once_then_the_stamp_holds(stamp_dir, monkeypatch):
     assert calls == [{"only": None, "jobs": 2, "names": phase0}]
     assert lines[0].startswith("first run: compiling the profile kernels in 2 processes")
     assert len(lines) == len(phase0) + 2 and all(ln.startswith("first run: ") for ln in lines)
-    assert wu.is_warm("profile")
+    wu.mark_warm(phase0)                 # what the real warm() records
     assert not wu.warm_first("profile", jobs=2, log=lines.append)     # warm now
     assert len(calls) == 1
+    # only the items not warm yet run
+    assert wu.warm_first("bench", jobs=1, names=["bench section 1"], log=lines.append)
+    assert calls[-1]["names"] == ["bench section 1"]
 
 
 def test_warm_first_off_switches_and_failures(stamp_dir, monkeypatch):
@@ -181,7 +190,7 @@ def test_warm_first_off_switches_and_failures(stamp_dir, monkeypatch):
     lines = []
     assert wu.warm_first("profile", jobs=1, log=lines.append)    # an item failed:
     assert any("FAILED: RuntimeError: boom" in ln for ln in lines)
-    assert not wu.is_warm("profile")                           # no stamp, next run retries
+    assert not wu.is_warm("profile")        # unmarked: the next run tries again
 
 
 def test_cli_profile_warms_first_unless_told_not_to(stamp_dir, monkeypatch, tmp_path, capsys):
@@ -193,5 +202,6 @@ def test_cli_profile_warms_first_unless_told_not_to(stamp_dir, monkeypatch, tmp_
     assert len(calls) == 1
     err = capsys.readouterr().err
     assert "opscope-nb: first run: compiling the profile kernels" in err
-    assert main(["profile", "--out", str(tmp_path / "c")]) == 0      # stamp: no second time
+    wu.mark_warm(calls[0]["names"])
+    assert main(["profile", "--out", str(tmp_path / "c")]) == 0      # warm: no second time
     assert len(calls) == 1
