@@ -426,11 +426,11 @@ class CalibrationStream:
             return keep, tot
 
         cal, ntok = cap(fit_texts, max_tokens)
-        sens_texts, nsens = cap(fit_texts, int(sens_tokens) if max_tokens is None
-                                else min(int(sens_tokens), int(max_tokens)))
+        scap = int(sens_tokens) if max_tokens is None else min(int(sens_tokens),
+                                                               int(max_tokens))
+        sens_texts, nsens = cap(fit_texts, scap)
         val, nval = cap(val_texts, max_tokens)
-        sval, nsval = cap(val_texts, int(sens_tokens) if max_tokens is None
-                          else min(int(sens_tokens), int(max_tokens)))
+        sval, nsval = cap(val_texts, scap)
 
         def chunks(ts):
             out = []

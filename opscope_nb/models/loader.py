@@ -457,16 +457,20 @@ def _gguf_held(path, family, conf) -> dict:
     llama-quantize output) as the forward holds them: linear layers stored in a
     ggml type as ``PackedLinear`` of that type over the file's own blocks (run
     by :mod:`opscope_nb.formats`' ggml decode, counted at their stored bytes),
-    F32 linear layers dense, every other tensor dequantised to float32."""
+    F32 linear layers dense, every other tensor the forward needs dequantised
+    to float32 (tensors it does not need are not read)."""
     from .._runtime import PackedLinear
     from ..formats import Decomp
     from ..ggml import GGML_TYPES, row_bytes
     src = tio.open_source(path)
     names = {e.name for e in src.entries}
-    lin, _other, _opt = required_tensors(family, conf, names)
+    lin, other, opt = required_tensors(family, conf, names)
+    want = set(lin) | set(other) | (set(opt) & names)     # the forward's tensors only
     lin = set(lin)
     out = {}
     for e in src.entries:
+        if e.name not in want:
+            continue
         if e.name in lin and len(e.shape) == 2 and e.dtype.upper() in GGML_TYPES:
             rows, cols = (int(x) for x in e.shape)
             qt = e.dtype.upper()
