@@ -34,6 +34,7 @@ median of its best block.
 import sys
 
 from opscope_nb.bench import main
+from opscope_nb.warmup import warm_bench
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(warm=warm_bench))

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 __all__ = ["GROUPS", "ITEMS", "items", "warm_item", "warm", "default_jobs", "warm_first",
-           "startable", "is_warm", "mark_warm", "warmed", "can_autowarm"]
+           "warm_bench", "startable", "is_warm", "mark_warm", "warmed", "can_autowarm"]
 
 #: Warm-up groups, in the order ``warm`` runs them.
 GROUPS = ("profile", "runtime", "bench")
@@ -334,7 +334,6 @@ def warm(only=None, jobs=None, on_result=None, names=None):
     t0 = time.perf_counter()
     results = []
     ctx = multiprocessing.get_context("spawn")
-    names_run = {it.name for it in todo}
     finished = set()
     with ProcessPoolExecutor(max_workers=min(jobs, max(len(todo), 1)), mp_context=ctx,
                              initializer=_worker_init) as pool:
@@ -467,3 +466,16 @@ def warm_first(group, jobs=None, log=None, names=None) -> bool:
     out = warm(jobs=jobs, on_result=line, names=todo)
     say(f"first run: {group} kernels compiled in {out['seconds']:.1f} s")
     return True
+
+
+def warm_bench(sections, log=None) -> bool:
+    """:func:`warm_first` for ``python bench.py --sections ...``: the items of
+    those sections, and for section 8 (every ``PackedLinear`` kind) the
+    per-kind runtime items, spread over the workers.  ``log`` defaults to
+    printing (the bench output).  Returns whether a warm-up ran."""
+    secs = set(sections)
+    names = [it.name for it in items("bench") if int(it.name.rsplit(" ", 1)[1]) in secs]
+    if 8 in secs:
+        names = [it.name for it in items("runtime")] + names
+    return warm_first("bench", names=names,
+                      log=log or (lambda line: print(line, flush=True)))

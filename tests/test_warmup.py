@@ -205,3 +205,17 @@ def test_cli_profile_warms_first_unless_told_not_to(stamp_dir, monkeypatch, tmp_
     wu.mark_warm(calls[0]["names"])
     assert main(["profile", "--out", str(tmp_path / "c")]) == 0      # warm: no second time
     assert len(calls) == 1
+
+
+def test_warm_bench_names_the_sections_items(stamp_dir, monkeypatch):
+    """``python bench.py --sections 1,8`` warms section 1's item and section 8's
+    kinds one per item (then section 8 itself, which waits for them)."""
+    calls = []
+    monkeypatch.setattr(wu, "warm", _fake_warm(calls))
+    assert wu.warm_bench([1, 7, 8], log=lambda line: None)
+    kinds = [it.name for it in wu.items("runtime")]
+    assert calls[0]["names"] == kinds + ["bench section 8", "bench section 1"]
+    sec8 = next(it for it in wu.ITEMS if it.name == "bench section 8")
+    assert set(sec8.after) == set(kinds)
+    assert wu.warm_bench([3], log=lambda line: None)
+    assert calls[-1]["names"] == ["bench section 3"]

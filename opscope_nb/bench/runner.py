@@ -154,8 +154,12 @@ def _header(quick, res, cfg):
           f"candidate; compile / cache-load time reported apart.")
 
 
-def main(argv=None):
-    """Command line of ``python bench.py``; returns the exit code."""
+def main(argv=None, warm=None):
+    """Command line of ``python bench.py``; returns the exit code.
+
+    ``warm``: called with the section numbers before they run, unless
+    ``--no-warmup`` (the entry points pass :func:`opscope_nb.warmup.warm_bench`;
+    this module cannot import the warm-up, which runs its sections)."""
     ap = argparse.ArgumentParser(
         prog="bench.py",
         description="Speed + precision table of the opscope-nb matmul kernels.")
@@ -181,16 +185,11 @@ def main(argv=None):
     cfg = QUICK if args.quick else FULL
 
     t_start = time.perf_counter()
-    if not args.no_warmup:
-        # a cold cache: compile the sections' kernels on every core first (the
-        # first-call table below then shows cache loads; the warm-up's own
-        # time is printed here and counted in the wall time)
-        from .. import warmup as wu
-        names = [it.name for it in wu.items("bench")
-                 if int(it.name.rsplit(" ", 1)[1]) in secs]
-        if 8 in secs:          # its kinds one per item, spread over the workers
-            names = [it.name for it in wu.items("runtime")] + names
-        wu.warm_first("bench", names=names, log=lambda line: print(line, flush=True))
+    if warm is not None and not args.no_warmup:
+        # a cold cache: the entry point compiles the sections' kernels on every
+        # core first (opscope_nb.warmup.warm_bench; the first-call table below
+        # then shows cache loads; the warm-up's time counts in the wall time)
+        warm(secs)
     res = {"config": {"quick": args.quick, "sections": secs, "threads": args.threads},
            "machine": machine_info(), "skipped": []}
     res["bandwidth"] = stream_bandwidth(stream_bytes(cfg, res["machine"]["l3_bytes"]),
