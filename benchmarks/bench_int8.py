@@ -81,7 +81,6 @@ def ort_dqmm(wq_kn, scale, m):
     onnxruntime / onnx are not installed.
     """
     try:
-        import onnx
         import onnxruntime as ort
         from onnx import TensorProto, helper, numpy_helper
     except ImportError:

@@ -215,7 +215,6 @@ def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128) -> tuple:
     scales : ndarray of float32, shape (rows, ceil(cols / group)) or (rows, 1)
         per channel; as :func:`opscope_nb.kernels.quantize_groups_sym`.
     """
-    from .kernels._gptq import gptq_core
     w = as_matrix(w, "w")
     rows, cols = w.shape
     g = check_gram(gram, cols)

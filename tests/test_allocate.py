@@ -709,17 +709,19 @@ def test_silence_native_output_nests_across_threads_and_restores_on_error(capfd)
     assert capfd.readouterr().out == "visible 1\nvisible 2\n"
 
 
-def test_dado_stable_argsort_equals_numpy_mergesort():
-    """The allocators' hand-written stable argsort (numba's mergesort costs ~2 s
-    of a cold compile) orders exactly as NumPy's stable sort: ties keep their
-    order, -0.0 == 0.0, inf at the end, NaN after everything."""
-    from opscope_nb.kernels._dado import _argsort_stable
+def test_stable_argsort_equals_numpy_mergesort():
+    """The kernels' hand-written stable argsort (the allocators' and the SVD's;
+    numba's mergesort costs ~2 s of a cold compile) orders exactly as NumPy's
+    stable sort: ties keep their order, -0.0 == 0.0, inf at the end, NaN after
+    everything; float32 keys too (the SVD sorts -s)."""
+    from opscope_nb.kernels import argsort_stable
     rng = np.random.default_rng(3)
     cases = [np.zeros(0), np.array([1.5]), np.array([0.0, -0.0, 0.0, -0.0]),
              np.array([np.nan, 1.0, np.inf, -np.inf, np.nan, 1.0, -2.0]),
              rng.integers(0, 5, 257).astype(np.float64),      # many ties
-             rng.standard_normal(1000)]
+             rng.standard_normal(1000),
+             -np.repeat(rng.standard_normal(20), 3).astype(np.float32)]
     for a in cases:
-        got = _argsort_stable(a)
+        got = argsort_stable(a)
         assert got.dtype == np.int64
         np.testing.assert_array_equal(got, np.argsort(a, kind="stable"), err_msg=str(a[:8]))

@@ -256,7 +256,6 @@ def test_i8_max_k_enforced_by_cores():
 
 def test_public_matmul_matches_cores_and_validates():
     from opscope_nb import matmul as M
-    rng = np.random.default_rng(11)
     x, w = _data(5, 70, 9, seed=11)
     wtq, sc = M.quantize_cols_t(w)
     xq, sx = M.quantize_rows_i8(x)

@@ -157,6 +157,7 @@ def _fake_warm(calls, fail=()):
                for n in names or ()]
         for r in res:
             on_result(r)
+        wu.mark_warm([r["name"] for r in res if not r["error"]])    # as warm() does
         return {"results": res, "seconds": 1.0, "jobs": jobs,
                 "failed": [r["name"] for r in res if r["error"]]}
     return fake
@@ -170,7 +171,7 @@ def test_warm_first_runs_once_then_the_stamp_holds(stamp_dir, monkeypatch):
     assert calls == [{"only": None, "jobs": 2, "names": phase0}]
     assert lines[0].startswith("first run: compiling the profile kernels in 2 processes")
     assert len(lines) == len(phase0) + 2 and all(ln.startswith("first run: ") for ln in lines)
-    wu.mark_warm(phase0)                 # what the real warm() records
+    assert wu.is_warm("profile")         # the fake records as the real warm() does
     assert not wu.warm_first("profile", jobs=2, log=lines.append)     # warm now
     assert len(calls) == 1
     # only the items not warm yet run
@@ -191,6 +192,26 @@ def test_warm_first_off_switches_and_failures(stamp_dir, monkeypatch):
     assert wu.warm_first("profile", jobs=1, log=lines.append)    # an item failed:
     assert any("FAILED: RuntimeError: boom" in ln for ln in lines)
     assert not wu.is_warm("profile")        # unmarked: the next run tries again
+    rest = [n for n in wu._phase0("profile") if n != "profile tt"]
+    assert wu.is_warm(names=rest)
+    lines.clear()
+    assert wu.warm_first("profile", jobs=1, log=lines.append)    # only the failed one
+    assert calls[-1]["names"] == ["profile tt"]
+
+
+def test_real_warm_records_only_the_items_that_succeeded(stamp_dir, monkeypatch):
+    """``warm()`` in real worker processes: an item that fails there (here a name
+    the fresh worker does not know) is reported and not recorded; the one
+    that compiled is."""
+    broken = wu.Item("test broken item", "runtime", 0, "_runtime_kind", ("int4/chan", "f32"))
+    monkeypatch.setattr(wu, "ITEMS", wu.ITEMS + (broken,))
+    seen = []
+    out = wu.warm(jobs=2, names=["runtime dense", broken.name], on_result=seen.append)
+    assert out["failed"] == [broken.name]
+    assert {r["name"] for r in seen} == {"runtime dense", broken.name}
+    err = next(r["error"] for r in seen if r["name"] == broken.name)
+    assert "unknown warm-up item" in err
+    assert wu.warmed() == {"runtime dense"}
 
 
 def test_cli_profile_warms_first_unless_told_not_to(stamp_dir, monkeypatch, tmp_path, capsys):
@@ -202,7 +223,6 @@ def test_cli_profile_warms_first_unless_told_not_to(stamp_dir, monkeypatch, tmp_
     assert len(calls) == 1
     err = capsys.readouterr().err
     assert "opscope-nb: first run: compiling the profile kernels" in err
-    wu.mark_warm(calls[0]["names"])
     assert main(["profile", "--out", str(tmp_path / "c")]) == 0      # warm: no second time
     assert len(calls) == 1
 
@@ -219,3 +239,23 @@ def test_warm_bench_names_the_sections_items(stamp_dir, monkeypatch):
     assert set(sec8.after) == set(kinds)
     assert wu.warm_bench([3], log=lambda line: None)
     assert calls[-1]["names"] == ["bench section 3"]
+
+
+def test_first_run_notice_asks_the_warm_record(stamp_dir, monkeypatch, capsys):
+    """Commands without a warm-up group print one line before a first run: not
+    once the warm-up record holds items for these sources, and not when a
+    cache index exists (installs that never ran a warm-up)."""
+    import argparse
+    import pathlib
+    from opscope_nb.cli._common import first_run_notice
+    monkeypatch.setattr(pathlib.Path, "rglob", lambda self, pat: iter([self / "f.nbi"]))
+    first_run_notice(argparse.Namespace(quiet=False))
+    assert capsys.readouterr().err == ""                 # a cache index: not a first run
+    monkeypatch.setattr(pathlib.Path, "rglob", lambda self, pat: iter(()))   # no cache
+    first_run_notice(argparse.Namespace(quiet=False))
+    assert "first run: compiling the numba kernels" in capsys.readouterr().err
+    first_run_notice(argparse.Namespace(quiet=True))
+    assert capsys.readouterr().err == ""
+    wu.mark_warm(["runtime dense"])
+    first_run_notice(argparse.Namespace(quiet=False))
+    assert capsys.readouterr().err == ""

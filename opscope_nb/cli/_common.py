@@ -249,14 +249,22 @@ def progress_enabled(args):
 
 
 def first_run_notice(args) -> None:
-    """One line on stderr before a first run compiles the numba kernels (no
-    cached machine code for this package yet), so a silent minute off a
-    terminal is not taken for a hang."""
+    """One line on stderr before a first run compiles the numba kernels, so a
+    silent minute off a terminal is not taken for a hang.
+
+    A run is a first one when the warm-up record
+    (:func:`opscope_nb.warmup.warmed`) holds nothing for these sources and no
+    cached machine code exists (no ``*.nbi`` index: installs whose cache
+    never saw a warm-up, or a read-only one)."""
     if getattr(args, "quiet", False):
         return
     import pathlib
 
     import numba
+
+    from .. import warmup as wu
+    if wu.warmed():
+        return
     roots = [pathlib.Path(__file__).resolve().parents[1]]
     if numba.config.CACHE_DIR:
         roots.append(pathlib.Path(numba.config.CACHE_DIR))

@@ -17,6 +17,7 @@ Example
 from ._coerce import *        # noqa: F401,F403
 from ._probe import *         # noqa: F401,F403
 from ._rng import *           # noqa: F401,F403
+from ._sort import *          # noqa: F401,F403
 from ._pack import *          # noqa: F401,F403
 from ._svd import *           # noqa: F401,F403
 from ._lowrank import *       # noqa: F401,F403
@@ -33,10 +34,10 @@ from ._packed_quant import *  # noqa: F401,F403
 from ._gptq import *          # noqa: F401,F403
 from ._ggml import *          # noqa: F401,F403
 
-from . import (_coerce, _probe, _rng, _pack, _svd, _lowrank, _monarch, _tucker, _tt,
+from . import (_coerce, _probe, _rng, _sort, _pack, _svd, _lowrank, _monarch, _tucker, _tt,
                _matmul, _simd, _dado, _packed_float, _simd_lowbit, _w4panel, _packed_quant,
                _gptq, _ggml)
 
 __all__ = sorted(set().union(*(m.__all__ for m in (
-    _coerce, _probe, _rng, _pack, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd,
+    _coerce, _probe, _rng, _sort, _pack, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd,
     _dado, _packed_float, _simd_lowbit, _w4panel, _packed_quant, _gptq, _ggml))))

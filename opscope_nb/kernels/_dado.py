@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._config import njit
+from ._sort import argsort_stable
 
 __all__ = [
     "xorshift64_step",
@@ -33,51 +34,6 @@ __all__ = [
 
 
 # ───────────────────────────── allocator cores ─────────────────────────────
-
-
-@njit(inline="always")
-def _lt(a, b):
-    """``a < b`` with NaN after every number (NumPy's sort order)."""
-    return a < b or (b != b and a == a)
-
-
-@njit
-def _argsort_stable(a):
-    """``np.argsort(a, kind="mergesort")`` of a 1-D float array (stable: equal
-    keys keep their order; NaN last): a bottom-up merge sort.  numba's own
-    mergesort costs ~2 s of a cold compile; this one a fraction of it."""
-    n = a.shape[0]
-    idx = np.empty(n, dtype=np.int64)
-    for t in range(n):
-        idx[t] = t
-    tmp = np.empty(n, dtype=np.int64)
-    width = 1
-    while width < n:
-        for lo in range(0, n, 2 * width):
-            mid = min(lo + width, n)
-            hi = min(lo + 2 * width, n)
-            i = lo
-            j = mid
-            k = lo
-            while i < mid and j < hi:
-                if _lt(a[idx[j]], a[idx[i]]):     # strictly less: stable
-                    tmp[k] = idx[j]
-                    j += 1
-                else:
-                    tmp[k] = idx[i]
-                    i += 1
-                k += 1
-            while i < mid:
-                tmp[k] = idx[i]
-                i += 1
-                k += 1
-            while j < hi:
-                tmp[k] = idx[j]
-                j += 1
-                k += 1
-        idx, tmp = tmp, idx
-        width *= 2
-    return idx
 
 
 @njit
@@ -127,10 +83,10 @@ def lower_hull_core(x, y):
     key = np.empty(k)
     for j in range(k):
         key[j] = y[j]
-    o1 = _argsort_stable(key)
+    o1 = argsort_stable(key)
     for t in range(k):
         key[t] = x[o1[t]]
-    o2 = _argsort_stable(key)
+    o2 = argsort_stable(key)
     hx = np.empty(k)
     hy = np.empty(k)
     hi = np.empty(k, dtype=np.int64)
@@ -397,7 +353,7 @@ def dado_core(cost, nbytes, lat, nopt, budget, lat_budget, init_choice, iters, p
                 if ol > 0.0:
                     over += ol
             loss[q] = err + penalty * over
-        order = _argsort_stable(loss)
+        order = argsort_stable(loss)
         for i in range(nl):
             k = nopt[i]
             for j in range(k):
@@ -468,7 +424,7 @@ def mckp_lp_bound(cost, nbytes, nopt, budget):
         return np.inf
     rem = fb - base_b
     val = base_c
-    order = _argsort_stable(-seg_eff[:nseg])
+    order = argsort_stable(-seg_eff[:nseg])
     for t in range(nseg):
         g = order[t]
         if seg_db[g] <= rem:
