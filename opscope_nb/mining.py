@@ -23,6 +23,7 @@ live in :mod:`opscope_nb.formats` and are re-exported here.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import time
 from dataclasses import dataclass, field
@@ -154,6 +155,14 @@ class LayerProfile:
         The same probe on the calibration text's held-out part (``profile
         --calib --validate``): how well :attr:`sensitivity` carries over to
         text it was not measured on.  Reported, never used by the objective.
+    prior_weight : float
+        Data-free weight of this layer's term in the output objective
+        (``allocate``'s ``output`` objective, and layers the ``sensitivity``
+        objective has no measured sensitivity for); 1 for most layers.  The
+        command line sets it for a decoder's output head (the logits
+        projection, or the token embedding when the head is tied to it):
+        :func:`opscope_nb.models.loader.output_head`.  A measured
+        :attr:`sensitivity` replaces it.
     """
 
     name: str
@@ -165,6 +174,7 @@ class LayerProfile:
     sensitivity: float | None = None
     stored_dtype: str = "F32"
     sensitivity_val: float | None = None
+    prior_weight: float = 1.0
 
     @property
     def f32_bytes(self) -> int:
@@ -192,7 +202,9 @@ class LayerProfile:
                 "sensitivity": None if self.sensitivity is None else float(self.sensitivity),
                 "stored_dtype": self.stored_dtype, "f32_bytes": self.f32_bytes,
                 **({} if self.sensitivity_val is None
-                   else {"sensitivity_val": float(self.sensitivity_val)})}
+                   else {"sensitivity_val": float(self.sensitivity_val)}),
+                **({} if self.prior_weight == 1.0
+                   else {"prior_weight": float(self.prior_weight)})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayerProfile":
@@ -201,7 +213,20 @@ class LayerProfile:
                    [DecompOption.from_dict(o) for o in d["options"]],
                    {k: float(v) for k, v in d.get("timings", {}).items()},
                    None if sens is None else float(sens), str(d.get("stored_dtype", "F32")),
-                   None if sv is None else float(sv))
+                   None if sv is None else float(sv),
+                   check_prior_weight(d.get("prior_weight", 1.0)))
+
+
+def check_prior_weight(value) -> float:
+    """``value`` as a :attr:`LayerProfile.prior_weight`: a finite float ``> 0``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"prior_weight must be a real number; got {type(value).__name__} "
+                        f"{value!r}.")
+    v = float(value)
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"prior_weight must be finite and > 0 (1 leaves the layer as it "
+                         f"is); got {value!r}.")
+    return v
 
 
 # ───────────────────────────── profiling ─────────────────────────────
@@ -258,7 +283,7 @@ def _int_seq(v, name, what, example):
 def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
                   latency=None, intn_bits=(6, 5, 3), int2_groups=(32,), gram=None,
                   gptq=True, sensitivity=None, stored_dtype="F32", menu="default",
-                  ggml_types=None, lr_ranks=LR_RANKS) -> LayerProfile:
+                  ggml_types=None, lr_ranks=LR_RANKS, prior_weight=1.0) -> LayerProfile:
     """Measure every applicable compression option of one weight.
 
     Options, in order: dense; then the quantisation ladder by decreasing bits
@@ -336,6 +361,8 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
     lr_ranks : sequence of int
         Ranks of the ``+lr`` composites (default :data:`LR_RANKS` = 8, 16,
         32; ``()``: none).  Ignored by ``menu="ggml"``.
+    prior_weight : float
+        Stored as ``LayerProfile.prior_weight`` (finite, ``> 0``; default 1).
 
     Returns
     -------
@@ -366,6 +393,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         sensitivity = float(sensitivity)
         if not math.isfinite(sensitivity) or sensitivity < 0:
             raise ValueError(f"sensitivity must be finite and >= 0; got {sensitivity!r}.")
+    prior_weight = check_prior_weight(prior_weight)
     with_gptq = bool(gptq) and gram is not None and gram.ndim == 2
     ref = stored_bytes(stored_dtype, rows, cols)
     if menu not in MENUS:
@@ -376,7 +404,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         for d, part in ggml_menu(cols, ggml_types):
             meas(d, part)
         return LayerProfile(name, rows, cols, ref, meas.options, meas.timings, sensitivity,
-                            str(stored_dtype).upper())
+                            str(stored_dtype).upper(), prior_weight=prior_weight)
     for d, part in quant_menu(cols, groups=gs, intn_bits=nbits, int2_groups=g2s,
                               gptq=with_gptq):
         got = meas(d, part)
@@ -388,7 +416,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
     for d, part in structured_menu(rows, cols, ref):
         meas(d, part)
     return LayerProfile(name, rows, cols, ref, meas.options, meas.timings, sensitivity,
-                        str(stored_dtype).upper())
+                        str(stored_dtype).upper(), prior_weight=prior_weight)
 
 
 #: Parts of :attr:`LayerProfile.timings` that every profile reports.

@@ -61,3 +61,109 @@ def test_cli_default_objective_is_recorded(tmp_path):
     g = plan["methods"]["greedy"]
     assert g["total_err"] == pytest.approx(sum(r["rel_err"] ** 2 for r in g["layers"]))
     assert np.isfinite(g["extra"]["predicted_damage"])
+
+
+# --- the output head's data-free weight (issue 22: a tied head chosen by sum rel_err**2) ---
+def test_prior_weight_scales_the_output_objective_only():
+    from opscope_nb.allocate import exact_allocate
+    plain = [_layer(i) for i in range(2)]
+    head = [_layer(0), _layer(1)]
+    head[0].prior_weight = 20.0
+    # 150 of 200 bytes: int8 twice (0.01 + 0.01) or dense + int2 (0.39**2)
+    assert list(exact_allocate(plain, 0.75, objective="output").choice) == [1, 1]
+    a = exact_allocate(head, 0.75, objective="output")
+    assert list(a.choice) == [0, 2]                          # the head stays dense
+    assert a.total_err == pytest.approx(0.39 ** 2)
+    assert predicted_damage(head, [1, 1]) == pytest.approx(20 * 0.01 + 0.01)
+    # the weight objective (sum rel_err) ignores it
+    assert list(exact_allocate(head, 0.75, objective="weight").choice) == [1, 1]
+    # a measured sensitivity replaces it; a layer without one uses mean x prior
+    cal = [_layer(0, sens=1.0, out_err=(0.0, 0.1, 0.39)),
+           _layer(1, sens=1.0, out_err=(0.0, 0.1, 0.39))]
+    cal[0].prior_weight = 20.0
+    assert predicted_damage(cal, [1, 1]) == pytest.approx(0.02)
+    cal[0].sensitivity = None
+    assert predicted_damage(cal, [1, 1]) == pytest.approx(20 * 0.01 + 0.01)
+
+
+def test_prior_weight_round_trip_and_validation():
+    from opscope_nb.mining import profile_layer
+    lp = _layer(0)
+    assert "prior_weight" not in lp.to_dict()                # old profiles read the same
+    lp.prior_weight = 60.0
+    assert LayerProfile.from_dict(lp.to_dict()).prior_weight == 60.0
+    w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    assert profile_layer("x", w, menu="ggml", ggml_types=["Q8_0"],
+                         prior_weight=3).prior_weight == 3.0
+    for bad, exc in ((0.0, ValueError), (float("nan"), ValueError), (-1, ValueError),
+                     ("2", TypeError), (True, TypeError)):
+        with pytest.raises(exc, match="prior_weight"):
+            profile_layer("x", w, menu="ggml", ggml_types=["Q8_0"], prior_weight=bad)
+    d = lp.to_dict()
+    d["prior_weight"] = float("inf")
+    with pytest.raises(ValueError, match="prior_weight"):
+        LayerProfile.from_dict(d)
+
+
+def test_output_head_by_layout(tmp_path):
+    import json
+    from naive_models import smollm2_gguf, write_tiny_llama
+    from opscope_nb.models.loader import output_head
+    d = tmp_path / "untied"
+    W = write_tiny_llama(str(d), n_layers=3)
+    assert output_head(str(d), W) == ("lm_head.weight", 6.0)
+    assert output_head(str(d / "model.safetensors"), W) == ("lm_head.weight", 6.0)
+    t = tmp_path / "tied"
+    W = write_tiny_llama(str(t), n_layers=4, tied=True)
+    assert output_head(str(t), W) == ("model.embed_tokens.weight", 8.0)
+    # an encoder has no head, whatever its embedding is called
+    b = tmp_path / "bert"
+    b.mkdir()
+    (b / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    names = ["embeddings.word_embeddings.weight", "encoder.layer.0.output.dense.weight"]
+    assert output_head(str(b), names) is None
+    # a config that unties the head but a checkpoint without lm_head: no guess
+    cfg = json.loads((t / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (t / "config.json").write_text(json.dumps(cfg))
+    assert output_head(str(t), W) is None
+    assert output_head(str(t), ["model.embed_tokens.weight"]) is None   # no blocks
+    assert output_head("x.gguf", ["output.weight", "token_embd.weight",
+                                  "blk.0.attn_q.weight", "blk.11.ffn_up.weight"]) == (
+        "output.weight", 24.0)
+    import gguf
+    p = tmp_path / "enc.gguf"
+    wr = gguf.GGUFWriter(str(p), "bert")
+    wr.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    wr.add_tensor("blk.0.attn_q.weight", np.zeros((8, 8), np.float32))
+    for step in (wr.write_header_to_file, wr.write_kv_data_to_file,
+                 wr.write_tensors_to_file, wr.close):
+        step()
+    assert output_head(str(p), ["token_embd.weight", "blk.0.attn_q.weight"]) is None
+    g = smollm2_gguf()
+    if g is not None:       # SmolLM2-135M: 30 blocks, head tied to token_embd
+        from opscope_nb.io import open_source
+        names = [e.name for e in open_source(g).entries]
+        assert output_head(g, names) == ("token_embd.weight", 60.0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_cli_profile_weighs_the_head(tmp_path, tied):
+    import json
+    from naive_models import write_tiny_llama
+    from opscope_nb.cli import main
+    src = tmp_path / "m"
+    write_tiny_llama(str(src), n_layers=2, tied=tied)
+    out = tmp_path / "o"
+    assert main(["profile", str(src), "--include", "embed|lm_head|q_proj",
+                 "--include-embeddings", "--menu", "ggml", "--types", "Q8_0,Q4_0",
+                 "--method", "greedy", "--out", str(out), "-q"]) == 0
+    doc = json.load(open(out / "profile.json"))
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    got = {r["name"]: r["profile"].get("prior_weight") for r in doc["layers"]}
+    assert got.pop(head) == 4.0
+    assert set(got.values()) == {None} and len(got) == (2 if tied else 3)
+    plan = json.load(open(out / "plan.json"))
+    g = plan["methods"]["greedy"]
+    assert g["total_err"] == pytest.approx(sum(
+        (4.0 if r["name"] == head else 1.0) * r["rel_err"] ** 2 for r in g["layers"]))

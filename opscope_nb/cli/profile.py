@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from ..mining import LayerProfile
+from ..models.loader import HEAD_PRIOR_PER_BLOCK, output_head
 from ..profiling import (FingerprintError, check_fingerprints, profile_doc, profile_entry,
                          result_settings, timing_split)
 from ._common import (CliError, add_source_args, ensure_outdir, fmt_bytes, int_list,
@@ -507,6 +508,24 @@ def _dask_loop(args, st, bar, save):
     return recs, [s[1] for s in slots if s is not None], reused, [skips[i] for i in sorted(skips)]
 
 
+def _head_prior(st, records, layers) -> None:
+    """Give a decoder's output head its data-free weight in the output objective
+    (:func:`opscope_nb.models.loader.output_head`) when it is profiled."""
+    src = st["src"]
+    if src.kind not in ("gguf", "safetensors", "safetensors-dir"):
+        return
+    got = output_head(src.path, (e.name for e in src.entries))
+    if got is None:
+        return
+    name, weight = got
+    for rec, lp in zip(records, layers):
+        if lp.name == name:
+            lp.prior_weight = weight
+            rec["profile"]["prior_weight"] = weight
+            print(f"output head: {name} weighs {weight:g}x in the output objective "
+                  f"(no calibration; {HEAD_PRIOR_PER_BLOCK:g} x blocks)")
+
+
 def _validate_plans(st, layers, allocs, args) -> dict:
     """The plans measured on the held-out calibration text
     (:func:`~opscope_nb.cli._plan.validate_plans`)."""
@@ -568,6 +587,7 @@ def run(args) -> int:
             lambda st_, bar_, save_: _dask_loop(args, st_, bar_, save_))
         records, layers, reused, skips = loop(st, bar, save)
         bar.close()
+        _head_prior(st, records, layers)
         _finish_calibration(st, records, layers)
     finally:
         bar.close()

@@ -1308,10 +1308,12 @@ def _w8a8_rowsplit(x, quant, xq, sx, wtq, scale, wsum, y, rows):
                        wf, scale, wsum, y, P, yt)
 
 
-# dynamic_matmul_w8a8 / matmul_w8a8 / _w8a8_float are inlined (numba IR) into
-# their caller: each compiled as a function of its own re-optimised and
-# re-emitted the whole W8A8 tree below it (a cold PackedLinear int8/chan
-# act=int8 call, Zen 3: 70.6 s -> 62.9 s without those two levels).
+# dynamic_matmul_w8a8 and _w8a8_float are inlined (numba IR) into their njit
+# callers (PackedLinear's int8-activation path): compiled as functions of
+# their own, each re-optimised and re-emitted the whole W8A8 tree below it (a
+# cold PackedLinear int8/chan act=int8 call, Zen 3, int8 path avx2: 70.6 s ->
+# 62.9 s without those two levels).  matmul_w8a8 has no njit caller here; it
+# is inlined the same way into user numba code that calls it.
 @njit(inline="always")
 def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None):
     """W8A8 with the activation quantisation fused in (ONNX Runtime's

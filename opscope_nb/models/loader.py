@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +27,8 @@ import numpy as np
 from .. import io as tio
 
 __all__ = ["Model", "ModelError", "UnsupportedModelError", "open_model", "detect",
-           "dense_linear", "gguf_metadata", "SUPPORTED", "block_tensors"]
+           "dense_linear", "gguf_metadata", "SUPPORTED", "block_tensors", "output_head",
+           "HEAD_PRIOR_PER_BLOCK"]
 
 #: One line naming what :func:`detect` accepts.
 SUPPORTED = ("BERT-style encoders (config.json model_type 'bert') and Llama-style "
@@ -378,6 +380,78 @@ def _detect_gguf(path):
                             "merges": md.get("tokenizer.ggml.merges", []),
                             "token_type": md.get("tokenizer.ggml.token_type")})
     return "decoder", "gguf-llama", conf, tok
+
+
+#: Data-free weight of a decoder's output head in the ``output`` objective, per
+#: transformer block (see :func:`output_head`).
+HEAD_PRIOR_PER_BLOCK = 2.0
+#: GGUF architectures without an output head (encoders).
+_GGUF_ENCODERS = ("bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "t5encoder",
+                  "modern-bert", "neo-bert")
+_BLOCK_INDEX = re.compile(r"(?:^|\.)(?:blk|layers|layer|h)\.(\d+)\.")
+
+
+def output_head(path, names) -> tuple | None:
+    """The tensor that computes a decoder's logits and its data-free weight in
+    the ``output`` objective (:attr:`opscope_nb.mining.LayerProfile.prior_weight`).
+
+    Why a weight: without calibration the objective sums every layer's squared
+    relative error alike.  A block's linear layer adds its error to one of the
+    ``2 * blocks`` sublayer outputs that sum into the last hidden state, so
+    (independent errors of similar size) its share there is about
+    ``1 / (2 * blocks)``; the head's error goes straight into the logits.  The
+    head therefore counts :data:`HEAD_PRIOR_PER_BLOCK` ``* blocks`` times as
+    much.  On SmolLM2-135M the measured sensitivity (``profile --calib``) of
+    its tied head is 140x the blocks' mean (``benchmarks/bench_gguf.py``).
+
+    Parameters
+    ----------
+    path : str
+        The checkpoint (a ``.gguf`` file, a ``.safetensors`` file or its
+        directory with ``config.json``).
+    names : iterable of str
+        The checkpoint's tensor names.
+
+    Returns
+    -------
+    (str, float) or None
+        ``(head tensor name, prior weight)``: GGUF ``output.weight``, or
+        ``token_embd.weight`` when the head is tied to it (no
+        ``output.weight``; every decoder architecture llama.cpp knows does
+        so); Hugging Face ``lm_head.weight``, or the ``embed_tokens`` table
+        of a ``*ForCausalLM`` whose config ties them.  ``None`` for
+        encoders, unknown layouts, or when no block index is found in the
+        names.
+    """
+    names = set(names)
+    blocks = {int(m.group(1)) for n in names for m in [_BLOCK_INDEX.search(n)] if m}
+    if not blocks:
+        return None
+    weight = HEAD_PRIOR_PER_BLOCK * (max(blocks) + 1)
+    path = os.fspath(path)
+    if path.lower().endswith(".gguf"):
+        if "output.weight" in names:
+            return "output.weight", weight
+        try:
+            arch = tio._import_gguf().GGUFReader(path, "r").fields[
+                "general.architecture"].contents()
+        except Exception:
+            return None
+        if arch in _GGUF_ENCODERS or "token_embd.weight" not in names:
+            return None
+        return "token_embd.weight", weight
+    if "lm_head.weight" in names:
+        return "lm_head.weight", weight
+    cfg_path = os.path.join(_model_dir(path), "config.json")
+    try:
+        cfg = _read_json(cfg_path)
+    except ModelError:
+        return None
+    causal = any(str(a).endswith("ForCausalLM") for a in cfg.get("architectures") or [])
+    if not causal or not cfg.get("tie_word_embeddings", True):
+        return None
+    embed = sorted(n for n in names if n.endswith("embed_tokens.weight"))
+    return (embed[0], weight) if len(embed) == 1 else None
 
 
 # --------------------------------------------------------------------------- #
