@@ -375,11 +375,11 @@ def _finite(x):
 # Python), so a layer compiles only its own kernel: an njit entry taking
 # ``act8`` as an argument compiles both paths.
 @_njit
-def _int8_checked_a8(x, codes, scales, wsum):
+def _int8_checked_a8(x, codes, scales, wsum, prefill):
     """W8A8 ``packed_int8_linear`` after the finiteness check, or ``None``."""
     if not _finite(x):
         return None
-    return _k.dynamic_matmul_w8a8(x, codes, scales, _PAR_MIN, wsum)
+    return _k.dynamic_matmul_w8a8(x, codes, scales, _PAR_MIN, wsum, prefill)
 
 
 @_njit
@@ -391,25 +391,39 @@ def _int8_checked_a16(x, codes, scales):
 
 
 @_njit
-def _int4_checked_a8(x, codes, scales, cols, group):
+def _int4_checked_a8(x, codes, scales, cols, group, decode, prefill):
     """``packed_int4_linear_a8`` after the finiteness check, or ``None``."""
     if not _finite(x):
         return None
-    return _k.packed_int4_linear_a8(x, codes, scales, cols, group, _PAR_MIN)
+    return _k.packed_int4_linear_a8(x, codes, scales, cols, group, _PAR_MIN, decode, prefill)
 
 
 @_njit
-def _int4_checked_a16(x, codes, scales, cols, group):
+def _int4_checked_a16(x, codes, scales, cols, group, decode, prefill):
     """``packed_int4_linear_a16`` after the finiteness check, or ``None``."""
     if not _finite(x):
         return None
-    return _k.packed_int4_linear_a16(x, codes, scales, cols, group, _PAR_MIN)
+    return _k.packed_int4_linear_a16(x, codes, scales, cols, group, _PAR_MIN, decode,
+                                     prefill)
+
+
+def _lowbit_path(lin, x):
+    """``(decode, prefill)`` for the low-bit kernels: the one path this call's
+    shape takes, the other ``None`` so it is not compiled (a first decode
+    call compiles about half the code: int4/g32 act=int8 at 1 x 384 x 384,
+    74 s -> 39 s cold, Zen 3).  The rule is the kernels' own: prefill when
+    ``m >= 4`` and ``rows >= 4``."""
+    if x.shape[0] >= 4 and lin._shape[0] >= 4:
+        return None, True
+    return True, None
 
 
 def _fwd_int8(lin, x, act):
     a = lin._arrays
     if _act8(lin, act):
-        return _int8_checked_a8(x, a["codes"], a["scales"], lin._aux)
+        # below I8_PANEL_MIN_M rows only the dot tiles run: compile only them
+        pre = True if x.shape[0] >= _k.I8_PANEL_MIN_M else None
+        return _int8_checked_a8(x, a["codes"], a["scales"], lin._aux, pre)
     return _int8_checked_a16(x, a["codes"], a["scales"])
 
 
@@ -417,13 +431,13 @@ def _fwd_int4(lin, x, act):
     a = lin._arrays
     g = lin._decomp.group if lin._kind == "int4g" else 0
     fn = _int4_checked_a8 if _act8(lin, act) else _int4_checked_a16
-    return fn(x, a["codes"], a["scales"], lin._shape[1], g)
+    return fn(x, a["codes"], a["scales"], lin._shape[1], g, *_lowbit_path(lin, x))
 
 
 def _fwd_ternary(lin, x, act):
     a = lin._arrays
     fn = _k.packed_ternary_linear_a8 if _act8(lin, act) else _k.packed_ternary_linear_a16
-    return fn(x, a["codes"], a["alpha"], lin._shape[1], _PAR_MIN)
+    return fn(x, a["codes"], a["alpha"], lin._shape[1], _PAR_MIN, *_lowbit_path(lin, x))
 
 
 def _fwd_intn(lin, x, act):
@@ -431,7 +445,8 @@ def _fwd_intn(lin, x, act):
     d = lin._decomp
     lo = a["lo"]
     fn = _k.intn_linear_entry(d.bits, _act8(lin, act))
-    return fn(x, lo, a.get("hi", lo), a["scales"], lin._shape[1], d.group or 0, _PAR_MIN)
+    return fn(x, lo, a.get("hi", lo), a["scales"], lin._shape[1], d.group or 0, _PAR_MIN,
+              *_lowbit_path(lin, x))
 
 
 #: Weights decoded per chunk of rows by the ggml forward (float32 elements).

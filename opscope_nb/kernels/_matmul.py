@@ -77,6 +77,7 @@ __all__ = [
     "matmul_w8a8",
     "dynamic_matmul_w8a8",
     "I8_ROWSPLIT_MAX_W",
+    "I8_PANEL_MIN_M",
     "matmul_i8i8_i32",
     "pack_i8_panel",
     "i8_row_sums",
@@ -1167,13 +1168,14 @@ I8_PANEL_MIN_M = 16
 
 
 @njit_parallel
-def _w8a8_run(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
+def _w8a8_run(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum, prefill=True):
     """The W8A8 core behind both entry points (validated input; ``wsum``
     empty when the caller gave none): panel tiles for a prefill on a VNNI or AVX2
-    host, else the dot tiles over blocks of 4 outputs."""
+    host, else the dot tiles over blocks of 4 outputs.  ``prefill=None``
+    leaves the panel out of the compiled code (dot tiles for every ``m``)."""
     m, k = xq.shape
     n = wtq.shape[0]
-    if I8_PANEL and m >= I8_PANEL_MIN_M and n >= I8_PANEL_J and k >= 4:
+    if prefill is not None and I8_PANEL and m >= I8_PANEL_MIN_M and n >= I8_PANEL_J and k >= 4:
         _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum)
         return
     xf = xq.ravel()
@@ -1315,7 +1317,7 @@ def _w8a8_rowsplit(x, quant, xq, sx, wtq, scale, wsum, y, rows):
 # 62.9 s without those two levels).  matmul_w8a8 has no njit caller here; it
 # is inlined the same way into user numba code that calls it.
 @njit(inline="always")
-def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None):
+def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None, prefill=True):
     """W8A8 with the activation quantisation fused in (ONNX Runtime's
     ``DynamicQuantizeMatMul``): equals
     ``matmul_w8a8(*quantize_rows_i8(x), wtq, scale, min_parallel, wsum)`` bit
@@ -1338,6 +1340,11 @@ def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None):
         Below ``m * k * n`` of this size the call stays on the calling thread.
     wsum : ndarray of int32, shape (n,), optional
         ``i8_row_sums(wtq)``; see :func:`matmul_i8i8_i32`.
+    prefill : True or None, optional
+        ``None`` leaves the prefill paths (row split and panel tiles) out of
+        the compiled code, about half of it: every ``m`` then runs the dot
+        tiles, bit for bit the same result, slower from ``m >=
+        I8_PANEL_MIN_M`` on (numba prunes ``is None`` tests by type).
 
     Returns
     -------
@@ -1349,7 +1356,7 @@ def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None):
     _check_w8a8(k, wtq.shape[0], wsum)
     xq = np.empty((m, k), dtype=np.int8)
     sx = np.empty(m, dtype=np.float32)
-    return _w8a8_float(x, True, xq, sx, wtq, scale, min_parallel, wsum)
+    return _w8a8_float(x, True, xq, sx, wtq, scale, min_parallel, wsum, prefill)
 
 
 @njit
@@ -1363,22 +1370,24 @@ def _check_w8a8(k, n, wsum):
 
 
 @njit(inline="always")
-def _w8a8_float(x, quant, xq, sx, wtq, scale, min_parallel, wsum):
+def _w8a8_float(x, quant, xq, sx, wtq, scale, min_parallel, wsum, prefill=True):
     """Float W8A8 output, the row split or the output split; ``quant``: fill
     ``xq``/``sx`` from ``x`` first (inside the row split's tasks, or as
-    :func:`quantize_rows_i8`), else they are given and ``x`` is unused."""
+    :func:`quantize_rows_i8`), else they are given and ``x`` is unused.
+    ``prefill=None``: the output split's dot tiles only."""
     m, k = xq.shape
     n = wtq.shape[0]
     y = np.empty((m, n), dtype=np.float32)
     ws = np.empty(0, dtype=np.int32) if wsum is None else wsum
-    rows = _w8a8_row_plan(m, k, n, min_parallel, ws.shape[0] > 0, _num_threads())
-    if rows > 0:
-        _w8a8_rowsplit(x, quant, xq, sx, wtq, scale, ws, y, rows)
-    else:
-        if quant:
-            _quantize_rows_into(x, xq, sx, min_parallel)
-        _w8a8_run(xq, wtq, np.empty((0, 0), dtype=np.int32), y, sx, scale, True,
-                  min_parallel, ws)
+    if prefill is not None:
+        rows = _w8a8_row_plan(m, k, n, min_parallel, ws.shape[0] > 0, _num_threads())
+        if rows > 0:
+            _w8a8_rowsplit(x, quant, xq, sx, wtq, scale, ws, y, rows)
+            return y
+    if quant:
+        _quantize_rows_into(x, xq, sx, min_parallel)
+    _w8a8_run(xq, wtq, np.empty((0, 0), dtype=np.int32), y, sx, scale, True,
+              min_parallel, ws, prefill)
     return y
 
 

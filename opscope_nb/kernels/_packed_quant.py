@@ -505,12 +505,19 @@ def _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b
 
 @njit
 def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
-            sx, y, b0, b1):
+            sx, y, b0, b1, decode, prefill):
+    """Output blocks ``b0..b1``: the k-blocked prefill tiles when ``m >= 4`` and
+    ``rows >= 4``, else the decode tiles.  ``decode`` / ``prefill`` ``None``
+    leaves that path out of the compiled code (numba prunes ``is None`` tests
+    of arguments by type; see :func:`lowbit_matmul_a8`)."""
     m = xq.shape[0]
     rows = w.shape[0]
-    if m >= 4 and rows >= _NB:
-        _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
-                   sx, y, b0, b1)
+    if prefill is not None:
+        if decode is None or (m >= 4 and rows >= _NB):
+            _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf,
+                       mode, sx, y, b0, b1)
+            return
+    if decode is None:
         return
     wb = w.shape[1]
     xst = xp.shape[1]
@@ -561,9 +568,13 @@ def _ngroups(cols, group):
 
 
 @njit_parallel
-def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
+def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
+         prefill=True):
     m = xq.shape[0]
     rows = w.shape[0]
+    if decode is None and (m < 4 or rows < _NB):
+        raise ValueError("low-bit product compiled without the decode path (decode=None) "
+                         "needs m >= 4 and rows >= 4; pass decode=True")
     ng = _ngroups(cols, group)
     g = group if ng > 1 else max(cols, 1)
     mode, nunits, upf = _plan(cols, ng, g, fmt, xq.itemsize == 1)
@@ -573,12 +584,12 @@ def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
     if m * cols * rows < min_parallel or nb < 2:
         # np.int64(0): a literal 0 would compile a second _blocks
         _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx, y,
-                np.int64(0), nb)
+                np.int64(0), nb, decode, prefill)
     else:
         nc = min(nb, _NCHUNK)
         for c in prange(nc):
             _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx,
-                    y, c * nb // nc, (c + 1) * nb // nc)
+                    y, c * nb // nc, (c + 1) * nb // nc, decode, prefill)
     return y
 
 
@@ -589,14 +600,15 @@ W4_PANEL_MIN_M = 9
 
 
 @njit
-def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
+def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
+            prefill=True):
     """:func:`_run` for int8 activations: int4 prefill on a VNNI or AVX2 host goes
     through the outer-product panel (:mod:`._w4panel`), its ``n % 6`` last
     outputs through the dot tiles."""
     m = xq.shape[0]
     rows = w.shape[0]
     ng = _ngroups(cols, group)
-    if (W4_PANEL and fmt == FMT_INT4 and m >= W4_PANEL_MIN_M and rows >= W4_PANEL_J
+    if (prefill is not None and W4_PANEL and fmt == FMT_INT4 and m >= W4_PANEL_MIN_M and rows >= W4_PANEL_J
             and cols >= 32 and (ng == 1 or group % 32 == 0)):
         y = np.empty((m, rows), dtype=np.float32)
         w4a8_panel_matmul(xq, sx, w, sflat, sstride, cols, group, min_parallel, y)
@@ -608,13 +620,15 @@ def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
             mode, nunits, upf = _plan(cols, ng, g, fmt, True)
             xp, corr = _arrange(xq, nunits, fmt, upf, mode)
             _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx,
-                    y, j6 // _NB, (rows + _NB - 1) // _NB)
+                    y, j6 // _NB, (rows + _NB - 1) // _NB, decode, prefill)
         return y
-    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel))
+    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                decode, prefill)
 
 
 @njit(inline="always")
-def lowbit_matmul_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel=PAR_MIN):
+def lowbit_matmul_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel=PAR_MIN,
+                     decode=True, prefill=True):
     """Generic int8-activation product from packed low-bit weights.
 
     Parameters
@@ -639,6 +653,14 @@ def lowbit_matmul_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parall
         ``FMT_INT4``, ``FMT_TERNARY`` or ``intn_fmt(bits)``.
     min_parallel : int, optional
         Below ``m * cols * rows`` of this size the call stays on one thread.
+    decode, prefill : True or None, optional
+        Which paths the compiled function holds (both by default).  The
+        decode tiles serve ``m < 4`` (or ``rows < 4``), the prefill tiles and
+        panels the rest; ``None`` leaves a path out of the compiled code,
+        about half of it (numba prunes ``is None`` tests of arguments by
+        type).  With ``prefill=None`` every shape takes the decode tiles
+        (same results, slower for large ``m``); ``decode=None`` needs
+        ``m >= 4`` and ``rows >= 4`` (``ValueError`` otherwise).
 
     Returns
     -------
@@ -646,7 +668,8 @@ def lowbit_matmul_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parall
         ``y[i, j] = sx[i] * sum_g scale[j, g] * sum_(p in g) xq[i, p] * code[j, p]``;
         the integer sums are exact, the sum over groups is float32/float64.
     """
-    return _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel))
+    return _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                   decode, prefill)
 
 
 @njit
@@ -660,24 +683,27 @@ def _a16_levels(cols, group, fmt):
 
 
 @njit(inline="always")
-def lowbit_matmul_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel=PAR_MIN):
+def lowbit_matmul_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel=PAR_MIN,
+                      decode=True, prefill=True):
     """Generic float-activation product from packed low-bit weights.
 
     ``x`` (float32 ``[m, cols]``, C-contiguous, finite) is carried as per-row
     int16 codes (levels chosen so no int32 lane overflows; see the module
     docstring), then multiplied exactly with the unpacked codes.  Other
-    parameters as :func:`lowbit_matmul_a8`.
+    parameters (``decode`` / ``prefill`` too) as :func:`lowbit_matmul_a8`.
 
     Returns
     -------
     ndarray of float32, shape (m, rows)
     """
     xq, sx = quantize_rows_i16(x, _a16_levels(cols, group, fmt), min_parallel)
-    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel))
+    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                decode, prefill)
 
 
 @njit(inline="always")
-def w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel=PAR_MIN):
+def w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel=PAR_MIN, decode=True,
+                prefill=True):
     """W4A8 from the int4 pack layout.
 
     Parameters
@@ -688,6 +714,8 @@ def w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel=PAR_MIN):
     scales : ndarray of float32, shape (rows,) (per channel) or (rows, ceil(cols/group))
     cols, group : int
         ``group <= 0`` (or ``>= cols``) for per-channel scales.
+    decode, prefill : True or None, optional
+        As :func:`lowbit_matmul_a8`.
 
     Returns
     -------
@@ -696,11 +724,12 @@ def w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel=PAR_MIN):
     rows = codes.shape[0]
     sf = scales.ravel()
     return _run_a8(xq, sx, codes, codes, sf, sf.size // max(rows, 1), cols, group, 0,
-                   np.int64(min_parallel))
+                   np.int64(min_parallel), decode, prefill)
 
 
 @njit(inline="always")
-def w4a16_matmul(x, codes, scales, cols, group, min_parallel=PAR_MIN):
+def w4a16_matmul(x, codes, scales, cols, group, min_parallel=PAR_MIN, decode=True,
+                 prefill=True):
     """W4A16 (float activations carried as int16 codes) from the int4 pack layout.
 
     ``x`` float32 ``[m, cols]``; other parameters as :func:`w4a8_matmul`.
@@ -708,11 +737,12 @@ def w4a16_matmul(x, codes, scales, cols, group, min_parallel=PAR_MIN):
     rows = codes.shape[0]
     sf = scales.ravel()
     return lowbit_matmul_a16(x, codes, codes, sf, sf.size // max(rows, 1), cols, group, 0,
-                             min_parallel)
+                             min_parallel, decode, prefill)
 
 
 @njit(inline="always")
-def ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel=PAR_MIN):
+def ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel=PAR_MIN, decode=True,
+                      prefill=True):
     """Ternary x int8 from the ternary pack layout.
 
     Parameters
@@ -724,14 +754,18 @@ def ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel=PAR_MIN):
     Returns
     -------
     ndarray of float32, shape (m, rows): ``sx[i] * alpha * sum_p xq[i,p] * t[j,p]``.
+    ``decode`` / ``prefill`` as :func:`lowbit_matmul_a8`.
     """
-    return _run(xq, sx, codes, codes, alpha, 0, cols, 0, 1, np.int64(min_parallel))
+    return _run(xq, sx, codes, codes, alpha, 0, cols, 0, 1, np.int64(min_parallel), decode,
+                prefill)
 
 
 @njit(inline="always")
-def ternary_matmul_a16(x, codes, alpha, cols, min_parallel=PAR_MIN):
+def ternary_matmul_a16(x, codes, alpha, cols, min_parallel=PAR_MIN, decode=True,
+                       prefill=True):
     """Ternary x float activations (int16 codes); see :func:`ternary_matmul_a8`."""
-    return lowbit_matmul_a16(x, codes, codes, alpha, 0, cols, 0, 1, min_parallel)
+    return lowbit_matmul_a16(x, codes, codes, alpha, 0, cols, 0, 1, min_parallel, decode,
+                             prefill)
 
 
 @njit
@@ -749,16 +783,20 @@ def packed_int8_linear(x, codes, scales, act8, min_parallel=PAR_MIN, wsum=None):
 
 
 @njit(inline="always")
-def packed_int4_linear_a8(x, codes, scales, cols, group, min_parallel=PAR_MIN):
-    """:func:`packed_int4_linear` with int8 activations only (compiles one path)."""
+def packed_int4_linear_a8(x, codes, scales, cols, group, min_parallel=PAR_MIN, decode=True,
+                          prefill=True):
+    """:func:`packed_int4_linear` with int8 activations only (compiles one path;
+    ``decode`` / ``prefill`` as :func:`lowbit_matmul_a8`)."""
     xq, sx = quantize_rows_i8(x, min_parallel)
-    return w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel)
+    return w4a8_matmul(xq, sx, codes, scales, cols, group, min_parallel, decode, prefill)
 
 
 @njit(inline="always")
-def packed_int4_linear_a16(x, codes, scales, cols, group, min_parallel=PAR_MIN):
-    """:func:`packed_int4_linear` with float activations only (compiles one path)."""
-    return w4a16_matmul(x, codes, scales, cols, group, min_parallel)
+def packed_int4_linear_a16(x, codes, scales, cols, group, min_parallel=PAR_MIN, decode=True,
+                           prefill=True):
+    """:func:`packed_int4_linear` with float activations only (compiles one path;
+    ``decode`` / ``prefill`` as :func:`lowbit_matmul_a8`)."""
+    return w4a16_matmul(x, codes, scales, cols, group, min_parallel, decode, prefill)
 
 
 @njit
@@ -773,16 +811,20 @@ def packed_int4_linear(x, codes, scales, cols, group, act8, min_parallel=PAR_MIN
 
 
 @njit(inline="always")
-def packed_ternary_linear_a8(x, codes, alpha, cols, min_parallel=PAR_MIN):
-    """:func:`packed_ternary_linear` with int8 activations only."""
+def packed_ternary_linear_a8(x, codes, alpha, cols, min_parallel=PAR_MIN, decode=True,
+                             prefill=True):
+    """:func:`packed_ternary_linear` with int8 activations only (``decode`` /
+    ``prefill`` as :func:`lowbit_matmul_a8`)."""
     xq, sx = quantize_rows_i8(x, min_parallel)
-    return ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel)
+    return ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel, decode, prefill)
 
 
 @njit(inline="always")
-def packed_ternary_linear_a16(x, codes, alpha, cols, min_parallel=PAR_MIN):
-    """:func:`packed_ternary_linear` with float activations only."""
-    return ternary_matmul_a16(x, codes, alpha, cols, min_parallel)
+def packed_ternary_linear_a16(x, codes, alpha, cols, min_parallel=PAR_MIN, decode=True,
+                              prefill=True):
+    """:func:`packed_ternary_linear` with float activations only (``decode`` /
+    ``prefill`` as :func:`lowbit_matmul_a8`)."""
+    return ternary_matmul_a16(x, codes, alpha, cols, min_parallel, decode, prefill)
 
 
 @njit
@@ -804,21 +846,23 @@ def intn_fmt(bits):
 
 
 @njit(inline="always")
-def _intn_a8(xq, sx, lo, hi, scales, cols, group, fmt, min_parallel):
+def _intn_a8(xq, sx, lo, hi, scales, cols, group, fmt, min_parallel, decode=True,
+             prefill=True):
     """intN x int8 for one ``fmt`` (a literal: only its tile variants compile)."""
     rows = lo.shape[0]
     sf = scales.ravel()
     return _run(xq, sx, lo, hi, sf, sf.size // max(rows, 1), cols, group, fmt,
-                np.int64(min_parallel))
+                np.int64(min_parallel), decode, prefill)
 
 
 @njit(inline="always")
-def _intn_a16(x, lo, hi, scales, cols, group, fmt, min_parallel):
+def _intn_a16(x, lo, hi, scales, cols, group, fmt, min_parallel, decode=True,
+              prefill=True):
     """intN x float activations for one ``fmt`` (a literal)."""
     rows = lo.shape[0]
     sf = scales.ravel()
     return lowbit_matmul_a16(x, lo, hi, sf, sf.size // max(rows, 1), cols, group, fmt,
-                             min_parallel)
+                             min_parallel, decode, prefill)
 
 
 @njit(inline="always")
@@ -884,47 +928,47 @@ def packed_intn_linear(x, lo, hi, scales, bits, cols, group, act8, min_parallel=
 # One entry per bit width and activation path, so a layer compiles only its
 # own format's code (``fmt`` reaches the tiles as a constant).
 @njit
-def _int2_a8(x, lo, hi, scales, cols, group, min_parallel):
+def _int2_a8(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
     xq, sx = quantize_rows_i8(x, min_parallel)
-    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 2, min_parallel)
+    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 2, min_parallel, decode, prefill)
 
 
 @njit
-def _int3_a8(x, lo, hi, scales, cols, group, min_parallel):
+def _int3_a8(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
     xq, sx = quantize_rows_i8(x, min_parallel)
-    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 3, min_parallel)
+    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 3, min_parallel, decode, prefill)
 
 
 @njit
-def _int5_a8(x, lo, hi, scales, cols, group, min_parallel):
+def _int5_a8(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
     xq, sx = quantize_rows_i8(x, min_parallel)
-    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 4, min_parallel)
+    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 4, min_parallel, decode, prefill)
 
 
 @njit
-def _int6_a8(x, lo, hi, scales, cols, group, min_parallel):
+def _int6_a8(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
     xq, sx = quantize_rows_i8(x, min_parallel)
-    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 5, min_parallel)
+    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 5, min_parallel, decode, prefill)
 
 
 @njit
-def _int2_a16(x, lo, hi, scales, cols, group, min_parallel):
-    return _intn_a16(x, lo, hi, scales, cols, group, 2, min_parallel)
+def _int2_a16(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
+    return _intn_a16(x, lo, hi, scales, cols, group, 2, min_parallel, decode, prefill)
 
 
 @njit
-def _int3_a16(x, lo, hi, scales, cols, group, min_parallel):
-    return _intn_a16(x, lo, hi, scales, cols, group, 3, min_parallel)
+def _int3_a16(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
+    return _intn_a16(x, lo, hi, scales, cols, group, 3, min_parallel, decode, prefill)
 
 
 @njit
-def _int5_a16(x, lo, hi, scales, cols, group, min_parallel):
-    return _intn_a16(x, lo, hi, scales, cols, group, 4, min_parallel)
+def _int5_a16(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
+    return _intn_a16(x, lo, hi, scales, cols, group, 4, min_parallel, decode, prefill)
 
 
 @njit
-def _int6_a16(x, lo, hi, scales, cols, group, min_parallel):
-    return _intn_a16(x, lo, hi, scales, cols, group, 5, min_parallel)
+def _int6_a16(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
+    return _intn_a16(x, lo, hi, scales, cols, group, 5, min_parallel, decode, prefill)
 
 
 _INTN_ENTRY = {(2, True): _int2_a8, (3, True): _int3_a8, (5, True): _int5_a8,
@@ -934,9 +978,10 @@ _INTN_ENTRY = {(2, True): _int2_a8, (3, True): _int3_a8, (5, True): _int5_a8,
 
 def intn_linear_entry(bits, act8):
     """The compiled ``x @ What.T`` of one intN bit width and activation path
-    (plain Python helper): ``fn(x, lo, hi, scales, cols, group, min_parallel)``,
-    arguments as :func:`packed_intn_linear`; bit for bit its result, compiling
-    only that format's code.
+    (plain Python helper): ``fn(x, lo, hi, scales, cols, group, min_parallel,
+    decode=True, prefill=True)``, arguments as :func:`packed_intn_linear` (and
+    ``decode`` / ``prefill`` as :func:`lowbit_matmul_a8`); bit for bit its
+    result, compiling only that format's code.
 
     Raises
     ------

@@ -1,0 +1,124 @@
+"""Issue 25: a kernel compiles only the path a call takes.
+
+The low-bit cores take ``decode`` / ``prefill`` and the W8A8 core ``prefill``:
+``None`` leaves that path out of the compiled function (numba prunes ``is
+None`` tests of arguments by type).  Each variant must give the exact integer
+sums of the NumPy twin (tests/naive_packed_quant.py), the variants must agree
+bit for bit, a prefill-only core must refuse a decode shape, and
+``PackedLinear`` must call the variant of its shape.
+"""
+import numpy as np
+import pytest
+from numba import types
+
+import naive_packed_quant as nq
+from opscope_nb import _runtime
+from opscope_nb import kernels as K
+from opscope_nb.kernels._matmul import PAR_MIN
+from opscope_nb.mining import Decomp
+from opscope_nb.runtime import PackedLinear
+
+RNG = np.random.default_rng(25)
+
+
+def _int4(rows, cols, group):
+    w = RNG.standard_normal((rows, cols)).astype(np.float32)
+    codes, scales = nq.quant_sym(w, 4, group)
+    return nq.pack_nibbles(codes), scales
+
+
+@pytest.mark.parametrize("m,rows,cols,group", [
+    (1, 9, 256, 32),        # mode 3 decode
+    (2, 3, 131, None),      # rows < 4: per-output decode calls, tail columns
+    (6, 13, 200, 32),       # prefill tiles (m >= 4), tail group
+    (12, 14, 256, 32),      # the W4A8 panel's m on a VNNI / AVX2 host
+])
+def test_w4a8_variants_exact_and_equal(m, rows, cols, group):
+    packed, _ = _int4(rows, cols, group)
+    x = RNG.standard_normal((m, cols)).astype(np.float32)
+    xq, _ = nq.quant_rows_i8(x)
+    ones = np.ones(m, np.float32)
+    g = 0 if group is None else group
+    sc = np.ones((rows, 1 if group is None else -(-cols // group)), np.float32)
+    want = xq.astype(np.int64) @ nq.unpack_nibbles(packed, cols).T
+    full = K.w4a8_matmul(xq, ones, packed, sc, cols, g)
+    dec = K.w4a8_matmul(xq, ones, packed, sc, cols, g, PAR_MIN, True, None)
+    np.testing.assert_array_equal(full.astype(np.int64), want)
+    np.testing.assert_array_equal(dec.astype(np.int64), want)
+    if m >= 4 and rows >= 4:
+        pre = K.w4a8_matmul(xq, ones, packed, sc, cols, g, PAR_MIN, None, True)
+        np.testing.assert_array_equal(pre, full)
+    else:
+        with pytest.raises(ValueError, match="decode=None"):
+            K.w4a8_matmul(xq, ones, packed, sc, cols, g, PAR_MIN, None, True)
+
+
+@pytest.mark.parametrize("bits", [3, 6])
+@pytest.mark.parametrize("m", [1, 5])
+def test_intn_entry_variants_equal(bits, m):
+    rows, cols, group = 11, 384, 128
+    w = RNG.standard_normal((rows, cols)).astype(np.float32)
+    lin = PackedLinear.pack(w, Decomp.from_label(f"int{bits}/g{group}"))
+    a = lin.arrays
+    x = RNG.standard_normal((m, cols)).astype(np.float32)
+    for act8 in (True, False):
+        fn = K.intn_linear_entry(bits, act8)
+        args = (x, a["lo"], a["hi"], a["scales"], cols, group, PAR_MIN)
+        full = fn(*args)
+        np.testing.assert_array_equal(fn(*args, True, None), full)
+        if m >= 4:
+            np.testing.assert_array_equal(fn(*args, None, True), full)
+        # the twin: the packed planes unpacked in NumPy times the activations
+        ref = x.astype(np.float64) @ nq.intn_dense(a["lo"], a["hi"], a["scales"], bits,
+                                                   cols, group).T
+        assert np.linalg.norm(full - ref) <= 0.02 * np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("m", [1, 3, 20, 40])
+def test_w8a8_without_prefill_paths_bit_equal(m):
+    n, k = 30, 256
+    wtq = RNG.integers(-127, 128, (n, k)).astype(np.int8)
+    scale = (RNG.random(n) + 0.5).astype(np.float32)
+    x = RNG.standard_normal((m, k)).astype(np.float32)
+    ws = K.i8_row_sums(wtq)
+    full = K.dynamic_matmul_w8a8(x, wtq, scale, 1, ws)
+    dec = K.dynamic_matmul_w8a8(x, wtq, scale, 1, ws, None)
+    np.testing.assert_array_equal(dec, full)
+    xq, sx = nq.quant_rows_i8(x)
+    acc = xq.astype(np.int64) @ wtq.astype(np.int64).T
+    ref = (acc.astype(np.float32) * sx[:, None]) * scale[None, :]
+    np.testing.assert_allclose(full, ref, rtol=1e-6, atol=0)
+
+
+def _last_sig(disp):
+    return disp.signatures[-1]
+
+
+@pytest.mark.parametrize("label,m,flags", [
+    ("int4/g32", 1, (True, None)), ("int4/g32", 3, (True, None)),
+    ("int4/g32", 4, (None, True)), ("int4/chan", 9, (None, True)),
+])
+def test_packed_linear_calls_the_variant_of_its_shape(label, m, flags):
+    w = RNG.standard_normal((12, 128)).astype(np.float32)
+    lin = PackedLinear.pack(w, Decomp.from_label(label))
+    x = RNG.standard_normal((m, 128)).astype(np.float32)
+    assert _runtime._lowbit_path(lin, x) == flags
+    y = lin(x, "int8")
+    np.testing.assert_array_equal(y, np.concatenate(
+        [lin(x[i:i + 1], "int8") for i in range(m)]) if m < 9 else y)
+    want = tuple(types.none if f is None else types.boolean for f in flags)
+    sigs = [tuple(s[-2:]) for s in _runtime._int4_checked_a8.signatures]
+    assert want in sigs
+    # a 3-row layer is decode-only whatever m is (the prefill tiles need 4 rows)
+    small = PackedLinear.pack(w[:3], Decomp.from_label(label))
+    assert _runtime._lowbit_path(small, x) == (True, None)
+
+
+def test_packed_linear_int8_prefill_flag():
+    w = RNG.standard_normal((24, 64)).astype(np.float32)
+    lin = PackedLinear.pack(w, Decomp.int8())
+    for m in (1, K.I8_PANEL_MIN_M):
+        x = RNG.standard_normal((m, 64)).astype(np.float32)
+        lin(x, "int8")
+    sigs = {s[-1] for s in _runtime._int8_checked_a8.signatures}
+    assert types.none in sigs and types.boolean in sigs
