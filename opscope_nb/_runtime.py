@@ -375,7 +375,7 @@ def _finite(x):
 # Python), so a layer compiles only its own kernel: an njit entry taking
 # ``act8`` as an argument compiles both paths.
 @_njit
-def _int8_checked_a8(x, codes, scales, wsum, prefill):
+def _int8_checked_a8(x, codes, scales, wsum, prefill=True):
     """W8A8 ``packed_int8_linear`` after the finiteness check, or ``None``."""
     if not _finite(x):
         return None
@@ -391,7 +391,7 @@ def _int8_checked_a16(x, codes, scales):
 
 
 @_njit
-def _int4_checked_a8(x, codes, scales, cols, group, decode, prefill):
+def _int4_checked_a8(x, codes, scales, cols, group, decode=True, prefill=True):
     """``packed_int4_linear_a8`` after the finiteness check, or ``None``."""
     if not _finite(x):
         return None
@@ -399,7 +399,7 @@ def _int4_checked_a8(x, codes, scales, cols, group, decode, prefill):
 
 
 @_njit
-def _int4_checked_a16(x, codes, scales, cols, group, decode, prefill):
+def _int4_checked_a16(x, codes, scales, cols, group, decode=True, prefill=True):
     """``packed_int4_linear_a16`` after the finiteness check, or ``None``."""
     if not _finite(x):
         return None
@@ -407,23 +407,30 @@ def _int4_checked_a16(x, codes, scales, cols, group, decode, prefill):
                                      prefill)
 
 
-def _lowbit_path(lin, x):
-    """``(decode, prefill)`` for the low-bit kernels: the one path this call's
-    shape takes, the other ``None`` so it is not compiled (a first decode
-    call compiles about half the code: int4/g32 act=int8 at 1 x 384 x 384,
-    74 s -> 39 s cold, Zen 3).  The rule is the kernels' own: prefill when
-    ``m >= 4`` and ``rows >= 4``."""
+def _lowbit_path(lin, x) -> dict:
+    """Keyword flags for the low-bit kernels: the path this call's shape takes
+    stays at its default, the other is ``None`` so it is not compiled (a
+    first decode call compiles about half the code: int4/g32 act=int8 at
+    1 x 384 x 384, 74 s -> 39 s cold, Zen 3).  The rule is the kernels' own:
+    prefill when ``m >= 4`` and ``rows >= 4``.  The other flag is omitted,
+    not ``True``: numba prunes an omitted default by its value, a ``bool``
+    argument not."""
     if x.shape[0] >= 4 and lin._shape[0] >= 4:
-        return None, True
-    return True, None
+        return _PREFILL_ONLY
+    return _DECODE_ONLY
+
+
+_PREFILL_ONLY = {"decode": None}
+_DECODE_ONLY = {"prefill": None}
 
 
 def _fwd_int8(lin, x, act):
     a = lin._arrays
     if _act8(lin, act):
         # below I8_PANEL_MIN_M rows only the dot tiles run: compile only them
-        pre = True if x.shape[0] >= _k.I8_PANEL_MIN_M else None
-        return _int8_checked_a8(x, a["codes"], a["scales"], lin._aux, pre)
+        if x.shape[0] < _k.I8_PANEL_MIN_M:
+            return _int8_checked_a8(x, a["codes"], a["scales"], lin._aux, None)
+        return _int8_checked_a8(x, a["codes"], a["scales"], lin._aux)
     return _int8_checked_a16(x, a["codes"], a["scales"])
 
 
@@ -431,13 +438,13 @@ def _fwd_int4(lin, x, act):
     a = lin._arrays
     g = lin._decomp.group if lin._kind == "int4g" else 0
     fn = _int4_checked_a8 if _act8(lin, act) else _int4_checked_a16
-    return fn(x, a["codes"], a["scales"], lin._shape[1], g, *_lowbit_path(lin, x))
+    return fn(x, a["codes"], a["scales"], lin._shape[1], g, **_lowbit_path(lin, x))
 
 
 def _fwd_ternary(lin, x, act):
     a = lin._arrays
     fn = _k.packed_ternary_linear_a8 if _act8(lin, act) else _k.packed_ternary_linear_a16
-    return fn(x, a["codes"], a["alpha"], lin._shape[1], _PAR_MIN, *_lowbit_path(lin, x))
+    return fn(x, a["codes"], a["alpha"], lin._shape[1], _PAR_MIN, **_lowbit_path(lin, x))
 
 
 def _fwd_intn(lin, x, act):
@@ -446,7 +453,7 @@ def _fwd_intn(lin, x, act):
     lo = a["lo"]
     fn = _k.intn_linear_entry(d.bits, _act8(lin, act))
     return fn(x, lo, a.get("hi", lo), a["scales"], lin._shape[1], d.group or 0, _PAR_MIN,
-              *_lowbit_path(lin, x))
+              **_lowbit_path(lin, x))
 
 
 #: Weights decoded per chunk of rows by the ggml forward (float32 elements).

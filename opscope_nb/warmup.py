@@ -18,7 +18,8 @@ Groups (:data:`GROUPS`)
 ``runtime``
     One :class:`~opscope_nb.runtime.PackedLinear` call per compiled forward
     entry: each quantised kind with float (``act="f32"``) and int8
-    activations, each float kind.
+    activations, decode (``m = 1``) and prefill (``m = 16``: the quantised
+    kinds compile the two apart), each float kind.
 ``bench``
     Each section of ``python bench.py --quick``.
 
@@ -137,11 +138,13 @@ def _profile_cli(_):
 # ───────────────────────────── runtime items ─────────────────────────────
 
 def _runtime_kind(spec):
-    """One ``PackedLinear`` call (decode, m = 1) of ``label`` with ``act``."""
+    """One ``PackedLinear`` call of ``label`` with ``act`` on ``m`` rows (default
+    1: decode; the quantised kinds compile their prefill path apart, at
+    ``m = 16``)."""
     import numpy as np
     from .mining import Decomp
     from .runtime import PackedLinear
-    label, act = spec
+    label, act, m = (tuple(spec) + (1,))[:3]
     w = _w(64, 256)
     if label == "monarch":
         w = _w(64, 64)
@@ -151,7 +154,7 @@ def _runtime_kind(spec):
     elif label == "tt":
         d = Decomp.tt((8, 8, 16, 16), 8)
     lin = PackedLinear.pack(w, d)
-    lin(np.ones((1, w.shape[1]), np.float32), act)
+    lin(np.ones((m, w.shape[1]), np.float32), act)
 
 
 # ────────────────────────────── bench items ──────────────────────────────
@@ -188,6 +191,8 @@ def _build_items():
                   "ternary", "int8/chan"):
         for act in ("f32", "int8"):
             add(f"runtime {label} act={act}", "runtime", "_runtime_kind", (label, act))
+            add(f"runtime {label} act={act} prefill", "runtime", "_runtime_kind",
+                (label, act, 16))
     for label in ("dense", "sparse2:4", "lowrank(r=8)", "monarch", "tucker", "tt"):
         add(f"runtime {label}", "runtime", "_runtime_kind", (label, "f32"))
     # section 8 runs every PackedLinear kind: one kind per item (the runtime

@@ -505,20 +505,26 @@ def _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b
 
 @njit
 def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
-            sx, y, b0, b1, decode, prefill):
+            sx, y, b0, b1):
     """Output blocks ``b0..b1``: the k-blocked prefill tiles when ``m >= 4`` and
-    ``rows >= 4``, else the decode tiles.  ``decode`` / ``prefill`` ``None``
-    leaves that path out of the compiled code (numba prunes ``is None`` tests
-    of arguments by type; see :func:`lowbit_matmul_a8`)."""
+    ``rows >= 4``, else the decode tiles."""
     m = xq.shape[0]
     rows = w.shape[0]
-    if prefill is not None:
-        if decode is None or (m >= 4 and rows >= _NB):
-            _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf,
-                       mode, sx, y, b0, b1)
-            return
-    if decode is None:
+    if m >= 4 and rows >= _NB:
+        _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf,
+                   mode, sx, y, b0, b1)
         return
+    _blocks_dec(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
+                sx, y, b0, b1)
+
+
+@njit
+def _blocks_dec(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
+                sx, y, b0, b1):
+    """Output blocks ``b0..b1`` through the decode tiles (any ``m``; the path of
+    ``m < 4`` or ``rows < 4``)."""
+    m = xq.shape[0]
+    rows = w.shape[0]
     wb = w.shape[1]
     xst = xp.shape[1]
     cst = corr.shape[1]
@@ -581,15 +587,38 @@ def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=T
     xp, corr = _arrange(xq, nunits, fmt, upf, mode)
     y = np.empty((m, rows), dtype=np.float32)
     nb = (rows + _NB - 1) // _NB
-    if m * cols * rows < min_parallel or nb < 2:
-        # np.int64(0): a literal 0 would compile a second _blocks
-        _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx, y,
-                np.int64(0), nb, decode, prefill)
+    serial = m * cols * rows < min_parallel or nb < 2
+    nc = min(nb, _NCHUNK)
+    # The path is picked here, outside the parallel loops, by ``is None`` tests
+    # numba prunes on the argument types (an omitted default counts as its
+    # value): a variant holds one pair of loops.  The flags never enter a
+    # prange body -- a None-typed value passed into a parfor gave wrong results
+    # in some processes.  np.int64(0): a literal 0 would compile a second
+    # specialisation of the block function.
+    if prefill is None:
+        if serial:
+            _blocks_dec(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode,
+                        sx, y, np.int64(0), nb)
+        else:
+            for c in prange(nc):
+                _blocks_dec(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf,
+                            mode, sx, y, c * nb // nc, (c + 1) * nb // nc)
+    elif decode is None:
+        if serial:
+            _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode,
+                       sx, y, np.int64(0), nb)
+        else:
+            for c in prange(nc):
+                _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf,
+                           mode, sx, y, c * nb // nc, (c + 1) * nb // nc)
     else:
-        nc = min(nb, _NCHUNK)
-        for c in prange(nc):
+        if serial:
             _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx,
-                    y, c * nb // nc, (c + 1) * nb // nc, decode, prefill)
+                    y, np.int64(0), nb)
+        else:
+            for c in prange(nc):
+                _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode,
+                        sx, y, c * nb // nc, (c + 1) * nb // nc)
     return y
 
 
@@ -619,8 +648,9 @@ def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decod
             g = group if ng > 1 else max(cols, 1)
             mode, nunits, upf = _plan(cols, ng, g, fmt, True)
             xp, corr = _arrange(xq, nunits, fmt, upf, mode)
-            _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx,
-                    y, j6 // _NB, (rows + _NB - 1) // _NB, decode, prefill)
+            # (m >= 9 and rows >= 6 here: the prefill tiles)
+            _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode,
+                       sx, y, j6 // _NB, (rows + _NB - 1) // _NB)
         return y
     return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
                 decode, prefill)
@@ -657,10 +687,13 @@ def lowbit_matmul_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parall
         Which paths the compiled function holds (both by default).  The
         decode tiles serve ``m < 4`` (or ``rows < 4``), the prefill tiles and
         panels the rest; ``None`` leaves a path out of the compiled code,
-        about half of it (numba prunes ``is None`` tests of arguments by
-        type).  With ``prefill=None`` every shape takes the decode tiles
-        (same results, slower for large ``m``); ``decode=None`` needs
-        ``m >= 4`` and ``rows >= 4`` (``ValueError`` otherwise).
+        about half of it (numba prunes ``is None`` tests of arguments on
+        their type; leave the other flag at its default, since an explicit
+        ``True`` is a ``bool`` that cannot be pruned and compiles every
+        path).  With ``prefill=None`` every shape takes the decode tiles
+        (the same results as the prefill tiles in the tests, slower for
+        large ``m``); ``decode=None`` needs ``m >= 4`` and ``rows >= 4``
+        (``ValueError`` otherwise).
 
     Returns
     -------
