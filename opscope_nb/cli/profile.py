@@ -523,7 +523,8 @@ def _head_prior(st, records, layers) -> None:
             lp.prior_weight = weight
             rec["profile"]["prior_weight"] = weight
             print(f"output head: {name} weighs {weight:g}x in the output objective "
-                  f"(no calibration; {HEAD_PRIOR_PER_BLOCK:g} x blocks)")
+                  f"({HEAD_PRIOR_PER_BLOCK:g} x blocks; a measured sensitivity "
+                  f"replaces it)")
 
 
 def _validate_plans(st, layers, allocs, args) -> dict:
