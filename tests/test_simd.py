@@ -436,3 +436,16 @@ def test_forced_path_choice():
     assert S._chosen_i8_path({}) == (S._host_i8_path(), False)
     assert S._chosen_i8_path({S.I8_PATH_ENV: " "}) == (S._host_i8_path(), False)
     assert S._chosen_i8_path({S.I8_PATH_ENV: "portable"}) == ("portable", True)
+
+
+def test_host_path_width_by_cpu():
+    """A CPU that runs 512-bit ``vpdpbusd`` at full width (Zen 5) takes the
+    512-bit tiles; any other VNNI CPU the 256-bit ones; hosts without AVX-512
+    VNNI never get a 512-bit path whatever the name."""
+    assert "znver5" in S.WIDE_512_CPUS and "znver4" not in S.WIDE_512_CPUS
+    wide, other = S._host_i8_path("znver5"), S._host_i8_path("znver4")
+    if S.path_supported("avx512vnni"):
+        assert (wide, other) == ("avx512vnni", "avx512vnni256")
+    else:
+        assert wide == other != "avx512vnni"
+    assert S._host_i8_path() == S._host_i8_path(S._target_cpu_name())

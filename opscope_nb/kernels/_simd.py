@@ -156,12 +156,38 @@ def path_supported(path: str) -> bool:
     return _X86 and all(f in _FEATS for f in _PATH_NEEDS[path])
 
 
-def _host_i8_path() -> str:
-    # 256-bit vpdpbusd before 512-bit: on Zen 4 (a 512-bit op is two 256-bit
-    # halves) the 256-bit tiles measured as fast or faster (4 x 4 tile, m = 32,
+def _target_cpu_name() -> str:
+    """CPU name numba compiles for (``NUMBA_CPU_NAME`` or LLVM's host name)."""
+    if numba.config.CPU_NAME:
+        return numba.config.CPU_NAME
+    try:
+        import llvmlite.binding as llb
+        return llb.get_host_cpu_name()
+    except Exception:  # pragma: no cover - exotic hosts
+        return ""
+
+
+#: LLVM CPU names whose cores execute 512-bit ``vpdpbusd`` at full width, so
+#: the 512-bit tiles come first.  Zen 5, ``bench.py`` sections 5 and 9 forced
+#: each way on 2 cores: W8A8 m = 32 / 128, k = n = 1024: 0.065 / 0.211 ms at
+#: 512 bits against 0.092 / 0.343 ms at 256; m = 32 at 4096 x 4096: 0.790 against
+#: 1.473 ms; decode level.  Intel server cores are not measured, so they keep
+#: the 256-bit default.
+WIDE_512_CPUS = frozenset({"znver5"})
+
+
+def _host_i8_path(cpu: str | None = None) -> str:
+    """The host's int8 path; ``cpu`` (an LLVM CPU name) defaults to the one
+    numba compiles for."""
+    # 256-bit vpdpbusd before 512-bit where a 512-bit op is two 256-bit halves:
+    # on Zen 4 the 256-bit tiles measured as fast or faster (4 x 4 tile, m = 32,
     # k = 4096, one thread: 353 vs 347 GOP/s; decode equal) and need half the
     # k-step, so less scalar tail.  benchmarks/bench_int8.py --paths compares.
-    for p in ("avx512vnni256", "avxvnni", "avx512vnni", "avx2"):
+    cpu = _target_cpu_name() if cpu is None else cpu
+    order = ("avx512vnni256", "avxvnni", "avx512vnni", "avx2")
+    if cpu in WIDE_512_CPUS:
+        order = ("avx512vnni",) + order
+    for p in order:
         if path_supported(p):
             return p
     return "portable"
