@@ -129,7 +129,9 @@ def main(argv=None) -> int:
                      "eval")
                 ev = json.load(open(js))
                 q = ev.get("quality", ev)
-                metric = q.get("cosine_mean", q.get("kl_mean"))
+                # eval.json has both keys, the other family's as null
+                metric = q.get("cosine_mean")
+                metric = q.get("kl_mean") if metric is None else metric
                 top1 = q.get("top1_agree")
                 plan = json.load(open(os.path.join(bd, "plan.json")))
                 meth = plan["methods"]["exact"]
