@@ -171,8 +171,9 @@ def _target_cpu_name() -> str:
 #: the 512-bit tiles come first.  Zen 5, ``bench.py`` sections 5 and 9 forced
 #: each way on 2 cores: W8A8 m = 32 / 128, k = n = 1024: 0.065 / 0.211 ms at
 #: 512 bits against 0.092 / 0.343 ms at 256; m = 32 at 4096 x 4096: 0.790 against
-#: 1.473 ms; decode level.  Intel server cores are not measured, so they keep
-#: the 256-bit default.
+#: 1.473 ms; the 1 x 4 decode tile (m = 1, k = 4096, n = 1024, one thread,
+#: ``bench_int8.py --paths``) 75.9 against 85.7 us.  Intel server cores are not
+#: measured, so they keep the 256-bit default.
 WIDE_512_CPUS = frozenset({"znver5"})
 
 
