@@ -448,4 +448,4 @@ def test_host_path_width_by_cpu():
         assert (wide, other) == ("avx512vnni", "avx512vnni256")
     else:
         assert wide == other != "avx512vnni"
-    assert S._host_i8_path() == S._host_i8_path(S._target_cpu_name())
+    assert S._host_i8_path() == S._host_i8_path(K.target_cpu_name())

@@ -61,7 +61,7 @@ def machine_info() -> dict:
     l3 = cache_bytes(3)
     info = {
         "cpu": cpu_model(),
-        "llvm_cpu": numba.config.CPU_NAME or llb.get_host_cpu_name(),
+        "llvm_cpu": K.target_cpu_name(),
         "simd_features": simd,
         "int8_path": K.simd_path(),
         "int8_path_forced": K.I8_PATH_FORCED,

@@ -71,6 +71,7 @@ __all__ = [
     "panel_pack8",
     "path_supported",
     "I8_PATHS",
+    "target_cpu_name",
     "I8_STEP",
     "I8_LANES",
     "HOST_I8_PATH",
@@ -156,8 +157,9 @@ def path_supported(path: str) -> bool:
     return _X86 and all(f in _FEATS for f in _PATH_NEEDS[path])
 
 
-def _target_cpu_name() -> str:
-    """CPU name numba compiles for (``NUMBA_CPU_NAME`` or LLVM's host name)."""
+def target_cpu_name() -> str:
+    """LLVM CPU name numba compiles for (``NUMBA_CPU_NAME`` or the host's),
+    e.g. ``"znver5"``; it picks the host's int8 path."""
     if numba.config.CPU_NAME:
         return numba.config.CPU_NAME
     try:
@@ -184,10 +186,11 @@ def _host_i8_path(cpu: str | None = None) -> str:
     # on Zen 4 the 256-bit tiles measured as fast or faster (4 x 4 tile, m = 32,
     # k = 4096, one thread: 353 vs 347 GOP/s; decode equal) and need half the
     # k-step, so less scalar tail.  benchmarks/bench_int8.py --paths compares.
-    cpu = _target_cpu_name() if cpu is None else cpu
-    order = ("avx512vnni256", "avxvnni", "avx512vnni", "avx2")
+    cpu = target_cpu_name() if cpu is None else cpu
     if cpu in WIDE_512_CPUS:
-        order = ("avx512vnni",) + order
+        order = ("avx512vnni", "avx512vnni256", "avxvnni", "avx2")
+    else:
+        order = ("avx512vnni256", "avxvnni", "avx512vnni", "avx2")
     for p in order:
         if path_supported(p):
             return p
