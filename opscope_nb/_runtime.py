@@ -239,8 +239,9 @@ class PackedLinear:
                 f"no kernel registered for {self._decomp.label} yet "
                 f"(runtime._FORWARD has {sorted(_FORWARD)}).")
         if self._kind in _CHECKED:
-            # the compiled forward checks finiteness itself (None if not):
-            # one dispatch instead of two, about 1 us of a decode call
+            # the compiled forward checks finiteness itself (None, or for the
+            # low-bit kinds an empty array, if not): one dispatch instead of
+            # two, about 1 us of a decode call
             y = fn(self, x2, act)
         elif math.isfinite(_absmax_f32(x2.reshape(-1), 0, x2.size)):
             # one vectorised max over the |x| bit patterns (NaN sorts above
@@ -249,7 +250,7 @@ class PackedLinear:
             y = fn(self, x2, act)
         else:
             y = None
-        if y is None:
+        if y is None or y.shape[0] != x2.shape[0]:
             raise ValueError(f"x must be finite; it holds "
                              f"{int(x2.size - np.isfinite(x2).sum())} NaN/Inf element(s).")
         if self._decomp.lr is not None:
@@ -390,23 +391,6 @@ def _int8_checked_a16(x, codes, scales):
     return _k.matmul_w8a16(x, codes, scales, _PAR_MIN)
 
 
-@_njit
-def _int4_checked_a8(x, codes, scales, cols, group, decode=True, prefill=True):
-    """``packed_int4_linear_a8`` after the finiteness check, or ``None``."""
-    if not _finite(x):
-        return None
-    return _k.packed_int4_linear_a8(x, codes, scales, cols, group, _PAR_MIN, decode, prefill)
-
-
-@_njit
-def _int4_checked_a16(x, codes, scales, cols, group, decode=True, prefill=True):
-    """``packed_int4_linear_a16`` after the finiteness check, or ``None``."""
-    if not _finite(x):
-        return None
-    return _k.packed_int4_linear_a16(x, codes, scales, cols, group, _PAR_MIN, decode,
-                                     prefill)
-
-
 def _lowbit_path(lin, x) -> dict:
     """Keyword flags for the low-bit kernels: the path this call's shape takes
     stays at its default, the other is ``None`` so it is not compiled (a
@@ -437,13 +421,13 @@ def _fwd_int8(lin, x, act):
 def _fwd_int4(lin, x, act):
     a = lin._arrays
     g = lin._decomp.group if lin._kind == "int4g" else 0
-    fn = _int4_checked_a8 if _act8(lin, act) else _int4_checked_a16
+    fn = _k.int4_linear_checked_a8 if _act8(lin, act) else _k.int4_linear_checked_a16
     return fn(x, a["codes"], a["scales"], lin._shape[1], g, **_lowbit_path(lin, x))
 
 
 def _fwd_ternary(lin, x, act):
     a = lin._arrays
-    fn = _k.packed_ternary_linear_a8 if _act8(lin, act) else _k.packed_ternary_linear_a16
+    fn = _k.ternary_linear_checked_a8 if _act8(lin, act) else _k.ternary_linear_checked_a16
     return fn(x, a["codes"], a["alpha"], lin._shape[1], _PAR_MIN, **_lowbit_path(lin, x))
 
 
@@ -484,7 +468,7 @@ def _fwd_ggml(lin, x, act):
 #: Forward function per ``Decomp.kind``: ``fn(lin, x2d, act) -> y`` with
 #: ``x2d`` float32 C-contiguous finite ``[m >= 1, cols]`` and ``y`` float32
 #: ``[m, rows]`` (kinds in :data:`_CHECKED` get ``x2d`` unchecked and return
-#: ``None`` when it is not finite).  Quantised kinds ("int8", "int4", "int4g", "ternary",
+#: ``None`` or an empty ``[0, rows]`` when it is not finite).  Quantised kinds ("int8", "int4", "int4g", "ternary",
 #: "intn", ...) are registered by their kernel module below.
 _FORWARD = {
     "dense": _fwd_dense,
@@ -504,7 +488,7 @@ _FORWARD = {
 
 
 #: Kinds whose forward checks finiteness inside its compiled call.
-_CHECKED = frozenset({"int8", "int4", "int4g"})
+_CHECKED = frozenset({"int8", "int4", "int4g", "ternary", "intn"})
 
 
 # ─────────────────────────── latency measurement ───────────────────────────

@@ -107,7 +107,7 @@ def test_packed_linear_calls_the_variant_of_its_shape(label, m, kw):
     pos = -2 if "decode" in kw else -1
     assert any(s[pos] == types.none and isinstance(s[pos + (1 if pos == -2 else -1)],
                                                    types.Omitted)
-               for s in _runtime._int4_checked_a8.signatures)
+               for s in K.int4_linear_checked_a8.signatures)
     # a 3-row layer is decode-only whatever m is (the prefill tiles need 4 rows)
     small = PackedLinear.pack(w[:3], Decomp.from_label(label))
     assert _runtime._lowbit_path(small, x) == {"prefill": None}
@@ -144,3 +144,35 @@ def test_packed_linear_int8_prefill_flag():
         lin(x, "int8")
     sigs = {s[-1] for s in _runtime._int8_checked_a8.signatures}
     assert types.none in sigs and any(isinstance(t, types.Omitted) for t in sigs)
+
+
+@pytest.mark.parametrize("m,rows,cols,group", [
+    (1, 9, 256, 32),        # decode, mode 3 with int8 activations
+    (3, 2, 131, None),      # rows < 4: one tile per output row, tail columns
+    (6, 13, 200, 32),       # prefill tiles, tail group
+    (12, 14, 256, 32),      # the W4A8 panel's m
+])
+def test_checked_entries_equal_the_public_cores(m, rows, cols, group):
+    """The one-function entries ``PackedLinear`` calls give bit for bit the
+    public cores' result in every variant, and an empty ``(0, rows)`` array
+    for NaN / Inf input."""
+    packed, sc = _int4(rows, cols, group)
+    g = group or 0
+    x = RNG.standard_normal((m, cols)).astype(np.float32)
+    tern = RNG.integers(0, 256, (rows, -(-cols // 4))).astype(np.uint8)
+    al = np.array([0.37], np.float32)
+    pairs = [(K.int4_linear_checked_a8, K.packed_int4_linear_a8, (packed, sc, cols, g)),
+             (K.int4_linear_checked_a16, K.packed_int4_linear_a16, (packed, sc, cols, g)),
+             (K.ternary_linear_checked_a8, K.packed_ternary_linear_a8, (tern, al, cols)),
+             (K.ternary_linear_checked_a16, K.packed_ternary_linear_a16, (tern, al, cols))]
+    for checked, core, args in pairs:
+        kws = [{}, {"prefill": None}] + ([{"decode": None}] if m >= 4 and rows >= 4 else [])
+        for kw in kws:
+            want = core(x, *args, **kw)
+            assert want.shape == (m, rows)
+            np.testing.assert_array_equal(checked(x, *args, **kw), want)
+        for bad in (np.nan, np.inf, -np.inf):
+            xb = x.copy()
+            xb[m - 1, cols // 2] = bad
+            assert checked(xb, *args).shape == (0, rows)
+            assert checked(xb, *args, prefill=None).shape == (0, rows)

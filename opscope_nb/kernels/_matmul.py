@@ -395,7 +395,7 @@ def _quantize_rows_into(x, xq, sx, min_parallel):
     """:func:`quantize_rows_i8` into the caller's ``xq[m, k]`` / ``sx[m]``."""
     m, k = x.shape
     if m < 2 or m * k * 16 < min_parallel:
-        _q8_rows(x, xq, sx, 0, m)
+        _q8_rows(x, xq, sx, np.int64(0), m)
     else:
         for i in prange(m):
             _q8_rows(x, xq, sx, i, i + 1)
@@ -598,7 +598,7 @@ def quantize_rows_i16(x, levels, min_parallel=PAR_MIN):
     sx = np.empty(m, dtype=np.float32)
     lv = np.float32(levels)
     if m < 2 or m * k * 16 < min_parallel:
-        _q16_rows(x, lv, xq, sx, 0, m)
+        _q16_rows(x, lv, xq, sx, np.int64(0), m)
     else:
         for i in prange(m):
             _q16_rows(x, lv, xq, sx, i, i + 1)

@@ -94,6 +94,8 @@ These cores assume valid input (validated in :mod:`opscope_nb.runtime`).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import prange
 
@@ -107,8 +109,9 @@ from .._config import njit, njit_parallel
 # The public cores below are plain @njit functions that call a parallel
 # (prange) kernel; numba's thread pool is started by ``_config`` at import
 # (a cached serial caller would not start it, and its first call crashed).
-from ._matmul import (PAR_MIN, dynamic_matmul_w8a8, matmul_w8a16, quantize_rows_i8,
-                      quantize_rows_i16)
+from ._matmul import (PAR_MIN, _q8_rows, _q16_rows, dynamic_matmul_w8a8, matmul_w8a16,
+                      quantize_rows_i8, quantize_rows_i16)
+from ._probe import absmax_f32
 from ._w4panel import W4_PANEL, W4_PANEL_J, w4a8_panel_matmul
 from ._simd_lowbit import (LOWBIT_BIG_LANES, LOWBIT_BIG_UNIT, LOWBIT_LANES, LOWBIT_OFFSET,
                            LOWBIT_PLANE_BYTES, LOWBIT_SLOTS, LOWBIT_UNIT, lowbit_tile_1x4,
@@ -136,6 +139,10 @@ __all__ = [
     "packed_ternary_linear_a8",
     "packed_ternary_linear_a16",
     "intn_linear_entry",
+    "int4_linear_checked_a8",
+    "int4_linear_checked_a16",
+    "ternary_linear_checked_a8",
+    "ternary_linear_checked_a16",
 ]
 
 #: ``fmt`` id of two's-complement nibbles (int4/chan, int4/g{g}).
@@ -198,7 +205,7 @@ def _code_at(w, w2, j, p, fmt):
     return u - (1 << (b - 1))
 
 
-@njit
+@njit(inline="always")
 def _plan(cols, ng, group, fmt, a8=False):
     """(mode, nunits, upf): flush mode, whole units on the SIMD path, units/flush.
 
@@ -265,10 +272,13 @@ def _arrange_big(xq, nunits, fmt, upf, mode):
 
 
 @njit
-def _arrange(xq, nunits, fmt, upf, mode):
-    """Per-unit field order of the activations and the offset corrections."""
+def _arrange(xq, nunits, fmt, upf, mode, big=True):
+    """Per-unit field order of the activations and the offset corrections.
+
+    ``big=None`` leaves the 128-column modes (3-6, int8 activations only)
+    out of the compiled code: the int16-activation entries pass it."""
     m = xq.shape[0]
-    if mode >= 3:
+    if big is not None and mode >= 3:
         return _arrange_big(xq, nunits, fmt, upf, mode)
     P = _SLOTS[fmt]
     unit = _UNIT[fmt]
@@ -349,11 +359,13 @@ def _fin(t, sxi, s0, mode):
 @njit
 def _put(y, i, j, t, xq, w, w2, sflat, sstride, group, cols, fmt, region, mode, sx):
     soff = j * sstride
-    if mode == 0 or mode == 5:
-        v = t + _tail(xq, i, w, w2, j, region, cols, fmt, sflat, soff, group, False)
+    # one call site with a run-time flag: a literal True / False compiled
+    # ``_tail`` twice
+    exact = mode == 0 or mode == 5
+    v = t + _tail(xq, i, w, w2, j, region, cols, fmt, sflat, soff, group, not exact)
+    if exact:
         y[i, j] = np.float32(v * np.float64(sx[i]) * np.float64(sflat[soff]))
     else:
-        v = t + _tail(xq, i, w, w2, j, region, cols, fmt, sflat, soff, group, True)
         y[i, j] = np.float32(v * np.float64(sx[i]))
 
 
@@ -540,30 +552,29 @@ def _blocks_dec(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, u
     if fmt == 0 and mode == 3 and rows >= _NB and not tail:
         _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b1)
         return
-    # decode (m < 4): one 1 x 4 tile per activation row and output block
+    # decode (m < 4): one 1 x 4 tile per activation row and output block; with
+    # fewer than 4 outputs one tile per output row (weight strides 0, its
+    # first result used).  One tile call site: each inlines the tile's code.
+    four = rows >= _NB
+    ws = wb if four else 0
+    w2s = w2b if four else 0
+    ss = sstride if four else 0
+    nout = _NB if four else 1
     for b in range(b0, b1):
         j0 = b * _NB
-        if rows >= _NB:
-            js = min(j0, rows - _NB)
+        for q in range(1 if four else rows):
+            js = min(j0, rows - _NB) if four else q
             for i in range(m):
-                t = _t14(xpf, i * xst, xst, cf, i * cst, cst, wf, js * wb, wb,
-                         w2f, js * w2b, w2b, sflat, js * sstride, sstride, nunits, upf, fmt, mode)
-                for c in range(_NB):
+                t = _t14(xpf, i * xst, xst, cf, i * cst, cst, wf, js * wb, ws,
+                         w2f, js * w2b, w2s, sflat, js * sstride, ss, nunits, upf, fmt, mode)
+                for c in range(nout):
                     j = js + c
-                    if j >= j0:
+                    if j >= j0 or not four:
                         if tail:
                             _put(y, i, j, t[c], xq, w, w2, sflat, sstride, group, cols,
                                  fmt, region, mode, sx)
                         else:
                             y[i, j] = _fin(t[c], sx[i], sflat[j * sstride], mode)
-        else:
-            # fewer than 4 outputs: one output row per call (stride 0)
-            for j in range(rows):
-                for i in range(m):
-                    t = _t14(xpf, i * xst, xst, cf, i * cst, cst, wf, j * wb, 0,
-                             w2f, j * w2b, 0, sflat, j * sstride, 0, nunits, upf, fmt, mode)
-                    _put(y, i, j, t[0], xq, w, w2, sflat, sstride, group, cols, fmt, region,
-                         mode, sx)
 
 
 @njit(inline="always")
@@ -576,6 +587,19 @@ def _ngroups(cols, group):
 @njit_parallel
 def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
          prefill=True):
+    return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode,
+                     prefill)
+
+
+# The bodies below are ``inline="always"`` so that an entry point compiles as
+# one parallel function with its prange loop inside: a plain entry calling a
+# parallel kernel re-optimised and re-emitted all of that kernel's code once
+# more (see the module's note on wrappers).  ``big`` as :func:`_arrange`; like
+# ``decode`` / ``prefill`` it never enters a prange body (a None-typed value
+# passed into a parfor gave wrong results in some processes).
+@njit(inline="always")
+def _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
+              prefill=True, big=True):
     m = xq.shape[0]
     rows = w.shape[0]
     if decode is None and (m < 4 or rows < _NB):
@@ -584,7 +608,7 @@ def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=T
     ng = _ngroups(cols, group)
     g = group if ng > 1 else max(cols, 1)
     mode, nunits, upf = _plan(cols, ng, g, fmt, xq.itemsize == 1)
-    xp, corr = _arrange(xq, nunits, fmt, upf, mode)
+    xp, corr = _arrange(xq, nunits, fmt, upf, mode, big)
     y = np.empty((m, rows), dtype=np.float32)
     nb = (rows + _NB - 1) // _NB
     serial = m * cols * rows < min_parallel or nb < 2
@@ -628,12 +652,19 @@ def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=T
 W4_PANEL_MIN_M = 9
 
 
-@njit
+@njit_parallel
 def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
             prefill=True):
     """:func:`_run` for int8 activations: int4 prefill on a VNNI or AVX2 host goes
     through the outer-product panel (:mod:`._w4panel`), its ``n % 6`` last
     outputs through the dot tiles."""
+    return _run_a8_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel,
+                        decode, prefill)
+
+
+@njit(inline="always")
+def _run_a8_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
+                 prefill=True):
     m = xq.shape[0]
     rows = w.shape[0]
     ng = _ngroups(cols, group)
@@ -652,8 +683,8 @@ def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decod
             _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode,
                        sx, y, j6 // _NB, (rows + _NB - 1) // _NB)
         return y
-    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
-                decode, prefill)
+    return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                     decode, prefill)
 
 
 @njit(inline="always")
@@ -705,7 +736,7 @@ def lowbit_matmul_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parall
                    decode, prefill)
 
 
-@njit
+@njit(inline="always")
 def _a16_levels(cols, group, fmt):
     ng = _ngroups(cols, group)
     g = group if ng > 1 else max(cols, 1)
@@ -958,50 +989,146 @@ def packed_intn_linear(x, lo, hi, scales, bits, cols, group, act8, min_parallel=
     return intn_matmul_a16(x, lo, hi, scales, bits, cols, group, min_parallel)
 
 
-# One entry per bit width and activation path, so a layer compiles only its
-# own format's code (``fmt`` reaches the tiles as a constant).
-@njit
+# ── checked entries: what ``PackedLinear`` calls ────────────────────────────
+# One parallel function per format and activation path, everything inlined
+# into it (``fmt`` reaches the tiles as a constant, so only that format's
+# variants compile).  Each checks that ``x`` is finite first and returns an
+# empty ``(0, rows)`` array if not (a parallel function cannot return
+# ``None`` or an array: numba's array analysis rejects the optional).
+
+
+@njit(inline="always")
+def _finite(x):
+    return math.isfinite(absmax_f32(x.ravel(), 0, x.size))
+
+
+@njit(inline="always")
+def _checked_a8(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode, prefill):
+    rows = w.shape[0]
+    if not _finite(x):
+        return np.empty((0, rows), np.float32)
+    if prefill is None:
+        # decode only: quantise on this thread (no parallel loop to compile)
+        m = x.shape[0]
+        xq = np.empty((m, x.shape[1]), np.int8)
+        sx = np.empty(m, np.float32)
+        _q8_rows(x, xq, sx, np.int64(0), m)
+    else:
+        xq, sx = quantize_rows_i8(x, min_parallel)
+    return _run_a8_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
+                        np.int64(min_parallel), decode, prefill)
+
+
+@njit(inline="always")
+def _checked_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode, prefill):
+    rows = w.shape[0]
+    if not _finite(x):
+        return np.empty((0, rows), np.float32)
+    lv = _a16_levels(cols, group, fmt)
+    if prefill is None:
+        m = x.shape[0]
+        xq = np.empty((m, x.shape[1]), np.int16)
+        sx = np.empty(m, np.float32)
+        _q16_rows(x, np.float32(lv), xq, sx, np.int64(0), m)
+    else:
+        xq, sx = quantize_rows_i16(x, lv, min_parallel)
+    # int16 activations never take the 128-column modes: big=None
+    return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                     decode, prefill, None)
+
+
+@njit_parallel
+def int4_linear_checked_a8(x, codes, scales, cols, group, min_parallel=PAR_MIN, decode=True,
+                           prefill=True):
+    """:func:`packed_int4_linear_a8` as one compiled function, after a check
+    that ``x`` is finite.
+
+    Parameters and result as :func:`packed_int4_linear_a8`, except that an
+    ``x`` holding NaN or Inf gives an empty ``(0, rows)`` float32 array (the
+    caller raises).  ``decode`` / ``prefill`` as :func:`lowbit_matmul_a8`.
+    """
+    rows = codes.shape[0]
+    sf = scales.ravel()
+    return _checked_a8(x, codes, codes, sf, sf.size // max(rows, 1), cols, group, 0,
+                       min_parallel, decode, prefill)
+
+
+@njit_parallel
+def int4_linear_checked_a16(x, codes, scales, cols, group, min_parallel=PAR_MIN, decode=True,
+                            prefill=True):
+    """:func:`packed_int4_linear_a16` checked as :func:`int4_linear_checked_a8`."""
+    rows = codes.shape[0]
+    sf = scales.ravel()
+    return _checked_a16(x, codes, codes, sf, sf.size // max(rows, 1), cols, group, 0,
+                        min_parallel, decode, prefill)
+
+
+@njit_parallel
+def ternary_linear_checked_a8(x, codes, alpha, cols, min_parallel=PAR_MIN, decode=True,
+                              prefill=True):
+    """:func:`packed_ternary_linear_a8` checked as :func:`int4_linear_checked_a8`."""
+    return _checked_a8(x, codes, codes, alpha, 0, cols, 0, 1, min_parallel, decode, prefill)
+
+
+@njit_parallel
+def ternary_linear_checked_a16(x, codes, alpha, cols, min_parallel=PAR_MIN, decode=True,
+                               prefill=True):
+    """:func:`packed_ternary_linear_a16` checked as :func:`int4_linear_checked_a8`."""
+    return _checked_a16(x, codes, codes, alpha, 0, cols, 0, 1, min_parallel, decode, prefill)
+
+
+@njit(inline="always")
+def _intn_sf(lo, scales):
+    sf = scales.ravel()
+    return sf, sf.size // max(lo.shape[0], 1)
+
+
+@njit_parallel
 def _int2_a8(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
-    xq, sx = quantize_rows_i8(x, min_parallel)
-    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 2, min_parallel, decode, prefill)
+    sf, ss = _intn_sf(lo, scales)
+    return _checked_a8(x, lo, hi, sf, ss, cols, group, 2, min_parallel, decode, prefill)
 
 
-@njit
+@njit_parallel
 def _int3_a8(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
-    xq, sx = quantize_rows_i8(x, min_parallel)
-    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 3, min_parallel, decode, prefill)
+    sf, ss = _intn_sf(lo, scales)
+    return _checked_a8(x, lo, hi, sf, ss, cols, group, 3, min_parallel, decode, prefill)
 
 
-@njit
+@njit_parallel
 def _int5_a8(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
-    xq, sx = quantize_rows_i8(x, min_parallel)
-    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 4, min_parallel, decode, prefill)
+    sf, ss = _intn_sf(lo, scales)
+    return _checked_a8(x, lo, hi, sf, ss, cols, group, 4, min_parallel, decode, prefill)
 
 
-@njit
+@njit_parallel
 def _int6_a8(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
-    xq, sx = quantize_rows_i8(x, min_parallel)
-    return _intn_a8(xq, sx, lo, hi, scales, cols, group, 5, min_parallel, decode, prefill)
+    sf, ss = _intn_sf(lo, scales)
+    return _checked_a8(x, lo, hi, sf, ss, cols, group, 5, min_parallel, decode, prefill)
 
 
-@njit
+@njit_parallel
 def _int2_a16(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
-    return _intn_a16(x, lo, hi, scales, cols, group, 2, min_parallel, decode, prefill)
+    sf, ss = _intn_sf(lo, scales)
+    return _checked_a16(x, lo, hi, sf, ss, cols, group, 2, min_parallel, decode, prefill)
 
 
-@njit
+@njit_parallel
 def _int3_a16(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
-    return _intn_a16(x, lo, hi, scales, cols, group, 3, min_parallel, decode, prefill)
+    sf, ss = _intn_sf(lo, scales)
+    return _checked_a16(x, lo, hi, sf, ss, cols, group, 3, min_parallel, decode, prefill)
 
 
-@njit
+@njit_parallel
 def _int5_a16(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
-    return _intn_a16(x, lo, hi, scales, cols, group, 4, min_parallel, decode, prefill)
+    sf, ss = _intn_sf(lo, scales)
+    return _checked_a16(x, lo, hi, sf, ss, cols, group, 4, min_parallel, decode, prefill)
 
 
-@njit
+@njit_parallel
 def _int6_a16(x, lo, hi, scales, cols, group, min_parallel, decode=True, prefill=True):
-    return _intn_a16(x, lo, hi, scales, cols, group, 5, min_parallel, decode, prefill)
+    sf, ss = _intn_sf(lo, scales)
+    return _checked_a16(x, lo, hi, sf, ss, cols, group, 5, min_parallel, decode, prefill)
 
 
 _INTN_ENTRY = {(2, True): _int2_a8, (3, True): _int3_a8, (5, True): _int5_a8,
@@ -1014,7 +1141,8 @@ def intn_linear_entry(bits, act8):
     (plain Python helper): ``fn(x, lo, hi, scales, cols, group, min_parallel,
     decode=True, prefill=True)``, arguments as :func:`packed_intn_linear` (and
     ``decode`` / ``prefill`` as :func:`lowbit_matmul_a8`); bit for bit its
-    result, compiling only that format's code.
+    result, compiling only that format's code, as one parallel function.  An
+    ``x`` holding NaN or Inf gives an empty ``(0, rows)`` float32 array.
 
     Raises
     ------
