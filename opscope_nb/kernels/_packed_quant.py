@@ -567,9 +567,11 @@ def _blocks_dec(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, u
             for i in range(m):
                 t = _t14(xpf, i * xst, xst, cf, i * cst, cst, wf, js * wb, ws,
                          w2f, js * w2b, w2s, sflat, js * sstride, ss, nunits, upf, fmt, mode)
-                for c in range(nout):
+                # a constant trip count: t[c] stays a register (a run-time
+                # bound indexed the result tuple in memory, ~20 % slower decode)
+                for c in range(_NB):
                     j = js + c
-                    if j >= j0 or not four:
+                    if c < nout and (j >= j0 or not four):
                         if tail:
                             _put(y, i, j, t[c], xq, w, w2, sflat, sstride, group, cols,
                                  fmt, region, mode, sx)
@@ -652,19 +654,12 @@ def _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, dec
 W4_PANEL_MIN_M = 9
 
 
-@njit_parallel
+@njit
 def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
             prefill=True):
     """:func:`_run` for int8 activations: int4 prefill on a VNNI or AVX2 host goes
     through the outer-product panel (:mod:`._w4panel`), its ``n % 6`` last
     outputs through the dot tiles."""
-    return _run_a8_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel,
-                        decode, prefill)
-
-
-@njit(inline="always")
-def _run_a8_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
-                 prefill=True):
     m = xq.shape[0]
     rows = w.shape[0]
     ng = _ngroups(cols, group)
@@ -683,8 +678,8 @@ def _run_a8_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, 
             _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode,
                        sx, y, j6 // _NB, (rows + _NB - 1) // _NB)
         return y
-    return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
-                     decode, prefill)
+    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                decode, prefill)
 
 
 @njit(inline="always")
@@ -1013,10 +1008,14 @@ def _checked_a8(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode
         xq = np.empty((m, x.shape[1]), np.int8)
         sx = np.empty(m, np.float32)
         _q8_rows(x, xq, sx, np.int64(0), m)
-    else:
-        xq, sx = quantize_rows_i8(x, min_parallel)
-    return _run_a8_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
-                        np.int64(min_parallel), decode, prefill)
+        # (_run_a8 without its prefill panel is _run)
+        return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
+                         np.int64(min_parallel), decode, prefill)
+    # with the prefill path: the separate kernel (inlined here, its prefill
+    # loops ran up to 25 % slower -- ternary f32 m = 32)
+    xq, sx = quantize_rows_i8(x, min_parallel)
+    return _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                   decode, prefill)
 
 
 @njit(inline="always")
@@ -1030,11 +1029,12 @@ def _checked_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decod
         xq = np.empty((m, x.shape[1]), np.int16)
         sx = np.empty(m, np.float32)
         _q16_rows(x, np.float32(lv), xq, sx, np.int64(0), m)
-    else:
-        xq, sx = quantize_rows_i16(x, lv, min_parallel)
-    # int16 activations never take the 128-column modes: big=None
-    return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
-                     decode, prefill, None)
+        # int16 activations never take the 128-column modes: big=None
+        return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
+                         np.int64(min_parallel), decode, prefill, None)
+    xq, sx = quantize_rows_i16(x, lv, min_parallel)
+    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                decode, prefill)
 
 
 @njit_parallel
