@@ -286,7 +286,8 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
                   ggml_types=None, lr_ranks=LR_RANKS, prior_weight=1.0) -> LayerProfile:
     """Measure every applicable compression option of one weight.
 
-    Options, in order: dense; then the quantisation ladder by decreasing bits
+    Options, in order: dense; BF16, F16 and the stored ggml block type
+    (:func:`quant_menu`); then the quantisation ladder by decreasing bits
     -- int8/chan; int6/chan, int6/g{g}; int5/chan, int5/g{g}; int4/chan,
     int4/g{g}; int3/chan, int3/g{g}; int2/g{g2} -- where ``g`` runs over
     ``groups`` and ``g2`` over ``int2_groups`` in the given order, a group
@@ -349,7 +350,9 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         How the source stores ``w`` (``F32``, ``F16``, ``BF16`` or a GGUF
         block type): ``LayerProfile.dense_bytes`` is :func:`stored_bytes` of
         it, and structured options are offered only when they take fewer
-        bytes than that.
+        bytes than that.  A GGUF block type (``Q4_1`` ...) is also offered
+        as an option of the default menu, after ``F16`` (keeping the layer
+        as stored; :func:`quant_menu`).
     menu : {"default", "ggml"}
         ``"default"``: the menu above.  ``"ggml"``: dense, then the ggml
         (llama.cpp / GGUF) block types of :func:`ggml_menu` (``ggml_types``);
@@ -406,7 +409,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         return LayerProfile(name, rows, cols, ref, meas.options, meas.timings, sensitivity,
                             str(stored_dtype).upper(), prior_weight=prior_weight)
     for d, part in quant_menu(cols, groups=gs, intn_bits=nbits, int2_groups=g2s,
-                              gptq=with_gptq):
+                              gptq=with_gptq, stored=stored_dtype):
         got = meas(d, part)
         if got is not None and lrs and d.kind in LR_KINDS:
             meas.corrections(d, *got, lrs, ref)
@@ -424,10 +427,14 @@ _PARTS = ("quant", "ternary", "sparse", "svd", "lowrank", "monarch", "tucker", "
 
 
 def quant_menu(cols, *, groups=(32, 128), intn_bits=(6, 5, 3), int2_groups=(32,),
-               gptq=False) -> list:
+               gptq=False, stored=None) -> list:
     """The data-independent head of :func:`profile_layer`'s menu, in order.
 
-    Dense; bf16 and f16 (ggml ``BF16`` / ``F16``: 2 bytes per weight); int8/chan;
+    Dense; bf16 and f16 (ggml ``BF16`` / ``F16``: 2 bytes per weight); the
+    source's own ggml block type when ``stored`` names one whose block
+    divides ``cols`` (``Q4_1`` for a Q4_1 GGUF tensor: re-quantising its
+    dequantised values gives back the stored blocks, so keeping the layer as
+    stored is an option of error 0 at its stored bytes); int8/chan;
     then for 6, 5, 4, 3 bits (4 always, the others when in
     ``intn_bits``) per channel and per group of each ``groups`` length shorter
     than ``cols``; int2 per group of ``int2_groups``; ternary; 2:4.  With
@@ -441,6 +448,9 @@ def quant_menu(cols, *, groups=(32, 128), intn_bits=(6, 5, 3), int2_groups=(32,)
     # half-width floats next to dense: 2 bytes per weight, honest error (exactly
     # 0 for the option equal to how a bf16 / f16 source stores the weight)
     out = [(Decomp.dense(), None), (Decomp.ggml("BF16"), "quant"), (Decomp.ggml("F16"), "quant")]
+    own = _stored_block_type(stored, cols)
+    if own is not None:
+        out.append((Decomp.ggml(own), "quant"))
 
     def q(d):
         out.append((d, "quant"))
@@ -460,6 +470,16 @@ def quant_menu(cols, *, groups=(32, 128), intn_bits=(6, 5, 3), int2_groups=(32,)
             q(Decomp.intn(2, g))
     out += [(Decomp.ternary(), "ternary"), (Decomp.sparse24(), "sparse")]
     return out
+
+
+def _stored_block_type(stored, cols):
+    """``stored`` as a ggml block type this package packs (not F16 / BF16,
+    already in every menu) whose block divides ``cols``; else None."""
+    from .ggml import GGML_TYPES
+    t = None if stored is None else str(stored).upper()
+    if t in GGML_TYPES and GGML_TYPES[t].block > 1 and cols % GGML_TYPES[t].block == 0:
+        return t
+    return None
 
 
 #: :func:`profile_layer`'s ``menu`` choices.

@@ -48,6 +48,38 @@ def test_profile_layer_reference_is_stored():
     assert LayerProfile.from_dict(old).stored_dtype == "F32"   # profile.json of before
 
 
+def _q4_1_grid(rows, cols, seed):
+    """A weight whose values lie on a Q4_1 grid (what a Q4_1 GGUF tensor
+    dequantises to): per 32-block ``d * q + m`` with 4-bit codes using 0 and
+    15, ``d`` and ``m`` float16 -- NumPy only."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, (rows, cols // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    d = (rng.random((rows, cols // 32, 1)) * 0.05 + 0.01).astype(np.float16)
+    m = (-rng.random((rows, cols // 32, 1)) * 0.4).astype(np.float16)
+    return (d.astype(np.float32) * q + m.astype(np.float32)).reshape(rows, cols)
+
+
+def test_stored_block_type_is_an_option_of_error_zero():
+    w = _q4_1_grid(24, 96, 1)
+    p = profile_layer("x", w, rank_cap=4, stored_dtype="Q4_1", lr_ranks=())
+    o = {o.decomp.label: o for o in p.options}
+    assert p.dense_bytes == 24 * 3 * 20
+    assert o["Q4_1"].rel_err == 0.0 and o["Q4_1"].bytes == p.dense_bytes
+    assert [x.decomp.label for x in p.options[:4]] == ["dense", "BF16", "F16", "Q4_1"]
+    # with a gram (ggml importance) the stored blocks come back too
+    g = np.diag(np.linspace(0.5, 2.0, 96))
+    pg = profile_layer("x", w, rank_cap=4, stored_dtype="Q4_1", gram=g, lr_ranks=())
+    og = {o.decomp.label: o for o in pg.options}
+    assert og["Q4_1"].rel_err == 0.0 and og["Q4_1"].out_err == 0.0
+    # a float source gets no block type; another stored type gets its own
+    assert not any(x.decomp.kind == "ggml" and x.decomp.qtype not in ("F16", "BF16")
+                   for x in profile_layer("x", w, rank_cap=4, lr_ranks=()).options)
+    k = profile_layer("x", w, rank_cap=4, stored_dtype="q8_0", lr_ranks=())
+    assert [x.decomp.label for x in k.options][3] == "Q8_0"
+    assert k.options[3].bytes == k.dense_bytes == 24 * 3 * 34
+
+
 @pytest.fixture(scope="module")
 def minilm_bf16(tmp_path_factory):
     """all-MiniLM-L6-v2 re-saved with every float tensor in bfloat16 (rounded
