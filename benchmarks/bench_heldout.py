@@ -24,7 +24,7 @@ what the composites are worth.
 
 Usage: ``python benchmarks/bench_heldout.py [--models minilm,smollm2]
 [--budgets 0.2,0.15,0.125] [--eval-text builtin] [--max-tokens 4096]
-[--include REGEX] [--ablate-lr] [--workdir DIR]``.
+[--include REGEX] [--menu default|mixed] [--ablate-lr] [--workdir DIR]``.
 """
 from __future__ import annotations
 
@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-text", default="builtin")
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--include", default=None, help="profile --include REGEX")
+    ap.add_argument("--menu", default="default", choices=("default", "mixed"),
+                    help="profile --menu (mixed: the default menu plus the ggml types)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--ablate-lr", action="store_true",
                     help="also solve each budget without the +lr composites")
@@ -99,6 +101,8 @@ def main(argv=None) -> int:
                 "--method", "exact"]
         if args.include:
             prof += ["--include", args.include]
+        if args.menu != "default":
+            prof += ["--menu", args.menu]
         out, secs = _run(prof, "profile")
         val = [ln for ln in out.splitlines() if ln.startswith(("validation", "calibration"))]
         print(f"\n## {name}: profile --calib {secs:.0f}s")

@@ -105,6 +105,35 @@ def test_profile_layer_ggml_menu_with_gram():
         mining.profile_layer("x", w, menu="gguf")
 
 
+def test_profile_layer_mixed_menu():
+    """menu="mixed": the default menu, then the ggml types it lacks, each once;
+    every option measured as in its own menu."""
+    w = _w(8, 512)
+    x = np.random.default_rng(3).standard_normal((64, 512))
+    h = x.T @ x
+    kw = dict(rank_cap=4, lr_ranks=(), gram=h, gptq=False)
+    base = mining.profile_layer("x", w, **kw)
+    mix = mining.profile_layer("x", w, menu="mixed", ggml_types=("Q4_K", "F16", "Q3_K"),
+                               **kw)
+    labels = [o.label for o in mix.options]
+    assert labels == [o.label for o in base.options] + ["Q4_K", "Q3_K"]
+    assert len(set(labels)) == len(labels)
+    for a, b in zip(base.options, mix.options):
+        assert (a.rel_err, a.bytes, a.out_err) == (b.rel_err, b.bytes, b.out_err)
+    gm = {o.label: o for o in mining.profile_layer("x", w, menu="ggml", gram=h,
+                                                    ggml_types=("Q4_K", "Q3_K")).options}
+    for o in mix.options[-2:]:
+        assert (o.rel_err, o.bytes, o.out_err) == (gm[o.label].rel_err, gm[o.label].bytes,
+                                                   gm[o.label].out_err)
+        assert o.bytes == 8 * ggml.row_bytes(o.label, 512)
+
+
+def test_cli_types_needs_a_ggml_menu(tmp_path, capsys):
+    from opscope_nb.cli import main
+    assert main(["profile", "--types", "Q4_K", "--out", str(tmp_path / "a")]) != 0
+    assert "add --menu ggml (or --menu mixed)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("qt,rows", [("Q4_K", 5), ("Q5_0", 700), ("BF16", 3)])
 def test_packed_linear_ggml(qt, rows):
     cols = 512 if qt != "Q5_0" else 416

@@ -44,12 +44,13 @@ def add_parser(sub) -> None:
                         "'none' leaves them out")
     p.add_argument("--out", metavar="DIR",
                    help="write profile.json, plan.json and options.csv here")
-    p.add_argument("--menu", choices=("default", "ggml"), default="default",
+    p.add_argument("--menu", choices=("default", "ggml", "mixed"), default="default",
                    help="options per layer: the package's formats (default), or dense + "
                         "the ggml (llama.cpp / GGUF) block types whose block divides the "
-                        "row length (plans export with 'apply ... -o OUT.gguf')")
+                        "row length (plans export with 'apply ... -o OUT.gguf'), or both "
+                        "(mixed: runs in this package; K-quants suit quantised sources)")
     p.add_argument("--types", metavar="T[,T...]", default=None,
-                   help="with --menu ggml: only these ggml types, e.g. Q8_0,Q6_K,Q4_K "
+                   help="with --menu ggml/mixed: only these ggml types, e.g. Q8_0,Q6_K,Q4_K "
                         "(default: Q8_0 Q6_K Q5_K Q5_1 Q5_0 Q4_K Q4_1 Q4_0 IQ4_NL IQ4_XS "
                         "Q3_K Q2_K F16 BF16)")
     c = p.add_argument_group("calibration (data-aware menu and objectives)")
@@ -117,8 +118,8 @@ def _ggml_types(args):
     """``--types`` as canonical ggml type names (None: the menu's default)."""
     if args.types is None:
         return None
-    if args.menu != "ggml":
-        raise CliError("--types narrows the ggml menu; add --menu ggml.")
+    if args.menu not in ("ggml", "mixed"):
+        raise CliError("--types narrows the ggml menu; add --menu ggml (or --menu mixed).")
     from ..mining import ggml_types_checked
     names = [t.strip() for t in args.types.split(",") if t.strip()]
     if not names:
