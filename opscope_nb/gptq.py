@@ -11,12 +11,24 @@ calibration data, ``H = sum_t x_t x_tᵀ`` (``[cols, cols]``, float64, ``cols``
   layout of :func:`opscope_nb.kernels.quantize_groups_sym`, so the
   ``+gptq`` options pack exactly as their round-to-nearest twins.
 
-Dampening: ``H + damp * mean(diag(H)) * I`` with ``damp = 0.01`` (GPTQ's
+Dampening: ``H + damp * mean(diag H) * I`` with ``damp = 0.01`` (GPTQ's
 default ``percdamp``); a column with ``H[i, i] = 0`` (an input that is always
-zero) gets ``H[i, i] = 1`` first, so it is rounded to nearest and passes no
-error on.  Columns are processed in their natural order (no act-order: the
-group scales must stay in layout order).  With a diagonal gram GPTQ has
-nothing to compensate and returns exactly the round-to-nearest codes.
+zero) gets ``H[i, i] = 1`` first, so it passes no error on.
+
+Order and scales: columns are swept largest ``H[i, i]`` first (act-order;
+stable, so ties keep their natural order), with *static* group scales fixed
+before the sweep from the original weights, so the layout stays the
+round-to-nearest one.  Each group's scale is the clipping of its ``amax``
+(``amax * (1 - 0.5 k / 20)``, ``k = 0..20``) with the least
+``diag(H)``-weighted rounding error; since clipping can cost more than it
+saves once GPTQ compensates, the sweep runs with the unclipped and the
+clipped scales and keeps the codes of lower output error ``tr(dW H dWᵀ)``
+(ties: unclipped).  On SmolLM2-135M layers with their calibration grams this
+lowers the output error of ``int4/chan+gptq`` by 23-30 % and of
+``int3/g128+gptq`` by 26-33 % against natural order with dynamic unclipped
+scales.  With a diagonal gram GPTQ has
+nothing to compensate: the codes are the importance-weighted clipped
+round-to-nearest ones (the unclipped ones where no clipping helps).
 """
 from __future__ import annotations
 
@@ -168,11 +180,22 @@ def hessian_factor(gram, damp=DAMP) -> np.ndarray:
     return np.ascontiguousarray(linv[::-1, ::-1])
 
 
-_LAST_FACTOR = [None]   # [(private copy of the gram, damp, u)] or [None]
+_LAST_FACTOR = [None]   # [(private copy of the gram, damp, (order, u))] or [None]
+
+#: Clipping candidates of the static GPTQ scales beyond the unclipped one.
+CLIP_STEPS = 20
+
+
+def sweep_order(gram) -> np.ndarray:
+    """GPTQ's column order: largest ``H[i, i]`` first, ties in natural order
+    (int64 ``[cols]``; ``gram`` validated, 1-D meaning diagonal)."""
+    d = gram if gram.ndim == 1 else np.diag(gram)
+    return np.argsort(-d, kind="stable").astype(np.int64)
 
 
 def _cached_factor(g, damp):
-    """:func:`hessian_factor`, reused while a gram with the same *content* (and
+    """``(order, u)``: :func:`sweep_order` and :func:`hessian_factor` of the
+    gram permuted to it, reused while a gram with the same *content* (and
     damp) comes back (a layer's menu quantises one weight many times with one
     gram).
 
@@ -183,12 +206,14 @@ def _cached_factor(g, damp):
     """
     entry = _LAST_FACTOR[0]
     if entry is not None:
-        g0, d0, u0 = entry
+        g0, d0, ou = entry
         if d0 == damp and g0.shape == g.shape and np.array_equal(g0, g):
-            return u0
-    u = hessian_factor(g, damp)
-    _LAST_FACTOR[0] = (np.array(g, dtype=np.float64, copy=True), damp, u)  # one atomic store
-    return u
+            return ou
+    order = sweep_order(g)
+    gp = g[order] if g.ndim == 1 else g[np.ix_(order, order)]
+    ou = (order, hessian_factor(gp, damp))
+    _LAST_FACTOR[0] = (np.array(g, dtype=np.float64, copy=True), damp, ou)  # one atomic store
+    return ou
 
 
 def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128) -> tuple:
@@ -207,7 +232,7 @@ def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128) -> tuple:
     damp : float
         Relative dampening (see the module docstring), ``>= 0``.
     block : int
-        Lazy-update block width (rounded up to a multiple of ``group``).
+        Lazy-update block width (changes only the float64 summation order).
 
     Returns
     -------
@@ -232,14 +257,25 @@ def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128) -> tuple:
 def gptq_validated(w, g, bits, grp, damp=DAMP, block=128):
     """:func:`gptq_quantize` on already-validated input (``w`` float32 2-D finite,
     ``g`` from :func:`check_gram`, ``grp >= 1``); no checks."""
-    from .kernels._gptq import gptq_core
+    from .kernels._gptq import gptq_core, gptq_group_scales
     rows, cols = w.shape
     grp = min(grp, max(cols, 1))
     blk = max(int(block), 1)
-    if grp < cols:
-        blk = max(grp, (blk // grp) * grp)
     if rows == 0 or cols == 0:
         return (np.zeros((rows, cols), np.int8),
                 np.ones((rows, (cols + grp - 1) // grp if cols else 0), np.float32))
-    u = _cached_factor(g, damp)
-    return gptq_core(np.array(w, dtype=np.float64), u, int(bits), grp, blk)
+    order, u = _cached_factor(g, damp)
+    w64 = np.array(w, dtype=np.float64)
+    imp = np.ascontiguousarray(g if g.ndim == 1 else np.diag(g), dtype=np.float64)
+    wp = np.ascontiguousarray(w64[:, order])
+    best = None
+    for steps in (0, CLIP_STEPS):
+        scales = gptq_group_scales(w64, imp, int(bits), grp, steps)
+        if best is not None and np.array_equal(scales, best[1]):
+            break                      # no group clips: same codes
+        codes = gptq_core(wp.copy(), u, order, scales, int(bits), grp, blk)
+        deq = codes.astype(np.float32) * np.repeat(scales, grp, axis=1)[:, :cols]
+        err = output_energy(w64 - deq, g)
+        if best is None or err < best[2]:
+            best = (codes, scales, err)
+    return best[0], best[1]

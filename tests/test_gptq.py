@@ -30,27 +30,52 @@ def test_gptq_codes_equal_numpy_twin(bits, group):
 
 def test_gptq_core_from_njit_caller():
     from opscope_nb._config import njit
-    from opscope_nb.gptq import hessian_factor
-    from opscope_nb.kernels._gptq import gptq_core
+    from opscope_nb.gptq import hessian_factor, sweep_order
+    from opscope_nb.kernels._gptq import gptq_core, gptq_group_scales
 
     @njit
-    def call(w, u):
-        return gptq_core(w, u, 4, 32, 64)
+    def call(w, wp, imp, u, perm):
+        sc = gptq_group_scales(w, imp, 4, 32, 20)
+        return gptq_core(wp, u, perm, sc, 4, 32, 64), sc
 
     w, _, h = _data(8, 96, seed=3)
-    codes, scales = call(np.array(w, np.float64), hessian_factor(h))
-    c2, s2 = ng.gptq(w, h, 4, 32)
-    np.testing.assert_array_equal(codes, c2)
+    order = sweep_order(h)
+    w64 = np.array(w, np.float64)
+    codes, scales = call(w64, np.ascontiguousarray(w64[:, order]), np.diag(h).copy(),
+                         hessian_factor(h[np.ix_(order, order)]), order)
+    s2 = ng.clip_scales(w, np.diag(h), 4, 32, 20)
     np.testing.assert_array_equal(scales, s2)
+    np.testing.assert_array_equal(codes, ng.gptq_sweep(w, h, 4, 32, s2))
 
 
-def test_gptq_diagonal_gram_is_round_to_nearest():
+def test_gptq_diagonal_gram_is_clipped_round_to_nearest():
+    """Nothing to compensate: the importance-weighted clipped RTN codes, which
+    differ from the plain ones here (the test would pass vacuously otherwise)."""
     w, x, _ = _data(16, 96, seed=5)
     d = (x * x).sum(axis=0)
     codes, scales = gptq_quantize(w, d, 4, 32)
-    c2, s2 = ng.rtn(w, 4, 32)
-    np.testing.assert_array_equal(codes, c2)
+    s2 = ng.clip_scales(w, d, 4, 32, 20)
+    lev = np.float32(7)
+    c2 = np.clip(ng.round_half_away(w / np.repeat(s2, 32, axis=1)), -lev, lev)
     np.testing.assert_array_equal(scales, s2)
+    np.testing.assert_array_equal(codes, c2)
+    assert not np.array_equal(scales, ng.rtn(w, 4, 32)[1])
+
+
+def test_gptq_act_order_and_clipping_beat_natural_order():
+    """The sweep order and the clipped scales lower the output error against
+    textbook GPTQ (natural order, unclipped dynamic scales) on inputs whose
+    columns differ in energy."""
+    w, x, h = _data(48, 128, n=400, seed=11)
+    x[:, 64:] *= 3.0
+    h = x.T @ x
+    for bits, group in ((4, None), (3, 32)):
+        grp = group or 128
+        codes, scales = gptq_quantize(w, h, bits, group)
+        ours = ng.out_err_explicit(w, codes * np.repeat(scales, grp, axis=1), x)
+        c0, s0 = ng.gptq_natural(w, h, bits, grp)
+        base = ng.out_err_explicit(w, c0 * np.repeat(s0, grp, axis=1), x)
+        assert ours < 0.97 * base, (bits, group, ours, base)
 
 
 def test_out_err_matches_explicit_products():
