@@ -193,9 +193,10 @@ def sweep_order(gram) -> np.ndarray:
     return np.argsort(-d, kind="stable").astype(np.int64)
 
 
-def _cached_factor(g, damp):
-    """``(order, u)``: :func:`sweep_order` and :func:`hessian_factor` of the
-    gram permuted to it, reused while a gram with the same *content* (and
+def _cached_factor(g, damp, act_order=True):
+    """``(order, u)``: :func:`sweep_order` (natural order without
+    ``act_order``) and :func:`hessian_factor` of the gram permuted to it,
+    reused while a gram with the same *content* (and
     damp) comes back (a layer's menu quantises one weight many times with one
     gram).
 
@@ -207,16 +208,19 @@ def _cached_factor(g, damp):
     entry = _LAST_FACTOR[0]
     if entry is not None:
         g0, d0, ou = entry
-        if d0 == damp and g0.shape == g.shape and np.array_equal(g0, g):
+        if (d0 == (damp, act_order) and g0.shape == g.shape
+                and np.array_equal(g0, g)):
             return ou
-    order = sweep_order(g)
+    order = sweep_order(g) if act_order else np.arange(g.shape[0], dtype=np.int64)
     gp = g[order] if g.ndim == 1 else g[np.ix_(order, order)]
     ou = (order, hessian_factor(gp, damp))
-    _LAST_FACTOR[0] = (np.array(g, dtype=np.float64, copy=True), damp, ou)  # one atomic store
+    _LAST_FACTOR[0] = (np.array(g, dtype=np.float64, copy=True), (damp, act_order),
+                       ou)  # one atomic store
     return ou
 
 
-def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128) -> tuple:
+def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128, act_order=True,
+                  clip=True) -> tuple:
     """GPTQ codes and scales of ``w`` given its inputs' gram.
 
     Parameters
@@ -233,6 +237,12 @@ def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128) -> tuple:
         Relative dampening (see the module docstring), ``>= 0``.
     block : int
         Lazy-update block width (changes only the float64 summation order).
+    act_order : bool
+        Sweep the columns largest ``H[i, i]`` first (default) or in natural
+        order.
+    clip : bool
+        Also try the clipped static scales and keep the lower output error
+        (default); ``False`` uses the unclipped ``amax / levels`` only.
 
     Returns
     -------
@@ -251,10 +261,10 @@ def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128) -> tuple:
     damp = float(damp)
     if not np.isfinite(damp) or damp < 0:
         raise ValueError(f"damp must be finite and >= 0; got {damp!r}.")
-    return gptq_validated(w, g, int(bits), grp, damp, block)
+    return gptq_validated(w, g, int(bits), grp, damp, block, bool(act_order), bool(clip))
 
 
-def gptq_validated(w, g, bits, grp, damp=DAMP, block=128):
+def gptq_validated(w, g, bits, grp, damp=DAMP, block=128, act_order=True, clip=True):
     """:func:`gptq_quantize` on already-validated input (``w`` float32 2-D finite,
     ``g`` from :func:`check_gram`, ``grp >= 1``); no checks."""
     from .kernels._gptq import gptq_core, gptq_group_scales
@@ -264,12 +274,12 @@ def gptq_validated(w, g, bits, grp, damp=DAMP, block=128):
     if rows == 0 or cols == 0:
         return (np.zeros((rows, cols), np.int8),
                 np.ones((rows, (cols + grp - 1) // grp if cols else 0), np.float32))
-    order, u = _cached_factor(g, damp)
+    order, u = _cached_factor(g, damp, act_order)
     w64 = np.array(w, dtype=np.float64)
     imp = np.ascontiguousarray(g if g.ndim == 1 else np.diag(g), dtype=np.float64)
     wp = np.ascontiguousarray(w64[:, order])
     best = None
-    for steps in (0, CLIP_STEPS):
+    for steps in ((0, CLIP_STEPS) if clip else (0,)):
         scales = gptq_group_scales(w64, imp, int(bits), grp, steps)
         if best is not None and np.array_equal(scales, best[1]):
             break                      # no group clips: same codes

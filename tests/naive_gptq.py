@@ -97,13 +97,14 @@ def clip_scales(w, imp, bits, group, steps):
     return scales
 
 
-def gptq_sweep(w, h, bits, group, scales, damp=0.01):
+def gptq_sweep(w, h, bits, group, scales, damp=0.01, act=True):
     """Textbook unblocked GPTQ with fixed group ``scales``, columns swept by
-    decreasing ``H[i, i]`` (stable): returns int8 codes in natural order."""
+    decreasing ``H[i, i]`` (stable; natural order without ``act``): returns
+    int8 codes in natural order."""
     w = np.array(w, np.float64)
     rows, cols = w.shape
     h = np.array(h, np.float64)
-    order = np.argsort(-np.diag(h), kind="stable")
+    order = np.argsort(-np.diag(h), kind="stable") if act else np.arange(cols)
     d = np.diag(h).copy()
     d[d <= 0] = 1.0
     h[np.arange(cols), np.arange(cols)] = d + damp * d.mean()

@@ -48,6 +48,22 @@ def test_gptq_core_from_njit_caller():
     np.testing.assert_array_equal(codes, ng.gptq_sweep(w, h, 4, 32, s2))
 
 
+@pytest.mark.parametrize("act,clip", [(False, False), (True, False), (False, True)])
+def test_gptq_switches_equal_numpy_twin(act, clip):
+    w, _, h = _data(20, 96, seed=13)
+    codes, scales = gptq_quantize(w, h, 3, 32, act_order=act, clip=clip)
+    s2 = ng.clip_scales(w, np.diag(h), 3, 32, 20 if clip else 0)
+    c2 = ng.gptq_sweep(w, h, 3, 32, s2, act=act)
+    if clip:    # the clipped sweep is kept only when its output error is lower
+        s0 = ng.clip_scales(w, np.diag(h), 3, 32, 0)
+        c0 = ng.gptq_sweep(w, h, 3, 32, s0, act=act)
+        e = [float(np.einsum("ij,jk,ik->", d, h, d)) for d in (
+            w - c0 * np.repeat(s0, 32, axis=1), w - c2 * np.repeat(s2, 32, axis=1))]
+        assert e[1] < e[0]          # this seed exercises the clipped branch
+    np.testing.assert_array_equal(scales, s2)
+    np.testing.assert_array_equal(codes, c2)
+
+
 def test_gptq_diagonal_gram_is_clipped_round_to_nearest():
     """Nothing to compensate: the importance-weighted clipped RTN codes, which
     differ from the plain ones here (the test would pass vacuously otherwise)."""
