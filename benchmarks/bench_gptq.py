@@ -13,8 +13,14 @@ profile's calibration (``calib.npz`` of ``opscope-nb profile MODEL --calib
 ``new``).  Prints one row per layer and quantisation and the median ratio of
 each variant's error to the natural-order one's (lower is better).
 
+``--text heldout`` takes the held-out quarter of the built-in sample that
+``profile --calib`` (``--validate 0.25``, split seed 0) kept out of the grams
+instead.  ``--damp 0.01,0.03,0.1,0.3`` prints, instead of the variants, the
+default sweep's error at each Hessian dampening relative to the first one's
+(how ``gptq.DAMP`` was chosen).
+
 Usage: ``python benchmarks/bench_gptq.py DIR/calib.npz [--model smollm2]
-[--every 7] [--text builtin] [--tokens 2000]``.
+[--every 7] [--text builtin|heldout|FILE] [--tokens 2000] [--damp LIST]``.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ import argparse
 import importlib.util
 import os
 import platform
+import tempfile
+import types
 
 import numpy as np
 
@@ -46,6 +54,24 @@ def _source(model):
     return os.path.join(d, next(f for f in sorted(os.listdir(d)) if f.endswith(".gguf")))
 
 
+def _heldout_file(model):
+    """The held-out part of the sample as ``profile --calib`` splits it, as a
+    text file (one passage or sentence per line)."""
+    from opscope_nb.models.evaluate import _sentences, load_passages
+    ps = load_passages("sample")
+    items = _sentences(ps) if model == "minilm" else list(ps)
+    _, val = CalibrationStream._split(types.SimpleNamespace(validate=0.25, split_seed=0),
+                                      items)
+    fd, path = tempfile.mkstemp(suffix=".txt", prefix="heldout-")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("\n".join(v.replace("\n", " ") for v in val) + "\n")
+    return path
+
+
+def _deq(codes, scales, grp, cols):
+    return codes * np.repeat(scales, grp, axis=1)[:, :cols]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("grams")
@@ -53,18 +79,27 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=7)
     ap.add_argument("--text", default="builtin")
     ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--damp", default=None, help="comma-separated dampenings to compare")
     args = ap.parse_args(argv)
+    damps = [float(x) for x in args.damp.split(",")] if args.damp else None
     src = _source(args.model)
     gfit, _ = load_grams(args.grams)
     ents = {e.name: e for e in tio.open_source(src).entries}
     names = [n for n in sorted(gfit) if n in ents and gfit[n].ndim == 2][::max(args.every, 1)]
-    st = CalibrationStream(src, text=args.text, max_tokens=args.tokens, validate=0.0,
+    text = _heldout_file(args.model) if args.text == "heldout" else args.text
+    st = CalibrationStream(src, text=text, max_tokens=args.tokens, validate=0.0,
                            sensitivity=False, grams_for=set(names))
     new = {n: st.gram(n) for n in names}
+    names = [n for n in names if new[n] is not None]     # a shared input has one gram
     print(f"# bench_gptq on {platform.processor() or platform.machine()}: {args.model}, "
           f"{len(names)} layers, fitted on {args.grams}, new text: {st.tokens} tokens of "
           f"{args.text}")
-    print("layer quantisation " + " ".join(f"{v}(fit/new)" for v, _, _ in VARIANTS))
+    if damps:
+        print("layer quantisation " + " ".join(f"damp={d:g}(fit/new)" for d in damps))
+    else:
+        print("layer quantisation " + " ".join(f"{v}(fit/new)" for v, _, _ in VARIANTS))
+    runs = ([(f"damp={d:g}", dict(damp=d)) for d in damps] if damps else
+            [(v, dict(act_order=a, clip=c)) for v, a, c in VARIANTS])
     ratios = {q: [] for q, _, _ in QUANTS}
     for n in names:
         w = ents[n].load().astype(np.float32)
@@ -72,17 +107,16 @@ def main(argv=None) -> int:
         for label, bits, group in QUANTS:
             grp = group or w.shape[1]
             row = []
-            for _, act, clip in VARIANTS:
-                codes, scales = gptq_quantize(w, h, bits, group, act_order=act, clip=clip)
-                q = codes * np.repeat(scales, grp, axis=1)[:, :w.shape[1]]
+            for _, kw in runs:
+                q = _deq(*gptq_quantize(w, h, bits, group, **kw), grp, w.shape[1])
                 row.append((output_error(w, q, h), output_error(w, q, g)))
             ratios[label].append([(f / row[0][0], e / row[0][1]) for f, e in row[1:]])
             print(n, label, " ".join(f"{f:.4f}/{e:.4f}" for f, e in row), flush=True)
-    print("median error ratio to natural order (fit/new):")
+    print(f"median error ratio to {runs[0][0]} (fit/new):")
     for label, r in ratios.items():
         med = np.median(np.asarray(r), axis=0)
-        print(f"  {label:10s} " + " ".join(f"{v}={f:.3f}/{e:.3f}" for (v, _, _), (f, e)
-                                         in zip(VARIANTS[1:], med)))
+        print(f"  {label:10s} " + " ".join(f"{v}={f:.3f}/{e:.3f}" for (v, _), (f, e)
+                                         in zip(runs[1:], med)))
     return 0
 
 

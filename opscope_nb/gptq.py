@@ -11,9 +11,14 @@ calibration data, ``H = sum_t x_t x_tᵀ`` (``[cols, cols]``, float64, ``cols``
   layout of :func:`opscope_nb.kernels.quantize_groups_sym`, so the
   ``+gptq`` options pack exactly as their round-to-nearest twins.
 
-Dampening: ``H + damp * mean(diag H) * I`` with ``damp = 0.01`` (GPTQ's
-default ``percdamp``); a column with ``H[i, i] = 0`` (an input that is always
-zero) gets ``H[i, i] = 1`` first, so it passes no error on.
+Dampening: ``H + damp * mean(diag H) * I`` with ``damp = 0.1`` (ten times
+GPTQ's ``percdamp``): with a few thousand calibration tokens the codes fit
+their text, and the stronger ridge gives up 4-9 % of output error on the
+fitting grams for 3-4 % less on the held-out quarter of the calibration
+text and 7-10 % less on other text (median over layers of all-MiniLM-L6-v2
+and SmolLM2-135M; ``python benchmarks/bench_gptq.py --damp``).  A column
+with ``H[i, i] = 0`` (an input that is always zero) gets ``H[i, i] = 1``
+first, so it passes no error on.
 
 Order and scales: columns are swept largest ``H[i, i]`` first (act-order;
 stable, so ties keep their natural order), with *static* group scales fixed
@@ -40,7 +45,7 @@ __all__ = ["check_gram", "output_error", "output_energy", "output_ratio", "gptq_
            "hessian_factor", "DAMP"]
 
 #: Default relative dampening of the Hessian diagonal.
-DAMP = 0.01
+DAMP = 0.1
 
 
 def check_gram(gram, cols, *, name="gram", tol=1e-6) -> np.ndarray:

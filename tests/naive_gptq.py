@@ -41,7 +41,7 @@ def rtn(w, bits, group):
     return codes, scales
 
 
-def gptq_natural(w, h, bits, group, damp=0.01):
+def gptq_natural(w, h, bits, group, damp=0.1):
     """Textbook unblocked GPTQ (Frantar et al.): columns in natural order, a
     group's unclipped scale fixed from the error-updated weights when its first
     column is reached.  The baseline the package's sweep is compared with."""
@@ -97,7 +97,7 @@ def clip_scales(w, imp, bits, group, steps):
     return scales
 
 
-def gptq_sweep(w, h, bits, group, scales, damp=0.01, act=True):
+def gptq_sweep(w, h, bits, group, scales, damp=0.1, act=True):
     """Textbook unblocked GPTQ with fixed group ``scales``, columns swept by
     decreasing ``H[i, i]`` (stable; natural order without ``act``): returns
     int8 codes in natural order."""
@@ -122,7 +122,7 @@ def gptq_sweep(w, h, bits, group, scales, damp=0.01, act=True):
     return codes
 
 
-def gptq(w, h, bits, group, damp=0.01, steps=20):
+def gptq(w, h, bits, group, damp=0.1, steps=20):
     """GPTQ as the package defines it: act-order sweep with static scales,
     run with the unclipped and the clipped scales, keeping the codes of lower
     ``tr(dW H dWᵀ)`` (ties: unclipped)."""
