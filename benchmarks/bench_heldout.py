@@ -13,7 +13,9 @@ user's commands in fresh processes:
 3. ``opscope-nb apply SOURCE DIR/bB/plan.json -o ... --grams DIR/calib.npz``;
 4. ``opscope-nb eval SOURCE --compressed ... --act f32 --text EVAL --max-tokens N``
    on text outside the calibration set (default ``builtin``: the standard
-   library's prose docstrings, while calibration uses the shipped sample),
+   library's prose docstrings, while calibration uses the shipped sample;
+   ``--calib-text builtin --eval-text sample`` swaps them: calibration on the
+   larger set, evaluation on the sample),
 
 and prints one row per budget: the eval metric (cosine for encoders, KL and
 top-1 agreement for decoders), how many layers the plan gives a ``+lr``
@@ -24,6 +26,7 @@ what the composites are worth.
 
 Usage: ``python benchmarks/bench_heldout.py [--models minilm,smollm2]
 [--budgets 0.2,0.15,0.125] [--eval-text builtin] [--max-tokens 4096]
+[--calib-text sample] [--calib-tokens N]
 [--include REGEX] [--menu default|mixed] [--ablate-lr] [--workdir DIR]``.
 """
 from __future__ import annotations
@@ -75,6 +78,11 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="minilm,smollm2")
     ap.add_argument("--budgets", default="0.2,0.15,0.125")
     ap.add_argument("--eval-text", default="builtin")
+    ap.add_argument("--calib-text", default="sample",
+                    help="profile --calib-text (sample, builtin or a file); keep it apart "
+                         "from --eval-text")
+    ap.add_argument("--calib-tokens", type=int, default=None,
+                    help="profile --calib-tokens (cap on calibration tokens)")
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--include", default=None, help="profile --include REGEX")
     ap.add_argument("--menu", default="default", choices=("default", "mixed"),
@@ -83,11 +91,15 @@ def main(argv=None) -> int:
     ap.add_argument("--ablate-lr", action="store_true",
                     help="also solve each budget without the +lr composites")
     args = ap.parse_args(argv)
+    if args.calib_text == args.eval_text:
+        ap.error(f"--calib-text and --eval-text are both {args.calib_text!r}: the plans "
+                 "must be evaluated on text outside the calibration set.")
     srcs = _sources()
     budgets = [float(b) for b in args.budgets.split(",")]
     root = args.workdir or tempfile.mkdtemp(prefix="opscope-heldout-")
     print(f"# bench_heldout on {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores; calibration text: the built-in sample (validate 0.25); "
+          f"{os.cpu_count()} cores; calibration text: {args.calib_text} "
+          f"(max {args.calib_tokens or 'all'} tokens, validate 0.25); "
           f"eval text: {args.eval_text} (max {args.max_tokens} tokens)")
     for name in args.models.split(","):
         src = srcs.get(name)
@@ -98,7 +110,9 @@ def main(argv=None) -> int:
         # budgets are fractions of the float32 weight, given as bits per weight so a
         # quantised source (SmolLM2's Q4_1 GGUF) means the same as a float32 one
         prof = ["profile", src, "--calib", "--out", d, "--bpw", 32 * budgets[0], "-q",
-                "--method", "exact"]
+                "--method", "exact", "--calib-text", args.calib_text]
+        if args.calib_tokens:
+            prof += ["--calib-tokens", args.calib_tokens]
         if args.include:
             prof += ["--include", args.include]
         if args.menu != "default":
