@@ -386,6 +386,34 @@ def test_lowbit_tile_1x8_equals_two_1x4():
     assert len(set(a)) == 8
 
 
+def test_lowbit_tile_1x1_equals_1x4_big_units():
+    """The 1 x 1 tile of the one-row intN decode (``DEC_ONE_ROW``, AVX2 hosts)
+    gives each output of the 1 x 4 tile bit for bit, in every 128-column mode
+    (4: groups of 32, 5: per row, 6: groups of 128 * upf) and intN format,
+    the int6 crumb merge included (random hi bytes: every crumb value)."""
+    t1, t4 = K.lowbit_tile_1x1, K.lowbit_tile_1x4
+
+    @numba.njit
+    def both(xp, cf, w, wb, w2, w2b, sf, ss, nun, upf, fmt, mode):
+        a = t4(xp, 0, 0, cf, 0, 0, w, 0, wb, w2, 0, w2b, sf, 0, ss, nun, upf, fmt, mode, 0, 0)
+        b = [t1(xp, 0, 0, cf, 0, 0, w, c * wb, wb, w2, c * w2b, w2b, sf, c * ss, ss, nun, upf,
+                fmt, mode, 4 * wb, 4 * w2b)[0] for c in range(4)]
+        return a, b
+
+    nun = 4
+    xp = RNG.integers(-127, 128, 128 * nun).astype(np.int8)
+    for fmt in (2, 3, 4, 5):
+        wb, w2b = int(K.LOWBIT_PLANE_BYTES[fmt, 0]) * 2 * nun, 64 * nun
+        w = RNG.integers(0, 256, 4 * wb).astype(np.uint8)
+        w2 = RNG.integers(0, 256, 4 * w2b).astype(np.uint8)
+        sf = RNG.random(4 * 4 * nun).astype(np.float32)
+        for mode, upf in ((4, 1), (5, 3), (6, 2)):
+            cf = RNG.integers(-1000, 1000, 8 * nun).astype(np.int32)
+            a, b = both(xp, cf, w, wb, w2, w2b, sf, 4 * nun, nun, upf, fmt, mode)
+            assert list(a) == b, (fmt, mode)
+            assert len(set(b)) == 4
+
+
 def test_w4a8_g32_plan_uses_double_units():
     """int4/g32 with int8 activations and an even number of 64-column units
     runs 128-column double units (mode 3); odd counts and int16 activations
@@ -405,7 +433,9 @@ def test_intn_a8_plan_uses_big_units():
     f5 = K.intn_fmt(5)
     assert _plan(512, 16, 32, f5, True) == (4, 4, 1)
     assert _plan(300, 1, 300, f5, True) == (5, 2, 8)
-    assert _plan(640, 3, 256, f5, True) == (6, 4, 2)
+    assert _plan(640, 3, 256, f5, True) == (6, 5, 2)   # last flush: 1 unit
+    assert _plan(576, 18, 32, f5, True) == (1, 9, 1)   # 4 x 128 + 64: 64-column units
+    assert _plan(576, 5, 128, f5, True) == (2, 9, 2)
     assert _plan(640, 14, 48, f5, True)[0] == -1
     assert _plan(100, 4, 32, f5, True) == (1, 1, 1)
     assert _plan(512, 16, 32, f5, False) == (1, 8, 1)

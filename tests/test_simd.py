@@ -329,12 +329,16 @@ def products():
         for g in (32,):
             s = (2.0 ** rng.integers(-3, 4, (n, 10) if g else n)).astype(np.float32)
             out[f"w4a8_{m}_{g}"] = K.w4a8_matmul(xq, sx, codes, s, 320, g, 1)
-        for bits in (3,):         # the 2+1 bit planes (int5/int6 share the 4-bit tiles)
+        # int3 (2+1 bit planes): 320 columns run 64-column units, 256 the
+        # 128-column units (m = 1: the one-row decode of AVX2 hosts); int6/g128
+        # the crumb merge (int5 shares the 4-bit tiles)
+        for bits, kk, g in ((3, 320, 32), (3, 256, 32), (6, 256, 128)):
             lb = 2 if bits <= 3 else 4
-            lo = rng.integers(0, 256, (n, 320 * lb // 8)).astype(np.uint8)
-            hi = rng.integers(0, 256, (n, 320 * (bits - lb) // 8)).astype(np.uint8)
-            s = (2.0 ** rng.integers(-3, 4, (n, 10))).astype(np.float32)
-            out[f"int{bits}_{m}"] = K.intn_matmul_a8(xq, sx, lo, hi, s, bits, 320, 32, 1)
+            lo = rng.integers(0, 256, (n, kk * lb // 8)).astype(np.uint8)
+            hi = rng.integers(0, 256, (n, kk * (bits - lb) // 8)).astype(np.uint8)
+            s = (2.0 ** rng.integers(-3, 4, (n, kk // g))).astype(np.float32)
+            xk = np.ascontiguousarray(xq[:, :kk])
+            out[f"int{bits}_{kk}_{m}"] = K.intn_matmul_a8(xk, sx, lo, hi, s, bits, kk, g, 1)
     return out
 
 if __name__ == "__main__":

@@ -97,7 +97,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from .._config import njit, njit_parallel
 
@@ -114,8 +115,8 @@ from ._matmul import (PAR_MIN, _q8_rows, _q16_rows, dynamic_matmul_w8a8, matmul_
 from ._probe import absmax_f32
 from ._w4panel import W4_PANEL, W4_PANEL_J, w4a8_panel_matmul
 from ._simd_lowbit import (LOWBIT_BIG_LANES, LOWBIT_BIG_UNIT, LOWBIT_LANES, LOWBIT_OFFSET,
-                           LOWBIT_PLANE_BYTES, LOWBIT_SLOTS, LOWBIT_UNIT, lowbit_tile_1x4,
-                           lowbit_tile_1x8, lowbit_tile_4x2)
+                           LOWBIT_PATH, LOWBIT_PLANE_BYTES, LOWBIT_SLOTS, LOWBIT_UNIT,
+                           lowbit_tile_1x1, lowbit_tile_1x4, lowbit_tile_1x8, lowbit_tile_4x2)
 
 __all__ = [
     "FMT_INT4",
@@ -212,7 +213,12 @@ def _plan(cols, ng, group, fmt, a8=False):
     Mode 3 (int4/g32 with int8 activations, an even number of 64-column units)
     counts 128-column double units."""
     unit = _UNIT[fmt]
-    if a8 and fmt >= 2 and cols >= _BIGU:
+    # a row whose last 64 columns would miss the 128-column units (576 =
+    # 4 x 128 + 64: SmolLM2's width) runs the 64-column modes, which cover it:
+    # the scalar tail cost ~0.2 us per output (576 x 576, m = 1, Zen 3:
+    # int3/g32 121 -> 49 us, int6/g128 117 -> see below; int4/g32 25 us)
+    big_tail = cols % _BIGU >= unit
+    if a8 and fmt >= 2 and cols >= _BIGU and not big_tail:
         # intN with int8 activations: 128-column big units, hi plane merged in
         # registers (modes 4-6; groups that are neither 32 nor a multiple of
         # 128 keep the 64-column modes below)
@@ -221,8 +227,9 @@ def _plan(cols, ng, group, fmt, a8=False):
         if group == 32:
             return 4, cols // _BIGU, 1
         if group % _BIGU == 0:
+            # a partial last group is a short last flush (its scale exists)
             upf = group // _BIGU
-            return 6, (cols // group) * upf, upf
+            return 6, cols // _BIGU, upf
     if ng == 1:
         return 0, cols // unit, _UPF0
     if a8 and fmt == 0 and group == 32 and (cols // 64) % 2 == 0:
@@ -231,7 +238,7 @@ def _plan(cols, ng, group, fmt, a8=False):
         return 1, cols // 64, 1
     if group % unit == 0:
         upf = group // unit
-        return 2, (cols // group) * upf, upf
+        return 2, cols // unit, upf
     return -1, 0, 1
 
 
@@ -515,6 +522,84 @@ def _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b
         j0 += _NB
 
 
+#: Decode of the intN 128-column modes (4-6) one weight row per tile on the
+#: ``avx2`` path.  Streamed 4096 x 4096 stacks (m = 1, 2 threads, Zen 3, int8
+#: activations; ``benchmarks/bench_decode_rows.py``) read their packed bytes at
+#: int6/g128 23.3 / int3/g32 23.3 / int5/g32 25.8 / int2/g32 28.7 GB/s through 1 x 1 tiles
+#: against 19.1 / 18.4 / 21.7 / 24.8 GB/s through 1 x 4 tiles: a 1 x 4 tile reads
+#: four rows of each plane (and scales) at once, and those streams arrived late
+#: on this part.  VNNI hosts keep the 1 x 4 tiles they were tuned with.
+DEC_ONE_ROW = LOWBIT_PATH == "avx2"
+#: Software-prefetch distance of the one-row decode, in weight rows.
+_PF_ROWS1 = 4
+
+
+@njit
+def _rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols, group, fmt,
+           nunits, upf, mode, sx, y, b0, b1):
+    m = y.shape[0]
+    rows = y.shape[1]
+    region = nunits * _BIGU
+    tail = region < cols
+    for j in range(b0 * _NB, min(b1 * _NB, rows)):
+        for i in range(m):
+            t = lowbit_tile_1x1(xpf, i * xst, xst, cf, i * cst, cst, wf, j * wb, wb,
+                                w2f, j * w2b, w2b, sflat, j * sstride, sstride, nunits, upf,
+                                fmt, mode, _PF_ROWS1 * wb, _PF_ROWS1 * w2b)
+            if tail:
+                _put(y, i, j, t[0], xq, w, w2, sflat, sstride, group, cols, fmt, region,
+                     mode, sx)
+            else:
+                y[i, j] = _fin(t[0], sx[i], sflat[j * sstride], mode)
+
+
+@njit
+def _decode_rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols, group,
+                  fmt, nunits, upf, mode, sx, y, b0, b1):
+    """Decode (``m < 4``) of output blocks ``b0..b1`` in a 128-column mode
+    (4-6) one weight row per 1 x 1 tile (:data:`DEC_ONE_ROW`); the results are
+    the 1 x 4 tiles' bit for bit (every output keeps its own accumulation).
+    Each mode's loop calls the tile with constant ``fmt`` and ``mode``, so it
+    holds that variant only (a run-time ``mode`` put all six in the loop).
+    ``_rows1`` is a function of its own, compiled per constant ``mode``:
+    inlined three times (``inline="always"``), every copy ran the last
+    copy's mode."""
+    if mode == 4:
+        _rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols, group,
+               fmt, nunits, upf, 4, sx, y, b0, b1)
+    elif mode == 5:
+        _rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols, group,
+               fmt, nunits, upf, 5, sx, y, b0, b1)
+    else:
+        _rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols, group,
+               fmt, nunits, upf, 6, sx, y, b0, b1)
+
+
+def _decode_rows1_a8(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols,
+                     group, fmt, nunits, upf, mode, sx, y, b0, b1):
+    """:func:`_decode_rows1` where it applies (int8 activations on a
+    :data:`DEC_ONE_ROW` host), returning True; else False.  Decided when
+    numba types the call, so int16-activation kernels and VNNI hosts compile
+    none of the one-row decode (a ``None`` flag cannot enter the parallel
+    loops that call this)."""
+    raise NotImplementedError("call from @njit code")
+
+
+@overload(_decode_rows1_a8, prefer_literal=True, jit_options={"cache": True})
+def _ov_decode_rows1_a8(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols,
+                        group, fmt, nunits, upf, mode, sx, y, b0, b1):
+    if not (DEC_ONE_ROW and xpf.dtype == types.int8):
+        return (lambda xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols,
+                group, fmt, nunits, upf, mode, sx, y, b0, b1: False)
+
+    def impl(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols, group, fmt,
+             nunits, upf, mode, sx, y, b0, b1):
+        _decode_rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols,
+                      group, fmt, nunits, upf, mode, sx, y, b0, b1)
+        return True
+    return impl
+
+
 @njit
 def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
             sx, y, b0, b1):
@@ -551,6 +636,10 @@ def _blocks_dec(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, u
     tail = region < cols
     if fmt == 0 and mode == 3 and rows >= _NB and not tail:
         _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b1)
+        return
+    if mode >= 4 and _decode_rows1_a8(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat,
+                                      sstride, cols, group, fmt, nunits, upf, mode, sx, y,
+                                      b0, b1):
         return
     # decode (m < 4): one 1 x 4 tile per activation row and output block; with
     # fewer than 4 outputs one tile per output row (weight strides 0, its

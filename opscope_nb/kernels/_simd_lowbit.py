@@ -56,7 +56,9 @@ fmt   name       P     off   unpack (``b`` = 32 packed bytes)
 * modes 4-6 (intN fmts 2-5, int8 activations only): *big units* of 128
   columns with the ``hi`` plane merged into the ``lo`` fields in registers
   (one byte shuffle per row picks each lane's ``hi`` byte, a bit test per
-  field bit ORs ``1 << (lo_bits + i)`` into the code), so every unit is four
+  field bit ORs ``1 << (lo_bits + i)`` into the code; int6's crumbs: one
+  ``vpmullw`` per slot vector moves both bytes' crumbs of a 16-bit word into
+  place, see ``_merge_crumbs_nib``), so every unit is four
   ``vpdpbusd`` per weight row whatever the bit width -- the 64-column modes
   spend a second set of dot products on the ``hi`` plane.  ``lo`` crumbs
   (int2/int3): slot ``q`` byte ``t`` = column ``4 t + q``; ``lo`` nibbles
@@ -98,6 +100,7 @@ __all__ = [
     "lowbit_path_supported",
     "make_lowbit_tile",
     "LOWBIT_UNIT_BYTES",
+    "lowbit_tile_1x1",
     "lowbit_tile_1x4",
     "lowbit_tile_1x8",
     "lowbit_tile_4x2",
@@ -290,6 +293,37 @@ def _decode(builder, dec, b, shift):
             out.append(builder.select(nz, _splat8(1 << shift), _splat8(0)))
         return out
     raise AssertionError(dec)
+
+
+def _merge_crumbs_nib(builder, sl, hv):
+    """OR the hi crumbs of a 128-column int6 unit into its 4 nibble slot vectors.
+
+    Slot vector ``v = 2 h + s`` byte ``4 l + e`` holds column ``c = 32 (l // 2) +
+    16 h + 8 (l % 2) + 2 e + s``; its hi crumb is field ``c % 4 = 2 (e % 2) + s``
+    of hi byte ``c // 4``.  The two bytes of every 16-bit word (``e`` even, odd)
+    share that hi byte, so one in-lane byte shuffle puts it in the word's low
+    byte (high byte 0) and one ``vpmullw`` moves both crumbs to bits 4-5 of
+    their own byte: with ``b = h & (0x33 << 2 s)`` (the two crumbs of slot
+    ``s``), ``b * (2**(4 - 2 s) + 2**(8 - 2 s))`` has the even byte's crumb at
+    bits 4-5 and the odd byte's at bits 12-13 (the cross terms land on bits
+    8-10 only), then ``& 0x3030``: four operations per slot vector instead of
+    a compare-and-select per bit."""
+    v16 = ir.VectorType(_I16, 16)
+    zero = ir.Constant(_V32I8, None)
+    out = list(sl)
+    for h in range(2):
+        idx = []
+        for l in range(8):
+            for e in range(4):
+                idx.append(8 * (l // 2) + 4 * h + 2 * (l % 2) + e // 2 if e % 2 == 0 else 32)
+        sh = builder.bitcast(builder.shuffle_vector(hv, zero, ir.Constant(
+            ir.VectorType(_I32, 32), [ir.Constant(_I32, i) for i in idx])), v16)
+        for s in range(2):
+            b = builder.and_(sh, _splat(v16, 0x33 << (2 * s)))
+            p = builder.mul(b, _splat(v16, (1 << (4 - 2 * s)) + (1 << (8 - 2 * s))))
+            p = builder.bitcast(builder.and_(p, _splat(v16, 0x3030)), _V32I8)
+            out[2 * h + s] = builder.or_(out[2 * h + s], p)
+    return out
 
 
 def _dot_u8s8(builder, acc, u, s, path):
@@ -600,6 +634,10 @@ def _make_tile(R: int, C: int, path: str | None = None):
                 hv = vload(w2row[c], ho, ir.VectorType(_I8, hib))
                 pa = builder.gep(w2row[c], [builder.add(ho, pf2_)], inbounds=False)
                 _prefetch(builder, pa)
+                if hi == "crumb" and lo == "nib":
+                    # int6: 4 operations per slot vector instead of 2 x 4
+                    # (4096 x 4096 streamed, 2 threads, Zen 3 AVX2: 16.1 -> 19.1 GB/s)
+                    return _merge_crumbs_nib(builder, sl, hv)
                 # hi fields: per lane, pick the byte holding its column's field
                 # (one byte shuffle, shared by slots with the same byte pattern),
                 # test each field bit and OR ``1 << (lo_bits + bit)`` into the code
@@ -770,6 +808,7 @@ def make_lowbit_tile(R: int, C: int, path: str):
     return _make_tile(R, C, path)
 
 
+lowbit_tile_1x1 = _make_tile(1, 1)
 lowbit_tile_1x4 = _make_tile(1, 4)
 lowbit_tile_1x8 = _make_tile(1, 8)
 lowbit_tile_4x2 = _make_tile(4, 2)
