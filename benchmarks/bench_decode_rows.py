@@ -99,7 +99,7 @@ def main(argv=None):
         for name, fn in loops.items():
             outs[name] = np.zeros(n)
             s = stack[0]
-            fn(xp, corr, s["lo"], s["hi"], s["scales"].ravel(), s["scales"].shape[1], nunits,
+            fn(xp, corr, s["lo"], s.get("hi", s["lo"]), s["scales"].ravel(), s["scales"].shape[1], nunits,
                upf, outs[name])
         if not np.array_equal(outs["1x1"], outs["1x4"]):
             raise SystemExit(f"{label}: 1x1 and 1x4 decode differ")
@@ -109,7 +109,7 @@ def main(argv=None):
             for name, fn in loops.items():
                 t0 = time.perf_counter()
                 for s in stack:
-                    fn(xp, corr, s["lo"], s["hi"], s["scales"].ravel(), s["scales"].shape[1],
+                    fn(xp, corr, s["lo"], s.get("hi", s["lo"]), s["scales"].ravel(), s["scales"].shape[1],
                        nunits, upf, outs[name])
                 best[name] = min(best[name], (time.perf_counter() - t0) / len(stack))
             t0 = time.perf_counter()
