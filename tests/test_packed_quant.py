@@ -27,6 +27,8 @@ SHAPES = [
     (1, 4, 1000, None),     # several mode-0 flushes
     (1, 9, 256, 32),        # g32 with int8 activations: 128-col double units (mode 3), m = 1
     (33, 6, 270, 32),       # mode 3 on the 4-row tile + 14-col tail group
+    (1, 9, 576, 128),       # g128, partial last group of one unit: a short last flush
+    (33, 6, 576, 128),      # the same on the prefill tiles
     (3, 10, 512, 32),       # mode 3 decode without tail: the literal-specialised loop
     (1, 21, 256, 32),       # mode 3 decode: 1 x 8 tiles, then 4-blocks, the last overlapping
 ]
@@ -219,6 +221,10 @@ INTN_SHAPES = [
     (7, 13, 200, 32),
     (33, 6, 300, 128),
     (2, 3, 70, 48),
+    (1, 9, 576, 32),       # 4 x 128 + 64 columns: the 64-column units, no scalar tail
+    (1, 9, 576, 128),      # ... and a partial last group as a short last flush
+    (6, 5, 448, 256),      # prefill, last flush 3 of 4 units
+    (1, 4, 640, 256),      # big units (mode 6), last flush 1 of 2 units
 ]
 
 

@@ -215,8 +215,8 @@ def _plan(cols, ng, group, fmt, a8=False):
     unit = _UNIT[fmt]
     # a row whose last 64 columns would miss the 128-column units (576 =
     # 4 x 128 + 64: SmolLM2's width) runs the 64-column modes, which cover it:
-    # the scalar tail cost ~0.2 us per output (576 x 576, m = 1, Zen 3:
-    # int3/g32 121 -> 49 us, int6/g128 117 -> see below; int4/g32 25 us)
+    # the scalar tail cost ~0.2 us per output (576 x 576, m = 1, 2 threads,
+    # AMD EPYC Zen 3, avx2: int3/g32 121 -> 32-49 us, int6/g128 117 -> 37 us)
     big_tail = cols % _BIGU >= unit
     if a8 and fmt >= 2 and cols >= _BIGU and not big_tail:
         # intN with int8 activations: 128-column big units, hi plane merged in
@@ -523,10 +523,11 @@ def _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b
 
 
 #: Decode of the intN 128-column modes (4-6) one weight row per tile on the
-#: ``avx2`` path.  Streamed 4096 x 4096 stacks (m = 1, 2 threads, Zen 3, int8
-#: activations; ``benchmarks/bench_decode_rows.py``) read their packed bytes at
-#: int6/g128 23.3 / int3/g32 23.3 / int5/g32 25.8 / int2/g32 28.7 GB/s through 1 x 1 tiles
-#: against 19.1 / 18.4 / 21.7 / 24.8 GB/s through 1 x 4 tiles: a 1 x 4 tile reads
+#: ``avx2`` path.  Streamed 4096 x 4096 stacks (m = 1, 2 threads, AMD EPYC Zen 3,
+#: avx2, int8 activations; ``benchmarks/bench_decode_rows.py``) read their packed
+#: bytes at int6/g128 19.9 / int5/g32 27.1 / int3/g32 23.4 / int2/g32 28.2 GB/s
+#: through 1 x 1 tiles against 17.8 / 22.0 / 19.7 / 24.2 GB/s through 1 x 4
+#: tiles (one run; every kind faster in each run tried): a 1 x 4 tile reads
 #: four rows of each plane (and scales) at once, and those streams arrived late
 #: on this part.  VNNI hosts keep the 1 x 4 tiles they were tuned with.
 DEC_ONE_ROW = LOWBIT_PATH == "avx2"
@@ -537,6 +538,7 @@ _PF_ROWS1 = 4
 @njit
 def _rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols, group, fmt,
            nunits, upf, mode, sx, y, b0, b1):
+    """:func:`_decode_rows1`'s loop for one constant ``mode``."""
     m = y.shape[0]
     rows = y.shape[1]
     region = nunits * _BIGU
