@@ -17,7 +17,6 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
-from numba.typed import List
 
 from ._validation import as_float32, as_matrix, check_int
 from .kernels import _lowrank, _monarch, _tt, _tucker
@@ -277,8 +276,9 @@ def tt_svd(x, dims, max_rank):
         raise ValueError(f"x.size must equal prod(dims) = "
                          f"{int(np.prod(np.array(dims, dtype=object)))}; got x of "
                          f"shape {x.shape} (size {x.size}).")
-    cores = _tt.tt_svd(x.ravel(), np.array(dims, dtype=np.int64), max_rank)
-    return list(cores)
+    flat, shapes = _tt.tt_svd_flat(np.ascontiguousarray(x.ravel()),
+                                   np.array(dims, dtype=np.int64), max_rank)
+    return _tt._split_cores(flat, shapes)
 
 
 def _tt_cores(cores):
@@ -311,7 +311,7 @@ def tt_reconstruct(cores):
     row-major flat tensor that :func:`tt_svd` takes)
     """
     cs = _tt_cores(cores)
-    flat = _tt.tt_reconstruct(List(cs))
+    flat = _tt.tt_reconstruct_flat(*_tt._join_cores(cs))
     return flat.reshape(tuple(c.shape[1] for c in cs))
 
 

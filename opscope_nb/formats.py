@@ -908,10 +908,9 @@ def _pack(w, d: Decomp, svd=None, gram=None):
         for i, u in enumerate(facs):
             out[f"u{i}"] = np.ascontiguousarray(u, dtype=np.float32)
         return out
-    cores = _kern().tt_svd(np.ascontiguousarray(w.reshape(-1)),
-                           np.asarray(d.modes, dtype=np.int64), d.cap)
-    return {f"core{i}": np.ascontiguousarray(c, dtype=np.float32)
-            for i, c in enumerate(cores)}
+    flat, shapes = _kern().tt_svd_flat(np.ascontiguousarray(w.reshape(-1), dtype=np.float32),
+                                       np.asarray(d.modes, dtype=np.int64), d.cap)
+    return {f"core{i}": c for i, c in enumerate(_kern()._tt._split_cores(flat, shapes))}
 
 
 def unpack(packed: dict, d: Decomp, shape) -> np.ndarray:
@@ -965,7 +964,7 @@ def unpack(packed: dict, d: Decomp, shape) -> np.ndarray:
         out = _kern().tucker_reconstruct(packed["core"], facs).reshape(rows, cols)
     else:
         cores = [packed[f"core{i}"] for i in range(len(d.modes))]
-        out = _kern().tt_reconstruct(_as_core_list(cores)).reshape(rows, cols)
+        out = _kern().tt_reconstruct_flat(*_kern()._tt._join_cores(cores)).reshape(rows, cols)
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
@@ -978,17 +977,6 @@ def correction_product(u, v, s) -> np.ndarray:
     errors must not (``rows * cols * r`` MACs, ``r <= 32``)."""
     return np.einsum("ik,kj->ij", np.asarray(u, dtype=np.float32) * s,
                      np.asarray(v, dtype=np.float32), optimize=False)
-
-
-def _as_core_list(cores):
-    try:
-        from numba.typed import List
-        lst = List()
-        for c in cores:
-            lst.append(c)
-        return lst
-    except Exception:  # pragma: no cover - plain list accepted by the core
-        return list(cores)
 
 
 def pack(w, decomp: Decomp, *, gram=None) -> dict:

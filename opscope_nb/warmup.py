@@ -109,6 +109,15 @@ def _profile_family(kind):
     float(rel_err(w, recon))
 
 
+def _profile_synth(_):
+    """The built-in model's weight generators (the RNG kernels), as
+    ``opscope-nb profile`` without a source draws them."""
+    from . import synth
+    from .io import SYNTHETIC_LAYERS
+    for _name, dist, _rows, _cols, seed in SYNTHETIC_LAYERS:
+        synth.sample(getattr(synth.Dist, dist), 8, 8, seed=seed)
+
+
 def _profile_allocate(_):
     from . import mining
     from .allocate import dado_allocate, exact_allocate, greedy_allocate
@@ -186,6 +195,7 @@ def _build_items():
     add("profile ternary / sparse2:4", "profile", "_profile_labels", ("ternary", "sparse2:4"))
     add("profile int8 / int4", "profile", "_profile_labels",
         ("dense", "int8/chan", "int4/chan", "int4/g32"))
+    add("profile built-in model weights", "profile", "_profile_synth")
     add("profile command (built-in model)", "profile", "_profile_cli", phase=1)
     for label in ("int6/g128", "int5/g32", "int3/g128", "int2/g32", "int4/chan", "int4/g32",
                   "ternary", "int8/chan"):

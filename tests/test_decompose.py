@@ -1,6 +1,9 @@
 """factorize, Monarch, Tucker and TT against their NumPy twins (naive_decomp)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numba
 import numpy as np
 import pytest
@@ -276,6 +279,41 @@ def test_tt_matches_naive(dims, cap):
                                atol=1e-5)
     assert rel(x, ours) <= 1.01 * rel(x, nv.naive_tt_reconstruct(ref)) + 1e-5
     assert D.tt_params(cores) == nv.naive_tt_params(ref)
+
+
+def test_tt_flat_kernels_equal_the_list_kernels():
+    """The flat forms Python callers use hold the typed-List kernels' cores,
+    and their reconstruction matches the NumPy twin."""
+    dims = np.array([4, 6, 5], dtype=np.int64)
+    x = np.random.default_rng(3).standard_normal(120).astype(np.float32)
+    flat, shapes = kernels.tt_svd_flat(x, dims, 3)
+    lst = kernels.tt_svd(x, dims, 3)
+    cores = [np.asarray(c) for c in lst]
+    assert shapes.tolist() == [list(c.shape) for c in cores]
+    np.testing.assert_array_equal(flat, np.concatenate([c.ravel() for c in cores]))
+    np.testing.assert_allclose(kernels.tt_reconstruct_flat(flat, shapes),
+                               nv.naive_tt_reconstruct(cores).ravel(), rtol=1e-5, atol=1e-6)
+
+
+def test_tt_from_python_compiles_no_typed_list_accessors():
+    """A typed List crossing into Python compiles its accessors (uncached,
+    ~0.6 s per process): the public TT functions and the tt format keep it
+    inside the compiled code."""
+    code = (
+        "import numpy as np\n"
+        "from numba.typed import typedlist as T\n"
+        "from opscope_nb import decompose as D, formats as F\n"
+        "x = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)\n"
+        "D.tt_reconstruct(D.tt_svd(x, (4, 4, 4, 4), 3))\n"
+        "d = F.Decomp.tt((4, 4, 4, 4), 3)\n"
+        "F.unpack(F.pack(x, d), d, x.shape)\n"
+        "used = [n for n in ('_make_list', '_getitem', '_append', '_length')\n"
+        "        if getattr(T, n).signatures]\n"
+        "print('USED', used)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "USED []" in out.stdout, out.stdout
 
 
 def test_tt_flat_input_and_bad_input():

@@ -25,14 +25,41 @@ from .._config import njit
 from ._coerce import as_f32c, as_i64_vector, njit_entry
 from ._svd import truncated_svd_opts
 
-__all__ = ["tt_svd", "tt_reconstruct", "tt_params"]
+__all__ = ["tt_svd", "tt_reconstruct", "tt_params", "tt_svd_flat", "tt_reconstruct_flat"]
 
 _CORE = types.Array(types.float32, 3, "C")
 
 
 @njit
-def _tt_svd(x, dims, max_rank):
-    """TT-SVD of a row-major tensor.
+def _tt_shapes(dims, max_rank):
+    """Core shapes ``(r_prev, d_k, r_k)`` of the sweep (they depend on ``dims``
+    and ``max_rank`` only), as an ``(ndim, 3)`` int64 array."""
+    nd = dims.shape[0]
+    shapes = np.empty((nd, 3), dtype=np.int64)
+    size = 1
+    for k in range(nd):
+        size *= dims[k]
+    r_prev = 1
+    for k in range(nd - 1):
+        rows = r_prev * dims[k]
+        cols = size // dims[k]
+        rk = max(1, min(max_rank, min(rows, cols)))
+        shapes[k, 0] = r_prev
+        shapes[k, 1] = dims[k]
+        shapes[k, 2] = rk
+        size = size // dims[k]
+        r_prev = rk
+    shapes[nd - 1, 0] = r_prev
+    shapes[nd - 1, 1] = dims[nd - 1]
+    shapes[nd - 1, 2] = 1
+    return shapes
+
+
+@njit
+def tt_svd_flat(x, dims, max_rank):
+    """:func:`tt_svd` with the cores in one flat array (no ``numba.typed.List``:
+    Python callers use this form, since a List crossing into Python compiles
+    its accessors in every process, uncached).
 
     Parameters
     ----------
@@ -43,32 +70,69 @@ def _tt_svd(x, dims, max_rank):
 
     Returns
     -------
-    numba.typed.List of ndarray, each (r_prev, d_k, r_next) float32
-        ``r_0 = r_ndim = 1``.
+    flat : ndarray of shape (sum of core sizes,), float32
+        The cores' C-order elements, one after another.
+    shapes : ndarray of shape (ndim, 3), int64
+        Core ``k`` is ``flat[o_k : o_k + prod(shapes[k])].reshape(shapes[k])``,
+        ``o_k`` the summed sizes of the cores before it; ``r_0 = r_ndim = 1``.
     """
     nd = dims.shape[0]
-    cores = List.empty_list(_CORE)
+    shapes = _tt_shapes(dims, max_rank)
+    total = 0
+    for k in range(nd):
+        total += shapes[k, 0] * shapes[k, 1] * shapes[k, 2]
+    flat = np.empty(total, dtype=np.float32)
     c = x                       # never written: each step makes a new remainder
-    r_prev = 1
+    o = 0
     for k in range(nd - 1):
-        rows = r_prev * dims[k]
+        rows = shapes[k, 0] * shapes[k, 1]
         cols = c.size // rows
-        rk = max(1, min(max_rank, min(rows, cols)))
+        rk = shapes[k, 2]
         # block rk + 16, depth 4: cheaper than truncated_svd's defaults, and
         # the sweep only needs a good subspace (exact path for short sides).
         # (np.int64, not literal constants: a literal makes numba compile a
         # second specialisation of the whole SVD chain next to truncated_svd's)
         u, s, vt = truncated_svd_opts(c.reshape(rows, cols), rk, np.int64(0), np.int64(16),
                                       np.int64(4), np.int64(64), 1e-6)
-        cores.append(np.ascontiguousarray(u).reshape(r_prev, dims[k], rk))
+        for i in range(rows):       # core k = u (rows, rk), row-major
+            for j in range(rk):
+                flat[o + i * rk + j] = u[i, j]
+        o += rows * rk
         rem = np.empty((rk, cols), dtype=np.float32)
         for i in range(rk):         # a loop: a slice assignment compiles an error formatter
             for j in range(cols):
                 rem[i, j] = s[i] * vt[i, j]
         c = rem.ravel()
-        r_prev = rk
-    cores.append(c.reshape(r_prev, dims[nd - 1], 1))
+    for i in range(c.size):
+        flat[o + i] = c[i]
+    return flat, shapes
+
+
+@njit
+def _tt_svd(x, dims, max_rank):
+    """TT-SVD of a row-major tensor (:func:`tt_svd_flat`'s cores as a List).
+
+    Returns
+    -------
+    numba.typed.List of ndarray, each (r_prev, d_k, r_next) float32
+        ``r_0 = r_ndim = 1``.
+    """
+    flat, shapes = tt_svd_flat(x, dims, max_rank)
+    cores = List.empty_list(_CORE)
+    o = 0
+    for k in range(shapes.shape[0]):
+        n = shapes[k, 0] * shapes[k, 1] * shapes[k, 2]
+        cores.append(flat[o:o + n].copy().reshape(shapes[k, 0], shapes[k, 1], shapes[k, 2]))
+        o += n
     return cores
+
+
+@njit(inline="always")
+def _contract(acc, g):
+    """``acc (n, r_prev) @ g (r_prev, d, r_next)`` -> ``(n * d, r_next)``."""
+    rp, d, rn = g.shape
+    nxt = np.dot(acc, np.ascontiguousarray(g).reshape(rp, d * rn))
+    return nxt.reshape(acc.shape[0] * d, rn)
 
 
 @njit
@@ -88,11 +152,31 @@ def tt_reconstruct(cores):
     acc = np.ascontiguousarray(first).reshape(first.shape[0] * first.shape[1],
                                               first.shape[2])
     for k in range(1, len(cores)):
-        g = cores[k]
-        rp, d, rn = g.shape
-        nxt = np.dot(acc, np.ascontiguousarray(g).reshape(rp, d * rn))
-        acc = nxt.reshape(acc.shape[0] * d, rn)
+        acc = _contract(acc, cores[k])
     return acc.ravel()
+
+
+@njit
+def tt_reconstruct_flat(flat, shapes):
+    """:func:`tt_reconstruct` of cores in :func:`tt_svd_flat`'s flat form.
+
+    Parameters
+    ----------
+    flat : ndarray of shape (sum of core sizes,), float32, C-contiguous
+    shapes : ndarray of shape (ndim, 3), int64, ``shapes[0, 0] = shapes[-1, 2] = 1``
+
+    Returns
+    -------
+    ndarray of shape (prod(shapes[:, 1]),), float32
+    """
+    n0 = shapes[0, 0] * shapes[0, 1] * shapes[0, 2]
+    acc = flat[:n0].reshape(shapes[0, 0] * shapes[0, 1], shapes[0, 2])
+    o = n0
+    for k in range(1, shapes.shape[0]):
+        n = shapes[k, 0] * shapes[k, 1] * shapes[k, 2]
+        acc = _contract(acc, flat[o:o + n].reshape(shapes[k, 0], shapes[k, 1], shapes[k, 2]))
+        o += n
+    return np.ascontiguousarray(acc).ravel()
 
 
 @njit
@@ -103,6 +187,25 @@ def tt_params(cores):
         g = cores[k]
         total += g.shape[0] * g.shape[1] * g.shape[2]
     return total
+
+
+def _split_cores(flat, shapes):
+    """TT cores (C-contiguous float32 copies) from :func:`tt_svd_flat`'s
+    flat form (no ``numba.typed.List`` in Python: its accessors compile in
+    every process)."""
+    out, o = [], 0
+    for shp in shapes.tolist():
+        n = shp[0] * shp[1] * shp[2]
+        out.append(flat[o:o + n].reshape(shp).copy())
+        o += n
+    return out
+
+
+def _join_cores(cores):
+    """``(flat, shapes)`` of TT cores for :func:`tt_reconstruct_flat`."""
+    flat = np.concatenate([np.asarray(c, dtype=np.float32).ravel() for c in cores])
+    shapes = np.array([np.shape(c) for c in cores], dtype=np.int64).reshape(len(cores), 3)
+    return np.ascontiguousarray(flat), shapes
 
 
 @njit_entry
