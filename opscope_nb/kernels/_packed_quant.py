@@ -590,7 +590,11 @@ def _decode_rows1_a8(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstr
 @overload(_decode_rows1_a8, prefer_literal=True, jit_options={"cache": True})
 def _ov_decode_rows1_a8(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols,
                         group, fmt, nunits, upf, mode, sx, y, b0, b1):
-    if not (DEC_ONE_ROW and xpf.dtype == types.int8):
+    # int4 / ternary (fmt 0 / 1, a literal from their entries) never take the
+    # 128-column modes 4-6: no one-row decode in their code (~5 s of a cold
+    # first int4/g32 act=int8 call)
+    low_fmt = isinstance(fmt, types.IntegerLiteral) and fmt.literal_value < 2
+    if not (DEC_ONE_ROW and xpf.dtype == types.int8) or low_fmt:
         return (lambda xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols,
                 group, fmt, nunits, upf, mode, sx, y, b0, b1: False)
 
@@ -601,6 +605,27 @@ def _ov_decode_rows1_a8(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, s
         return True
     return impl
 
+
+
+def _decode_i4m3_a8(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b1, fmt):
+    """:func:`_decode_i4m3` where it can apply (int8 activations, ``fmt`` 0 or
+    not a literal), returning True; else False, decided when numba types the
+    call: the other kinds (mode 3 is int4/g32 with int8 activations only)
+    compile none of it (~0.8 s of each one's cold first call)."""
+    raise NotImplementedError("call from @njit code")
+
+
+@overload(_decode_i4m3_a8, prefer_literal=True, jit_options={"cache": True})
+def _ov_decode_i4m3_a8(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b1, fmt):
+    other = isinstance(fmt, types.IntegerLiteral) and fmt.literal_value != FMT_INT4
+    if xpf.dtype != types.int8 or other:
+        return (lambda xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b1,
+                fmt: False)
+
+    def impl(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b1, fmt):
+        _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b1)
+        return True
+    return impl
 
 @njit
 def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
@@ -636,8 +661,9 @@ def _blocks_dec(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, u
     # no scalar tail: finish in place (``_put`` is an out-of-line call taking six
     # arrays, ~50 ns per output -- it dominated small-k prefill)
     tail = region < cols
-    if fmt == 0 and mode == 3 and rows >= _NB and not tail:
-        _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b1)
+    if (fmt == 0 and mode == 3 and rows >= _NB and not tail
+            and _decode_i4m3_a8(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0,
+                                b1, fmt)):
         return
     if mode >= 4 and _decode_rows1_a8(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat,
                                       sstride, cols, group, fmt, nunits, upf, mode, sx, y,
