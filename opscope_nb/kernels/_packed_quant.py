@@ -549,8 +549,10 @@ def _rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols,
                                 w2f, j * w2b, w2b, sflat, j * sstride, sstride, nunits, upf,
                                 fmt, mode, _PF_ROWS1 * wb, _PF_ROWS1 * w2b)
             if tail:
+                # np.int64(mode): the literal mode would compile one more
+                # _put per mode (~0.4 s each, cold)
                 _put(y, i, j, t[0], xq, w, w2, sflat, sstride, group, cols, fmt, region,
-                     mode, sx)
+                     np.int64(mode), sx)
             else:
                 y[i, j] = _fin(t[0], sx[i], sflat[j * sstride], mode)
 
