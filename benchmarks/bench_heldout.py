@@ -12,10 +12,11 @@ user's commands in fresh processes:
    weight so a quantised source means the same);
 3. ``opscope-nb apply SOURCE DIR/bB/plan.json -o ... --grams DIR/calib.npz``;
 4. ``opscope-nb eval SOURCE --compressed ... --act f32 --text EVAL --max-tokens N``
-   on text outside the calibration set (default ``builtin``: the standard
-   library's prose docstrings, while calibration uses the shipped sample;
-   ``--calib-text builtin --eval-text sample`` swaps them: calibration on the
-   larger set, evaluation on the sample),
+   on text outside the calibration set (default ``sample``, the shipped
+   text, while calibration uses the CLI's default, the first 8192 tokens of
+   the standard library's prose docstrings; ``--calib-text sample
+   --eval-text builtin`` swaps them; ``--eval-text FILE`` evaluates both on a
+   third text),
 
 and prints one row per budget: the eval metric (cosine for encoders, KL and
 top-1 agreement for decoders), how many layers the plan gives a ``+lr``
@@ -25,8 +26,8 @@ budget is solved, applied and evaluated a second time from a copy of the same
 what the composites are worth.
 
 Usage: ``python benchmarks/bench_heldout.py [--models minilm,smollm2]
-[--budgets 0.2,0.15,0.125] [--eval-text builtin] [--max-tokens 4096]
-[--calib-text sample] [--calib-tokens N]
+[--budgets 0.2,0.15,0.125] [--eval-text sample] [--max-tokens 4096]
+[--calib-text builtin] [--calib-tokens N]
 [--include REGEX] [--menu default|mixed] [--ablate-lr] [--workdir DIR]``.
 """
 from __future__ import annotations
@@ -77,9 +78,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="minilm,smollm2")
     ap.add_argument("--budgets", default="0.2,0.15,0.125")
-    ap.add_argument("--eval-text", default="builtin")
-    ap.add_argument("--calib-text", default="sample",
-                    help="profile --calib-text (sample, builtin or a file); keep it apart "
+    ap.add_argument("--eval-text", default="sample")
+    ap.add_argument("--calib-text", default=None,
+                    help="profile --calib-text (sample, builtin or a file; default: the "
+                         "CLI's, the built-in text's first 8192 tokens); keep it apart "
                          "from --eval-text")
     ap.add_argument("--calib-tokens", type=int, default=None,
                     help="profile --calib-tokens (cap on calibration tokens)")
@@ -91,14 +93,14 @@ def main(argv=None) -> int:
     ap.add_argument("--ablate-lr", action="store_true",
                     help="also solve each budget without the +lr composites")
     args = ap.parse_args(argv)
-    if args.calib_text == args.eval_text:
-        ap.error(f"--calib-text and --eval-text are both {args.calib_text!r}: the plans "
+    if (args.calib_text or "builtin") == args.eval_text:
+        ap.error(f"--calib-text and --eval-text are both {args.eval_text!r}: the plans "
                  "must be evaluated on text outside the calibration set.")
     srcs = _sources()
     budgets = [float(b) for b in args.budgets.split(",")]
     root = args.workdir or tempfile.mkdtemp(prefix="opscope-heldout-")
     print(f"# bench_heldout on {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores; calibration text: {args.calib_text} "
+          f"{os.cpu_count()} cores; calibration text: {args.calib_text or 'CLI default'} "
           f"(max {args.calib_tokens or 'all'} tokens, validate 0.25); "
           f"eval text: {args.eval_text} (max {args.max_tokens} tokens)")
     for name in args.models.split(","):
@@ -110,7 +112,9 @@ def main(argv=None) -> int:
         # budgets are fractions of the float32 weight, given as bits per weight so a
         # quantised source (SmolLM2's Q4_1 GGUF) means the same as a float32 one
         prof = ["profile", src, "--calib", "--out", d, "--bpw", 32 * budgets[0], "-q",
-                "--method", "exact", "--calib-text", args.calib_text]
+                "--method", "exact"]
+        if args.calib_text:
+            prof += ["--calib-text", args.calib_text]
         if args.calib_tokens:
             prof += ["--calib-tokens", args.calib_tokens]
         if args.include:

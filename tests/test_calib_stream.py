@@ -327,6 +327,9 @@ def test_cli_profile_calib_streams_and_keeps_grams(tmp_path):
     from opscope_nb.calib import load_grams
     g, meta = load_grams(os.path.join(out, "calib.npz"))
     assert set(g) == {rec["name"] for rec in doc["layers"]} and meta["tokens"] == 80
+    # no --calib-text: the built-in text (the CLI's default), recorded for 'apply'
+    assert doc["settings"]["calib"]["text"] == "builtin"
+    assert doc["settings"]["calib"]["max_tokens"] == 80
     # default objective (auto): sensitivity of every profiled layer
     r = _cli("profile", src, "--calib", "--calib-tokens", "80", "--out", out + "2",
              "--budget", "0.4", "--rank-cap", "4", "--include", r"layers\.1\.")
@@ -341,6 +344,22 @@ def test_cli_profile_calib_streams_and_keeps_grams(tmp_path):
     assert all(rec["profile"]["sensitivity_val"] > 0 for rec in doc["layers"])
     assert doc["settings"]["calib"]["sens_val_tokens"] > 0
     assert "with the held-out sensitivities" in r.stdout
+
+
+def test_cli_calib_default_is_builtin_text_capped(tmp_path):
+    """Without --calib-text / --calib-tokens the CLI calibrates on the built-in
+    text's first BUILTIN_CALIB_TOKENS tokens, and says so in profile.json."""
+    from opscope_nb.cli.profile import BUILTIN_CALIB_TOKENS
+    src = str(tmp_path / "m")
+    write_tiny_llama(src, seed=9, n_layers=1, hidden=64, ffn=96)
+    out = str(tmp_path / "o")
+    r = _cli("profile", src, "--calib", "--out", out, "--budget", "0.4", "--rank-cap", "4",
+             "--objective", "output", "--validate", "0", "--include", r"mlp\.down")
+    assert r.returncode == 0, r.stderr
+    doc = json.load(open(os.path.join(out, "profile.json")))
+    cal = doc["settings"]["calib"]
+    assert cal["text"] == "builtin" and cal["max_tokens"] == BUILTIN_CALIB_TOKENS == 8192
+    assert 0 < cal["tokens"] <= BUILTIN_CALIB_TOKENS
 
 
 def test_cli_sensitivity_flags_fail_early(tmp_path):

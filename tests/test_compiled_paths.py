@@ -176,3 +176,28 @@ def test_checked_entries_equal_the_public_cores(m, rows, cols, group):
             xb[m - 1, cols // 2] = bad
             assert checked(xb, *args).shape == (0, rows)
             assert checked(xb, *args, prefill=None).shape == (0, rows)
+
+
+def test_kinds_compile_only_the_decode_variants_they_reach():
+    """int4 and ternary never reach the 128-column intN modes, and only int4
+    with int8 activations reaches the mode-3 int4 decode: a kind compiles (or
+    loads) neither variant it cannot reach.  A fresh process, so the counts
+    are this call's alone."""
+    import subprocess
+    import sys
+    code = (
+        "import numpy as np\n"
+        "from opscope_nb.kernels import _packed_quant as PQ\n"
+        "from opscope_nb.mining import Decomp\n"
+        "from opscope_nb.runtime import PackedLinear\n"
+        "w = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)\n"
+        "x = np.ones((1, 256), np.float32)\n"
+        "for lab, act in (('int4/chan', 'f32'), ('ternary', 'int8')):\n"
+        "    PackedLinear.pack(w, Decomp.from_label(lab))(x, act)\n"
+        "print('A', len(PQ._decode_rows1.signatures), len(PQ._decode_i4m3.signatures))\n"
+        "PackedLinear.pack(w, Decomp.from_label('int4/g32'))(x, 'int8')\n"
+        "print('B', len(PQ._decode_rows1.signatures), len(PQ._decode_i4m3.signatures))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "A 0 0" in out.stdout and "B 0 1" in out.stdout, out.stdout

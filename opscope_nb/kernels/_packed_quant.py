@@ -608,7 +608,6 @@ def _ov_decode_rows1_a8(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, s
     return impl
 
 
-
 def _decode_i4m3_a8(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b1, fmt):
     """:func:`_decode_i4m3` where it can apply (int8 activations, ``fmt`` 0 or
     not a literal), returning True; else False, decided when numba types the
@@ -628,6 +627,7 @@ def _ov_decode_i4m3_a8(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y,
         _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b1)
         return True
     return impl
+
 
 @njit
 def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
