@@ -183,8 +183,7 @@ def test_kinds_compile_only_the_decode_variants_they_reach():
     with int8 activations reaches the mode-3 int4 decode: a kind compiles (or
     loads) neither variant it cannot reach.  A fresh process, so the counts
     are this call's alone."""
-    import subprocess
-    import sys
+    from subproc import run_code
     code = (
         "import numpy as np\n"
         "from opscope_nb.kernels import _packed_quant as PQ\n"
@@ -197,7 +196,5 @@ def test_kinds_compile_only_the_decode_variants_they_reach():
         "print('A', len(PQ._decode_rows1.signatures), len(PQ._decode_i4m3.signatures))\n"
         "PackedLinear.pack(w, Decomp.from_label('int4/g32'))(x, 'int8')\n"
         "print('B', len(PQ._decode_rows1.signatures), len(PQ._decode_i4m3.signatures))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=900)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "A 0 0" in out.stdout and "B 0 1" in out.stdout, out.stdout
+    out = run_code(code)
+    assert "A 0 0" in out and "B 0 1" in out, out

@@ -1,14 +1,12 @@
 """factorize, Monarch, Tucker and TT against their NumPy twins (naive_decomp)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numba
 import numpy as np
 import pytest
 
 import naive_decomp as nv
+from subproc import run_code
 from opscope_nb import decompose as D
 from opscope_nb import kernels
 from opscope_nb.synth import Dist, sample
@@ -310,10 +308,8 @@ def test_tt_from_python_compiles_no_typed_list_accessors():
         "used = [n for n in ('_make_list', '_getitem', '_append', '_length')\n"
         "        if getattr(T, n).signatures]\n"
         "print('USED', used)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "USED []" in out.stdout, out.stdout
+    out = run_code(code, timeout=600)
+    assert "USED []" in out, out
 
 
 def test_tt_flat_input_and_bad_input():
