@@ -178,11 +178,12 @@ def test_checked_entries_equal_the_public_cores(m, rows, cols, group):
             assert checked(xb, *args, prefill=None).shape == (0, rows)
 
 
-def test_kinds_compile_only_the_decode_variants_they_reach():
+def test_kinds_compile_only_the_decode_variants_they_reach(tmp_path):
     """int4 and ternary never reach the 128-column intN modes, and only int4
-    with int8 activations reaches the mode-3 int4 decode: a kind compiles (or
-    loads) neither variant it cannot reach.  A fresh process, so the counts
-    are this call's alone."""
+    with int8 activations reaches the mode-3 int4 decode: a kind compiles
+    neither variant it cannot reach.  A fresh process with an empty cache of
+    its own: a caller loaded from the cache carries its callees' code without
+    touching their dispatchers, so only a cold compile shows what is typed."""
     from subproc import run_code
     code = (
         "import numpy as np\n"
@@ -196,5 +197,5 @@ def test_kinds_compile_only_the_decode_variants_they_reach():
         "print('A', len(PQ._decode_rows1.signatures), len(PQ._decode_i4m3.signatures))\n"
         "PackedLinear.pack(w, Decomp.from_label('int4/g32'))(x, 'int8')\n"
         "print('B', len(PQ._decode_rows1.signatures), len(PQ._decode_i4m3.signatures))\n")
-    out = run_code(code)
+    out = run_code(code, env={"NUMBA_CACHE_DIR": str(tmp_path)})
     assert "A 0 0" in out and "B 0 1" in out, out
