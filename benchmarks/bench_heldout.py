@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     root = args.workdir or tempfile.mkdtemp(prefix="opscope-heldout-")
     print(f"# bench_heldout on {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores; calibration text: {args.calib_text or 'CLI default'} "
-          f"(max {args.calib_tokens or 'all'} tokens, validate 0.25); "
+          f"(max {args.calib_tokens or ('all' if args.calib_text else 'the CLI default')} "
+          f"tokens, validate 0.25); "
           f"eval text: {args.eval_text} (max {args.max_tokens} tokens)")
     for name in args.models.split(","):
         src = srcs.get(name)
