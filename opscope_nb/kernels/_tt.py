@@ -56,6 +56,18 @@ def _tt_shapes(dims, max_rank):
 
 
 @njit
+def _tt_offsets(shapes):
+    """Start of each core in the flat form: ``offs[k]`` = summed sizes of
+    cores ``0 .. k-1`` (``offs[ndim]`` = the total), int64 ``(ndim + 1,)``."""
+    nd = shapes.shape[0]
+    offs = np.empty(nd + 1, dtype=np.int64)
+    offs[0] = 0
+    for k in range(nd):
+        offs[k + 1] = offs[k] + shapes[k, 0] * shapes[k, 1] * shapes[k, 2]
+    return offs
+
+
+@njit
 def tt_svd_flat(x, dims, max_rank):
     """:func:`tt_svd` with the cores in one flat array (no ``numba.typed.List``:
     Python callers use this form, since a List crossing into Python compiles
@@ -78,13 +90,11 @@ def tt_svd_flat(x, dims, max_rank):
     """
     nd = dims.shape[0]
     shapes = _tt_shapes(dims, max_rank)
-    total = 0
-    for k in range(nd):
-        total += shapes[k, 0] * shapes[k, 1] * shapes[k, 2]
-    flat = np.empty(total, dtype=np.float32)
+    offs = _tt_offsets(shapes)
+    flat = np.empty(offs[nd], dtype=np.float32)
     c = x                       # never written: each step makes a new remainder
-    o = 0
     for k in range(nd - 1):
+        o = offs[k]
         rows = shapes[k, 0] * shapes[k, 1]
         cols = c.size // rows
         rk = shapes[k, 2]
@@ -97,12 +107,12 @@ def tt_svd_flat(x, dims, max_rank):
         for i in range(rows):       # core k = u (rows, rk), row-major
             for j in range(rk):
                 flat[o + i * rk + j] = u[i, j]
-        o += rows * rk
         rem = np.empty((rk, cols), dtype=np.float32)
         for i in range(rk):         # a loop: a slice assignment compiles an error formatter
             for j in range(cols):
                 rem[i, j] = s[i] * vt[i, j]
         c = rem.ravel()
+    o = offs[nd - 1]
     for i in range(c.size):
         flat[o + i] = c[i]
     return flat, shapes
@@ -118,12 +128,11 @@ def _tt_svd(x, dims, max_rank):
         ``r_0 = r_ndim = 1``.
     """
     flat, shapes = tt_svd_flat(x, dims, max_rank)
+    offs = _tt_offsets(shapes)
     cores = List.empty_list(_CORE)
-    o = 0
     for k in range(shapes.shape[0]):
-        n = shapes[k, 0] * shapes[k, 1] * shapes[k, 2]
-        cores.append(flat[o:o + n].copy().reshape(shapes[k, 0], shapes[k, 1], shapes[k, 2]))
-        o += n
+        cores.append(flat[offs[k]:offs[k + 1]].copy().reshape(shapes[k, 0], shapes[k, 1],
+                                                             shapes[k, 2]))
     return cores
 
 
@@ -169,13 +178,11 @@ def tt_reconstruct_flat(flat, shapes):
     -------
     ndarray of shape (prod(shapes[:, 1]),), float32
     """
-    n0 = shapes[0, 0] * shapes[0, 1] * shapes[0, 2]
-    acc = flat[:n0].reshape(shapes[0, 0] * shapes[0, 1], shapes[0, 2])
-    o = n0
+    offs = _tt_offsets(shapes)
+    acc = flat[:offs[1]].reshape(shapes[0, 0] * shapes[0, 1], shapes[0, 2])
     for k in range(1, shapes.shape[0]):
-        n = shapes[k, 0] * shapes[k, 1] * shapes[k, 2]
-        acc = _contract(acc, flat[o:o + n].reshape(shapes[k, 0], shapes[k, 1], shapes[k, 2]))
-        o += n
+        acc = _contract(acc, flat[offs[k]:offs[k + 1]].reshape(shapes[k, 0], shapes[k, 1],
+                                                               shapes[k, 2]))
     return np.ascontiguousarray(acc).ravel()
 
 
@@ -193,12 +200,9 @@ def _split_cores(flat, shapes):
     """TT cores (C-contiguous float32 copies) from :func:`tt_svd_flat`'s
     flat form (no ``numba.typed.List`` in Python: its accessors compile in
     every process)."""
-    out, o = [], 0
-    for shp in shapes.tolist():
-        n = shp[0] * shp[1] * shp[2]
-        out.append(flat[o:o + n].reshape(shp).copy())
-        o += n
-    return out
+    offs = np.concatenate(([0], np.cumsum(np.prod(shapes, axis=1))))
+    return [flat[offs[k]:offs[k + 1]].reshape(shp).copy()
+            for k, shp in enumerate(shapes.tolist())]
 
 
 def _join_cores(cores):
