@@ -31,7 +31,7 @@ read again from the profile's recorded source.  On all-MiniLM-L6-v2 (37
 layers), this takes about 20 minutes on 2 cores.
 
 Usage: ``python benchmarks/bench_lr_variants.py DIR [--bpw 6.4,4.8,4.0]
-[--ranks 8,16,32]``.
+[--ranks 8,16,32] [--layers REGEX]``.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import time
 
 import numpy as np
@@ -101,6 +102,8 @@ def main(argv=None):
     ap.add_argument("dir")
     ap.add_argument("--bpw", default="6.4,4.8,4.0")
     ap.add_argument("--ranks", default="8,16,32")
+    ap.add_argument("--layers", default=None, metavar="REGEX",
+                    help="measure variants only for the layers matching REGEX")
     args = ap.parse_args(argv)
     ranks = [int(x) for x in args.ranks.split(",")]
     prof = json.load(open(os.path.join(args.dir, "profile.json")))
@@ -114,10 +117,28 @@ def main(argv=None):
     extra = {}
     for lay in layers:
         g = grams.get(lay.name)
-        if g is not None:
+        if g is not None and (args.layers is None or re.search(args.layers, lay.name)):
             w = np.asarray(ent[lay.name].load(), dtype=np.float32)
             extra[lay.name] = _variants(w, lay, g, ranks)
     print(f"variants measured in {time.perf_counter() - t0:.0f} s")
+    # each variant's out_err against the menu's composite of the same base and rank
+    menu_err = {(lay.name, o.decomp.with_correction(None).label, o.decomp.lr): o.out_err
+                for lay in layers for o in lay.options if o.decomp.lr is not None}
+    print("out_err / the menu's composite of the same base and rank, geometric mean "
+          "(range) over layers and bases, by the base's bits:")
+    for tag in ("int4", "joint", "joint+int4"):
+        for r in ranks:
+            by_bits = {}
+            for name, opts in extra.items():
+                for t, o in opts:
+                    lab = o.decomp.with_correction(None).label
+                    ref = menu_err.get((name, lab, r))
+                    if t == tag and o.decomp.lr == r and ref:
+                        by_bits.setdefault(int(re.match(r"int(\d)", lab).group(1)),
+                                           []).append(o.out_err / ref)
+            cells = [f"int{b} {np.exp(np.mean(np.log(v))):.3f} ({min(v):.2f}–{max(v):.2f})"
+                     for b, v in sorted(by_bits.items())]
+            print(f"  {tag:>10} r={r:<3} " + "  ".join(cells))
 
     def menu(keep_lr, tags):
         return [dataclasses.replace(lay, options=[
