@@ -88,6 +88,10 @@ def test_w8a8_without_prefill_paths_bit_equal(m):
     acc = xq.astype(np.int64) @ wtq.astype(np.int64).T
     ref = (acc.astype(np.float32) * sx[:, None]) * scale[None, :]
     np.testing.assert_allclose(full, ref, rtol=1e-6, atol=0)
+    # the pre-quantised entry: the same product with and without its prefill paths
+    full8 = K.matmul_w8a8(xq, sx, wtq, scale, 1, ws)
+    np.testing.assert_array_equal(K.matmul_w8a8(xq, sx, wtq, scale, 1, ws, None), full8)
+    np.testing.assert_allclose(full8, ref, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("label,m,kw", [
@@ -199,3 +203,32 @@ def test_kinds_compile_only_the_decode_variants_they_reach(tmp_path):
         "print('B', len(PQ._decode_rows1.signatures), len(PQ._decode_i4m3.signatures))\n")
     out = run_code(code, env={"NUMBA_CACHE_DIR": str(tmp_path)})
     assert "A 0 0" in out and "B 0 1" in out, out
+
+
+def test_w8a8_decode_from_python_compiles_no_prefill_path(tmp_path):
+    """``opscope_nb.matmul.matmul_w8a8`` / ``dynamic_matmul_w8a8`` below
+    ``I8_PANEL_MIN_M`` rows call the cores with ``prefill=None``: a decode
+    compiles neither the panel nor the row split (about two thirds of the
+    W8A8 compile), and still equals the exact integer product.  A fresh
+    process with an empty cache of its own (a caller loaded from the cache
+    shows no signatures at all)."""
+    from subproc import run_code
+    code = (
+        "import numpy as np\n"
+        "from opscope_nb import matmul as M\n"
+        "from opscope_nb.kernels import _matmul as KM\n"
+        "rng = np.random.default_rng(0)\n"
+        "xq = rng.integers(-127, 128, (3, 96)).astype(np.int8)\n"
+        "wq = rng.integers(-127, 128, (40, 96)).astype(np.int8)\n"
+        "sx, sc = np.full(3, 0.5, np.float32), np.full(40, 0.25, np.float32)\n"
+        "y = M.matmul_w8a8(xq, sx, wq, sc)\n"
+        "ref = (xq.astype(np.int64) @ wq.astype(np.int64).T).astype(np.float32) / 8\n"
+        "M.dynamic_matmul_w8a8(np.ones((2, 96), np.float32), wq, sc)\n"
+        "print('EQ', bool((y == ref).all()))\n"
+        "print('D', len(KM._w8a8_panel.signatures), len(KM._w8a8_rowsplit.signatures))\n"
+        "M.matmul_w8a8(np.ones((16, 96), np.int8), np.ones(16, np.float32), wq, sc)\n"
+        "print('P', len(KM._w8a8_panel.signatures) + len(KM._w8a8_rowsplit.signatures))\n")
+    out = run_code(code, env={"NUMBA_CACHE_DIR": str(tmp_path)})
+    assert "EQ True" in out and "D 0 0" in out, out
+    # a prefill does reach them: the counts above can tell the two apart
+    assert "P 0" not in out, out
