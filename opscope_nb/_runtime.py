@@ -411,10 +411,8 @@ _DECODE_ONLY = {"prefill": None}
 def _fwd_int8(lin, x, act):
     a = lin._arrays
     if _act8(lin, act):
-        # below I8_PANEL_MIN_M rows only the dot tiles run: compile only them
-        if x.shape[0] < _k.I8_PANEL_MIN_M:
-            return _int8_checked_a8(x, a["codes"], a["scales"], lin._aux, None)
-        return _int8_checked_a8(x, a["codes"], a["scales"], lin._aux)
+        return _int8_checked_a8(x, a["codes"], a["scales"], lin._aux,
+                                **_k.w8a8_prefill_kw(x.shape[0]))
     return _int8_checked_a16(x, a["codes"], a["scales"])
 
 

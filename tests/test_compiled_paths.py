@@ -212,6 +212,8 @@ def test_w8a8_decode_from_python_compiles_no_prefill_path(tmp_path):
     W8A8 compile), and still equals the exact integer product.  A fresh
     process with an empty cache of its own (a caller loaded from the cache
     shows no signatures at all)."""
+    assert K.w8a8_prefill_kw(K.I8_PANEL_MIN_M - 1) == {"prefill": None}
+    assert K.w8a8_prefill_kw(K.I8_PANEL_MIN_M) == {}
     from subproc import run_code
     code = (
         "import numpy as np\n"

@@ -141,16 +141,15 @@ def _matmul_case(k, n, m, seed_w, seed_x, comp, reps, timing, extra_vendor_1t=Fa
     wtq, sc = K.quantize_cols_t(w)
     xq, sx = K.quantize_rows_i8(x)
     ws = K.i8_row_sums(wtq)              # once per weight matrix
-    # a decode compiles no prefill path (as opscope_nb.matmul.matmul_w8a8 does)
-    pre = None if m < K.I8_PANEL_MIN_M else True
+    pre = K.w8a8_prefill_kw(m)           # a decode compiles no prefill path
     ref = truth(x, w)
     y = {"f32": comp.warm("matmul_f32", lambda: K.matmul_f32(x, wt)),
          "w8a16": comp.warm("matmul_w8a16", lambda: K.matmul_w8a16(x, wtq, sc)),
          "w8a8": comp.warm("matmul_w8a8", lambda: K.matmul_w8a8(xq, sx, wtq, sc, wsum=ws,
-                                                                 prefill=pre))}
+                                                                 **pre))}
     fns = {"f32": lambda: K.matmul_f32(x, wt),
            "w8a16": lambda: K.matmul_w8a16(x, wtq, sc),
-           "w8a8": lambda: K.matmul_w8a8(xq, sx, wtq, sc, wsum=ws, prefill=pre)}
+           "w8a8": lambda: K.matmul_w8a8(xq, sx, wtq, sc, wsum=ws, **pre)}
     if accel.available():
         vf = accel.sgemm_prepared(x, w)
         y["vendor"] = vf()

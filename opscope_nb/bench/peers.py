@@ -152,10 +152,10 @@ def section9(cfg, comp, res):
         for m in cfg["peer_m"]:
             x = sample(Dist.GAUSSIAN, m, k, 50 + i)
             feed = {"X": x}
-            pre = None if m < K.I8_PANEL_MIN_M else True    # a decode: no prefill path
+            pre = K.w8a8_prefill_kw(m)
             fns = {"ours f32": lambda: K.matmul_f32(x, w),
                    "ours W8A8": lambda: K.dynamic_matmul_w8a8(x, codes8, sc8, wsum=ws8,
-                                                              prefill=pre)}
+                                                              **pre)}
             if w4 is not None:
                 fns["ours W4A8"] = lambda: w4(x)
             for name, s in sess.items():

@@ -78,6 +78,7 @@ __all__ = [
     "dynamic_matmul_w8a8",
     "I8_ROWSPLIT_MAX_W",
     "I8_PANEL_MIN_M",
+    "w8a8_prefill_kw",
     "matmul_i8i8_i32",
     "pack_i8_panel",
     "i8_row_sums",
@@ -1165,6 +1166,15 @@ def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
 #: Smallest m that takes the panel path (on a VNNI or AVX2 host; below it the dot
 #: tiles with their horizontal sums win, see :func:`_w8a8_panel`).
 I8_PANEL_MIN_M = 16
+
+
+def w8a8_prefill_kw(m: int) -> dict:
+    """Keyword arguments for a W8A8 call with ``m`` activation rows (plain
+    Python helper): ``{"prefill": None}`` below :data:`I8_PANEL_MIN_M` -- a
+    decode never reaches the panel, and ``None`` keeps it out of the compiled
+    code -- else ``{}``: the omitted default, pruned by its value (an explicit
+    ``bool`` would compile one more specialisation)."""
+    return {"prefill": None} if m < I8_PANEL_MIN_M else {}
 
 
 @njit_parallel

@@ -199,7 +199,8 @@ def tt_params(cores):
 def _split_cores(flat, shapes):
     """TT cores (C-contiguous float32 copies) from :func:`tt_svd_flat`'s
     flat form (no ``numba.typed.List`` in Python: its accessors compile in
-    every process)."""
+    every process).  The offsets are :func:`_tt_offsets`'s, in NumPy: calling
+    that dispatcher from Python would compile one more entry."""
     offs = np.concatenate(([0], np.cumsum(np.prod(shapes, axis=1))))
     return [flat[offs[k]:offs[k + 1]].reshape(shp).copy()
             for k, shp in enumerate(shapes.tolist())]
