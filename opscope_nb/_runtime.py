@@ -380,7 +380,7 @@ def _int8_checked_a8(x, codes, scales, wsum, prefill=True):
     """W8A8 ``packed_int8_linear`` after the finiteness check, or ``None``."""
     if not _finite(x):
         return None
-    return _k.dynamic_matmul_w8a8(x, codes, scales, _PAR_MIN, wsum, prefill)
+    return _k.dynamic_matmul_w8a8(x, codes, scales, np.int64(_PAR_MIN), wsum, prefill)
 
 
 @_njit
@@ -388,7 +388,7 @@ def _int8_checked_a16(x, codes, scales):
     """W8A16 ``packed_int8_linear`` after the finiteness check, or ``None``."""
     if not _finite(x):
         return None
-    return _k.matmul_w8a16(x, codes, scales, _PAR_MIN)
+    return _k.matmul_w8a16(x, codes, scales, np.int64(_PAR_MIN))
 
 
 def _lowbit_path(lin, x) -> dict:

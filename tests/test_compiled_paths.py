@@ -234,3 +234,32 @@ def test_w8a8_decode_from_python_compiles_no_prefill_path(tmp_path):
     assert "EQ True" in out and "D 0 0" in out, out
     # a prefill does reach them: the counts above can tell the two apart
     assert "P 0" not in out, out
+
+
+def test_block_functions_compile_once_for_serial_and_parallel_calls(tmp_path):
+    """A core's serial path and its ``prange`` path call the same block
+    function with the same argument types (``np.int64(0)``, not a literal 0 or
+    a ``uint64`` prange index), and ``PackedLinear``'s int8 forward shares the
+    public ``dynamic_matmul_w8a8``'s specialisation (no literal ``PAR_MIN``):
+    each compiles once.  A fresh process with an empty cache of its own."""
+    from subproc import run_code
+    code = (
+        "import numpy as np\n"
+        "from opscope_nb import matmul as M\n"
+        "from opscope_nb.kernels import _matmul as KM\n"
+        "from opscope_nb.mining import Decomp\n"
+        "from opscope_nb.runtime import PackedLinear\n"
+        "rng = np.random.default_rng(0)\n"
+        "wq = rng.integers(-127, 128, (64, 256)).astype(np.int8)\n"
+        "sc = np.full(64, 0.5, np.float32)\n"
+        "for m in (2, 3):\n"
+        "    x = rng.standard_normal((m, 256)).astype(np.float32)\n"
+        "    y = M.dynamic_matmul_w8a8(x, wq, sc, min_parallel=0 if m == 3 else 10**9)\n"
+        "    ref = M.dynamic_matmul_w8a8(x, wq, sc)\n"
+        "    print('EQ', bool((y == ref).all()))\n"
+        "w = rng.standard_normal((64, 256)).astype(np.float32)\n"
+        "PackedLinear.pack(w, Decomp.int8())(x, 'int8')\n"
+        "print('B', len(KM._w8a8_blocks.signatures), len(KM._w8a8_decode.signatures),\n"
+        "      len(KM._q8_rows.signatures), len(KM.dynamic_matmul_w8a8.signatures))\n")
+    out = run_code(code, env={"NUMBA_CACHE_DIR": str(tmp_path)})
+    assert out.count("EQ True") == 2 and "B 1 1 1 1" in out, out

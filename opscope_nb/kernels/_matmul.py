@@ -102,6 +102,13 @@ def _chunks(nb):
     return min(nb, _NCHUNK)
 
 
+# Callees get ``np.int64(0)`` / ``np.int64(i)``, never a bare ``0`` or a
+# ``prange`` index, and no global such as ``PAR_MIN`` as an argument: numba
+# compiles an ``@njit`` callee once per argument *type*, and a literal
+# (``Literal[int](0)``) or a ``prange`` index (``uint64``) beside the ``int64``
+# of the parallel path compiled the block functions, with all they inline, twice.
+
+
 #: Largest k for which int8 x int8 sums of codes in [-127, 127] are exact in
 #: int32 (k * 127^2 < 2^31); the cores raise ValueError above it.
 I8_MAX_K = 133144
@@ -187,10 +194,10 @@ def dense_matmul(x, w, min_parallel=PAR_MIN):
     n = w.shape[1]
     y = np.zeros((m, n), dtype=np.float32)
     if m < 2 or m * k * n < min_parallel:
-        _dense_rows(x, w, y, 0, m)
+        _dense_rows(x, w, y, np.int64(0), m)
     else:
         for i in prange(m):
-            _dense_rows(x, w, y, i, i + 1)
+            _dense_rows(x, w, y, np.int64(i), np.int64(i) + 1)
     return y
 
 
@@ -242,7 +249,7 @@ def sparse_skip_matmul(x, w, min_parallel=PAR_MIN):
     n = w.shape[1]
     y = np.zeros((m, n), dtype=np.float32)
     if m < 2 or m * k * n < min_parallel:
-        _sparse_rows(x, w, y, 0, m)
+        _sparse_rows(x, w, y, np.int64(0), m)
     else:
         nch = min(m, 16)
         for c in prange(nch):
@@ -341,7 +348,7 @@ def quantize_cols_t(w):
     wtq = np.empty((n, k), dtype=np.int8)
     scale = np.empty(n, dtype=np.float32)
     for j in prange(n):
-        amax = absmax_f32(wt[j], 0, k)
+        amax = absmax_f32(wt[j], np.int64(0), k)
         s = _scale_of(amax)
         scale[j] = s
         for p in range(k):
@@ -356,7 +363,7 @@ def _q8_rows(x, xq, sx, i0, i1):
     # row (32 x 1024, one Zen 4 core: 9.6 -> 7.7 us)
     k = x.shape[1]
     for i in range(i0, i1):
-        amax = absmax_f32(x[i], 0, k)
+        amax = absmax_f32(x[i], np.int64(0), k)
         s = _scale_of(amax)
         sx[i] = s
         for p in range(k):
@@ -399,7 +406,7 @@ def _quantize_rows_into(x, xq, sx, min_parallel):
         _q8_rows(x, xq, sx, np.int64(0), m)
     else:
         for i in prange(m):
-            _q8_rows(x, xq, sx, i, i + 1)
+            _q8_rows(x, xq, sx, np.int64(i), np.int64(i) + 1)
 
 
 @njit
@@ -419,7 +426,7 @@ def quantize_row_i8(x):
     m, k = x.shape
     amax = np.float32(0.0)
     for i in range(m):
-        amax = max(amax, absmax_f32(x[i], 0, k))
+        amax = max(amax, absmax_f32(x[i], np.int64(0), k))
     s = _scale_of(amax)
     xq = np.empty((m, k), dtype=np.int8)
     for i in range(m):
@@ -536,7 +543,7 @@ def matmul_f32(x, wt, min_parallel=PAR_MIN):
     wf = wt.ravel()
     nb = (n + _NB - 1) // _NB
     if m * k * n < min_parallel:
-        _f32_blocks(xf, m, k, wf, n, y, 0, nb)
+        _f32_blocks(xf, m, k, wf, n, y, np.int64(0), nb)
     else:
         nc = _chunks(nb)
         for c in prange(nc):
@@ -561,7 +568,7 @@ def a16_levels(k):
 def _q16_rows(x, lv, xq, sx, i0, i1):
     k = x.shape[1]
     for i in range(i0, i1):
-        amax = absmax_f32(x[i], 0, k)
+        amax = absmax_f32(x[i], np.int64(0), k)
         s = np.float32(1.0)
         if amax >= 1e-20:
             s = np.float32(div_f32(amax, lv))
@@ -602,7 +609,7 @@ def quantize_rows_i16(x, levels, min_parallel=PAR_MIN):
         _q16_rows(x, lv, xq, sx, np.int64(0), m)
     else:
         for i in prange(m):
-            _q16_rows(x, lv, xq, sx, i, i + 1)
+            _q16_rows(x, lv, xq, sx, np.int64(i), np.int64(i) + 1)
     return xq, sx
 
 
@@ -736,13 +743,13 @@ def matmul_w8a16(x, wtq, scale, min_parallel=PAR_MIN):
     if wtq.shape[1] != k or scale.shape[0] != wtq.shape[0]:
         raise ValueError("matmul_w8a16: need x[m,k], wtq[n,k], scale[n]")
     n = wtq.shape[0]
-    xq, sx = quantize_rows_i16(x, a16_levels(k))
+    xq, sx = quantize_rows_i16(x, a16_levels(k), min_parallel)
     y = np.empty((m, n), dtype=np.float32)
     xf = xq.ravel()
     wf = wtq.ravel()
     nb = (n + _NB - 1) // _NB
     if m * k * n < min_parallel:
-        _w16_blocks(xf, m, k, wf, n, sx, scale, y, 0, nb)
+        _w16_blocks(xf, m, k, wf, n, sx, scale, y, np.int64(0), nb)
     else:
         nc = _chunks(nb)
         for c in prange(nc):
@@ -880,7 +887,7 @@ def _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
         return
     for b in range(b0, b1):
         j0 = b * _NB
-        _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y, 0)
+        _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y, np.int64(0))
 
 
 @njit
@@ -1152,7 +1159,7 @@ def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
     bsz = 2 * 16 * I8_PANEL_J
     if m * k * n < min_parallel:
         buf = np.empty(bsz, dtype=np.int32)
-        _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, 0, nt, buf, ones,
+        _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, np.int64(0), nt, buf, ones,
                      wsum)
     else:
         for c in prange(nc):
@@ -1160,7 +1167,7 @@ def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
             _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y,
                          c * nt // nc, (c + 1) * nt // nc, buf, ones, wsum)
     for j0 in range(nt * I8_PANEL_J, n, _NB):
-        _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y, 0)
+        _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y, np.int64(0))
 
 
 #: Smallest m that takes the panel path (on a VNNI or AVX2 host; below it the dot
@@ -1192,7 +1199,7 @@ def _w8a8_run(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum, prefill=Tr
     wf = wtq.ravel()
     nb = (n + _NB - 1) // _NB
     if m * k * n < min_parallel:
-        _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, 0, nb)
+        _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, np.int64(0), nb)
     else:
         nc = _chunks(nb)
         for c in prange(nc):
@@ -1270,7 +1277,7 @@ def _w8a8_rowblock(x, quant, xq, sx, i0, rows, rest, wf, scale, wsum, y, P, yt):
     i1 = m if rest else i0 + rows
     if quant:
         _q8_rows(x, xq, sx, i0, i1)
-    pack_i8_panel(xq, i0, rows, k4, P, 0)
+    pack_i8_panel(xq, i0, rows, k4, P, np.int64(0))
     nt = n // J
     yf = y.ravel()
     xf = xq.ravel()

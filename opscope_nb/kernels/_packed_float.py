@@ -467,7 +467,7 @@ def sparse24_linear(x, values, indices, min_parallel=PAR_MIN, rows4=False):
     y = np.empty((m, rows), dtype=np.float32)
     xp = _sparse_planes(x, x.shape[1] // 8)
     if m * rows * nv < min_parallel or rows < 2:
-        _sparse_rows(x, xp, values, indices, y, 0, rows, rows4)
+        _sparse_rows(x, xp, values, indices, y, np.int64(0), rows, rows4)
     else:
         nc = min(rows, _NCHUNK)
         for c in prange(nc):
@@ -719,7 +719,7 @@ def tucker_linear(x, core, u0, u1, u2, min_parallel=PAR_MIN):
             z1 = np.empty((m1, n1), dtype=np.float32)
             z2 = np.empty((r1, r2), dtype=np.float32)
             z3 = np.empty(r0, dtype=np.float32)
-            _tucker_one(x, i, core, u0, u1, u2, order, z1, z2, z3, y)
+            _tucker_one(x, np.int64(i), core, u0, u1, u2, order, z1, z2, z3, y)
     return y
 
 
@@ -880,7 +880,7 @@ def tt_linear(x, flat, shapes, split, min_parallel=PAR_MIN):
     if m < 2 * _TT_BATCH or m * (offs[n] + cols + rows) < min_parallel:
         bufa = np.empty(nb * m, dtype=np.float32)
         bufb = np.empty(nb * m, dtype=np.float32)
-        _tt_chunk(x, 0, m, flat, shapes, offs, split, bufa, bufb, y)
+        _tt_chunk(x, np.int64(0), m, flat, shapes, offs, split, bufa, bufb, y)
     else:
         nc = (m + _TT_BATCH - 1) // _TT_BATCH
         for c in prange(nc):

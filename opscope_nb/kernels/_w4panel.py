@@ -318,7 +318,7 @@ def pack_w4_panel(xq, i0, rows, nch, cpg, P, poff, C, coff):
             # last rows of x: fill the block in scalar code, zeros past m
             for r in range(8):
                 i = i0 + r0 + r
-                _pack_panel_words(xq, i, r0 + r, rows, 0, 8 * nch, P, poff, False)
+                _pack_panel_words(xq, i, r0 + r, rows, np.int64(0), 8 * nch, P, poff, False)
                 for ch in range(nch):
                     sg = np.int32(0)
                     if r < live:
@@ -464,7 +464,7 @@ def w4a8_panel_matmul(xq, sx, codes, sflat, sstride, cols, group, min_parallel, 
         for pn in range(npan):
             pack_w4_panel(xq, pn * R, R, nch, cpg, P, pn * R * 8 * nch, C, pn * R * ngt)
         _tiles(xq, sx, codes, sflat, sstride, cols, g, grouped, P, C, npan, nch, cpg, ngf,
-               rem, y, 0, nt)
+               rem, y, np.int64(0), nt)
     else:
         for pn in prange(npan):
             pack_w4_panel(xq, pn * R, R, nch, cpg, P, pn * R * 8 * nch, C, pn * R * ngt)
