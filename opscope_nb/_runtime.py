@@ -397,8 +397,10 @@ def _lowbit_path(lin, x) -> dict:
     first decode call compiles about half the code: int4/g32 act=int8 at
     1 x 384 x 384, 51.4 s -> 25.8 s cold, Zen 3, int8 path avx2).  The rule is the kernels' own:
     prefill when ``m >= 4`` and ``rows >= 4``.  The other flag is omitted,
-    not ``True``: numba prunes an omitted default by its value, a ``bool``
-    argument not."""
+    not ``True``: an explicit ``bool`` would compile a second specialisation
+    of the same code.  (A prefill-only entry prunes its decode branch through
+    the raise the kernels put under ``decode is None``: numba prunes ``x is
+    None`` only for an ``x`` typed None.)"""
     if x.shape[0] >= 4 and lin._shape[0] >= 4:
         return _PREFILL_ONLY
     return _DECODE_ONLY
@@ -419,8 +421,14 @@ def _fwd_int8(lin, x, act):
 def _fwd_int4(lin, x, act):
     a = lin._arrays
     g = lin._decomp.group if lin._kind == "int4g" else 0
-    fn = _k.int4_linear_checked_a8 if _act8(lin, act) else _k.int4_linear_checked_a16
-    return fn(x, a["codes"], a["scales"], lin._shape[1], g, **_lowbit_path(lin, x))
+    if not _act8(lin, act):
+        return _k.int4_linear_checked_a16(x, a["codes"], a["scales"], lin._shape[1], g,
+                                          **_lowbit_path(lin, x))
+    kw = _lowbit_path(lin, x)
+    if kw is _PREFILL_ONLY:
+        # a shape the W4A8 panel takes whole compiles no dot-tile core
+        kw = {**kw, **_k.w4a8_tiles_kw(x.shape[0], lin._shape[0], lin._shape[1], g)}
+    return _k.int4_linear_checked_a8(x, a["codes"], a["scales"], lin._shape[1], g, **kw)
 
 
 def _fwd_ternary(lin, x, act):

@@ -107,10 +107,15 @@ def test_packed_linear_calls_the_variant_of_its_shape(label, m, kw):
     if m < 9:       # (from m = 9 the int4 panel adds the groups in another order)
         np.testing.assert_array_equal(y, np.concatenate(
             [lin(x[i:i + 1], "int8") for i in range(m)]))
-    # the None flag reached the compiled entry as None, the other as its default
-    pos = -2 if "decode" in kw else -1
-    assert any(s[pos] == types.none and isinstance(s[pos + (1 if pos == -2 else -1)],
-                                                   types.Omitted)
+    # the None flag reached the compiled entry as None, the other as its
+    # default; a prefill the W4A8 panel takes whole also passes tiles=None
+    # (arguments ..., decode, prefill, tiles: positions 6, 7, 8)
+    pos, other = (6, 7) if "decode" in kw else (7, 6)
+    tiles = K.w4a8_tiles_kw(m, 12, 128, 0 if label == "int4/chan" else 32)
+    assert tiles == ({"tiles": None} if "decode" in kw and m >= K.W4_PANEL_MIN_M
+                     and K.W4_PANEL else {})
+    assert any(s[pos] == types.none and isinstance(s[other], types.Omitted)
+               and (s[8] == types.none) == bool(tiles)
                for s in K.int4_linear_checked_a8.signatures)
     # a 3-row layer is decode-only whatever m is (the prefill tiles need 4 rows)
     small = PackedLinear.pack(w[:3], Decomp.from_label(label))
@@ -175,6 +180,12 @@ def test_checked_entries_equal_the_public_cores(m, rows, cols, group):
             want = core(x, *args, **kw)
             assert want.shape == (m, rows)
             np.testing.assert_array_equal(checked(x, *args, **kw), want)
+            if checked is K.int4_linear_checked_a8 and "decode" in kw:
+                # the panel-only variant, where the panel takes the shape
+                tiles = K.w4a8_tiles_kw(m, rows, cols, g)
+                assert bool(tiles) == (K.W4_PANEL and m >= K.W4_PANEL_MIN_M)
+                if tiles:
+                    np.testing.assert_array_equal(checked(x, *args, **kw, **tiles), want)
         for bad in (np.nan, np.inf, -np.inf):
             xb = x.copy()
             xb[m - 1, cols // 2] = bad
@@ -266,3 +277,44 @@ def test_block_functions_compile_once_for_serial_and_parallel_calls(tmp_path):
     # (dynamic_matmul_w8a8 itself is inlined into its callers: the cores below
     # it are where a literal PAR_MIN made a second specialisation)
     assert out.count("EQ True") == 2 and "B 1 1 1 1 1" in out, out
+
+
+def test_prefill_variants_compile_no_decode_tiles_and_no_foreign_panel(tmp_path):
+    """A prefill-only low-bit entry (``decode=None``) compiles no decode tiles
+    (numba cannot prune ``prefill is None`` when ``prefill`` is an omitted
+    ``True``; the raise under ``decode is None`` ends that branch), only int4
+    compiles the W4A8 panel, and an int4 prefill the panel takes whole
+    (``tiles=None``) compiles no dot-tile core.  ``tiles=None`` on a shape the
+    panel does not take raises.  A fresh process with an empty cache; the
+    second print shows the counts can move (a decode does reach them)."""
+    from subproc import run_code
+    code = (
+        "import numpy as np\n"
+        "from opscope_nb import kernels as K\n"
+        "from opscope_nb.kernels import _packed_quant as PQ\n"
+        "from opscope_nb.mining import Decomp\n"
+        "from opscope_nb.runtime import PackedLinear\n"
+        "rng = np.random.default_rng(0)\n"
+        "w = rng.standard_normal((64, 256)).astype(np.float32)\n"
+        "x = rng.standard_normal((16, 256)).astype(np.float32)\n"
+        "lin = PackedLinear.pack(w, Decomp.from_label('int4/g32'))\n"
+        "lin(x, 'int8')\n"
+        "print('I', len(PQ._blocks_dec.signatures), len(PQ._run.signatures))\n"
+        "n = len(PQ.w4a8_panel_matmul.signatures)\n"
+        "PackedLinear.pack(w, Decomp.from_label('ternary'))(x, 'int8')\n"
+        "print('T', len(PQ._blocks_dec.signatures), len(PQ.w4a8_panel_matmul.signatures) - n)\n"
+        "a = lin._arrays\n"
+        "try:\n"
+        "    K.int4_linear_checked_a8(x[:5], a['codes'], a['scales'], 256, 32, decode=None,\n"
+        "                             tiles=None)\n"
+        "except ValueError as e:\n"
+        "    print('R', 'w4a8_tiles_kw' in str(e))\n"
+        "lin(x[:1], 'int8')\n"
+        "print('D', len(PQ._blocks_dec.signatures))\n")
+    out = run_code(code, env={"NUMBA_CACHE_DIR": str(tmp_path)})
+    # ternary (after int4): its prefill entry typed neither the decode tiles
+    # nor a panel of its own
+    assert "T 0 0" in out, out
+    # int4/g32: no decode tiles; on a panel host no dot-tile core either
+    assert ("I 0 0" if K.W4_PANEL else "I 0 1") in out, out
+    assert "R True" in out and "D 1" in out, out

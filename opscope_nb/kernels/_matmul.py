@@ -401,6 +401,14 @@ def quantize_rows_i8(x, min_parallel=PAR_MIN):
 @njit_parallel
 def _quantize_rows_into(x, xq, sx, min_parallel):
     """:func:`quantize_rows_i8` into the caller's ``xq[m, k]`` / ``sx[m]``."""
+    _q8_par(x, xq, sx, min_parallel)
+
+
+@njit(inline="always")
+def _q8_par(x, xq, sx, min_parallel):
+    """:func:`quantize_rows_i8`'s loop, inlined into the caller: a parallel
+    entry that quantises its own activations runs this prange in its own
+    parallel region (no second parallel function to compile)."""
     m, k = x.shape
     if m < 2 or m * k * 16 < min_parallel:
         _q8_rows(x, xq, sx, np.int64(0), m)
@@ -604,13 +612,20 @@ def quantize_rows_i16(x, levels, min_parallel=PAR_MIN):
     m, k = x.shape
     xq = np.empty((m, k), dtype=np.int16)
     sx = np.empty(m, dtype=np.float32)
-    lv = np.float32(levels)
+    _q16_par(x, np.float32(levels), xq, sx, min_parallel)
+    return xq, sx
+
+
+@njit(inline="always")
+def _q16_par(x, lv, xq, sx, min_parallel):
+    """:func:`quantize_rows_i16`'s loop (``lv`` float32 levels), inlined into
+    the caller as :func:`_q8_par`."""
+    m, k = x.shape
     if m < 2 or m * k * 16 < min_parallel:
         _q16_rows(x, lv, xq, sx, np.int64(0), m)
     else:
         for i in prange(m):
             _q16_rows(x, lv, xq, sx, np.int64(i), np.int64(i) + 1)
-    return xq, sx
 
 
 @njit
@@ -1179,8 +1194,8 @@ def w8a8_prefill_kw(m: int) -> dict:
     """Keyword arguments for a W8A8 call with ``m`` activation rows (plain
     Python helper): ``{"prefill": None}`` below :data:`I8_PANEL_MIN_M` -- a
     decode never reaches the panel, and ``None`` keeps it out of the compiled
-    code -- else ``{}``: the omitted default, pruned by its value (an explicit
-    ``bool`` would compile one more specialisation)."""
+    code -- else ``{}``: the omitted default, every path (an explicit
+    ``bool`` would compile one more specialisation of the same code)."""
     return {"prefill": None} if m < I8_PANEL_MIN_M else {}
 
 

@@ -110,8 +110,8 @@ from .._config import njit, njit_parallel
 # The public cores below are plain @njit functions that call a parallel
 # (prange) kernel; numba's thread pool is started by ``_config`` at import
 # (a cached serial caller would not start it, and its first call crashed).
-from ._matmul import (PAR_MIN, _q8_rows, _q16_rows, dynamic_matmul_w8a8, matmul_w8a16,
-                      quantize_rows_i8, quantize_rows_i16)
+from ._matmul import (PAR_MIN, _q8_par, _q8_rows, _q16_par, _q16_rows, dynamic_matmul_w8a8,
+                      matmul_w8a16, quantize_rows_i8, quantize_rows_i16)
 from ._probe import absmax_f32
 from ._w4panel import W4_PANEL, W4_PANEL_J, w4a8_panel_matmul
 from ._simd_lowbit import (LOWBIT_BIG_LANES, LOWBIT_BIG_UNIT, LOWBIT_LANES, LOWBIT_OFFSET,
@@ -125,6 +125,7 @@ __all__ = [
     "lowbit_matmul_a16",
     "w4a8_matmul",
     "W4_PANEL_MIN_M",
+    "w4a8_tiles_kw",
     "w4a16_matmul",
     "ternary_matmul_a8",
     "ternary_matmul_a16",
@@ -705,6 +706,17 @@ def _ngroups(cols, group):
     return (cols + group - 1) // group
 
 
+#: Why a variant with both flags None raises.  The ``raise`` sits inside each
+#: ``if prefill is None:`` branch: numba prunes ``x is None`` only when ``x`` is
+#: typed None (an omitted ``True`` or a ``bool`` resolves to neither outcome),
+#: so in a prefill-only variant (``decode=None``) the decode branch survives
+#: its own test, and only the raise under ``decode is None`` ends it before
+#: its code is typed (int4/g32 int8 prefill at m = 16 compiled the decode
+#: tiles as well).
+_NO_PATH = "decode=None and prefill=None leave no path; leave one at its default"
+_NO_TILES = "tiles=None needs an int4 product the W4A8 panel takes (w4a8_tiles_kw); omit tiles"
+
+
 @njit_parallel
 def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
          prefill=True):
@@ -735,12 +747,14 @@ def _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, dec
     serial = m * cols * rows < min_parallel or nb < 2
     nc = min(nb, _NCHUNK)
     # The path is picked here, outside the parallel loops, by ``is None`` tests
-    # numba prunes on the argument types (an omitted default counts as its
-    # value): a variant holds one pair of loops.  The flags never enter a
+    # numba prunes on the argument types (a None-typed flag; the other flag's
+    # branch ends at the raise of _NO_PATH): a variant holds one pair of loops.  The flags never enter a
     # prange body -- a None-typed value passed into a parfor gave wrong results
     # in some processes.  np.int64(0): a literal 0 would compile a second
     # specialisation of the block function.
     if prefill is None:
+        if decode is None:
+            raise ValueError(_NO_PATH)
         if serial:
             _blocks_dec(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode,
                         sx, y, np.int64(0), nb)
@@ -773,30 +787,57 @@ def _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, dec
 W4_PANEL_MIN_M = 9
 
 
+def _w4_panel_rule(m, rows, cols, group):
+    # Python and numba share this rule (the dispatcher below inlines it)
+    ng = 1 if group <= 0 or group >= cols else (cols + group - 1) // group
+    return (W4_PANEL and m >= W4_PANEL_MIN_M and rows >= W4_PANEL_J and cols >= 32
+            and (ng == 1 or group % 32 == 0))
+
+
+_w4_panel_ok = njit(inline="always")(_w4_panel_rule)
+
+
+def w4a8_tiles_kw(m, rows, cols, group):
+    """Keyword flags for an int4 W8A8 prefill call (plain Python helper).
+
+    Returns ``{"tiles": None}`` when the W4A8 panel takes every row of an
+    ``m x cols`` by ``rows x cols`` product with ``group`` (``<= 0``: per
+    channel) on this host, else ``{}``.  Passed to :func:`int4_linear_checked_a8`
+    with ``decode=None``, it leaves the dot-tile core the panel never calls
+    out of the compiled function.
+    """
+    return {"tiles": None} if _w4_panel_rule(int(m), int(rows), int(cols), int(group)) else {}
+
+
+@njit(inline="always")
+def _panel_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
+    m = xq.shape[0]
+    rows = w.shape[0]
+    ng = _ngroups(cols, group)
+    y = np.empty((m, rows), dtype=np.float32)
+    w4a8_panel_matmul(xq, sx, w, sflat, sstride, cols, group, min_parallel, y)
+    j6 = rows // W4_PANEL_J * W4_PANEL_J
+    if j6 < rows:
+        # the last outputs: 4-output blocks covering them (the first may
+        # recompute a panel output; rows >= 6 > 4 keeps the blocks in range)
+        g = group if ng > 1 else max(cols, 1)
+        mode, nunits, upf = _plan(cols, ng, g, fmt, True)
+        xp, corr = _arrange(xq, nunits, fmt, upf, mode)
+        # (m >= 9 and rows >= 6 here: the prefill tiles)
+        _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode,
+                   sx, y, j6 // _NB, (rows + _NB - 1) // _NB)
+    return y
+
+
 @njit
 def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
             prefill=True):
     """:func:`_run` for int8 activations: int4 prefill on a VNNI or AVX2 host goes
     through the outer-product panel (:mod:`._w4panel`), its ``n % 6`` last
     outputs through the dot tiles."""
-    m = xq.shape[0]
-    rows = w.shape[0]
-    ng = _ngroups(cols, group)
-    if (prefill is not None and W4_PANEL and fmt == FMT_INT4 and m >= W4_PANEL_MIN_M and rows >= W4_PANEL_J
-            and cols >= 32 and (ng == 1 or group % 32 == 0)):
-        y = np.empty((m, rows), dtype=np.float32)
-        w4a8_panel_matmul(xq, sx, w, sflat, sstride, cols, group, min_parallel, y)
-        j6 = rows // W4_PANEL_J * W4_PANEL_J
-        if j6 < rows:
-            # the last outputs: 4-output blocks covering them (the first may
-            # recompute a panel output; rows >= 6 > 4 keeps the blocks in range)
-            g = group if ng > 1 else max(cols, 1)
-            mode, nunits, upf = _plan(cols, ng, g, fmt, True)
-            xp, corr = _arrange(xq, nunits, fmt, upf, mode)
-            # (m >= 9 and rows >= 6 here: the prefill tiles)
-            _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode,
-                       sx, y, j6 // _NB, (rows + _NB - 1) // _NB)
-        return y
+    if (prefill is not None and fmt == FMT_INT4
+            and _w4_panel_ok(xq.shape[0], w.shape[0], cols, group)):
+        return _panel_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel)
     return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
                 decode, prefill)
 
@@ -1117,22 +1158,38 @@ def _finite(x):
 
 
 @njit(inline="always")
-def _checked_a8(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode, prefill):
+def _checked_a8(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode, prefill,
+                tiles=True):
     rows = w.shape[0]
     if not _finite(x):
         return np.empty((0, rows), np.float32)
+    m = x.shape[0]
+    xq = np.empty((m, x.shape[1]), np.int8)
+    sx = np.empty(m, np.float32)
     if prefill is None:
         # decode only: quantise on this thread (no parallel loop to compile)
-        m = x.shape[0]
-        xq = np.empty((m, x.shape[1]), np.int8)
-        sx = np.empty(m, np.float32)
+        if decode is None:
+            raise ValueError(_NO_PATH)
         _q8_rows(x, xq, sx, np.int64(0), m)
         # (_run_a8 without its prefill panel is _run)
         return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
                          np.int64(min_parallel), decode, prefill)
-    # with the prefill path: the separate kernel (inlined here, its prefill
-    # loops ran up to 25 % slower -- ternary f32 m = 32)
-    xq, sx = quantize_rows_i8(x, min_parallel)
+    # with the prefill path: quantise in this function's parallel loop, then
+    # the separate kernel (inlined here, its prefill loops ran up to 25 %
+    # slower -- ternary f32 m = 32)
+    _q8_par(x, xq, sx, np.int64(min_parallel))
+    if fmt != FMT_INT4:
+        # only int4 has a panel; the entries pass ``fmt`` as a constant, so
+        # numba prunes this test and the other formats compile no panel
+        return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                    decode, prefill)
+    if tiles is None:
+        # the panel takes the whole product: called from here, not through
+        # _run_a8 (one function less that re-emits the panel's code)
+        if not _w4_panel_ok(m, rows, cols, group):
+            raise ValueError(_NO_TILES)
+        return _panel_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
+                         np.int64(min_parallel))
     return _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
                    decode, prefill)
 
@@ -1142,34 +1199,39 @@ def _checked_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decod
     rows = w.shape[0]
     if not _finite(x):
         return np.empty((0, rows), np.float32)
-    lv = _a16_levels(cols, group, fmt)
+    lv = np.float32(_a16_levels(cols, group, fmt))
+    m = x.shape[0]
+    xq = np.empty((m, x.shape[1]), np.int16)
+    sx = np.empty(m, np.float32)
     if prefill is None:
-        m = x.shape[0]
-        xq = np.empty((m, x.shape[1]), np.int16)
-        sx = np.empty(m, np.float32)
-        _q16_rows(x, np.float32(lv), xq, sx, np.int64(0), m)
+        if decode is None:
+            raise ValueError(_NO_PATH)
+        _q16_rows(x, lv, xq, sx, np.int64(0), m)
         # int16 activations never take the 128-column modes: big=None
         return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
                          np.int64(min_parallel), decode, prefill, None)
-    xq, sx = quantize_rows_i16(x, lv, min_parallel)
+    _q16_par(x, lv, xq, sx, np.int64(min_parallel))
     return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
                 decode, prefill)
 
 
 @njit_parallel
 def int4_linear_checked_a8(x, codes, scales, cols, group, min_parallel=PAR_MIN, decode=True,
-                           prefill=True):
+                           prefill=True, tiles=True):
     """:func:`packed_int4_linear_a8` as one compiled function, after a check
     that ``x`` is finite.
 
     Parameters and result as :func:`packed_int4_linear_a8`, except that an
     ``x`` holding NaN or Inf gives an empty ``(0, rows)`` float32 array (the
-    caller raises).  ``decode`` / ``prefill`` as :func:`lowbit_matmul_a8`.
+    caller raises).  ``decode`` / ``prefill`` as :func:`lowbit_matmul_a8`;
+    ``tiles=None`` with ``decode=None`` (the flags :func:`w4a8_tiles_kw`
+    gives for a shape the W4A8 panel takes) compiles the panel path alone,
+    and raises ``ValueError`` for another shape.
     """
     rows = codes.shape[0]
     sf = scales.ravel()
     return _checked_a8(x, codes, codes, sf, sf.size // max(rows, 1), cols, group, 0,
-                       min_parallel, decode, prefill)
+                       min_parallel, decode, prefill, tiles)
 
 
 @njit_parallel
