@@ -719,9 +719,9 @@ _NO_TILES = "tiles=None needs an int4 product the W4A8 panel takes (w4a8_tiles_k
 
 @njit_parallel
 def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
-         prefill=True):
+         prefill=True, big=True):
     return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode,
-                     prefill)
+                     prefill, big)
 
 
 # The bodies below are ``inline="always"`` so that an entry point compiles as
@@ -916,8 +916,9 @@ def lowbit_matmul_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel=P
     ndarray of float32, shape (m, rows)
     """
     xq, sx = quantize_rows_i16(x, _a16_levels(cols, group, fmt), min_parallel)
+    # (int16 activations never take the 128-column modes: big=None)
     return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
-                decode, prefill)
+                decode, prefill, None)
 
 
 @njit(inline="always")
@@ -1212,7 +1213,7 @@ def _checked_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decod
                          np.int64(min_parallel), decode, prefill, None)
     _q16_par(x, lv, xq, sx, np.int64(min_parallel))
     return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
-                decode, prefill)
+                decode, prefill, None)
 
 
 @njit_parallel
