@@ -376,11 +376,14 @@ def _finite(x):
 # Python), so a layer compiles only its own kernel: an njit entry taking
 # ``act8`` as an argument compiles both paths.
 @_njit
-def _int8_checked_a8(x, codes, scales, wsum, prefill=True):
-    """W8A8 ``packed_int8_linear`` after the finiteness check, or ``None``."""
+def _int8_checked_a8(x, codes, scales, wsum, prefill=True, rowsplit=True, outsplit=True,
+                     tiles=True):
+    """W8A8 ``packed_int8_linear`` after the finiteness check, or ``None``
+    (the flags as :func:`~opscope_nb.kernels.w8a8_prefill_kw` gives them)."""
     if not _finite(x):
         return None
-    return _k.dynamic_matmul_w8a8(x, codes, scales, np.int64(_PAR_MIN), wsum, prefill)
+    return _k.dynamic_matmul_w8a8(x, codes, scales, np.int64(_PAR_MIN), wsum, prefill,
+                                  rowsplit, outsplit, tiles)
 
 
 @_njit
@@ -393,9 +396,10 @@ def _int8_checked_a16(x, codes, scales):
 
 def _lowbit_path(lin, x) -> dict:
     """Keyword flags for the low-bit kernels: the path this call's shape takes
-    stays at its default, the other is ``None`` so it is not compiled (a
-    first decode call compiles about half the code: int4/g32 act=int8 at
-    1 x 384 x 384, 51.4 s -> 25.8 s cold, Zen 3, int8 path avx2).  The rule is the kernels' own:
+    stays at its default, the other is ``None`` so it is not compiled (about
+    half the code: a cold first int4/g32 act=int8 decode at 1 x 384 x 384
+    took 51.4 s with both paths, 25.8 s with one; Zen 3, int8 path avx2).
+    The rule is the kernels' own:
     prefill when ``m >= 4`` and ``rows >= 4``.  The other flag is omitted,
     not ``True``: an explicit ``bool`` would compile a second specialisation
     of the same code.  (A prefill-only entry prunes its decode branch through
@@ -413,8 +417,10 @@ _DECODE_ONLY = {"prefill": None}
 def _fwd_int8(lin, x, act):
     a = lin._arrays
     if _act8(lin, act):
+        # the one W8A8 path this shape takes, so only that path compiles
         return _int8_checked_a8(x, a["codes"], a["scales"], lin._aux,
-                                **_k.w8a8_prefill_kw(x.shape[0]))
+                                **_k.w8a8_prefill_kw(x.shape[0], x.shape[1], lin._shape[0],
+                                                     _PAR_MIN))
     return _int8_checked_a16(x, a["codes"], a["scales"])
 
 

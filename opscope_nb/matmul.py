@@ -235,8 +235,9 @@ def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN, wsum=None) -> np.ndarr
     _check_k(xq.shape[1], "matmul_w8a8")
     sx = _vec(sx, "sx", xq.shape[0])
     scale = _vec(scale, "scale", wtq.shape[0])
-    return _k.matmul_w8a8(xq, sx, wtq, scale, _minpar(min_parallel), _wsum(wsum, wtq),
-                          **_k.w8a8_prefill_kw(xq.shape[0]))
+    mp, ws = _minpar(min_parallel), _wsum(wsum, wtq)
+    return _k.matmul_w8a8(xq, sx, wtq, scale, mp, ws, **_k.w8a8_prefill_kw(
+        xq.shape[0], xq.shape[1], wtq.shape[0], mp, ws is not None))
 
 
 def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None) -> np.ndarray:
@@ -250,5 +251,6 @@ def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None) -> np.nd
           "Pass x[m, k] and output-major wtq[n, k].")
     _check_k(x.shape[1], "dynamic_matmul_w8a8")
     scale = _vec(scale, "scale", wtq.shape[0])
-    return _k.dynamic_matmul_w8a8(x, wtq, scale, _minpar(min_parallel), _wsum(wsum, wtq),
-                                  **_k.w8a8_prefill_kw(x.shape[0]))
+    mp, ws = _minpar(min_parallel), _wsum(wsum, wtq)
+    return _k.dynamic_matmul_w8a8(x, wtq, scale, mp, ws, **_k.w8a8_prefill_kw(
+        x.shape[0], x.shape[1], wtq.shape[0], mp, ws is not None))

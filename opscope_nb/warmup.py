@@ -149,7 +149,7 @@ def _profile_cli(_):
 def _runtime_kind(spec):
     """One ``PackedLinear`` call of ``label`` with ``act`` on ``m`` rows (default
     1: decode; the quantised kinds compile their prefill path apart, at
-    ``m = 16``)."""
+    ``m = 16``, int8 activations on int8 weights their row split at ``m = 32``)."""
     import numpy as np
     from .mining import Decomp
     from .runtime import PackedLinear
@@ -203,6 +203,10 @@ def _build_items():
             add(f"runtime {label} act={act}", "runtime", "_runtime_kind", (label, act))
             add(f"runtime {label} act={act} prefill", "runtime", "_runtime_kind",
                 (label, act, 16))
+    # int8 activations at m = 32 on 2+ threads take the W8A8 row split, a
+    # variant of its own (kernels.w8a8_prefill_kw); m = 16 takes the panel
+    add("runtime int8/chan act=int8 prefill (row split)", "runtime", "_runtime_kind",
+        ("int8/chan", "int8", 32))
     for label in ("dense", "sparse2:4", "lowrank(r=8)", "monarch", "tucker", "tt"):
         add(f"runtime {label}", "runtime", "_runtime_kind", (label, "f32"))
     # section 8 runs every PackedLinear kind: one kind per item (the runtime

@@ -146,13 +146,64 @@ def test_njit_caller_then_decode_entry():
 
 
 def test_packed_linear_int8_prefill_flag():
+    """``PackedLinear``'s int8 forward passes exactly the flags
+    ``w8a8_prefill_kw`` gives for its shape (the arguments typed None)."""
     w = RNG.standard_normal((24, 64)).astype(np.float32)
     lin = PackedLinear.pack(w, Decomp.int8())
+    names = ("prefill", "rowsplit", "outsplit", "tiles")
     for m in (1, K.I8_PANEL_MIN_M):
         x = RNG.standard_normal((m, 64)).astype(np.float32)
         lin(x, "int8")
-    sigs = {s[-1] for s in _runtime._int8_checked_a8.signatures}
-    assert types.none in sigs and any(isinstance(t, types.Omitted) for t in sigs)
+        kw = K.w8a8_prefill_kw(m, 64, 24, PAR_MIN)
+        sig = _runtime._int8_checked_a8.signatures[-1]
+        assert {nm for nm, t in zip(names, sig[4:]) if t == types.none} == set(kw), (m, sig)
+    assert K.w8a8_prefill_kw(1, 64, 24) == {"prefill": None}
+
+
+def test_w8a8_prefill_kw_names_one_path_and_each_compiles_alone(tmp_path):
+    """With the shape, ``w8a8_prefill_kw`` names the one W8A8 path a call
+    takes and the others are not compiled: a panel-sized prefill types
+    neither the row split nor the dot-tile core ``_w8a8_run`` (it calls the
+    panel directly), a row-split prefill not the output split; both equal the dot tiles bit for bit, and a flag that
+    does not fit the call raises.  A fresh process, 2 numba threads, an
+    empty cache of its own (a caller loaded from the cache shows no
+    signatures)."""
+    from subproc import run_code
+    code = (
+        "import numpy as np\n"
+        "import opscope_nb.kernels as K\n"
+        "from opscope_nb.kernels import _matmul as KM\n"
+        "rng = np.random.default_rng(0)\n"
+        "wq = rng.integers(-127, 128, (64, 256)).astype(np.int8)\n"
+        "sc = np.full(64, 0.5, np.float32)\n"
+        "ws = K.i8_row_sums(wq)\n"
+        "x16, x32 = (rng.standard_normal((m, 256)).astype(np.float32) for m in (16, 32))\n"
+        "kw16, kw32 = K.w8a8_prefill_kw(16, 256, 64), K.w8a8_prefill_kw(32, 256, 64)\n"
+        "print('KW', sorted(kw16), sorted(kw32), K.I8_PANEL)\n"
+        "y16 = K.dynamic_matmul_w8a8(x16, wq, sc, wsum=ws, **kw16)\n"
+        "print('P', len(KM._w8a8_rowsplit.signatures), len(KM._w8a8_blocks.signatures),\n"
+        "      len(KM._w8a8_run.signatures))\n"
+        "y32 = K.dynamic_matmul_w8a8(x32, wq, sc, wsum=ws, **kw32)\n"
+        "print('R', len(KM._w8a8_run.signatures), len(KM._w8a8_rowsplit.signatures),\n"
+        "      len(KM._w8a8_panel.signatures))\n"
+        "for kw, x, w in ((kw16, x16, wq[:4]), (kw32, x32 * 1, wq)):\n"
+        "    try:\n"
+        "        K.dynamic_matmul_w8a8(x, w, sc[:w.shape[0]], np.int64(10**9),\n"
+        "                              K.i8_row_sums(w), **kw)\n"
+        "        print('NO RAISE')\n"
+        "    except ValueError as e:\n"
+        "        print('RAISE', 'w8a8_prefill_kw' in str(e))\n"
+        "eq = [bool((K.dynamic_matmul_w8a8(x, wq, sc, wsum=ws, prefill=None) == y).all())\n"
+        "      for x, y in ((x16, y16), (x32, y32))]\n"
+        "print('EQ', eq)\n")
+    out = run_code(code, env={"NUMBA_CACHE_DIR": str(tmp_path), "NUMBA_NUM_THREADS": "2"})
+    assert "EQ [True, True]" in out, out
+    if not K.I8_PANEL:                  # no panel tiles on this host: the dot tiles only
+        assert "KW ['prefill'] ['prefill'] False" in out, out
+        return
+    assert "KW ['rowsplit', 'tiles'] ['outsplit'] True" in out, out
+    assert "P 0 0 0" in out and "R 0 1 1" in out, out
+    assert out.count("RAISE True") == 2, out
 
 
 @pytest.mark.parametrize("m,rows,cols,group", [

@@ -1190,13 +1190,50 @@ def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
 I8_PANEL_MIN_M = 16
 
 
-def w8a8_prefill_kw(m: int) -> dict:
+def w8a8_prefill_kw(m: int, k: int | None = None, n: int | None = None,
+                    min_parallel: int = PAR_MIN, wsum: bool = True) -> dict:
     """Keyword arguments for a W8A8 call with ``m`` activation rows (plain
-    Python helper): ``{"prefill": None}`` below :data:`I8_PANEL_MIN_M` -- a
-    decode never reaches the panel, and ``None`` keeps it out of the compiled
-    code -- else ``{}``: the omitted default, every path (an explicit
-    ``bool`` would compile one more specialisation of the same code)."""
-    return {"prefill": None} if m < I8_PANEL_MIN_M else {}
+    Python helper) that keep every path this call does not take out of the
+    compiled code (numba prunes an ``x is None`` test only for an ``x`` typed
+    None; an explicit ``bool`` would compile one more specialisation of the
+    same code, so a path that may run keeps its omitted default).
+
+    With ``m`` alone: ``{"prefill": None}`` below :data:`I8_PANEL_MIN_M` (a
+    decode never reaches the panel), else ``{}`` (every path, picked at run
+    time).  Given the weight shape ``k``, ``n`` too (and the call's
+    ``min_parallel`` and whether it passes ``wsum``), the helper makes the
+    kernels' own choice here -- :func:`_w8a8_row_plan` for this thread's
+    ``numba.get_num_threads()`` -- and names one path:
+
+    * ``{"prefill": None}``: the dot tiles (a decode, a shape the panel does
+      not take, or a host without the panel tiles);
+    * ``{"outsplit": None}``: the row split only;
+    * ``{"rowsplit": None, "tiles": None}``: the output split's panel only.
+
+    The result is the same bit for bit whichever path runs; a flag that does
+    not fit the call raises ``ValueError`` in the kernel."""
+    if m < I8_PANEL_MIN_M:
+        return {"prefill": None}
+    if k is None or n is None:
+        return {}
+    if not _i8_panel_rule(m, k, n):
+        return {"prefill": None}
+    if _w8a8_row_plan.py_func(m, k, n, min_parallel, wsum, numba.get_num_threads()) > 0:
+        return {"outsplit": None}
+    return {"rowsplit": None, "tiles": None}
+
+
+def _i8_panel_rule(m, k, n):
+    # Python and numba share this rule (the dispatcher below inlines it)
+    return I8_PANEL and m >= I8_PANEL_MIN_M and n >= I8_PANEL_J and k >= 4
+
+
+_i8_panel_ok = njit(inline="always")(_i8_panel_rule)
+
+_NO_I8_TILES = ("W8A8: tiles=None needs a prefill the panel takes (w8a8_prefill_kw with the "
+                "shape); omit tiles")
+_NO_I8_ROWS = ("W8A8: outsplit=None needs a call the row split takes (w8a8_prefill_kw with "
+               "the shape, in the calling thread); omit outsplit")
 
 
 @njit_parallel
@@ -1207,7 +1244,7 @@ def _w8a8_run(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum, prefill=Tr
     leaves the panel out of the compiled code (dot tiles for every ``m``)."""
     m, k = xq.shape
     n = wtq.shape[0]
-    if prefill is not None and I8_PANEL and m >= I8_PANEL_MIN_M and n >= I8_PANEL_J and k >= 4:
+    if prefill is not None and _i8_panel_ok(m, k, n):
         _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum)
         return
     xf = xq.ravel()
@@ -1349,7 +1386,8 @@ def _w8a8_rowsplit(x, quant, xq, sx, wtq, scale, wsum, y, rows):
 # 62.9 s without those two levels).  matmul_w8a8 has no njit caller here; it
 # is inlined the same way into user numba code that calls it.
 @njit(inline="always")
-def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None, prefill=True):
+def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None, prefill=True,
+                        rowsplit=True, outsplit=True, tiles=True):
     """W8A8 with the activation quantisation fused in (ONNX Runtime's
     ``DynamicQuantizeMatMul``): equals
     ``matmul_w8a8(*quantize_rows_i8(x), wtq, scale, min_parallel, wsum)`` bit
@@ -1377,6 +1415,13 @@ def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None, prefill=
         the compiled code, about half of it: every ``m`` then runs the dot
         tiles, bit for bit the same result, slower from ``m >=
         I8_PANEL_MIN_M`` on (numba prunes ``is None`` tests by type).
+    rowsplit, outsplit, tiles : True or None, optional
+        ``None`` leaves the row split, the output split, or the output
+        split's dot tiles out of the compiled code; the call must then take
+        another path (else ``ValueError``).  :func:`w8a8_prefill_kw` with the
+        call's shape gives the flags of the one path it takes (a cold
+        PackedLinear int8/chan act=int8 call at m = 16 compiles the panel
+        only).
 
     Returns
     -------
@@ -1388,7 +1433,8 @@ def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None, prefill=
     _check_w8a8(k, wtq.shape[0], wsum)
     xq = np.empty((m, k), dtype=np.int8)
     sx = np.empty(m, dtype=np.float32)
-    return _w8a8_float(x, True, xq, sx, wtq, scale, min_parallel, wsum, prefill)
+    return _w8a8_float(x, True, xq, sx, wtq, scale, min_parallel, wsum, prefill, rowsplit,
+                       outsplit, tiles)
 
 
 @njit
@@ -1402,24 +1448,38 @@ def _check_w8a8(k, n, wsum):
 
 
 @njit(inline="always")
-def _w8a8_float(x, quant, xq, sx, wtq, scale, min_parallel, wsum, prefill=True):
+def _w8a8_float(x, quant, xq, sx, wtq, scale, min_parallel, wsum, prefill=True,
+                rowsplit=True, outsplit=True, tiles=True):
     """Float W8A8 output, the row split or the output split; ``quant``: fill
     ``xq``/``sx`` from ``x`` first (inside the row split's tasks, or as
     :func:`quantize_rows_i8`), else they are given and ``x`` is unused.
-    ``prefill=None``: the output split's dot tiles only."""
+    ``prefill=None``: the output split's dot tiles only; ``rowsplit=None`` /
+    ``outsplit=None`` / ``tiles=None`` leave that path out
+    (:func:`w8a8_prefill_kw`)."""
     m, k = xq.shape
     n = wtq.shape[0]
     y = np.empty((m, n), dtype=np.float32)
     ws = np.empty(0, dtype=np.int32) if wsum is None else wsum
-    if prefill is not None:
+    if prefill is not None and rowsplit is not None:
         rows = _w8a8_row_plan(m, k, n, min_parallel, ws.shape[0] > 0, _num_threads())
         if rows > 0:
             _w8a8_rowsplit(x, quant, xq, sx, wtq, scale, ws, y, rows)
             return y
+    if outsplit is None:
+        # a row-split-only variant ends here: the output split is not compiled
+        raise ValueError(_NO_I8_ROWS)
     if quant:
         _quantize_rows_into(x, xq, sx, min_parallel)
-    _w8a8_run(xq, wtq, np.empty((0, 0), dtype=np.int32), y, sx, scale, True,
-              min_parallel, ws, prefill)
+    acc = np.empty((0, 0), dtype=np.int32)
+    if tiles is None:
+        # the panel alone, called directly: no _w8a8_run level to compile.  An
+        # omitted flag resolves to neither outcome, so a decode variant types
+        # this branch too; it ends there at the raise (prefill is None).
+        if prefill is None or not _i8_panel_ok(m, k, n):
+            raise ValueError(_NO_I8_TILES)
+        _w8a8_panel(xq, wtq, acc, y, sx, scale, True, min_parallel, ws)
+        return y
+    _w8a8_run(xq, wtq, acc, y, sx, scale, True, min_parallel, ws, prefill)
     return y
 
 
@@ -1479,7 +1539,8 @@ def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN, wsum=None):
 
 
 @njit(inline="always")
-def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN, wsum=None, prefill=True):
+def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN, wsum=None, prefill=True,
+                rowsplit=True, outsplit=True, tiles=True):
     """W8A8: ``y[i, j] = float(sum_p xq[i, p] * wtq[j, p]) * sx[i] * scale[j]``.
 
     The integer sums are exact int32 (see :func:`matmul_i8i8_i32`, including
@@ -1503,6 +1564,8 @@ def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN, wsum=None, prefill=Tru
         is also the same path, so :func:`opscope_nb.matmul.matmul_w8a8`
         passes it for a decode (a cold first call at m = 1: 21.9 s against
         74.7 s, Zen 3, 2 cores, beside another job).
+    rowsplit, outsplit, tiles : True or None, optional
+        As :func:`dynamic_matmul_w8a8`'s.
 
     Returns
     -------
@@ -1513,7 +1576,7 @@ def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN, wsum=None, prefill=Tru
         raise ValueError("matmul_w8a8: need xq[m,k], sx[m], wtq[n,k], scale[n]")
     _check_w8a8(k, wtq.shape[0], wsum)
     return _w8a8_float(np.empty((0, k), dtype=np.float32), False, xq, sx, wtq, scale,
-                       min_parallel, wsum, prefill)
+                       min_parallel, wsum, prefill, rowsplit, outsplit, tiles)
 
 
 @njit

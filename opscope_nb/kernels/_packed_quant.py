@@ -748,8 +748,8 @@ def _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, dec
     nc = min(nb, _NCHUNK)
     # The path is picked here, outside the parallel loops, by ``is None`` tests
     # numba prunes on the argument types (a None-typed flag; the other flag's
-    # branch ends at the raise of _NO_PATH): a variant holds one pair of loops.  The flags never enter a
-    # prange body -- a None-typed value passed into a parfor gave wrong results
+    # branch ends at the raise of _NO_PATH): a variant holds one pair of
+    # loops.  The flags never enter a prange body -- a None-typed value passed into a parfor gave wrong results
     # in some processes.  np.int64(0): a literal 0 would compile a second
     # specialisation of the block function.
     if prefill is None:
@@ -789,9 +789,9 @@ W4_PANEL_MIN_M = 9
 
 def _w4_panel_rule(m, rows, cols, group):
     # Python and numba share this rule (the dispatcher below inlines it)
-    ng = 1 if group <= 0 or group >= cols else (cols + group - 1) // group
+    # one scale per row (per channel, or a group spanning the row), else groups of 32k
     return (W4_PANEL and m >= W4_PANEL_MIN_M and rows >= W4_PANEL_J and cols >= 32
-            and (ng == 1 or group % 32 == 0))
+            and (group <= 0 or group >= cols or group % 32 == 0))
 
 
 _w4_panel_ok = njit(inline="always")(_w4_panel_rule)
