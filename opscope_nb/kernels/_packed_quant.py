@@ -813,19 +813,10 @@ def w4a8_tiles_kw(m, rows, cols, group):
 def _panel_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
     m = xq.shape[0]
     rows = w.shape[0]
-    ng = _ngroups(cols, group)
     y = np.empty((m, rows), dtype=np.float32)
+    # every output, the n % 6 last too (rows >= 6 here): no dot-tile tail, whose
+    # arrangement and blocks were a quarter of a cold int4 prefill's compile
     w4a8_panel_matmul(xq, sx, w, sflat, sstride, cols, group, min_parallel, y)
-    j6 = rows // W4_PANEL_J * W4_PANEL_J
-    if j6 < rows:
-        # the last outputs: 4-output blocks covering them (the first may
-        # recompute a panel output; rows >= 6 > 4 keeps the blocks in range)
-        g = group if ng > 1 else max(cols, 1)
-        mode, nunits, upf = _plan(cols, ng, g, fmt, True)
-        xp, corr = _arrange(xq, nunits, fmt, upf, mode)
-        # (m >= 9 and rows >= 6 here: the prefill tiles)
-        _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode,
-                   sx, y, j6 // _NB, (rows + _NB - 1) // _NB)
     return y
 
 
@@ -833,8 +824,7 @@ def _panel_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
 def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
             prefill=True):
     """:func:`_run` for int8 activations: int4 prefill on a VNNI or AVX2 host goes
-    through the outer-product panel (:mod:`._w4panel`), its ``n % 6`` last
-    outputs through the dot tiles."""
+    through the outer-product panel (:mod:`._w4panel`), every output."""
     if (prefill is not None and fmt == FMT_INT4
             and _w4_panel_ok(xq.shape[0], w.shape[0], cols, group)):
         return _panel_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel)

@@ -374,8 +374,12 @@ def _tail4(xq, i, codes, j, p0, cols, sflat, soff, group, grouped):
 @njit
 def _tiles(xq, sx, codes, sflat, sstride, cols, group, grouped, P, C, npan, nch, cpg,
            ngf, rem, y, t0, t1):
-    """6-output tiles ``t0 .. t1-1`` against every panel."""
+    """6-output tiles ``t0 .. t1-1`` against every panel.  Tile ``t`` writes
+    outputs ``6 t ..``; the last one, past ``n // 6``, is computed on the
+    last 6 outputs ``n - 6 .. n - 1`` and writes only those from ``6 t`` on,
+    so the panel fills every output of ``n >= 6`` (no dot-tile tail)."""
     m = xq.shape[0]
+    n = codes.shape[0]
     R = W4_PANEL_ROWS
     J = W4_PANEL_J
     kk = 8 * nch
@@ -385,7 +389,8 @@ def _tiles(xq, sx, codes, sflat, sstride, cols, group, grouped, P, C, npan, nch,
     out = np.empty(2 * R * J, dtype=np.float32)
     region = 32 * nch
     for t in range(t0, t1):
-        j0 = t * J
+        jw = t * J
+        j0 = min(jw, n - J)
         unpack_w4_tile(codes, j0, nch, U)
         so = j0 * sstride
         for pn in range(npan):
@@ -403,7 +408,7 @@ def _tiles(xq, sx, codes, sflat, sstride, cols, group, grouped, P, C, npan, nch,
                 if i >= m:
                     break
                 base = (r // _LANES) * J * _LANES + r % _LANES
-                for q in range(J):
+                for q in range(jw - j0, J):
                     j = j0 + q
                     v = np.float64(0.0)
                     if ngf > 0:
@@ -420,7 +425,8 @@ def _tiles(xq, sx, codes, sflat, sstride, cols, group, grouped, P, C, npan, nch,
 
 @njit_parallel
 def w4a8_panel_matmul(xq, sx, codes, sflat, sstride, cols, group, min_parallel, y):
-    """W4A8 through the panel tiles: fills ``y[:, :6 * (n // 6)]``.
+    """W4A8 through the panel tiles: fills ``y`` (every output when ``n >= 6``;
+    nothing below).
 
     Parameters
     ----------
@@ -437,7 +443,9 @@ def w4a8_panel_matmul(xq, sx, codes, sflat, sstride, cols, group, min_parallel, 
     min_parallel : int
         Below ``m * cols * n`` of this size the call stays on one thread.
     y : ndarray of float32, shape (m, n)
-        Output; columns ``6 * (n // 6)`` and up are not written.
+        Output.  The ``n % 6`` last outputs come from one more tile on the
+        last 6 outputs (its first ones were computed already; not written
+        again), so every output takes the same arithmetic.
 
     Every output is computed by one thread in a fixed order (reproducible).
     No validation: callers check the layout and that ``group % 32 == 0``.
@@ -459,7 +467,8 @@ def w4a8_panel_matmul(xq, sx, codes, sflat, sstride, cols, group, min_parallel, 
     npan = (m + R - 1) // R
     P = np.empty(npan * R * 8 * nch, dtype=np.int32)
     C = np.empty(npan * R * max(ngt, 1), dtype=np.int32)
-    nt = n // W4_PANEL_J
+    # tiles of 6 outputs; the last covers n - 6 .. n - 1 (see _tiles)
+    nt = (n + W4_PANEL_J - 1) // W4_PANEL_J if n >= W4_PANEL_J else 0
     if m * cols * n < min_parallel:
         for pn in range(npan):
             pack_w4_panel(xq, pn * R, R, nch, cpg, P, pn * R * 8 * nch, C, pn * R * ngt)
