@@ -111,12 +111,17 @@ def test_dispatch_uses_panel():
 
 
 def test_parallel_equals_serial():
+    """Below ``min_parallel`` the prange loops run on one thread (the
+    thread count set to 1 and back): the same bits, the count restored."""
+    import numba
     m, n, cols = 40, 60, 1024
     c, packed = _codes(n, cols)
     sc = RNG.random((n, cols // 32)).astype(np.float32)
     xq = RNG.integers(-127, 128, (m, cols)).astype(np.int8)
+    before = numba.get_num_threads()
     np.testing.assert_array_equal(_panel(xq, packed, sc, cols, 32, 0),
                                   _panel(xq, packed, sc, cols, 32, 1 << 60))
+    assert numba.get_num_threads() == before
 
 
 def test_pack_and_unpack_layouts():

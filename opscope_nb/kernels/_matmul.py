@@ -1155,16 +1155,15 @@ def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
     P = np.empty(mp * k4, dtype=np.int32)
     nblk = (mp + 31) // 32
     nkb = (k4 + _PACK_KB - 1) // _PACK_KB
-    if mp * k < min_parallel:
-        for b in range(nblk):
-            rows = 32 if mp - 32 * b >= 32 else 16
-            pack_i8_panel(xq, 32 * b, rows, k4, P, 32 * b * k4)
-    else:
-        for t in prange(nblk * nkb):
-            b = t // nkb
-            kk0 = (t % nkb) * _PACK_KB
-            rows = 32 if mp - 32 * b >= 32 else 16
-            _pack_panel_part(xq, 32 * b, rows, kk0, min(kk0 + _PACK_KB, k4), P, 32 * b * k4)
+    # below min_parallel a loop runs on this thread alone through the same
+    # prange code (no serial copy of the packing and the tiles to compile)
+    threads = _num_threads()
+    _set_threads(1 if mp * k < min_parallel else threads)
+    for t in prange(nblk * nkb):
+        b = t // nkb
+        kk0 = (t % nkb) * _PACK_KB
+        rows = 32 if mp - 32 * b >= 32 else 16
+        _pack_panel_part(xq, 32 * b, rows, kk0, min(kk0 + _PACK_KB, k4), P, 32 * b * k4)
     xf = xq.ravel()
     wf = wtq.ravel()
     # all-ones activations for _wsum6, only when the caller gave no sums
@@ -1172,15 +1171,12 @@ def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
     nt = n // I8_PANEL_J
     nc = _chunks(nt)
     bsz = 2 * 16 * I8_PANEL_J
-    if m * k * n < min_parallel:
+    _set_threads(1 if m * k * n < min_parallel else threads)
+    for c in prange(nc):
         buf = np.empty(bsz, dtype=np.int32)
-        _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, np.int64(0), nt, buf, ones,
-                     wsum)
-    else:
-        for c in prange(nc):
-            buf = np.empty(bsz, dtype=np.int32)
-            _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y,
-                         c * nt // nc, (c + 1) * nt // nc, buf, ones, wsum)
+        _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y,
+                     c * nt // nc, (c + 1) * nt // nc, buf, ones, wsum)
+    _set_threads(threads)
     for j0 in range(nt * I8_PANEL_J, n, _NB):
         _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y, np.int64(0))
 
@@ -1272,6 +1268,28 @@ def _num_threads(typingctx):
             cgutils.intp_t, []), "get_num_threads")
         return builder.call(fn, [])
     return types.intp(), codegen
+
+
+@intrinsic
+def _set_threads(typingctx, n):
+    """Set the calling thread's numba thread count (``numba.set_num_threads``,
+    no range check: pass ``1`` or a value :func:`_num_threads` returned) as
+    an intrinsic, cacheable like :func:`_num_threads`.  A kernel below its
+    ``min_parallel`` size runs its ``prange`` loops on one thread this way
+    instead of through a serial copy of them: the block functions are then
+    compiled and emitted once per kernel, not twice."""
+    numba.get_num_threads()          # launches the layer: registers the symbol
+    if not isinstance(n, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = _llir.IntType(32)      # the threading layer's set_num_threads(int)
+        fn = cgutils.get_or_insert_function(builder.module, _llir.FunctionType(
+            _llir.VoidType(), [i32]), "set_num_threads")
+        builder.call(fn, [builder.trunc(context.cast(builder, args[0], sig.args[0],
+                                                     types.intp), i32)])
+        return context.get_dummy_value()
+    return types.none(n), codegen
 
 
 # a cached caller of _num_threads links against the symbol before any typing

@@ -45,7 +45,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .._config import njit, njit_parallel
-from ._matmul import _pack_panel_words
+from ._matmul import _num_threads, _pack_panel_words, _set_threads
 from ._simd import (HOST_I8_PATH, I8_PATHS, _PANEL_LANES, _dpbusd, _maddubs, _madd16_ones,
                     I8_PANEL, panel_pack8)
 
@@ -469,15 +469,17 @@ def w4a8_panel_matmul(xq, sx, codes, sflat, sstride, cols, group, min_parallel, 
     C = np.empty(npan * R * max(ngt, 1), dtype=np.int32)
     # tiles of 6 outputs; the last covers n - 6 .. n - 1 (see _tiles)
     nt = (n + W4_PANEL_J - 1) // W4_PANEL_J if n >= W4_PANEL_J else 0
-    if m * cols * n < min_parallel:
-        for pn in range(npan):
-            pack_w4_panel(xq, pn * R, R, nch, cpg, P, pn * R * 8 * nch, C, pn * R * ngt)
-        _tiles(xq, sx, codes, sflat, sstride, cols, g, grouped, P, C, npan, nch, cpg, ngf,
-               rem, y, np.int64(0), nt)
-    else:
-        for pn in prange(npan):
-            pack_w4_panel(xq, pn * R, R, nch, cpg, P, pn * R * 8 * nch, C, pn * R * ngt)
-        nc = min(nt, 16)
-        for c in prange(nc):
-            _tiles(xq, sx, codes, sflat, sstride, cols, g, grouped, P, C, npan, nch, cpg,
-                   ngf, rem, y, c * nt // nc, (c + 1) * nt // nc)
+    # below min_parallel the same prange loops run on this thread alone (one
+    # compiled copy of the packing and the tiles instead of a serial one too)
+    one = m * cols * n < min_parallel
+    threads = _num_threads()
+    if one:
+        _set_threads(1)
+    for pn in prange(npan):
+        pack_w4_panel(xq, pn * R, R, nch, cpg, P, pn * R * 8 * nch, C, pn * R * ngt)
+    nc = min(nt, 16)
+    for c in prange(nc):
+        _tiles(xq, sx, codes, sflat, sstride, cols, g, grouped, P, C, npan, nch, cpg,
+               ngf, rem, y, c * nt // nc, (c + 1) * nt // nc)
+    if one:
+        _set_threads(threads)
