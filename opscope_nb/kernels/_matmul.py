@@ -43,6 +43,8 @@ any source file changes, so an edit of ``_simd.py`` is never masked.)
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import numba
 from llvmlite import ir as _llir
@@ -1155,15 +1157,16 @@ def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
     P = np.empty(mp * k4, dtype=np.int32)
     nblk = (mp + 31) // 32
     nkb = (k4 + _PACK_KB - 1) // _PACK_KB
-    # below min_parallel a loop runs on this thread alone through the same
-    # prange code (no serial copy of the packing and the tiles to compile)
-    threads = _num_threads()
-    _set_threads(1 if mp * k < min_parallel else threads)
-    for t in prange(nblk * nkb):
-        b = t // nkb
-        kk0 = (t % nkb) * _PACK_KB
-        rows = 32 if mp - 32 * b >= 32 else 16
-        _pack_panel_part(xq, 32 * b, rows, kk0, min(kk0 + _PACK_KB, k4), P, 32 * b * k4)
+    if mp * k < min_parallel:
+        for b in range(nblk):
+            rows = 32 if mp - 32 * b >= 32 else 16
+            pack_i8_panel(xq, 32 * b, rows, k4, P, 32 * b * k4)
+    else:
+        for t in prange(nblk * nkb):
+            b = t // nkb
+            kk0 = (t % nkb) * _PACK_KB
+            rows = 32 if mp - 32 * b >= 32 else 16
+            _pack_panel_part(xq, 32 * b, rows, kk0, min(kk0 + _PACK_KB, k4), P, 32 * b * k4)
     xf = xq.ravel()
     wf = wtq.ravel()
     # all-ones activations for _wsum6, only when the caller gave no sums
@@ -1171,12 +1174,15 @@ def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
     nt = n // I8_PANEL_J
     nc = _chunks(nt)
     bsz = 2 * 16 * I8_PANEL_J
-    _set_threads(1 if m * k * n < min_parallel else threads)
-    for c in prange(nc):
+    if m * k * n < min_parallel:
         buf = np.empty(bsz, dtype=np.int32)
-        _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y,
-                     c * nt // nc, (c + 1) * nt // nc, buf, ones, wsum)
-    _set_threads(threads)
+        _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, np.int64(0), nt, buf, ones,
+                     wsum)
+    else:
+        for c in prange(nc):
+            buf = np.empty(bsz, dtype=np.int32)
+            _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y,
+                         c * nt // nc, (c + 1) * nt // nc, buf, ones, wsum)
     for j0 in range(nt * I8_PANEL_J, n, _NB):
         _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y, np.int64(0))
 
@@ -1212,11 +1218,19 @@ def w8a8_prefill_kw(m: int, k: int | None = None, n: int | None = None,
         return {"prefill": None}
     if k is None or n is None:
         return {}
+    return dict.fromkeys(_prefill_path(int(m), int(k), int(n), int(min_parallel), bool(wsum),
+                                       numba.get_num_threads()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _prefill_path(m, k, n, min_parallel, wsum, threads):
+    # memoised: a layer calls with the same shape every time (the row plan in
+    # Python took about 2 us of a 16 x 64 x 256 call's 17)
     if not _i8_panel_rule(m, k, n):
-        return {"prefill": None}
-    if _w8a8_row_plan.py_func(m, k, n, min_parallel, wsum, numba.get_num_threads()) > 0:
-        return {"outsplit": None}
-    return {"rowsplit": None, "tiles": None}
+        return ("prefill",)
+    if _w8a8_row_plan.py_func(m, k, n, min_parallel, wsum, threads) > 0:
+        return ("outsplit",)
+    return ("rowsplit", "tiles")
 
 
 def _i8_panel_rule(m, k, n):
