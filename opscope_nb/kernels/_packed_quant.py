@@ -750,8 +750,8 @@ def _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, dec
     # numba prunes on the argument types (a None-typed flag; the other flag's
     # branch ends at the raise of _NO_PATH): a variant holds one pair of
     # loops.  The flags never enter a prange body -- a None-typed value passed
-    # into a parfor gave wrong results in some processes.  np.int64(0): a literal 0 would compile a second
-    # specialisation of the block function.
+    # into a parfor gave wrong results in some processes.  np.int64(0): a
+    # literal 0 would compile a second specialisation of the block function.
     if prefill is None:
         if decode is None:
             raise ValueError(_NO_PATH)
