@@ -43,7 +43,7 @@ from . import ggml as _ggml
 from .formats import Decomp
 from . import kernels as _k
 from ._config import njit as _njit
-from .kernels._matmul import PAR_MIN as _PAR_MIN
+from .kernels._matmul import PAR_MIN as _PAR_MIN, _prefill_kw
 from .kernels._probe import absmax_f32 as _absmax_f32
 
 __all__ = ["PackedLinear", "expected_arrays", "measure_latency", "has_kernel", "check_ms",
@@ -419,8 +419,8 @@ def _fwd_int8(lin, x, act):
     if _act8(lin, act):
         # the one W8A8 path this shape takes, so only that path compiles
         return _int8_checked_a8(x, a["codes"], a["scales"], lin._aux,
-                                **_k.w8a8_prefill_kw(x.shape[0], x.shape[1], lin._shape[0],
-                                                     _PAR_MIN))
+                                **_prefill_kw(x.shape[0], x.shape[1], lin._shape[0], _PAR_MIN,
+                                              True))
     return _int8_checked_a16(x, a["codes"], a["scales"])
 
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import kernels as _k
 from ._validation import as_float32, check_int
-from .kernels._matmul import I8_MAX_K, PAR_MIN
+from .kernels._matmul import I8_MAX_K, PAR_MIN, _prefill_kw
 
 __all__ = [
     "I8_MAX_K",
@@ -236,7 +236,7 @@ def matmul_w8a8(xq, sx, wtq, scale, min_parallel=PAR_MIN, wsum=None) -> np.ndarr
     sx = _vec(sx, "sx", xq.shape[0])
     scale = _vec(scale, "scale", wtq.shape[0])
     mp, ws = _minpar(min_parallel), _wsum(wsum, wtq)
-    return _k.matmul_w8a8(xq, sx, wtq, scale, mp, ws, **_k.w8a8_prefill_kw(
+    return _k.matmul_w8a8(xq, sx, wtq, scale, mp, ws, **_prefill_kw(
         xq.shape[0], xq.shape[1], wtq.shape[0], mp, ws is not None))
 
 
@@ -252,5 +252,5 @@ def dynamic_matmul_w8a8(x, wtq, scale, min_parallel=PAR_MIN, wsum=None) -> np.nd
     _check_k(x.shape[1], "dynamic_matmul_w8a8")
     scale = _vec(scale, "scale", wtq.shape[0])
     mp, ws = _minpar(min_parallel), _wsum(wsum, wtq)
-    return _k.dynamic_matmul_w8a8(x, wtq, scale, mp, ws, **_k.w8a8_prefill_kw(
+    return _k.dynamic_matmul_w8a8(x, wtq, scale, mp, ws, **_prefill_kw(
         x.shape[0], x.shape[1], wtq.shape[0], mp, ws is not None))
