@@ -810,7 +810,9 @@ def w4a8_tiles_kw(m, rows, cols, group):
 
 
 @njit(inline="always")
-def _panel_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel):
+def _panel_a8(xq, sx, w, sflat, sstride, cols, group, min_parallel):
+    """The int4 W4A8 product through the panel alone (caller checked
+    :func:`_w4_panel_ok`): float32 ``[m, rows]``."""
     m = xq.shape[0]
     rows = w.shape[0]
     y = np.empty((m, rows), dtype=np.float32)
@@ -827,7 +829,7 @@ def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decod
     through the outer-product panel (:mod:`._w4panel`), every output."""
     if (prefill is not None and fmt == FMT_INT4
             and _w4_panel_ok(xq.shape[0], w.shape[0], cols, group)):
-        return _panel_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel)
+        return _panel_a8(xq, sx, w, sflat, sstride, cols, group, min_parallel)
     return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
                 decode, prefill)
 
@@ -1179,8 +1181,7 @@ def _checked_a8(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode
         # _run_a8 (one function less that re-emits the panel's code)
         if not _w4_panel_ok(m, rows, cols, group):
             raise ValueError(_NO_TILES)
-        return _panel_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
-                         np.int64(min_parallel))
+        return _panel_a8(xq, sx, w, sflat, sstride, cols, group, np.int64(min_parallel))
     return _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
                    decode, prefill)
 
