@@ -37,6 +37,8 @@ import pathlib
 import tempfile
 
 import numba
+from numba.core import config as _nconfig
+from numba.core.compiler_lock import global_compiler_lock
 from numba.np.ufunc.parallel import _launch_threads
 
 
@@ -321,25 +323,67 @@ JIT = dict(nogil=True, cache=CACHE, fastmath=set(FASTMATH), error_model="numpy")
 JIT_PARALLEL = dict(JIT, parallel=True)
 
 
+#: LLVM optimisation level the package's kernels compile at (numba's own
+#: default is 3).  ``-O2`` compiles a cold low-bit prefill about a fifth
+#: faster (int6/g128, 64 x 256 at m = 16: 11.5 -> 9.0 s; the bench's warm-up
+#: 177.9 -> 146.1 s) and runs the kernels within noise of ``-O3`` (in-cache
+#: 1024 x 1024 calls at m = 1 and 32, every kind: 0.76-1.08x the time; Zen 4),
+#: except the W4A8 panel (6-19 % slower) and the 2:4 product (9 % at m = 1),
+#: which ask for :data:`OPT_HOT`.
+#: A user's ``NUMBA_OPT`` wins over both (every kernel then compiles at it).
+OPT = 2
+
+#: Level of the kernels measured slower at :data:`OPT` (``njit(..., opt=OPT_HOT)``).
+OPT_HOT = 3
+
+
+def _at_opt(disp, level):
+    """``disp`` compiling at LLVM level ``level``: numba reads ``config.OPT``
+    when it builds each pass pipeline, so it is set for the duration of this
+    dispatcher's compile (and of its callees', unless they set their own)
+    under numba's global compiler lock, then restored -- other code in the
+    process keeps its level.  The level does not key numba's on-disk cache;
+    a change of it is a change of this file, which drops the cache."""
+    if "NUMBA_OPT" in os.environ:
+        return disp
+    want = _nconfig._OptLevel(str(level))
+    orig = disp.compile
+
+    def compile(sig):
+        with global_compiler_lock:
+            old = _nconfig.OPT
+            _nconfig.OPT = want
+            try:
+                return orig(sig)
+            finally:
+                _nconfig.OPT = old
+
+    disp.compile = compile
+    return disp
+
+
+def _jit(opts, fn, overrides):
+    opts = dict(opts)
+    opts.update(overrides)
+    level = opts.pop("opt", OPT)
+    if fn is None:
+        return lambda f: _at_opt(numba.njit(**opts)(f), level)
+    return _at_opt(numba.njit(**opts)(fn), level)
+
+
 def njit(fn=None, **overrides):
-    """``numba.njit`` with the package's serial options (overridable).
+    """``numba.njit`` with the package's serial options (overridable), compiled
+    at LLVM level :data:`OPT` (``opt=`` overrides it).
 
     Usable bare (``@njit``) or with keyword overrides (``@njit(parallel=True)``).
     """
-    opts = dict(JIT)
-    opts.update(overrides)
-    if fn is None:
-        return lambda f: numba.njit(**opts)(f)
-    return numba.njit(**opts)(fn)
+    return _jit(JIT, fn, overrides)
 
 
 def njit_parallel(fn=None, **overrides):
-    """``numba.njit`` with the package's parallel options (``prange`` loops)."""
-    opts = dict(JIT_PARALLEL)
-    opts.update(overrides)
-    if fn is None:
-        return lambda f: numba.njit(**opts)(f)
-    return numba.njit(**opts)(fn)
+    """``numba.njit`` with the package's parallel options (``prange`` loops),
+    at LLVM level :data:`OPT` (``opt=`` overrides it)."""
+    return _jit(JIT_PARALLEL, fn, overrides)
 
 
 #: Options of kernels that must reproduce another library bit for bit (the

@@ -126,3 +126,46 @@ def test_absmax_f32_matches_numpy():
     assert absmax_f32(np.array([-0.0, -1e-42], np.float32), 0, 2) == np.float32(1e-42)
     with pytest.raises(numba.core.errors.TypingError):
         absmax_f32(np.ones(4), 0, 4)
+
+
+def _opt_spy(seen):
+    """A fresh intrinsic that records numba's ``config.OPT`` when it is typed
+    (typing runs inside the compile of the function calling it)."""
+    import numba
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def spy(typingctx):
+        seen.append(int(numba.core.config.OPT))
+
+        def codegen(context, builder, sig, args):
+            return context.get_constant(types.intp, 0)
+        return types.intp(), codegen
+    return spy
+
+
+@pytest.mark.skipif("NUMBA_OPT" in os.environ, reason="NUMBA_OPT set: every kernel compiles at it")
+def test_njit_opt_level_scoped_to_its_compile():
+    """``_config.njit(opt=...)`` compiles at that LLVM level, a callee with a
+    level of its own at that one (nested inside its caller's compile), the
+    package default at :data:`_config.OPT`, and numba's global level is
+    restored after each compile (other code keeps its own)."""
+    import numba
+    from opscope_nb import _config
+    before = numba.core.config.OPT
+    seen = []
+    s_in, s_out, s_def = _opt_spy(seen), _opt_spy(seen), _opt_spy(seen)
+    inner = _config.njit(cache=False, opt=3)(lambda: s_in())
+
+    def outer_py():
+        a = inner()
+        return a + s_out()
+    outer = _config.njit(cache=False, opt=1)(outer_py)
+    assert outer() == 0
+    assert seen == [3, 1]
+    assert numba.core.config.OPT == before
+    plain = _config.njit(cache=False)(lambda: s_def())
+    assert plain() == 0
+    assert seen == [3, 1, _config.OPT]
+    assert numba.core.config.OPT == before

@@ -44,7 +44,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .._config import njit, njit_parallel
+from .._config import OPT_HOT, njit, njit_parallel
 from ._matmul import _num_threads, _pack_panel_words, _set_threads
 from ._simd import (HOST_I8_PATH, I8_PATHS, _PANEL_LANES, _dpbusd, _maddubs, _madd16_ones,
                     I8_PANEL, panel_pack8)
@@ -423,7 +423,7 @@ def _tiles(xq, sx, codes, sflat, sstride, cols, group, grouped, P, C, npan, nch,
 
 
 
-@njit_parallel
+@njit_parallel(opt=OPT_HOT)          # 6-19 % slower at -O2 (bench.py section 9, Zen 4)
 def w4a8_panel_matmul(xq, sx, codes, sflat, sstride, cols, group, min_parallel, y):
     """W4A8 through the panel tiles: fills ``y`` (every output when ``n >= 6``;
     nothing below).
