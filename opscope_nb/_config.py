@@ -342,7 +342,10 @@ def _at_opt(disp, level):
     when it builds each pass pipeline, so it is set for the duration of this
     dispatcher's compile (and of its callees', unless they set their own)
     under numba's global compiler lock, then restored -- other code in the
-    process keeps its level.  The level does not key numba's on-disk cache;
+    process keeps its level.  A callee's code linked into a caller is
+    optimised once more at the caller's level there (the W4A8 panel at -O3
+    inside an -O2 entry kept its -O3 speed within noise, Zen 4).  The level
+    does not key numba's on-disk cache;
     a change of it is a change of this file, which drops the cache."""
     if "NUMBA_OPT" in os.environ:
         return disp

@@ -1224,11 +1224,16 @@ def _prefill_kw(m, k, n, min_parallel, wsum):
     every call with that answer (callers only ``**``-expand it, never
     edit it): about 0.3 us per call instead of 1.4 us."""
     if m < I8_PANEL_MIN_M:
-        return _KW_PATH[("prefill",)]
+        return _KW_TILES
     # the thread count only matters for a parallel-sized call (the row split);
     # _threads() reads it in 0.04 us, numba.get_num_threads() in 0.64 us
     threads = _threads() if m * k * n >= min_parallel else 1
-    return _KW_PATH[_prefill_path(m, k, n, min_parallel, wsum, threads)]
+    return _prefill_path(m, k, n, min_parallel, wsum, threads)
+
+
+_KW_TILES = {"prefill": None}
+_KW_ROWSPLIT = {"outsplit": None}
+_KW_PANEL = {"rowsplit": None, "tiles": None}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1236,13 +1241,10 @@ def _prefill_path(m, k, n, min_parallel, wsum, threads):
     # memoised: a layer calls with the same shape every time (the row plan in
     # Python took about 2 us of a 16 x 64 x 256 call's 17)
     if not _i8_panel_rule(m, k, n):
-        return ("prefill",)
+        return _KW_TILES
     if _w8a8_row_plan.py_func(m, k, n, min_parallel, wsum, threads) > 0:
-        return ("outsplit",)
-    return ("rowsplit", "tiles")
-
-
-_KW_PATH = {p: dict.fromkeys(p) for p in (("prefill",), ("outsplit",), ("rowsplit", "tiles"))}
+        return _KW_ROWSPLIT
+    return _KW_PANEL
 
 
 def _i8_panel_rule(m, k, n):
