@@ -37,6 +37,7 @@ import pathlib
 import tempfile
 
 import numba
+from numba.core import codegen as _ncodegen
 from numba.core import config as _nconfig
 from numba.core.compiler_lock import global_compiler_lock
 from numba.np.ufunc.parallel import _launch_threads
@@ -337,41 +338,174 @@ OPT = 2
 OPT_HOT = 3
 
 
-def _at_opt(disp, level):
+def _at_opt(disp, level, late=False, vectorize=True):
     """``disp`` compiling at LLVM level ``level``: numba reads ``config.OPT``
     when it builds each pass pipeline, so it is set for the duration of this
     dispatcher's compile (and of its callees', unless they set their own)
     under numba's global compiler lock, then restored -- other code in the
     process keeps its level.  A callee's code linked into a caller is
     optimised once more at the caller's level there (the W4A8 panel at -O3
-    inside an -O2 entry kept its -O3 speed within noise, Zen 4).  The level
-    does not key numba's on-disk cache;
-    a change of it is a change of this file, which drops the cache."""
-    if "NUMBA_OPT" in os.environ:
+    inside an -O2 entry kept its -O3 speed within noise, Zen 4), unless the
+    callee links late (``late``: :func:`_finalize`).  ``vectorize=False``
+    turns LLVM's loop vectoriser off the same way (``config.LOOP_VECTORIZE``),
+    for kernels whose loops are explicit SIMD tiles: it found nothing to do
+    there and took about a tenth of their compile.  The settings do not key
+    numba's on-disk cache; a change of them is a change of a source file,
+    which drops the cache.  A user's ``NUMBA_OPT`` leaves the level alone."""
+    want = None if "NUMBA_OPT" in os.environ else _nconfig._OptLevel(str(level))
+    if want is None and not late and vectorize:
         return disp
-    want = _nconfig._OptLevel(str(level))
     orig = disp.compile
 
     def compile(sig):
         with global_compiler_lock:
-            old = _nconfig.OPT
-            _nconfig.OPT = want
+            old = _nconfig.OPT, _nconfig.LOOP_VECTORIZE
+            if want is not None:
+                _nconfig.OPT = want
+            if not vectorize:
+                _nconfig.LOOP_VECTORIZE = False
             try:
-                return orig(sig)
+                out = orig(sig)
             finally:
-                _nconfig.OPT = old
+                _nconfig.OPT, _nconfig.LOOP_VECTORIZE = old
+            if late:
+                # (cache loads too: a loaded library links late as well)
+                for cres in disp.overloads.values():
+                    setattr(cres.library, _LATE, True)
+            return out
 
     disp.compile = compile
     return disp
+
+
+# ── late linking ────────────────────────────────────────────────────────────
+# numba links every callee's LLVM module into its caller's module and runs
+# the whole optimisation pipeline over the result, so the code of a large
+# kernel is optimised again in each function that calls it, and in theirs
+# (an entry -> its parallel loop body -> the k-blocked tiles: three more
+# times).  A function compiled with ``link="late"`` is linked into its callers
+# *after* their optimisation: its code is optimised once, in its own compile,
+# and only machine code is emitted again.  For kernels called a few times
+# per product (a block of outputs per call), never for small helpers in a
+# hot loop, which LLVM must inline.
+_LATE = "_opscope_link_late"
+_EARLY = "_opscope_early_module"
+_LATE_SET = "_opscope_late_libs"
+
+
+def _linkable(mod):
+    """A copy of ``mod`` as numba's ``_get_module_for_linking`` makes it:
+    external definitions become ``linkonce_odr`` (many copies may meet)."""
+    import llvmlite.binding as ll
+    mod = mod.clone()
+    for fn in mod.functions:
+        if not fn.is_declaration and fn.linkage == ll.Linkage.external:
+            fn.linkage = "linkonce_odr"
+    return mod
+
+
+def _early_part(lib):
+    """What a caller links before its optimisation: a library that linked
+    late callees gives its module without them, else numba's module."""
+    early = getattr(lib, _EARLY, None)
+    return early if early is not None else lib._get_module_for_linking()
+
+
+def _late_closure(libs):
+    """Every late library reachable from ``libs``: the late ones among them
+    and the late callees their early parts leave out, each listed before the
+    libraries it calls (so linking in this order always finds the caller's
+    reference first: LLVM links a ``linkonce_odr`` function only when the
+    module it goes into refers to it)."""
+    order, seen = [], set()
+
+    def visit(lib):
+        if id(lib) in seen:
+            return
+        seen.add(id(lib))
+        for sub in getattr(lib, _LATE_SET, ()):
+            visit(sub)
+        order.append(lib)
+
+    for lib in libs:
+        if getattr(lib, _LATE, False):
+            visit(lib)
+        else:
+            for sub in getattr(lib, _LATE_SET, ()):
+                visit(sub)
+    return order[::-1]
+
+
+def _link_late(mod, late):
+    """Link the early parts of ``late`` into ``mod``, then again any whose
+    function ``mod`` still only declares (a reference a later module
+    brought in); raises ``RuntimeError`` if one stays undefined."""
+    parts = [_early_part(lib) for lib in late]
+    for part in parts:
+        mod.link_in(part, preserve=True)
+    for _ in range(len(parts)):
+        undefined = {f.name for f in mod.functions if f.is_declaration}
+        again = [part for part in parts
+                 if any(not f.is_declaration and f.name in undefined for f in part.functions)]
+        if not again:
+            return
+        for part in again:
+            mod.link_in(part, preserve=True)
+    raise RuntimeError("late linking left a kernel's callee undefined")
+
+
+def _finalize(self):
+    """``CPUCodeLibrary.finalize`` with late linking (numba's own when no
+    callee links late): link the early callees, optimise, keep that module
+    for callers (:func:`_early_part`), link the late ones, drop what nothing
+    calls, emit."""
+    late = _late_closure(self._linking_libraries)
+    if not late:
+        return _orig_finalize(self)
+    import llvmlite.binding as ll
+    from numba.core.compiler_lock import require_global_compiler_lock
+
+    require_global_compiler_lock()
+    self._codegen._check_llvm_bugs()
+    self._raise_if_finalized()
+    late_ids = {id(lib) for lib in late}
+    seen = set()
+    for lib in self._linking_libraries:
+        if id(lib) in late_ids or id(lib) in seen:
+            continue
+        seen.add(id(lib))
+        self._reload_init.update(lib._reload_init)
+        self._final_module.link_in(_early_part(lib), preserve=True)
+    self._optimize_final_module()
+    setattr(self, _EARLY, _linkable(self._final_module))
+    setattr(self, _LATE_SET, tuple(late))
+    for lib in late:
+        self._reload_init.update(lib._reload_init)
+    _link_late(self._final_module, late)
+    # the late modules bring their Python wrappers and unused helpers along
+    pm = ll.ModulePassManager()
+    pm.add_global_dead_code_eliminate_pass()
+    pm.run(self._final_module, self._codegen._pass_builder())
+    self._final_module.verify()
+    self._finalize_final_module()
+
+
+_orig_finalize = _ncodegen.CPUCodeLibrary.finalize
+_ncodegen.CPUCodeLibrary.finalize = _finalize
 
 
 def _jit(opts, fn, overrides):
     opts = dict(opts)
     opts.update(overrides)
     level = opts.pop("opt", OPT)
+    link = opts.pop("link", "early")
+    if link not in ("early", "late"):
+        raise ValueError(f"link must be 'early' or 'late'; got {link!r}")
+    late = link == "late"
+    vec = bool(opts.pop("vectorize", True))
     if fn is None:
-        return lambda f: _at_opt(numba.njit(**opts)(f), level)
-    return _at_opt(numba.njit(**opts)(fn), level)
+        return lambda f: _at_opt(numba.njit(**opts)(f), level, late, vec)
+    return _at_opt(numba.njit(**opts)(fn), level, late, vec)
 
 
 def njit(fn=None, **overrides):

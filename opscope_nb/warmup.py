@@ -18,8 +18,10 @@ Groups (:data:`GROUPS`)
 ``runtime``
     One :class:`~opscope_nb.runtime.PackedLinear` call per compiled forward
     entry: each quantised kind with float (``act="f32"``) and int8
-    activations, decode (``m = 1``) and prefill (``m = 16``: the quantised
-    kinds compile the two apart), each float kind.
+    activations, decode (``m = 1``) and prefill (``m = 5``: the quantised
+    kinds compile the two apart), the int4 and int8 panels of int8
+    activations (``m = 16``) and the W8A8 row split (``m = 32``); each float
+    kind (the factor kinds on random factors: the forward alone).
 ``bench``
     Each section of ``python bench.py --quick``.
 
@@ -146,24 +148,43 @@ def _profile_cli(_):
 
 # ───────────────────────────── runtime items ─────────────────────────────
 
+#: The factor kinds: their runtime items wrap random factors (the forward
+#: alone; fitting them is the profile group's SVD / Tucker / TT items).
+_FACTOR_KINDS = ("lowrank", "monarch", "tucker", "tt")
+
+
 def _runtime_kind(spec):
     """One ``PackedLinear`` call of ``label`` with ``act`` on ``m`` rows (default
-    1: decode; the quantised kinds compile their prefill path apart, at
-    ``m = 16``, int8 activations on int8 weights their row split at ``m = 32``)."""
+    1: decode).  Prefill items run at ``m = 5`` (the dot tiles, every kind);
+    the int4 and int8 panels of int8 activations at ``m = 16`` and the W8A8
+    row split at ``m = 32`` are variants of their own."""
     import numpy as np
+    from .formats import layout
     from .mining import Decomp
     from .runtime import PackedLinear
     label, act, m = (tuple(spec) + (1,))[:3]
-    w = _w(64, 256)
-    if label == "monarch":
-        w = _w(64, 64)
-    d = Decomp.from_label(label) if label not in ("tucker", "tt") else None
+    rows, cols = (64, 64) if label == "monarch" else (64, 256)
     if label == "tucker":
         d = Decomp.tucker((64, 16, 16), (16, 8, 8))
     elif label == "tt":
         d = Decomp.tt((8, 8, 16, 16), 8)
-    lin = PackedLinear.pack(w, d)
-    lin(np.ones((m, w.shape[1]), np.float32), act)
+    else:
+        d = Decomp.from_label(label)
+    if d.kind in _FACTOR_KINDS:
+        rng = np.random.default_rng(0)
+        arrays = {name: rng.standard_normal(shp).astype(dt)
+                  for name, (dt, shp) in layout(rows, cols, d).items()}
+        lin = PackedLinear(d, arrays, (rows, cols))
+    else:
+        lin = PackedLinear.pack(_w(rows, cols), d)
+    lin(np.ones((m, cols), np.float32), act)
+
+
+#: Rows of the prefill items (the dot tiles of every kind) and of the panel
+#: items (int8 activations on int4 / int8 weights take an outer-product panel
+#: from :data:`kernels.W4_PANEL_MIN_M` / :data:`kernels.I8_PANEL_MIN_M` rows on).
+_M_PREFILL = 5
+_M_PANEL = 16
 
 
 # ────────────────────────────── bench items ──────────────────────────────
@@ -202,9 +223,12 @@ def _build_items():
         for act in ("f32", "int8"):
             add(f"runtime {label} act={act}", "runtime", "_runtime_kind", (label, act))
             add(f"runtime {label} act={act} prefill", "runtime", "_runtime_kind",
-                (label, act, 16))
+                (label, act, _M_PREFILL))
+    for label in ("int4/chan", "int4/g32", "int8/chan"):
+        add(f"runtime {label} act=int8 prefill (panel)", "runtime", "_runtime_kind",
+            (label, "int8", _M_PANEL))
     # int8 activations at m = 32 on 2+ threads take the W8A8 row split, a
-    # variant of its own (kernels.w8a8_prefill_kw); m = 16 takes the panel
+    # variant of its own (kernels.w8a8_prefill_kw)
     add("runtime int8/chan act=int8 prefill (row split)", "runtime", "_runtime_kind",
         ("int8/chan", "int8", 32))
     for label in ("dense", "sparse2:4", "lowrank(r=8)", "monarch", "tucker", "tt"):
@@ -487,14 +511,25 @@ def warm_first(group, jobs=None, log=None, names=None) -> bool:
     return True
 
 
-def warm_bench(sections, log=None) -> bool:
+def _rows_of(it):
+    """Rows ``m`` a runtime item calls with (1 for the others)."""
+    arg = it.arg if isinstance(it.arg, tuple) else ()
+    return int(arg[2]) if it.group == "runtime" and len(arg) > 2 else 1
+
+
+def warm_bench(sections, log=None, quick=False) -> bool:
     """:func:`warm_first` for ``python bench.py --sections ...``: the items of
     those sections, and for section 8 (every ``PackedLinear`` kind) the
-    per-kind runtime items, spread over the workers.  ``log`` defaults to
-    printing (the bench output).  Returns whether a warm-up ran."""
+    per-kind runtime items, spread over the workers -- with ``quick`` only
+    those of the rows ``--quick`` runs (decode and the dot tiles; its
+    section 8 never reaches the panels).  ``log`` defaults to printing (the
+    bench output).  Returns whether a warm-up ran."""
     secs = set(sections)
     names = [it.name for it in items("bench") if int(it.name.rsplit(" ", 1)[1]) in secs]
     if 8 in secs:
-        names = [it.name for it in items("runtime")] + names
+        from .bench.runner import QUICK
+        top = max(QUICK["s8_m"]) if quick else None
+        names = [it.name for it in items("runtime")
+                 if top is None or _rows_of(it) <= top] + names
     return warm_first("bench", names=names,
                       log=log or (lambda line: print(line, flush=True)))

@@ -112,10 +112,12 @@ def test_packed_linear_calls_the_variant_of_its_shape(label, m, kw):
     # (arguments ..., decode, prefill, tiles: positions 6, 7, 8)
     pos, other = (6, 7) if "decode" in kw else (7, 6)
     tiles = K.w4a8_tiles_kw(m, 12, 128, 0 if label == "int4/chan" else 32)
-    assert tiles == ({"tiles": None} if "decode" in kw and m >= K.W4_PANEL_MIN_M
-                     and K.W4_PANEL else {})
+    assert tiles == ({"tiles": None} if m >= K.W4_PANEL_MIN_M and K.W4_PANEL
+                     else {"panel": None})
+    # (a prefill passes one of tiles=None / panel=None: positions 8, 9)
     assert any(s[pos] == types.none and isinstance(s[other], types.Omitted)
-               and (s[8] == types.none) == bool(tiles)
+               and (s[8] == types.none) == ("decode" in kw and "tiles" in tiles)
+               and (s[9] == types.none) == ("decode" in kw and "panel" in tiles)
                for s in K.int4_linear_checked_a8.signatures)
     # a 3-row layer is decode-only whatever m is (the prefill tiles need 4 rows)
     small = PackedLinear.pack(w[:3], Decomp.from_label(label))
@@ -239,11 +241,11 @@ def test_checked_entries_equal_the_public_cores(m, rows, cols, group):
             assert want.shape == (m, rows)
             np.testing.assert_array_equal(checked(x, *args, **kw), want)
             if checked is K.int4_linear_checked_a8 and "decode" in kw:
-                # the panel-only variant, where the panel takes the shape
+                # the panel-only variant where the panel takes the shape, else
+                # the tiles-only one
                 tiles = K.w4a8_tiles_kw(m, rows, cols, g)
-                assert bool(tiles) == (K.W4_PANEL and m >= K.W4_PANEL_MIN_M)
-                if tiles:
-                    np.testing.assert_array_equal(checked(x, *args, **kw, **tiles), want)
+                assert ("tiles" in tiles) == (K.W4_PANEL and m >= K.W4_PANEL_MIN_M)
+                np.testing.assert_array_equal(checked(x, *args, **kw, **tiles), want)
         for bad in (np.nan, np.inf, -np.inf):
             xb = x.copy()
             xb[m - 1, cols // 2] = bad
@@ -396,7 +398,10 @@ def test_prefill_variants_compile_no_decode_tiles_and_no_foreign_panel(tmp_path)
         "except ValueError as e:\n"
         "    print('R', 'w4a8_tiles_kw' in str(e))\n"
         "lin(x[:1], 'int8')\n"
-        "print('D', len(PQ._blocks_dec.signatures))\n")
+        "print('D', len(PQ._blocks_dec.signatures))\n"
+        "n = len(PQ.w4a8_panel_matmul.signatures)\n"
+        "lin(x[:5], 'int8')\n"
+        "print('P', len(PQ.w4a8_panel_matmul.signatures) - n, len(PQ._run_a8.signatures))\n")
     out = run_code(code, env={"NUMBA_CACHE_DIR": str(tmp_path)})
     # ternary (after int4): its prefill entry typed neither the decode tiles
     # nor a panel of its own
@@ -404,3 +409,5 @@ def test_prefill_variants_compile_no_decode_tiles_and_no_foreign_panel(tmp_path)
     # int4/g32: no decode tiles; on a panel host no dot-tile core either
     assert ("I 0 0" if K.W4_PANEL else "I 0 1") in out, out
     assert "R True" in out and "D 1" in out, out
+    # int4 below the panel's rows: the dot tiles alone, never the mixed core
+    assert "P 0 0" in out, out

@@ -169,3 +169,91 @@ def test_njit_opt_level_scoped_to_its_compile():
     assert plain() == 0
     assert seen == [3, 1, _config.OPT]
     assert numba.core.config.OPT == before
+
+
+def _defined(mod, name):
+    try:
+        fn = mod.get_function(name)
+    except NameError:
+        return False
+    return not fn.is_declaration
+
+
+def test_link_late_callee_optimised_alone_and_linked_after():
+    """``njit(link="late")``: the callee's code is linked into each caller after
+    the caller's optimisation (the module a caller's own callers link holds
+    only a declaration of it), through two levels, and every level computes
+    the same as plain Python; a non-late helper stays in the early module."""
+    def big_py(a):
+        s = 0.0
+        for v in a:
+            s += v * v
+        return s
+
+    def helper_py(x):
+        return x + 1.0
+
+    big = _config.njit(cache=False, link="late")(big_py)
+    helper = _config.njit(cache=False)(helper_py)
+
+    def mid_py(a):
+        return helper(big(a)) * 2.0
+    mid = _config.njit(cache=False)(mid_py)
+
+    def top_py(a):
+        return mid(a) - 3.0
+    top = _config.njit(cache=False)(top_py)
+
+    a = np.arange(7.0)
+    assert top(a) == (np.sum(a * a) + 1.0) * 2.0 - 3.0
+    lib = {f: f.overloads[f.signatures[0]].library for f in (big, helper, mid, top)}
+    name = {f: f.overloads[f.signatures[0]].fndesc.mangled_name for f in (big, helper)}
+    assert getattr(lib[big], _config._LATE) is True
+    assert not getattr(lib[helper], _config._LATE, False)
+    early = getattr(lib[mid], _config._EARLY)
+    assert not _defined(early, name[big]) and early.get_function(name[big]).is_declaration
+    for f in (mid, top):
+        assert _defined(lib[f]._final_module, name[big]), f
+    assert getattr(lib[mid], _config._LATE_SET) == (lib[big],)
+    # top linked mid's early part and big after its own optimisation
+    assert getattr(lib[top], _config._LATE_SET) == (lib[big],)
+
+
+def test_link_option_checked():
+    with pytest.raises(ValueError, match="link must be 'early' or 'late'"):
+        _config.njit(cache=False, link="never")(lambda: 0)
+
+
+def test_link_late_callee_reached_only_through_another_late_callee():
+    """A late callee the caller itself calls only in a branch LLVM removes
+    (numba cannot see the constant), and again inside another late callee:
+    its code must still end up in the caller's module, defined -- a module
+    that only declares it runs in this process (the symbol resolves to the
+    callee's own compile) and crashes when loaded from the cache elsewhere."""
+    def leaf_py(a):
+        return a.sum() * 3.0
+
+    leaf = _config.njit(cache=False, link="late")(leaf_py)
+
+    def mid_py(a):
+        return leaf(a) + 1.0
+    mid = _config.njit(cache=False, link="late")(mid_py)
+
+    def top_py(a):
+        c = np.int64(2) * np.int64(3)
+        r = 0.0
+        if c == 7:
+            r = leaf(a)
+        return mid(a) + r
+    top = _config.njit(cache=False)(top_py)
+
+    a = np.arange(5.0)
+    assert top(a) == 31.0
+    lib = top.overloads[top.signatures[0]].library
+    names = [f.overloads[f.signatures[0]].fndesc.mangled_name for f in (leaf, mid)]
+    for name in names:
+        assert _defined(lib._final_module, name), name
+    late = getattr(lib, _config._LATE_SET)
+    # callers before callees: mid (which calls leaf) first
+    assert late.index(mid.overloads[mid.signatures[0]].library) < \
+        late.index(leaf.overloads[leaf.signatures[0]].library)

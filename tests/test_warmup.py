@@ -59,7 +59,7 @@ def test_cli_failures_and_bad_arguments(monkeypatch, capsys):
     assert main(["warmup", "--only", "nope"]) == 2
 
 
-_ITEMS = ["runtime dense", "runtime lowrank(r=8)", "profile allocators"]
+_ITEMS = ["runtime dense", "runtime tucker", "profile allocators"]
 
 _RUN = textwrap.dedent("""
     import json, sys
@@ -234,13 +234,35 @@ def test_warm_bench_names_the_sections_items(stamp_dir, monkeypatch):
     kinds one per item (then section 8 itself, which waits for them)."""
     calls = []
     monkeypatch.setattr(wu, "warm", _fake_warm(calls))
-    assert wu.warm_bench([1, 7, 8], log=lambda line: None)
     kinds = [it.name for it in wu.items("runtime")]
-    assert calls[0]["names"] == kinds + ["bench section 8", "bench section 1"]
+    # --quick: the runtime items of its rows only (its section 8 runs m = 1 and
+    # 5: decode and the dot tiles, never the int8-activation panels)
+    assert wu.warm_bench([8], log=lambda line: None, quick=True)
+    quick = calls[0]["names"]
+    panels = [n for n in kinds if "(panel)" in n or "(row split)" in n]
+    assert len(panels) == 4
+    assert quick == [n for n in kinds if n not in panels] + ["bench section 8"]
+    # the full bench: every runtime item; the warm ones (above) are not redone
+    assert wu.warm_bench([1, 7, 8], log=lambda line: None)
+    assert calls[1]["names"] == panels + ["bench section 1"]
     sec8 = next(it for it in wu.ITEMS if it.name == "bench section 8")
     assert set(sec8.after) == set(kinds)
     assert wu.warm_bench([3], log=lambda line: None)
     assert calls[-1]["names"] == ["bench section 3"]
+
+
+def test_runtime_items_reach_each_prefill_variant():
+    """The prefill items run below both int8-activation panels (the dot tiles
+    every kind has), the panel items at or above them."""
+    from opscope_nb import kernels as K
+    from opscope_nb.bench.runner import QUICK
+    panel_m = (K.W4_PANEL_MIN_M, K.I8_PANEL_MIN_M)
+    assert wu._M_PREFILL < min(panel_m) <= max(panel_m) <= wu._M_PANEL
+    assert max(QUICK["s8_m"]) <= wu._M_PREFILL
+    by = {it.name: it for it in wu.items("runtime")}
+    assert wu._rows_of(by["runtime int4/g32 act=int8 prefill"]) == wu._M_PREFILL
+    assert wu._rows_of(by["runtime int4/g32 act=int8 prefill (panel)"]) == wu._M_PANEL
+    assert wu._rows_of(by["runtime int8/chan act=int8"]) == 1
 
 
 def test_first_run_notice_asks_the_warm_record(stamp_dir, monkeypatch, capsys):

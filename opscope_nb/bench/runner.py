@@ -157,7 +157,7 @@ def _header(quick, res, cfg):
 def main(argv=None, warm=None):
     """Command line of ``python bench.py``; returns the exit code.
 
-    ``warm``: called with the section numbers before they run, unless
+    ``warm``: called with the section numbers (and ``quick=``) before they run, unless
     ``--no-warmup`` (the entry points pass :func:`opscope_nb.warmup.warm_bench`;
     this module cannot import the warm-up, which runs its sections)."""
     ap = argparse.ArgumentParser(
@@ -189,7 +189,7 @@ def main(argv=None, warm=None):
         # a cold cache: the entry point compiles the sections' kernels on every
         # core first (opscope_nb.warmup.warm_bench; the first-call table below
         # then shows cache loads; the warm-up's time counts in the wall time)
-        warm(secs)
+        warm(secs, quick=args.quick)
     res = {"config": {"quick": args.quick, "sections": secs, "threads": args.threads},
            "machine": machine_info(), "skipped": []}
     res["bandwidth"] = stream_bandwidth(stream_bytes(cfg, res["machine"]["l3_bytes"]),

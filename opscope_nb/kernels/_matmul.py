@@ -517,7 +517,7 @@ def _float_block(xf, m, k, wf, wo, j0, j1, y):
                 y[i, j0 + q] = v
 
 
-@njit
+@njit(link="late")
 def _f32_blocks(xf, m, k, wf, n, y, b0, b1):
     for b in range(b0, b1):
         j0 = b * _NB
@@ -716,7 +716,7 @@ def _w16_block(xf, m, k, wf, j0, j1, sx, scale, y):
                 y[i, j0 + q] = np.float32(a0 * np.float64(sx[i]) * sq)
 
 
-@njit
+@njit(link="late")
 def _w16_blocks(xf, m, k, wf, n, sx, scale, y, b0, b1):
     for b in range(b0, b1):
         j0 = b * _NB
@@ -890,7 +890,7 @@ def _i8_block(xf, m, k, wf, j0, j1, acc, y, sx, scale, want_y, i0):
                 _put(acc, y, sx, scale, want_y, i, j0 + q, a0)
 
 
-@njit
+@njit(link="late")
 def _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
     """Blocks ``b0..b1-1``: exact int32 sums into ``acc``, or (``want_y``)
     the dequantised ``y = sum * sx[i] * scale[j]``.
@@ -907,7 +907,7 @@ def _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
         _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y, np.int64(0))
 
 
-@njit
+@njit(link="late")
 def _w8a8_decode(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
     """Blocks ``b0..b1-1`` for ``m < 4``: one 1 x 4 tile per row and block in
     a loop of its own.  Through :func:`_i8_block` (which also carries the
@@ -1061,7 +1061,7 @@ def i8_row_sums(wtq):
     return out
 
 
-@njit
+@njit(link="late")
 def _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, t0, t1, buf, ones, wsum):
     """Panel tiles ``t0..t1-1`` (outputs ``6t .. 6t+5``): rows ``0..mp-1``
     through the outer-product tiles (blocks of 32 rows, then one of 16), the
@@ -1145,7 +1145,7 @@ def _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, t0, t1, buf, on
                     y[r, jc + j] = yt[j * mp + r]
 
 
-@njit_parallel
+@njit_parallel(link="late")
 def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
     """W8A8 prefill (``m >= 16`` on a VNNI or AVX2 host): the activation panel is
     built once per call, then chunks of 6-output tiles run in parallel; the
@@ -1260,7 +1260,7 @@ _NO_I8_ROWS = ("W8A8: outsplit=None needs a call the row split takes (w8a8_prefi
                "the shape, in the calling thread); omit outsplit")
 
 
-@njit_parallel
+@njit_parallel(link="late")
 def _w8a8_run(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum, prefill=True):
     """The W8A8 core behind both entry points (validated input; ``wsum``
     empty when the caller gave none): panel tiles for a prefill on a VNNI or AVX2
@@ -1368,7 +1368,7 @@ def _w8a8_row_plan(m, k, n, min_parallel, have_wsum, threads):
     return 0
 
 
-@njit
+@njit(link="late")
 def _w8a8_rowblock(x, quant, xq, sx, i0, rows, rest, wf, scale, wsum, y, P, yt):
     """Rows ``i0 .. i0+rows-1`` of the W8A8 product through the panel tiles,
     then (``rest``) rows ``i0+rows .. m-1`` (fewer than 16) through the dot
@@ -1418,7 +1418,7 @@ def _w8a8_rowblock(x, quant, xq, sx, i0, rows, rest, wf, scale, wsum, y, P, yt):
             _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, True, i0 + rows)
 
 
-@njit_parallel
+@njit_parallel(link="late")
 def _w8a8_rowsplit(x, quant, xq, sx, wtq, scale, wsum, y, rows):
     """The row-split W8A8 schedule (see :func:`_w8a8_row_plan`): one
     parallel task per block of ``rows`` rows; the last task also takes the

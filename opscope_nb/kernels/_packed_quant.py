@@ -243,7 +243,7 @@ def _plan(cols, ng, group, fmt, a8=False):
     return -1, 0, 1
 
 
-@njit
+@njit(link="late")
 def _arrange_big(xq, nunits, fmt, upf, mode):
     """128-column unit (modes 3-6) arrangement and corrections.
 
@@ -279,7 +279,7 @@ def _arrange_big(xq, nunits, fmt, upf, mode):
     return xp, corr
 
 
-@njit
+@njit(link="late")
 def _arrange(xq, nunits, fmt, upf, mode, big=True):
     """Per-unit field order of the activations and the offset corrections.
 
@@ -333,7 +333,7 @@ def _arrange(xq, nunits, fmt, upf, mode, big=True):
     return xp, corr
 
 
-@njit
+@njit(link="late")
 def _tail(xq, i, w, w2, j, p0, cols, fmt, sflat, soff, group, scaled):
     """Scalar sum over columns ``p0..cols-1`` (mode 0: integer; else scaled)."""
     if not scaled:
@@ -364,7 +364,7 @@ def _fin(t, sxi, s0, mode):
     return np.float32(v * np.float64(sxi))
 
 
-@njit
+@njit(link="late")
 def _put(y, i, j, t, xq, w, w2, sflat, sstride, group, cols, fmt, region, mode, sx):
     soff = j * sstride
     # one call site with a run-time flag: a literal True / False compiled
@@ -420,7 +420,7 @@ def _scale_off(mode, u0, upf):
     return 0
 
 
-@njit
+@njit(link="late", vectorize=False)
 def _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
                sx, y, b0, b1):
     """Prefill (``m >= 4``) over output blocks ``b0..b1``, k-blocked.
@@ -486,7 +486,7 @@ def _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, up
                             y[i, j] = _fin(v, sx[i], sflat[j * sstride], mode)
 
 
-@njit
+@njit(link="late", vectorize=False)
 def _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b1):
     """Decode of int4/g32 with int8 activations (mode 3, no tail): the tile is
     called with literal ``fmt`` / ``mode`` so LLVM keeps only that variant and
@@ -536,7 +536,7 @@ DEC_ONE_ROW = LOWBIT_PATH == "avx2"
 _PF_ROWS1 = 4
 
 
-@njit
+@njit(link="late", vectorize=False)
 def _rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols, group, fmt,
            nunits, upf, mode, sx, y, b0, b1):
     """:func:`_decode_rows1`'s loop for one constant ``mode``."""
@@ -558,7 +558,7 @@ def _rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols,
                 y[i, j] = _fin(t[0], sx[i], sflat[j * sstride], mode)
 
 
-@njit
+@njit(link="late")
 def _decode_rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols, group,
                   fmt, nunits, upf, mode, sx, y, b0, b1):
     """Decode (``m < 4``) of output blocks ``b0..b1`` in a 128-column mode
@@ -630,7 +630,7 @@ def _ov_decode_i4m3_a8(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y,
     return impl
 
 
-@njit
+@njit(link="late", vectorize=False)
 def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
             sx, y, b0, b1):
     """Output blocks ``b0..b1``: the k-blocked prefill tiles when ``m >= 4`` and
@@ -645,7 +645,7 @@ def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, 
                 sx, y, b0, b1)
 
 
-@njit
+@njit(link="late", vectorize=False)
 def _blocks_dec(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
                 sx, y, b0, b1):
     """Output blocks ``b0..b1`` through the decode tiles (any ``m``; the path of
@@ -713,11 +713,12 @@ def _ngroups(cols, group):
 #: its own test, and only the raise under ``decode is None`` ends it before
 #: its code is typed (int4/g32 int8 prefill at m = 16 compiled the decode
 #: tiles as well).
-_NO_PATH = "decode=None and prefill=None leave no path; leave one at its default"
+_NO_PATH = ("decode=None and prefill=None (or tiles=None and panel=None) leave no path; "
+            "leave one at its default")
 _NO_TILES = "tiles=None needs an int4 product the W4A8 panel takes (w4a8_tiles_kw); omit tiles"
 
 
-@njit_parallel
+@njit_parallel(link="late")
 def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
          prefill=True, big=True):
     return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode,
@@ -802,11 +803,14 @@ def w4a8_tiles_kw(m, rows, cols, group):
 
     Returns ``{"tiles": None}`` when the W4A8 panel takes every row of an
     ``m x cols`` by ``rows x cols`` product with ``group`` (``<= 0``: per
-    channel) on this host, else ``{}``.  Passed to :func:`int4_linear_checked_a8`
-    with ``decode=None``, it leaves the dot-tile core the panel never calls
-    out of the compiled function.
+    channel) on this host, else ``{"panel": None}``.  Passed to
+    :func:`int4_linear_checked_a8` with ``decode=None``, they leave the
+    path the shape never takes out of the compiled function (the dot-tile
+    core, or the panel: about half of a cold int4 prefill at ``m = 5``).
     """
-    return {"tiles": None} if _w4_panel_rule(int(m), int(rows), int(cols), int(group)) else {}
+    if _w4_panel_rule(int(m), int(rows), int(cols), int(group)):
+        return {"tiles": None}
+    return {"panel": None}
 
 
 @njit(inline="always")
@@ -822,7 +826,7 @@ def _panel_a8(xq, sx, w, sflat, sstride, cols, group, min_parallel):
     return y
 
 
-@njit
+@njit(link="late")
 def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
             prefill=True):
     """:func:`_run` for int8 activations: int4 prefill on a VNNI or AVX2 host goes
@@ -1152,7 +1156,7 @@ def _finite(x):
 
 @njit(inline="always")
 def _checked_a8(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode, prefill,
-                tiles=True):
+                tiles=True, panel=True):
     rows = w.shape[0]
     if not _finite(x):
         return np.empty((0, rows), np.float32)
@@ -1176,12 +1180,21 @@ def _checked_a8(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode
         # numba prunes this test and the other formats compile no panel
         return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
                     decode, prefill)
+    # (numba prunes ``f is None`` only for an ``f`` typed None: with
+    # panel=None the raise below ends the panel branch before it is typed)
     if tiles is None:
         # the panel takes the whole product: called from here, not through
         # _run_a8 (one function less that re-emits the panel's code)
+        if panel is None:
+            raise ValueError(_NO_PATH)
         if not _w4_panel_ok(m, rows, cols, group):
             raise ValueError(_NO_TILES)
         return _panel_a8(xq, sx, w, sflat, sstride, cols, group, np.int64(min_parallel))
+    if panel is None:
+        # the dot tiles alone (w4a8_tiles_kw's flag for a shape the panel
+        # does not take)
+        return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                    decode, prefill)
     return _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
                    decode, prefill)
 
@@ -1209,7 +1222,7 @@ def _checked_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decod
 
 @njit_parallel
 def int4_linear_checked_a8(x, codes, scales, cols, group, min_parallel=PAR_MIN, decode=True,
-                           prefill=True, tiles=True):
+                           prefill=True, tiles=True, panel=True):
     """:func:`packed_int4_linear_a8` as one compiled function, after a check
     that ``x`` is finite.
 
@@ -1218,12 +1231,13 @@ def int4_linear_checked_a8(x, codes, scales, cols, group, min_parallel=PAR_MIN, 
     caller raises).  ``decode`` / ``prefill`` as :func:`lowbit_matmul_a8`;
     ``tiles=None`` with ``decode=None`` (the flags :func:`w4a8_tiles_kw`
     gives for a shape the W4A8 panel takes) compiles the panel path alone,
-    and raises ``ValueError`` for another shape.
+    and raises ``ValueError`` for another shape; ``panel=None`` (its flags
+    for the other shapes) compiles the dot tiles alone (any shape).
     """
     rows = codes.shape[0]
     sf = scales.ravel()
     return _checked_a8(x, codes, codes, sf, sf.size // max(rows, 1), cols, group, 0,
-                       min_parallel, decode, prefill, tiles)
+                       min_parallel, decode, prefill, tiles, panel)
 
 
 @njit_parallel

@@ -371,7 +371,7 @@ def _tail4(xq, i, codes, j, p0, cols, sflat, soff, group, grouped):
     return tot
 
 
-@njit
+@njit(link="late")
 def _tiles(xq, sx, codes, sflat, sstride, cols, group, grouped, P, C, npan, nch, cpg,
            ngf, rem, y, t0, t1):
     """6-output tiles ``t0 .. t1-1`` against every panel.  Tile ``t`` writes
@@ -423,7 +423,7 @@ def _tiles(xq, sx, codes, sflat, sstride, cols, group, grouped, P, C, npan, nch,
 
 
 
-@njit_parallel(opt=OPT_HOT)          # 6-19 % slower at -O2 (bench.py section 9, Zen 4)
+@njit_parallel(opt=OPT_HOT, link="late")          # 6-19 % slower at -O2 (bench.py section 9, Zen 4)
 def w4a8_panel_matmul(xq, sx, codes, sflat, sstride, cols, group, min_parallel, y):
     """W4A8 through the panel tiles: fills ``y`` (every output when ``n >= 6``;
     nothing below).
