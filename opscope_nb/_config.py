@@ -25,6 +25,12 @@ Every ``@njit`` in the package takes its options from here (never a literal
   per-user directory, ``$XDG_CACHE_HOME/opscope-nb/numba``.
 * Parallel kernels are cached too (numba supports caching ``parallel=True``
   functions); a test checks that a second process does not recompile.
+* ``njit(opt=...)`` compiles a kernel at its own LLVM level (:data:`OPT`,
+  :data:`OPT_HOT`), ``njit(link="late")`` links a large kernel into its
+  callers after their optimisation (its code is optimised once, in its own
+  compile, not again in every caller and theirs: :func:`_finalize`), and
+  ``njit(vectorize=False)`` compiles explicit-SIMD tiles without LLVM's
+  loop vectoriser.  All three cut compile time, never the kernels' speed.
 
 Thresholds are never module globals read by kernels (numba freezes globals at
 compile time): they are function arguments.
@@ -344,9 +350,10 @@ def _at_opt(disp, level, late=False, vectorize=True):
     dispatcher's compile (and of its callees', unless they set their own)
     under numba's global compiler lock, then restored -- other code in the
     process keeps its level.  A callee's code linked into a caller is
-    optimised once more at the caller's level there (the W4A8 panel at -O3
-    inside an -O2 entry kept its -O3 speed within noise, Zen 4), unless the
-    callee links late (``late``: :func:`_finalize`).  ``vectorize=False``
+    optimised once more at the caller's level there, unless the callee links
+    late (``late``: :func:`_finalize`): then its own level is the only one
+    its code sees, so a hot late kernel asks for :data:`OPT_HOT` itself.
+    ``vectorize=False``
     turns LLVM's loop vectoriser off the same way (``config.LOOP_VECTORIZE``),
     for kernels whose loops are explicit SIMD tiles: it found nothing to do
     there and took about a tenth of their compile.  The settings do not key

@@ -243,7 +243,7 @@ def _plan(cols, ng, group, fmt, a8=False):
     return -1, 0, 1
 
 
-@njit(link="late")
+@njit
 def _arrange_big(xq, nunits, fmt, upf, mode):
     """128-column unit (modes 3-6) arrangement and corrections.
 
@@ -279,7 +279,7 @@ def _arrange_big(xq, nunits, fmt, upf, mode):
     return xp, corr
 
 
-@njit(link="late")
+@njit
 def _arrange(xq, nunits, fmt, upf, mode, big=True):
     """Per-unit field order of the activations and the offset corrections.
 
@@ -420,7 +420,7 @@ def _scale_off(mode, u0, upf):
     return 0
 
 
-@njit(link="late", vectorize=False)
+@njit(vectorize=False)
 def _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
                sx, y, b0, b1):
     """Prefill (``m >= 4``) over output blocks ``b0..b1``, k-blocked.
@@ -486,7 +486,7 @@ def _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, up
                             y[i, j] = _fin(v, sx[i], sflat[j * sstride], mode)
 
 
-@njit(link="late", vectorize=False)
+@njit(vectorize=False)
 def _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b1):
     """Decode of int4/g32 with int8 activations (mode 3, no tail): the tile is
     called with literal ``fmt`` / ``mode`` so LLVM keeps only that variant and
@@ -536,7 +536,7 @@ DEC_ONE_ROW = LOWBIT_PATH == "avx2"
 _PF_ROWS1 = 4
 
 
-@njit(link="late", vectorize=False)
+@njit(vectorize=False)
 def _rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols, group, fmt,
            nunits, upf, mode, sx, y, b0, b1):
     """:func:`_decode_rows1`'s loop for one constant ``mode``."""
@@ -558,7 +558,7 @@ def _rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols,
                 y[i, j] = _fin(t[0], sx[i], sflat[j * sstride], mode)
 
 
-@njit(link="late")
+@njit
 def _decode_rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols, group,
                   fmt, nunits, upf, mode, sx, y, b0, b1):
     """Decode (``m < 4``) of output blocks ``b0..b1`` in a 128-column mode
@@ -630,7 +630,7 @@ def _ov_decode_i4m3_a8(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y,
     return impl
 
 
-@njit(link="late", vectorize=False)
+@njit(vectorize=False)
 def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
             sx, y, b0, b1):
     """Output blocks ``b0..b1``: the k-blocked prefill tiles when ``m >= 4`` and
@@ -645,7 +645,7 @@ def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, 
                 sx, y, b0, b1)
 
 
-@njit(link="late", vectorize=False)
+@njit(vectorize=False)
 def _blocks_dec(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
                 sx, y, b0, b1):
     """Output blocks ``b0..b1`` through the decode tiles (any ``m``; the path of

@@ -371,7 +371,9 @@ def _tail4(xq, i, codes, j, p0, cols, sflat, soff, group, grouped):
     return tot
 
 
-@njit(link="late")
+# -O3 as the panel: a late callee keeps its own level (it is not optimised
+# again inside its caller)
+@njit(opt=OPT_HOT, link="late")
 def _tiles(xq, sx, codes, sflat, sstride, cols, group, grouped, P, C, npan, nch, cpg,
            ngf, rem, y, t0, t1):
     """6-output tiles ``t0 .. t1-1`` against every panel.  Tile ``t`` writes
