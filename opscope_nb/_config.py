@@ -394,7 +394,10 @@ def _at_opt(disp, level, late=False, vectorize=True):
 # *after* their optimisation: its code is optimised once, in its own compile,
 # and only machine code is emitted again.  For kernels called a few times
 # per product (a block of outputs per call), never for small helpers in a
-# hot loop, which LLVM must inline.
+# hot loop, which LLVM must inline -- and only where the kernel measured no
+# slower: the low-bit tile blocks and the activation arrangement of
+# ``_packed_quant`` ran int2 / ternary prefill 3-8 % slower late-linked
+# (1024 x 1024, m = 32, Zen 4), so they stay early.
 _LATE = "_opscope_link_late"
 _EARLY = "_opscope_early_module"
 _LATE_SET = "_opscope_late_libs"
