@@ -447,21 +447,23 @@ def _late_closure(libs):
 
 
 def _link_late(mod, late):
-    """Link the early parts of ``late`` into ``mod``, then again any whose
-    function ``mod`` still only declares (a reference a later module
-    brought in); raises ``RuntimeError`` if one stays undefined."""
+    """Link the early parts of ``late`` (callers first) into ``mod``.
+
+    Raises
+    ------
+    RuntimeError
+        A function a late part defines is still only declared in ``mod``:
+        the module would run here (the symbol resolves to the callee's own
+        compile) and crash when loaded from the cache in another process.
+    """
     parts = [_early_part(lib) for lib in late]
     for part in parts:
         mod.link_in(part, preserve=True)
-    for _ in range(len(parts)):
-        undefined = {f.name for f in mod.functions if f.is_declaration}
-        again = [part for part in parts
-                 if any(not f.is_declaration and f.name in undefined for f in part.functions)]
-        if not again:
-            return
-        for part in again:
-            mod.link_in(part, preserve=True)
-    raise RuntimeError("late linking left a kernel's callee undefined")
+    undefined = {f.name for f in mod.functions if f.is_declaration}
+    left = [f.name for part in parts for f in part.functions
+            if not f.is_declaration and f.name in undefined]
+    if left:
+        raise RuntimeError(f"late linking left {left[0]!r} undefined (link order)")
 
 
 def _finalize(self):

@@ -148,21 +148,23 @@ def _profile_cli(_):
 
 # ───────────────────────────── runtime items ─────────────────────────────
 
-#: The factor kinds: their runtime items wrap random factors (the forward
-#: alone; fitting them is the profile group's SVD / Tucker / TT items).
-_FACTOR_KINDS = ("lowrank", "monarch", "tucker", "tt")
+def _spec(arg):
+    """``(label, act, m)`` of a runtime item's argument (``m`` defaults to 1)."""
+    return (tuple(arg) + (1,))[:3]
 
 
 def _runtime_kind(spec):
     """One ``PackedLinear`` call of ``label`` with ``act`` on ``m`` rows (default
     1: decode).  Prefill items run at ``m = 5`` (the dot tiles, every kind);
     the int4 and int8 panels of int8 activations at ``m = 16`` and the W8A8
-    row split at ``m = 32`` are variants of their own."""
+    row split at ``m = 32`` are variants of their own.  The factor kinds wrap
+    random factors, as bench section 8 does (the forward alone; fitting them
+    is the profile group's SVD / Tucker / TT items)."""
     import numpy as np
-    from .formats import layout
+    from .bench.formats import FACTOR_KINDS, _random_factors
     from .mining import Decomp
     from .runtime import PackedLinear
-    label, act, m = (tuple(spec) + (1,))[:3]
+    label, act, m = _spec(spec)
     rows, cols = (64, 64) if label == "monarch" else (64, 256)
     if label == "tucker":
         d = Decomp.tucker((64, 16, 16), (16, 8, 8))
@@ -170,10 +172,8 @@ def _runtime_kind(spec):
         d = Decomp.tt((8, 8, 16, 16), 8)
     else:
         d = Decomp.from_label(label)
-    if d.kind in _FACTOR_KINDS:
-        rng = np.random.default_rng(0)
-        arrays = {name: rng.standard_normal(shp).astype(dt)
-                  for name, (dt, shp) in layout(rows, cols, d).items()}
+    if d.kind in FACTOR_KINDS:
+        arrays = _random_factors(rows, cols, d, np.random.default_rng(0))
         lin = PackedLinear(d, arrays, (rows, cols))
     else:
         lin = PackedLinear.pack(_w(rows, cols), d)
@@ -512,9 +512,8 @@ def warm_first(group, jobs=None, log=None, names=None) -> bool:
 
 
 def _rows_of(it):
-    """Rows ``m`` a runtime item calls with (1 for the others)."""
-    arg = it.arg if isinstance(it.arg, tuple) else ()
-    return int(arg[2]) if it.group == "runtime" and len(arg) > 2 else 1
+    """Rows ``m`` a runtime item calls with."""
+    return int(_spec(it.arg)[2])
 
 
 def warm_bench(sections, log=None, quick=False) -> bool:
