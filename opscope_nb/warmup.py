@@ -511,6 +511,15 @@ def warm_first(group, jobs=None, log=None, names=None) -> bool:
     return True
 
 
+def _quantised(it):
+    """Whether a runtime item runs a quantised kind (one with an int8- and a
+    float-activation path)."""
+    from .bench.formats import QUANT_KINDS
+    from .mining import Decomp
+    label = _spec(it.arg)[0]
+    return label not in ("tucker", "tt") and Decomp.from_label(label).kind in QUANT_KINDS
+
+
 def _rows_of(it):
     """Rows ``m`` a runtime item calls with."""
     return int(_spec(it.arg)[2])
@@ -520,15 +529,17 @@ def warm_bench(sections, log=None, quick=False) -> bool:
     """:func:`warm_first` for ``python bench.py --sections ...``: the items of
     those sections, and for section 8 (every ``PackedLinear`` kind) the
     per-kind runtime items, spread over the workers -- with ``quick`` only
-    those of the rows ``--quick`` runs (decode and the dot tiles; its
-    section 8 never reaches the panels).  ``log`` defaults to printing (the
+    those of the rows and activation paths ``--quick`` runs (decode and the
+    dot tiles of int8 activations; its section 8 never reaches the panels).  ``log`` defaults to printing (the
     bench output).  Returns whether a warm-up ran."""
     secs = set(sections)
     names = [it.name for it in items("bench") if int(it.name.rsplit(" ", 1)[1]) in secs]
     if 8 in secs:
         from .bench.runner import QUICK
         top = max(QUICK["s8_m"]) if quick else None
+        acts = QUICK["s8_acts"] if quick else None
         names = [it.name for it in items("runtime")
-                 if top is None or _rows_of(it) <= top] + names
+                 if (top is None or _rows_of(it) <= top)
+                 and (acts is None or not _quantised(it) or _spec(it.arg)[1] in acts)] + names
     return warm_first("bench", names=names,
                       log=log or (lambda line: print(line, flush=True)))

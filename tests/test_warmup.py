@@ -235,16 +235,21 @@ def test_warm_bench_names_the_sections_items(stamp_dir, monkeypatch):
     calls = []
     monkeypatch.setattr(wu, "warm", _fake_warm(calls))
     kinds = [it.name for it in wu.items("runtime")]
-    # --quick: the runtime items of its rows only (its section 8 runs m = 1 and
-    # 5: decode and the dot tiles, never the int8-activation panels)
+    # --quick: the runtime items of its rows and activation path only (its
+    # section 8 runs m = 1 and 5 with int8 activations: decode and the dot
+    # tiles, never the int8-activation panels nor the float-activation path)
     assert wu.warm_bench([8], log=lambda line: None, quick=True)
     quick = calls[0]["names"]
     panels = [n for n in kinds if "(panel)" in n or "(row split)" in n]
     assert len(panels) == 4
-    assert quick == [n for n in kinds if n not in panels] + ["bench section 8"]
+    floats = [n for n in kinds if "act=f32" in n]
+    assert len(floats) == 16 and "runtime dense" not in floats
+    rest = [n for n in kinds if n in panels or n in floats]
+    assert quick == [n for n in kinds if n not in rest] + ["bench section 8"]
+    assert "runtime dense" in quick and "runtime tt" in quick
     # the full bench: every runtime item; the warm ones (above) are not redone
     assert wu.warm_bench([1, 7, 8], log=lambda line: None)
-    assert calls[1]["names"] == panels + ["bench section 1"]
+    assert calls[1]["names"] == rest + ["bench section 1"]
     sec8 = next(it for it in wu.ITEMS if it.name == "bench section 8")
     assert set(sec8.after) == set(kinds)
     assert wu.warm_bench([3], log=lambda line: None)

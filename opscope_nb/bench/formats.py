@@ -24,8 +24,8 @@ GB/s of packed weight bytes read per call (and its fraction of the streaming
 read bandwidth, the header's plain parallel sum timed again inside the same
 interleaved rounds as the kernels), and the rel-L2 error of layer 0's output
 against ``x @ W_hat^T`` in float64 (``W_hat = lin.dense()``).  Kinds with
-integer-activation paths are timed with ``act="f32"`` and ``act="int8"``;
-a kind without a runtime kernel yet is listed as such.
+integer-activation paths are timed with ``act="f32"`` and ``act="int8"``
+(``cfg["s8_acts"]``; ``--quick`` times ``int8`` alone); a kind without a runtime kernel yet is listed as such.
 """
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def section8(cfg, comp, res):
         for d in runnable:
             stack = stacks[d.label]
             ref = np.asarray(x, np.float64) @ dense0[d.label].T
-            acts = ("f32", "int8") if d.kind in QUANT_KINDS else ("auto",)
+            acts = cfg.get("s8_acts", ("f32", "int8")) if d.kind in QUANT_KINDS else ("auto",)
             for act in acts:
                 name = d.label if act == "auto" else f"{d.label} act={act}"
                 y0 = comp.warm(f"PackedLinear {name}", lambda: stack[0](x, act))

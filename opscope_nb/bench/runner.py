@@ -50,6 +50,8 @@ FULL = {
     # section 8, every format streamed: layer [out, in], low-rank r, stacks of
     # different layers > s8_l3_mult x L3 (at least s8_min_bytes) per candidate
     "s8_shape": (4096, 4096), "s8_rank": 256, "s8_m": (1, 32),
+    # activation paths of the quantised kinds: float (int16 codes) and int8
+    "s8_acts": ("f32", "int8"),
     "s8_l3_mult": 2.5, "s8_min_bytes": 64 << 20, "s8_reps": 8,
 }
 QUICK = {
@@ -65,6 +67,9 @@ QUICK = {
     "peer_shapes": [(96, 64), (64, 160)],
     "peer_m": (1, 5),
     "s8_shape": (256, 256), "s8_rank": 32, "s8_m": (1, 5),
+    # the int8-activation path alone: the float path's kernels are a second
+    # compile of every quantised kind (about 45 s of a cold --quick on 2 cores)
+    "s8_acts": ("int8",),
     "s8_l3_mult": 0, "s8_min_bytes": 2 << 20, "s8_reps": 3,
 }
 
