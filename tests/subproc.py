@@ -14,3 +14,15 @@ def run_code(code: str, timeout: float = 900, env=None) -> str:
                          timeout=timeout, env=full)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
+
+
+def run_cold(code: str, cache_dir, env=None, timeout: float = 900) -> str:
+    """:func:`run_code` with an empty numba cache of its own (``cache_dir``), for
+    tests of what a process compiles (a caller loaded from the cache carries its
+    callees' code without touching their dispatchers, so only a cold compile
+    shows what is typed).  At LLVM level 0 (``NUMBA_OPT=0``): typing, which
+    these tests observe, does not depend on the level, and the compile takes
+    about a third less (numba then declines to cache some functions -- a
+    warning on stderr, and this cache is thrown away)."""
+    return run_code(code, timeout=timeout,
+                    env=dict({"NUMBA_CACHE_DIR": str(cache_dir), "NUMBA_OPT": "0"}, **(env or {})))

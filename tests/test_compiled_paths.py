@@ -177,7 +177,7 @@ def test_w8a8_prefill_kw_names_one_path_and_each_compiles_alone(tmp_path):
     does not fit the call raises.  A fresh process, 2 numba threads, an
     empty cache of its own (a caller loaded from the cache shows no
     signatures)."""
-    from subproc import run_code
+    from subproc import run_cold
     code = (
         "import numpy as np\n"
         "import opscope_nb.kernels as K\n"
@@ -205,7 +205,7 @@ def test_w8a8_prefill_kw_names_one_path_and_each_compiles_alone(tmp_path):
         "eq = [bool((K.dynamic_matmul_w8a8(x, wq, sc, wsum=ws, prefill=None) == y).all())\n"
         "      for x, y in ((x16, y16), (x32, y32))]\n"
         "print('EQ', eq)\n")
-    out = run_code(code, env={"NUMBA_CACHE_DIR": str(tmp_path), "NUMBA_NUM_THREADS": "2"})
+    out = run_cold(code, tmp_path, env={"NUMBA_NUM_THREADS": "2"})
     assert "EQ [True, True]" in out, out
     if not K.I8_PANEL:                  # no panel tiles on this host: the dot tiles only
         assert "KW ['prefill'] ['prefill'] False" in out, out
@@ -259,7 +259,7 @@ def test_kinds_compile_only_the_decode_variants_they_reach(tmp_path):
     neither variant it cannot reach.  A fresh process with an empty cache of
     its own: a caller loaded from the cache carries its callees' code without
     touching their dispatchers, so only a cold compile shows what is typed."""
-    from subproc import run_code
+    from subproc import run_cold
     code = (
         "import numpy as np\n"
         "from opscope_nb.kernels import _packed_quant as PQ\n"
@@ -272,7 +272,7 @@ def test_kinds_compile_only_the_decode_variants_they_reach(tmp_path):
         "print('A', len(PQ._decode_rows1.signatures), len(PQ._decode_i4m3.signatures))\n"
         "PackedLinear.pack(w, Decomp.from_label('int4/g32'))(x, 'int8')\n"
         "print('B', len(PQ._decode_rows1.signatures), len(PQ._decode_i4m3.signatures))\n")
-    out = run_code(code, env={"NUMBA_CACHE_DIR": str(tmp_path)})
+    out = run_cold(code, tmp_path)
     assert "A 0 0" in out and "B 0 1" in out, out
 
 
@@ -313,7 +313,7 @@ def test_w8a8_decode_from_python_compiles_no_prefill_path(tmp_path):
     shows no signatures at all)."""
     assert K.w8a8_prefill_kw(K.I8_PANEL_MIN_M - 1) == {"prefill": None}
     assert K.w8a8_prefill_kw(K.I8_PANEL_MIN_M) == {}
-    from subproc import run_code
+    from subproc import run_cold
     code = (
         "import numpy as np\n"
         "from opscope_nb import matmul as M\n"
@@ -329,7 +329,7 @@ def test_w8a8_decode_from_python_compiles_no_prefill_path(tmp_path):
         "print('D', len(KM._w8a8_panel.signatures), len(KM._w8a8_rowsplit.signatures))\n"
         "M.matmul_w8a8(np.ones((16, 96), np.int8), np.ones(16, np.float32), wq, sc)\n"
         "print('P', len(KM._w8a8_panel.signatures) + len(KM._w8a8_rowsplit.signatures))\n")
-    out = run_code(code, env={"NUMBA_CACHE_DIR": str(tmp_path)})
+    out = run_cold(code, tmp_path)
     assert "EQ True" in out and "D 0 0" in out, out
     # a prefill does reach them: the counts above can tell the two apart
     assert "P 0" not in out, out
@@ -341,7 +341,7 @@ def test_block_functions_compile_once_for_serial_and_parallel_calls(tmp_path):
     a ``uint64`` prange index), and ``PackedLinear``'s int8 forward shares the
     public ``dynamic_matmul_w8a8``'s cores (no literal ``PAR_MIN``): each
     compiles once.  A fresh process with an empty cache of its own."""
-    from subproc import run_code
+    from subproc import run_cold
     code = (
         "import numpy as np\n"
         "from opscope_nb import matmul as M\n"
@@ -361,7 +361,7 @@ def test_block_functions_compile_once_for_serial_and_parallel_calls(tmp_path):
         "print('B', len(KM._w8a8_blocks.signatures), len(KM._w8a8_decode.signatures),\n"
         "      len(KM._q8_rows.signatures), len(KM._w8a8_run.signatures),\n"
         "      len(KM._quantize_rows_into.signatures))\n")
-    out = run_code(code, env={"NUMBA_CACHE_DIR": str(tmp_path)})
+    out = run_cold(code, tmp_path)
     # (dynamic_matmul_w8a8 itself is inlined into its callers: the cores below
     # it are where a literal PAR_MIN made a second specialisation)
     assert out.count("EQ True") == 2 and "B 1 1 1 1 1" in out, out
@@ -375,7 +375,7 @@ def test_prefill_variants_compile_no_decode_tiles_and_no_foreign_panel(tmp_path)
     (``tiles=None``) compiles no dot-tile core.  ``tiles=None`` on a shape the
     panel does not take raises.  A fresh process with an empty cache; the
     second print shows the counts can move (a decode does reach them)."""
-    from subproc import run_code
+    from subproc import run_cold
     code = (
         "import numpy as np\n"
         "from opscope_nb import kernels as K\n"
@@ -401,7 +401,7 @@ def test_prefill_variants_compile_no_decode_tiles_and_no_foreign_panel(tmp_path)
         "print('D', len(PQ._blocks_dec.signatures))\n"
         "lin(x[:5], 'int8')\n"
         "print('P', len(PQ._run_a8.signatures))\n")
-    out = run_code(code, env={"NUMBA_CACHE_DIR": str(tmp_path)})
+    out = run_cold(code, tmp_path)
     # ternary (after int4): its prefill entry typed neither the decode tiles
     # nor a panel of its own
     assert "T 0 0" in out, out

