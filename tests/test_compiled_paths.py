@@ -59,7 +59,9 @@ def test_intn_entry_variants_equal(bits, m):
     rows, cols, group = 11, 384, 128
     w = RNG.standard_normal((rows, cols)).astype(np.float32)
     lin = PackedLinear.pack(w, Decomp.from_label(f"int{bits}/g{group}"))
-    a = lin.arrays
+    # writable copies: numba types a read-only array (``lin.arrays``' views)
+    # apart, and every entry would compile once more for this test alone
+    a = {k: v.copy() for k, v in lin.arrays.items()}
     x = RNG.standard_normal((m, cols)).astype(np.float32)
     for act8 in (True, False):
         fn = K.intn_linear_entry(bits, act8)

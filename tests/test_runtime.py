@@ -318,11 +318,12 @@ def test_int8_weight_sums_at_construction():
     w = _w((45, 68), seed=3)
     lin = PackedLinear.pack(w, Decomp.int8())
     x = _x(33, 68, seed=4)
-    codes = lin.arrays["codes"]
+    # writable copies (a read-only array is a numba specialisation of its own)
+    codes, scales = lin.arrays["codes"].copy(), lin.arrays["scales"].copy()
     np.testing.assert_array_equal(lin._aux, codes.astype(np.int64).sum(1))
     y = lin(x, "int8")
     xq, sx = K.quantize_rows_i8(x)
-    np.testing.assert_array_equal(y, K.matmul_w8a8(xq, sx, codes, lin.arrays["scales"]))
+    np.testing.assert_array_equal(y, K.matmul_w8a8(xq, sx, codes, scales))
     np.testing.assert_array_equal(lin(x, "int8"), y)
 
 
