@@ -29,6 +29,7 @@ import numpy as np
 from . import ggml
 from ._fs import atomic_write, umask_mode
 from .formats import Decomp, pack, packed_bytes
+from .io import gguf_reader
 
 __all__ = ["GGUFExportError", "export_gguf", "gguf_name", "ggml_type_name",
            "tensor_type_text", "quantize_command", "write_tensor_type_file",
@@ -290,7 +291,7 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
                               f"key-values and unplanned tensors are copied); convert the "
                               f"checkpoint with llama.cpp's convert_hf_to_gguf.py first.")
     try:
-        reader = gguf.GGUFReader(source, "r")
+        reader = gguf_reader(source)
     except Exception as exc:
         raise GGUFExportError(f"{source}: not a readable GGUF file ({type(exc).__name__}: "
                               f"{exc}).") from None

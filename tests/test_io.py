@@ -737,3 +737,35 @@ def test_read_tensor_file_keeps_probe_load_tensor_contract(tmp_path):
     p.write_bytes(raw[:5])
     with pytest.raises(ValueError, match="header"):
         oio.read_tensor_file(p)
+
+
+def test_gguf_reader_parsed_once_per_file_version(tmp_path):
+    """``io.gguf_reader`` parses a file once per version (the reader's Python
+    parse of a real tokenizer took seconds, and one command opened the file
+    seven times): the same object for an unchanged file, a new parse for a
+    rewritten one, at most ``_READERS_KEEP`` kept, and the reader's own error
+    for a file that is not GGUF."""
+    from opscope_nb import io as tio
+    f32 = np.arange(8 * 32, dtype=np.float32).reshape(8, 32)
+    p = tmp_path / "m.gguf"
+    _write_gguf(p, {"blk.0.attn_q.weight": (f32, None)})
+    r1 = tio.gguf_reader(p)
+    assert tio.gguf_reader(str(p)) is r1
+    assert [t.name for t in r1.tensors] == ["blk.0.attn_q.weight"]
+    os.remove(p)                       # a new file (new inode and size) at the same path
+    _write_gguf(p, {"blk.0.attn_q.weight": (f32, None), "blk.0.attn_k.weight": (f32, None)})
+    r2 = tio.gguf_reader(p)
+    assert r2 is not r1 and len(r2.tensors) == 2
+    others = []
+    for i in range(tio._READERS_KEEP):
+        q = tmp_path / f"o{i}.gguf"
+        _write_gguf(q, {"blk.0.attn_q.weight": (f32, None)})
+        others.append(tio.gguf_reader(q))
+    assert len(tio._READERS) <= tio._READERS_KEEP
+    assert tio.gguf_reader(p) is not r2          # dropped as the oldest: parsed again
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError):
+        tio.gguf_reader(bad)
+    with pytest.raises(FileNotFoundError):
+        tio.gguf_reader(tmp_path / "missing.gguf")

@@ -146,9 +146,8 @@ class Model:
 # --------------------------------------------------------------------------- #
 def gguf_metadata(path: str) -> dict:
     """The GGUF key/value metadata as plain Python values (arrays as lists)."""
-    gguf = tio._import_gguf()
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = tio.gguf_reader(path)
     except Exception as exc:
         raise tio.SourceError(f"{path}: not a readable GGUF file ({type(exc).__name__}: "
                               f"{exc}).") from None
@@ -433,7 +432,7 @@ def output_head(path, names) -> tuple | None:
         if "output.weight" in names:
             return "output.weight", weight
         try:
-            arch = tio._import_gguf().GGUFReader(path, "r").fields[
+            arch = tio.gguf_reader(path).fields[
                 "general.architecture"].contents()
         except Exception:
             return None
