@@ -396,8 +396,9 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
 
 
 def _verify(gguf, src, path, plan, want, digests) -> dict:
-    """Read ``path`` back and compare it with the source and the plan."""
-    out = gguf.GGUFReader(path, "r")
+    """Read ``path`` back and compare it with the source and the plan (a parse
+    of the written file, kept for a later open of it in this process)."""
+    out = gguf_reader(path)
     sk = [f for f in src.fields.values() if not f.name.startswith("GGUF.")]
     ok = [f for f in out.fields.values() if not f.name.startswith("GGUF.")]
     if [f.name for f in sk] != [f.name for f in ok]:

@@ -482,12 +482,13 @@ def gguf_reader(path):
     The reader parses every key/value in Python: SmolLM2's 49 k tokenizer
     strings took 3.9 s per reader (Zen 4), and one ``eval`` opened the file
     seven times (tensor list, detection, metadata, tokenizer).  A file is
-    known by its absolute path, inode, size and modification time, so a
+    known by its device, inode, size and modification time (not its name: an
+    export's read-back of its temporary file serves the renamed result), so a
     rewritten file is parsed again; the last :data:`_READERS_KEEP` stay open.
     Errors are the reader's own (callers word them)."""
     path = os.path.abspath(os.fspath(path))
     st = os.stat(path)
-    key = (path, st.st_ino, st.st_size, st.st_mtime_ns)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     reader = _READERS.pop(key, None)
     if reader is None:
         reader = _import_gguf().GGUFReader(path, "r")
