@@ -350,15 +350,17 @@ def test_minilm_dense_plan_cosine_exactly_one(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_minilm_profile_apply_eval_budget_035(tmp_path, capsys):
-    """The acceptance pipeline: profile --out -> apply -> eval --act f32 at 0.35."""
-    MINILM = _minilm()
-    d = str(tmp_path / "prof")
-    rc, o, e = _run(capsys, "profile", MINILM, "--budget", "0.35", "--out", d, "-q",
-                    "--method", "exact")
-    assert rc == 0, e
+def test_minilm_profile_apply_eval_budget_035(tmp_path, tmp_path_factory, capsys):
+    """The acceptance pipeline: profile --out -> apply (the exact plan) -> eval
+    --act f32 at 0.35.  The profile (default budget 0.35, every method) is the
+    session's one run that test_cli checks too (tests/shared_runs.py)."""
+    from shared_runs import minilm_profile
+    MINILM, d, _, _ = minilm_profile(tmp_path_factory)
+    plan = json.load(open(os.path.join(d, "plan.json")))
+    assert plan["budget"] == 0.35 and "exact" in plan["methods"]
     out = str(tmp_path / "c.safetensors")
-    rc, o, e = _run(capsys, "apply", MINILM, os.path.join(d, "plan.json"), "-o", out, "-q")
+    rc, o, e = _run(capsys, "apply", MINILM, os.path.join(d, "plan.json"), "--method",
+                    "exact", "-o", out, "-q")
     assert rc == 0, e
     js = str(tmp_path / "r.json")
     rc, o, e = _run(capsys, "eval", MINILM, "--compressed", out, "--act", "f32",

