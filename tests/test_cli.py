@@ -986,3 +986,32 @@ def test_quant_shows_int5_int6_when_measured(tmp_path):
             continue
         at = lines[0].index(col)
         assert lines[2][at:].split()[0] == f"{getattr(q, field):.4f}"
+
+
+def test_json_text_reusing_is_json_text_byte_for_byte():
+    """profile.json's per-layer rewrite encodes each record once: the text is
+    json_text's byte for byte (nested values, numpy scalars, non-ASCII, an
+    empty list), an item seen before comes from the cache, and a non-finite
+    float still raises."""
+    import json
+    from opscope_nb.cli._common import json_text, json_text_reusing
+    rec = lambda i: {"name": f"blk.{i}.w", "shape": [3, i], "x": np.float32(0.5) * i,
+                     "profile": {"options": [{"label": "int4/g32", "bytes": np.int64(7 * i),
+                                              "t": (1, 2)}, {}], "note": "ä\n\"q\""},
+                     "empty": [], "nested": [[1, [2, {}]], []]}
+    doc = {"tool": "t", "layers": [], "skipped": [{"a": 1}], "tail": {"k": [1.5]}}
+    cache = {}
+    assert json_text_reusing(doc, "layers", cache) == json_text(doc)
+    items = []
+    for i in range(1, 5):
+        items.append(rec(i))
+        d = dict(doc, layers=list(items))
+        got = json_text_reusing(d, "layers", cache)
+        assert got == json_text(d)
+        assert json.loads(got)["layers"][-1]["name"] == f"blk.{i}.w"
+    assert len(cache) == 4
+    first = cache[id(items[0])][1]
+    json_text_reusing(dict(doc, layers=items), "layers", cache)
+    assert cache[id(items[0])][1] is first                      # not encoded again
+    with pytest.raises(ValueError):
+        json_text_reusing(dict(doc, layers=[{"v": float("nan")}]), "layers", {})

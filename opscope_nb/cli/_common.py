@@ -131,6 +131,36 @@ def json_text(obj) -> str:
     return json.dumps(obj, indent=1, allow_nan=False, default=_json_default) + "\n"
 
 
+_LIST_MARK = "\x00opscope-list\x00"
+
+
+def json_text_reusing(obj: dict, key: str, cache: dict) -> str:
+    """:func:`json_text` of ``obj``, byte for byte, with the items of its
+    top-level list ``obj[key]`` encoded once per object: ``cache`` (a dict the
+    caller keeps between calls) maps ``id(item)`` to ``(item, text)``.
+
+    ``profile`` rewrites ``profile.json`` after every layer (an interrupt loses
+    nothing) and the indented encoder is pure Python: re-encoding every
+    earlier layer each time grew with the square of the layer count.  Items
+    must not change after their first encoding."""
+    items = obj[key]
+    if not items:
+        return json_text(obj)
+    head = json.dumps(dict(obj, **{key: _LIST_MARK}), indent=1, allow_nan=False,
+                      default=_json_default)
+    parts = []
+    for it in items:
+        hit = cache.get(id(it))
+        if hit is None or hit[0] is not it:
+            text = json.dumps(it, indent=1, allow_nan=False, default=_json_default)
+            # a list item of a top-level key sits two levels deep (JSON strings
+            # hold no raw newline, so every line is a line of the layout)
+            hit = cache[id(it)] = (it, "\n".join("  " + ln for ln in text.split("\n")))
+        parts.append(hit[1])
+    body = "[\n" + ",\n".join(parts) + "\n ]"
+    return head.replace(json.dumps(_LIST_MARK), body, 1) + "\n"
+
+
 def _json_default(o):
     if isinstance(o, np.integer):
         return int(o)

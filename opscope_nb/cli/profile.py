@@ -17,7 +17,8 @@ from ..models.loader import HEAD_PRIOR_PER_BLOCK, output_head
 from ..profiling import (FingerprintError, check_fingerprints, profile_doc, profile_entry,
                          result_settings, timing_split)
 from ._common import (CliError, add_source_args, ensure_outdir, fmt_bytes, int_list,
-                      first_run_notice, warm_first, json_text, load_profile_doc, nonneg_int,
+                      first_run_notice, warm_first, json_text, json_text_reusing,
+                      load_profile_doc, nonneg_int,
                       open_and_select, peak_rss_mb,
                       positive_int, Progress, progress_enabled, source_info, warn, write)
 from ._plan import (add_budget_args, budget_spec, budget_text, check_latencies, methods_of,
@@ -594,10 +595,13 @@ def run(args) -> int:
     chosen, skipped = st["chosen"], st["skipped"]
     t_start = time.perf_counter()
 
+    encoded = {}                     # each layer's record encoded once (json_text_reusing)
+
     def save(recs, skips):
         if st["prof_path"]:
-            write(st["prof_path"], json_text(profile_doc(
-                st["source"], st["settings"], recs, skipped + skips, t_start, False)))
+            write(st["prof_path"], json_text_reusing(profile_doc(
+                st["source"], st["settings"], recs, skipped + skips, t_start, False),
+                "layers", encoded))
 
     bar = Progress(len(chosen), sum(e.numel for e in chosen), progress_enabled(args))
     try:
