@@ -380,7 +380,7 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.chmod(tmp, umask_mode())
-        report = _verify(gguf, reader, tmp, plan, want, digests)
+        report = _verify(reader, tmp, plan, want, digests)
         os.replace(tmp, out_path)
     except BaseException:
         try:
@@ -395,7 +395,7 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
     return report
 
 
-def _verify(gguf, src, path, plan, want, digests) -> dict:
+def _verify(src, path, plan, want, digests) -> dict:
     """Read ``path`` back and compare it with the source and the plan (a parse
     of the written file, kept for a later open of it in this process)."""
     out = gguf_reader(path)

@@ -480,8 +480,9 @@ def gguf_reader(path):
     version in this process.
 
     The reader parses every key/value in Python: SmolLM2's 49 k tokenizer
-    strings took 3.9 s per reader (Zen 4), and one ``eval`` opened the file
-    seven times (tensor list, detection, metadata, tokenizer).  A file is
+    strings took 3.9 s per reader (Zen 4), and an ``apply`` then ``eval`` in
+    one process opened the file seven times (tensor list, detection,
+    metadata, tokenizer).  A file is
     known by its device, inode, size and modification time (not its name: an
     export's read-back of its temporary file serves the renamed result), so a
     rewritten file is parsed again; the last :data:`_READERS_KEEP` stay open.

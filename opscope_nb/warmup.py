@@ -232,7 +232,7 @@ def _build_items():
     add("runtime int8/chan act=int8 prefill (row split)", "runtime", "_runtime_kind",
         ("int8/chan", "int8", 32))
     for label in ("dense", "sparse2:4", "lowrank(r=8)", "monarch", "tucker", "tt"):
-        add(f"runtime {label}", "runtime", "_runtime_kind", (label, "f32"))
+        add(f"runtime {label}", "runtime", "_runtime_kind", (label, "auto"))
     # section 8 runs every PackedLinear kind: one kind per item (the runtime
     # items, spread over the workers) first, then the section loads them
     kinds = tuple(it.name for it in out if it.group == "runtime")
@@ -511,15 +511,6 @@ def warm_first(group, jobs=None, log=None, names=None) -> bool:
     return True
 
 
-def _quantised(it):
-    """Whether a runtime item runs a quantised kind (one with an int8- and a
-    float-activation path)."""
-    from .bench.formats import QUANT_KINDS
-    from .mining import Decomp
-    label = _spec(it.arg)[0]
-    return label not in ("tucker", "tt") and Decomp.from_label(label).kind in QUANT_KINDS
-
-
 def _rows_of(it):
     """Rows ``m`` a runtime item calls with."""
     return int(_spec(it.arg)[2])
@@ -530,16 +521,18 @@ def warm_bench(sections, log=None, quick=False) -> bool:
     those sections, and for section 8 (every ``PackedLinear`` kind) the
     per-kind runtime items, spread over the workers -- with ``quick`` only
     those of the rows and activation paths ``--quick`` runs (decode and the
-    dot tiles of int8 activations; its section 8 never reaches the panels).  ``log`` defaults to printing (the
-    bench output).  Returns whether a warm-up ran."""
+    dot tiles of int8 activations; its section 8 never reaches the panels).
+    ``log`` defaults to printing (the bench output).  Returns whether a
+    warm-up ran."""
     secs = set(sections)
     names = [it.name for it in items("bench") if int(it.name.rsplit(" ", 1)[1]) in secs]
     if 8 in secs:
         from .bench.runner import QUICK
         top = max(QUICK["s8_m"]) if quick else None
-        acts = QUICK["s8_acts"] if quick else None
+        # the float kinds' items run act="auto" (they have one path)
+        acts = QUICK["s8_acts"] + ("auto",) if quick else None
         names = [it.name for it in items("runtime")
                  if (top is None or _rows_of(it) <= top)
-                 and (acts is None or not _quantised(it) or _spec(it.arg)[1] in acts)] + names
+                 and (acts is None or _spec(it.arg)[1] in acts)] + names
     return warm_first("bench", names=names,
                       log=log or (lambda line: print(line, flush=True)))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from subproc import file_lock
+from opscope_nb._config import _locked
 from test_io import minilm_path
 
 
@@ -19,7 +19,7 @@ def once(tmp_path_factory, name, make):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent
     d = root / f"shared-{name}"
-    with file_lock(root / f"shared-{name}.lock"):
+    with _locked(root / f"shared-{name}.lock"):
         done = root / f"shared-{name}.json"
         if not done.exists():
             d.mkdir(exist_ok=True)

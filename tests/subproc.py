@@ -1,6 +1,5 @@
 """Run a snippet of Python in a fresh interpreter (tests of per-process state:
 what numba compiles or loads there)."""
-import contextlib
 import os
 import subprocess
 import sys
@@ -28,15 +27,3 @@ def run_cold(code: str, cache_dir, env=None, timeout: float = 900) -> str:
     return run_code(code, timeout=timeout,
                     env=dict({"NUMBA_CACHE_DIR": str(cache_dir), "NUMBA_OPT": "0"}, **(env or {})))
 
-
-@contextlib.contextmanager
-def file_lock(path):
-    """An exclusive ``fcntl.flock`` on ``path`` (created if missing) for the
-    block: other processes asking wait; a killed holder releases it."""
-    import fcntl
-    with open(path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

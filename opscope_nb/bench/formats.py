@@ -25,7 +25,8 @@ read bandwidth, the header's plain parallel sum timed again inside the same
 interleaved rounds as the kernels), and the rel-L2 error of layer 0's output
 against ``x @ W_hat^T`` in float64 (``W_hat = lin.dense()``).  Kinds with
 integer-activation paths are timed with ``act="f32"`` and ``act="int8"``
-(``cfg["s8_acts"]``; ``--quick`` times ``int8`` alone); a kind without a runtime kernel yet is listed as such.
+(``cfg["s8_acts"]``; ``--quick`` times ``int8`` alone); a kind without a
+runtime kernel yet is listed as such.
 """
 from __future__ import annotations
 

@@ -68,7 +68,8 @@ QUICK = {
     "peer_m": (1, 5),
     "s8_shape": (256, 256), "s8_rank": 32, "s8_m": (1, 5),
     # the int8-activation path alone: the float path's kernels are a second
-    # compile of every quantised kind (about 45 s of a cold --quick on 2 cores)
+    # compile of every quantised kind (cold --quick 115 -> 78 s without them,
+    # Zen 4, 2 cores)
     "s8_acts": ("int8",),
     "s8_l3_mult": 0, "s8_min_bytes": 2 << 20, "s8_reps": 3,
 }
