@@ -67,9 +67,11 @@ def test_intn_entry_variants_equal(bits, m):
         fn = K.intn_linear_entry(bits, act8)
         args = (x, a["lo"], a["hi"], a["scales"], cols, group, PAR_MIN)
         full = fn(*args)
-        np.testing.assert_array_equal(fn(*args, True, None), full)
+        # the flags as PackedLinear passes them (the other one omitted): an
+        # explicit bool would compile a specialisation nothing else runs
+        np.testing.assert_array_equal(fn(*args, prefill=None), full)
         if m >= 4:
-            np.testing.assert_array_equal(fn(*args, None, True), full)
+            np.testing.assert_array_equal(fn(*args, decode=None), full)
         # the twin: the packed planes unpacked in NumPy times the activations
         ref = x.astype(np.float64) @ nq.intn_dense(a["lo"], a["hi"], a["scales"], bits,
                                                    cols, group).T
