@@ -26,4 +26,3 @@ def run_cold(code: str, cache_dir, env=None, timeout: float = 900) -> str:
     warning on stderr, and this cache is thrown away)."""
     return run_code(code, timeout=timeout,
                     env=dict({"NUMBA_CACHE_DIR": str(cache_dir), "NUMBA_OPT": "0"}, **(env or {})))
-
