@@ -31,6 +31,10 @@ Every ``@njit`` in the package takes its options from here (never a literal
   compile, not again in every caller and theirs: :func:`_finalize`), and
   ``njit(vectorize=False)`` compiles explicit-SIMD tiles without LLVM's
   loop vectoriser.  All three cut compile time, never the kernels' speed.
+* Machine code is emitted on demand (:func:`_emit`): a function compiled
+  only as a callee runs inside its callers' modules, so its own library is
+  emitted only if Python (or a pointer lookup) calls it; until then it is
+  cached as LLVM bitcode, and as object code once it runs.
 
 Thresholds are never module globals read by kernels (numba freezes globals at
 compile time): they are function arguments.
@@ -504,6 +508,179 @@ def _finalize(self):
 
 _orig_finalize = _ncodegen.CPUCodeLibrary.finalize
 _ncodegen.CPUCodeLibrary.finalize = _finalize
+
+
+# ── machine code on demand ──────────────────────────────────────────────────
+# numba emits a function's machine code as soon as its module is optimised,
+# to make the Python entry of every compiled function, callee or not.  But a
+# callee's code reaches the machine through its callers' modules (numba links
+# callees into callers): its own emission serves only a Python call of it,
+# which most callees never get.  A cold intN W8A8 public core (four bit
+# widths, Zen 4) spent 10.3 of its 34.1 s emitting, 1.6 s of it for the
+# library Python called.  So a library is emitted when a pointer into it is
+# first asked for (the first call from Python, a ufunc or gufunc wrapper,
+# numba's runtime); the entry of a compiled function is a stand-in
+# (:class:`_PendingEntry`) that numba's lowering keys its callers on, and
+# the dispatcher gets the real entry on the first call from Python.  A
+# library cached before it was emitted is cached as LLVM bitcode (numba's
+# own ``bitcode`` kind: a later process emits it only if it calls it), and
+# cached again as object code once a call emits it.
+_PENDING = "_opscope_pending"
+_BITCODE = "_opscope_cached_bitcode"
+
+
+def _finalize_final_module(self):
+    """Defer ``CPUCodeLibrary._finalize_final_module`` (adding the module to
+    the JIT engine, which emits it) for JIT libraries: :func:`_emit`."""
+    if isinstance(self, _ncodegen.JITCodeLibrary):
+        setattr(self, _PENDING, True)
+        self._finalized = True
+        return
+    _orig_finalize_final_module(self)
+
+
+def _emit(lib):
+    """Emit a deferred library's machine code (once), then point its
+    environment globals (its own and its callees') at their objects, as an
+    eager compile or numba's cache loader would have."""
+    if not getattr(lib, _PENDING, False):
+        return
+    with global_compiler_lock:      # (the JIT engine is shared; the lock is reentrant)
+        if not getattr(lib, _PENDING, False):
+            return
+        setattr(lib, _PENDING, False)
+        _orig_finalize_final_module(lib)
+        from numba.core.environment import lookup_environment
+        for gv in lib._final_module.global_variables:
+            if gv.name.startswith("_ZN08NumbaEnv"):
+                env = lookup_environment(gv.name)
+                if env is not None:
+                    lib.codegen.set_env(gv.name, env)
+        # (a library loaded as object code: its final module is empty)
+        for name, env in list(_ENVS.items()):
+            if lib.codegen._engine.get_global_value_address(name):
+                del _ENVS[name]
+                _orig_set_env(lib.codegen, name, env)
+
+
+#: Environments whose global was not in the engine yet when numba set it (a
+#: cache load of a deferred library): set when that library is emitted.
+_ENVS = {}
+
+
+def _set_env(self, env_name, env):
+    if not self._engine.get_global_value_address(env_name):
+        _ENVS[env_name] = env
+        return
+    _orig_set_env(self, env_name, env)
+
+
+def _get_pointer_to_function(self, name):
+    _emit(self)
+    return _orig_get_pointer(self, name)
+
+
+def _serialize_using_object_code(self):
+    if getattr(self, _PENDING, False):
+        setattr(self, _BITCODE, True)
+        return self.serialize_using_bitcode()
+    return _orig_serialize(self)
+
+
+def _unserialize(cls, codegen, state):
+    lib = _orig_unserialize(cls, codegen, state)
+    if state[1] == "bitcode":
+        setattr(lib, _BITCODE, True)
+    return lib
+
+
+class _PendingEntry:
+    """The Python entry of a compiled function whose library is not emitted
+    yet: numba keys its callers' lowering on it; calling it (or
+    :meth:`resolve`) emits the library and makes the real entry."""
+
+    __slots__ = ("_args", "cfunc", "__weakref__")
+
+    def __init__(self, ctx, library, fndesc, env):
+        self._args = (ctx, library, fndesc, env)
+        self.cfunc = None
+
+    @property
+    def library(self):
+        return self._args[1]
+
+    def resolve(self):
+        if self.cfunc is None:
+            self.cfunc = _orig_get_executable(*self._args)
+        return self.cfunc
+
+    def __call__(self, *args, **kws):
+        return self.resolve()(*args, **kws)
+
+
+def _get_executable(self, library, fndesc, env):
+    library._ensure_finalized()
+    if getattr(library, _PENDING, False):
+        return _PendingEntry(self, library, fndesc, env)
+    return _orig_get_executable(self, library, fndesc, env)
+
+
+def _add_overload(self, cres):
+    if isinstance(cres.entry_point, _PendingEntry) and cres.entry_point.cfunc is None:
+        # no entry for Python calls yet: _compile_for_args makes it on the first
+        self.overloads[tuple(cres.signature.args)] = cres
+        return
+    _orig_add_overload(self, cres)
+
+
+def _compile_for_args(self, *args, **kws):
+    out = _orig_compile_for_args(self, *args, **kws)
+    if isinstance(out, _PendingEntry):
+        out = _enter(self, out)
+    return out
+
+
+def _enter(disp, pending):
+    """Emit ``pending``, give ``disp`` its entry for Python calls, and cache
+    it again as object code if it was cached as bitcode."""
+    lib = pending.library
+    with global_compiler_lock:
+        bitcode = getattr(lib, _BITCODE, False)
+        if bitcode and getattr(lib, _PENDING, False):
+            lib.enable_object_caching()     # keep the object code the emission makes
+        cfunc = pending.resolve()
+        for args, cres in list(disp.overloads.items()):
+            if cres.entry_point is pending:
+                disp._insert([a._code for a in args], cfunc, cres.objectmode)
+                cache = getattr(disp, "_cache", None)
+                if (bitcode and cache is not None
+                        and getattr(lib, "_compiled_object", None) is not None):
+                    setattr(lib, _BITCODE, False)
+                    cache.save_overload(args, cres)
+                break
+    return cfunc
+
+
+_orig_finalize_final_module = _ncodegen.CPUCodeLibrary._finalize_final_module
+_orig_get_pointer = _ncodegen.JITCodeLibrary.get_pointer_to_function
+_orig_serialize = _ncodegen.CPUCodeLibrary.serialize_using_object_code
+_orig_unserialize = _ncodegen.CPUCodeLibrary._unserialize.__func__
+_ncodegen.CPUCodeLibrary._finalize_final_module = _finalize_final_module
+_ncodegen.JITCodeLibrary.get_pointer_to_function = _get_pointer_to_function
+_ncodegen.CPUCodeLibrary.serialize_using_object_code = _serialize_using_object_code
+_ncodegen.CPUCodeLibrary._unserialize = classmethod(_unserialize)
+_orig_set_env = _ncodegen.JITCPUCodegen.set_env
+_ncodegen.JITCPUCodegen.set_env = _set_env
+
+from numba.core import cpu as _ncpu  # noqa: E402
+from numba.core import dispatcher as _ndispatcher  # noqa: E402
+
+_orig_get_executable = _ncpu.CPUContext.get_executable
+_ncpu.CPUContext.get_executable = _get_executable
+_orig_add_overload = _ndispatcher._DispatcherBase.add_overload
+_ndispatcher._DispatcherBase.add_overload = _add_overload
+_orig_compile_for_args = _ndispatcher._DispatcherBase._compile_for_args
+_ndispatcher._DispatcherBase._compile_for_args = _compile_for_args
 
 
 def _jit(opts, fn, overrides):

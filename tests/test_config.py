@@ -260,3 +260,111 @@ def test_link_late_callee_reached_only_through_another_late_callee():
     # callers before callees: mid (which calls leaf) first
     assert late.index(mid.overloads[mid.signatures[0]].library) < \
         late.index(leaf.overloads[leaf.signatures[0]].library)
+
+
+def test_callee_machine_code_deferred_until_python_calls_it():
+    """A function compiled only as a callee is not emitted (its code runs in
+    its caller's module): its library stays pending and its entry is a
+    stand-in until Python calls it; then it runs, and errors raised in it
+    (constant and run-time message) reach Python through the caller."""
+    def callee_py(a):
+        if a.size == 0:
+            raise ValueError("empty input")
+        if a.size > 9:
+            raise ValueError("too long", a.size)
+        return a.sum() * 2.0
+
+    callee = _config.njit(cache=False)(callee_py)
+    caller = _config.njit(cache=False)(lambda a: callee(a) + 1.0)
+    a = np.arange(4.0)
+    assert caller(a) == 13.0
+    cres = callee.overloads[callee.signatures[0]]
+    assert getattr(cres.library, _config._PENDING) is True
+    assert isinstance(cres.entry_point, _config._PendingEntry)
+    assert getattr(caller.overloads[caller.signatures[0]].library, _config._PENDING) is False
+    with pytest.raises(ValueError, match="empty input"):
+        caller(np.zeros(0))
+    with pytest.raises(ValueError, match="too long"):
+        caller(np.zeros(12))
+    assert getattr(cres.library, _config._PENDING) is True
+    assert callee(a) == 12.0            # the first Python call emits it
+    assert getattr(cres.library, _config._PENDING) is False
+    assert callee(a) == 12.0 and cres.entry_point(a) == 12.0
+    with pytest.raises(ValueError, match="too long"):
+        callee(np.zeros(12))
+
+
+_DEFERRED_MOD = '''
+import numpy as np
+from opscope_nb._config import njit
+
+
+@njit
+def callee(a):
+    if a.size == 0:
+        raise ValueError("empty input")
+    return a.sum() * 2.0
+
+
+@njit
+def caller(a):
+    return callee(a) + 1.0
+'''
+
+_DEFERRED_RUN = '''
+import sys
+import numpy as np
+import deferred_mod as M
+from opscope_nb import _config as C
+seen = []
+enter = C._enter
+
+
+def spy(disp, pending):   # (function, loaded or compiled as bitcode) per first Python call
+    seen.append((disp.py_func.__name__, bool(getattr(pending.library, C._BITCODE, False))))
+    return enter(disp, pending)
+
+
+C._enter = spy
+a = np.arange(4.0)
+for step in sys.argv[1:]:
+    fn = getattr(M, step)
+    print(step, fn(a), sum(fn.stats.cache_hits.values()), sum(fn.stats.cache_misses.values()),
+          len(M.callee.signatures))
+try:
+    M.caller(np.zeros(0))
+except ValueError as e:
+    print("raised", e)
+print("seen", seen)
+'''
+
+
+def test_deferred_callee_cached_as_bitcode_then_as_object(tmp_path):
+    """Across processes: a callee compiled only through its caller is cached
+    as bitcode; a later process running the caller loads the caller's object
+    code and never touches the callee; one calling the callee loads its
+    bitcode, emits it and caches it again as object code, which the next
+    process loads as such.  Results and errors equal every time."""
+    from subproc import run_code
+    (tmp_path / "deferred_mod.py").write_text(_DEFERRED_MOD)
+    script = tmp_path / "run.py"
+    script.write_text(_DEFERRED_RUN)
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), os.path.dirname(os.path.dirname(os.path.abspath(_config.__file__)))])}
+
+    def run(*steps):
+        return run_code(f"import runpy, sys; sys.argv = ['run.py', *{list(steps)!r}]; "
+                        f"runpy.run_path({str(script)!r}, run_name='__main__')", env=env)
+
+    out = run("caller")            # cold: both compiled, the callee never emitted
+    assert "caller 13.0 0 1 1" in out and "raised empty input" in out, out
+    assert "seen [('caller', True)]" in out, out
+    out = run("caller")            # the caller from its object code alone
+    assert "caller 13.0 1 0 0" in out and "raised empty input" in out, out
+    assert "seen [('caller', False)]" in out, out
+    out = run("callee")            # the callee's bitcode, emitted, cached again
+    assert "callee 12.0 1 0 1" in out, out
+    assert "seen [('callee', True), ('caller', False)]" in out, out
+    out = run("callee", "caller")  # now object code
+    assert "callee 12.0 1 0 1" in out and "caller 13.0 1 0 1" in out, out
+    assert "seen [('callee', False), ('caller', False)]" in out, out
