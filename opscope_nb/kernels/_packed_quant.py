@@ -631,21 +631,6 @@ def _ov_decode_i4m3_a8(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y,
 
 
 @njit(vectorize=False)
-def _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
-            sx, y, b0, b1):
-    """Output blocks ``b0..b1``: the k-blocked prefill tiles when ``m >= 4`` and
-    ``rows >= 4``, else the decode tiles."""
-    m = xq.shape[0]
-    rows = w.shape[0]
-    if m >= 4 and rows >= _NB:
-        _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf,
-                   mode, sx, y, b0, b1)
-        return
-    _blocks_dec(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
-                sx, y, b0, b1)
-
-
-@njit(vectorize=False)
 def _blocks_dec(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
                 sx, y, b0, b1):
     """Output blocks ``b0..b1`` through the decode tiles (any ``m``; the path of
@@ -718,11 +703,51 @@ _NO_PATH = ("decode=None and prefill=None (or tiles=None and panel=None) leave n
 _NO_TILES = "tiles=None needs an int4 product the W4A8 panel takes (w4a8_tiles_kw); omit tiles"
 
 
+_ONE_PATH = "_run compiles one path: pass decode=None or prefill=None (or call _run_any)"
+
+
 @njit_parallel(link="late")
 def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
          prefill=True, big=True):
+    """One path of the low-bit product: exactly one of ``decode`` /
+    ``prefill`` is None (:func:`_run_any` takes both)."""
     return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode,
                      prefill, big)
+
+
+def _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
+             prefill=True, big=True):
+    """:func:`_run` with any flags: a call holding both paths picks one of the
+    two one-path variants of :func:`_run` by shape at run time (the rule the
+    tiles always followed: the prefill tiles for ``m >= 4`` and ``rows >= 4``),
+    so it compiles no variant of its own and shares its code with every
+    one-path caller (``PackedLinear``'s)."""
+    raise NotImplementedError("call from @njit code")
+
+
+def _typed_none(t):
+    """``t`` (a numba type) is None or an omitted ``None``."""
+    return isinstance(t, types.NoneType) or (isinstance(t, types.Omitted) and t.value is None)
+
+
+@overload(_run_any, inline="always", prefer_literal=True)
+def _ov_run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
+                prefill=True, big=True):
+    if _typed_none(decode) or _typed_none(prefill):
+        def impl(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
+                 prefill=True, big=True):
+            return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode,
+                        prefill, big)
+        return impl
+
+    def impl(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
+             prefill=True, big=True):
+        if xq.shape[0] >= 4 and w.shape[0] >= _NB:
+            return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, None,
+                        True, big)
+        return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, True, None,
+                    big)
+    return impl
 
 
 # The bodies below are ``inline="always"`` so that an entry point compiles as
@@ -749,8 +774,8 @@ def _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, dec
     nc = min(nb, _NCHUNK)
     # The path is picked here, outside the parallel loops, by ``is None`` tests
     # numba prunes on the argument types (a None-typed flag; the other flag's
-    # branch ends at the raise of _NO_PATH): a variant holds one pair of
-    # loops.  The flags never enter a prange body -- a None-typed value passed
+    # branch ends at the raise of _NO_PATH or _ONE_PATH): a variant holds one
+    # pair of loops.  The flags never enter a prange body -- a None-typed value passed
     # into a parfor gave wrong results in some processes.  np.int64(0): a
     # literal 0 would compile a second specialisation of the block function.
     if prefill is None:
@@ -772,13 +797,8 @@ def _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, dec
                 _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf,
                            mode, sx, y, c * nb // nc, (c + 1) * nb // nc)
     else:
-        if serial:
-            _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode, sx,
-                    y, np.int64(0), nb)
-        else:
-            for c in prange(nc):
-                _blocks(xp, corr, xq, w, w2, sflat, sstride, cols, g, fmt, nunits, upf, mode,
-                        sx, y, c * nb // nc, (c + 1) * nb // nc)
+        # (:func:`_run_any` never sends both flags here)
+        raise ValueError(_ONE_PATH)
     return y
 
 
@@ -834,8 +854,8 @@ def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decod
     if (prefill is not None and fmt == FMT_INT4
             and _w4_panel_ok(xq.shape[0], w.shape[0], cols, group)):
         return _panel_a8(xq, sx, w, sflat, sstride, cols, group, min_parallel)
-    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
-                decode, prefill)
+    return _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                    decode, prefill)
 
 
 @njit(inline="always")
@@ -913,8 +933,8 @@ def lowbit_matmul_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel=P
     """
     xq, sx = quantize_rows_i16(x, _a16_levels(cols, group, fmt), min_parallel)
     # (int16 activations never take the 128-column modes: big=None)
-    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
-                decode, prefill, None)
+    return _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                    decode, prefill, None)
 
 
 @njit(inline="always")
@@ -972,8 +992,8 @@ def ternary_matmul_a8(xq, sx, codes, alpha, cols, min_parallel=PAR_MIN, decode=T
     ndarray of float32, shape (m, rows): ``sx[i] * alpha * sum_p xq[i,p] * t[j,p]``.
     ``decode`` / ``prefill`` as :func:`lowbit_matmul_a8`.
     """
-    return _run(xq, sx, codes, codes, alpha, 0, cols, 0, 1, np.int64(min_parallel), decode,
-                prefill)
+    return _run_any(xq, sx, codes, codes, alpha, 0, cols, 0, 1, np.int64(min_parallel), decode,
+                    prefill)
 
 
 @njit(inline="always")
@@ -1067,8 +1087,8 @@ def _intn_a8(xq, sx, lo, hi, scales, cols, group, fmt, min_parallel, decode=True
     """intN x int8 for one ``fmt`` (a literal: only its tile variants compile)."""
     rows = lo.shape[0]
     sf = scales.ravel()
-    return _run(xq, sx, lo, hi, sf, sf.size // max(rows, 1), cols, group, fmt,
-                np.int64(min_parallel), decode, prefill)
+    return _run_any(xq, sx, lo, hi, sf, sf.size // max(rows, 1), cols, group, fmt,
+                    np.int64(min_parallel), decode, prefill)
 
 
 @njit(inline="always")
@@ -1178,8 +1198,8 @@ def _checked_a8(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode
     if fmt != FMT_INT4:
         # only int4 has a panel; the entries pass ``fmt`` as a constant, so
         # numba prunes this test and the other formats compile no panel
-        return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
-                    decode, prefill)
+        return _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                        decode, prefill)
     # (numba prunes ``f is None`` only for an ``f`` typed None: with
     # panel=None the raise below ends the panel branch before it is typed)
     if tiles is None:
@@ -1193,8 +1213,8 @@ def _checked_a8(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode
     if panel is None:
         # the dot tiles alone (w4a8_tiles_kw's flag for a shape the panel
         # does not take)
-        return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
-                    decode, prefill)
+        return _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                        decode, prefill)
     return _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
                    decode, prefill)
 
@@ -1216,8 +1236,8 @@ def _checked_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decod
         return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
                          np.int64(min_parallel), decode, prefill, None)
     _q16_par(x, lv, xq, sx, np.int64(min_parallel))
-    return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
-                decode, prefill, None)
+    return _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
+                    decode, prefill, None)
 
 
 @njit_parallel
