@@ -331,14 +331,19 @@ def products():
             out[f"w4a8_{m}_{g}"] = K.w4a8_matmul(xq, sx, codes, s, 320, g, 1)
         # int3 (2+1 bit planes): 320 columns run 64-column units, 256 the
         # 128-column units (m = 1: the one-row decode of AVX2 hosts); int6/g128
-        # the crumb merge (int5 shares the 4-bit tiles)
+        # the crumb merge (int5 shares the 4-bit tiles).  Through the entries
+        # PackedLinear calls, with its one-path flags: only these two formats
+        # compile (intn_matmul_a8 from Python compiles all four)
+        xf = rng.standard_normal((m, 320)).astype(np.float32)
+        flags = {"prefill": None} if m < 4 else {"decode": None}
         for bits, kk, g in ((3, 320, 32), (3, 256, 32), (6, 256, 128)):
             lb = 2 if bits <= 3 else 4
             lo = rng.integers(0, 256, (n, kk * lb // 8)).astype(np.uint8)
             hi = rng.integers(0, 256, (n, kk * (bits - lb) // 8)).astype(np.uint8)
             s = (2.0 ** rng.integers(-3, 4, (n, kk // g))).astype(np.float32)
-            xk = np.ascontiguousarray(xq[:, :kk])
-            out[f"int{bits}_{kk}_{m}"] = K.intn_matmul_a8(xk, sx, lo, hi, s, bits, kk, g, 1)
+            xk = np.ascontiguousarray(xf[:, :kk])
+            out[f"int{bits}_{kk}_{m}"] = K.intn_linear_entry(bits, True)(
+                xk, lo, hi, s, kk, g, 1, **flags)
     return out
 
 if __name__ == "__main__":
