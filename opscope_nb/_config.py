@@ -640,6 +640,17 @@ def _compile_for_args(self, *args, **kws):
     return out
 
 
+def _disable_compile(self, val=True):
+    # a dispatcher compiled for explicit signatures (``njit("f8(f8)")``) takes
+    # no new ones: its Python calls only look in its entry table, so every
+    # entry goes in now
+    if val:
+        for cres in list(self.overloads.values()):
+            if isinstance(cres.entry_point, _PendingEntry):
+                _enter(self, cres.entry_point)
+    _orig_disable_compile(self, val)
+
+
 def _enter(disp, pending):
     """Emit ``pending``, give ``disp`` its entry for Python calls, and cache
     it again as object code if it was cached as bitcode."""
@@ -681,6 +692,8 @@ _orig_add_overload = _ndispatcher._DispatcherBase.add_overload
 _ndispatcher._DispatcherBase.add_overload = _add_overload
 _orig_compile_for_args = _ndispatcher._DispatcherBase._compile_for_args
 _ndispatcher._DispatcherBase._compile_for_args = _compile_for_args
+_orig_disable_compile = _ndispatcher._DispatcherBase.disable_compile
+_ndispatcher._DispatcherBase.disable_compile = _disable_compile
 
 
 def _jit(opts, fn, overrides):

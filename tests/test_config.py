@@ -294,6 +294,18 @@ def test_callee_machine_code_deferred_until_python_calls_it():
         callee(np.zeros(12))
 
 
+def test_explicit_signatures_callable_with_deferred_code():
+    """A dispatcher compiled for explicit signatures (user code too: the
+    deferral is process-wide) takes no new signatures, so its entries are
+    made when compiling is disabled: exact and converted arguments both run."""
+    import numba
+    f = numba.njit("float64(float64)", cache=False)(lambda x: x * 2.0)
+    assert f(1.5) == 3.0 and f(2) == 4.0
+    g = numba.njit("int64(int64)", cache=False)(lambda n: n + 1)
+    h = numba.njit(cache=False)(lambda n: g(n) * 3)
+    assert h(4) == 15 and g(4) == 5
+
+
 _DEFERRED_MOD = '''
 import numpy as np
 from opscope_nb._config import njit
