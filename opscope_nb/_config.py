@@ -576,7 +576,8 @@ def _set_env(self, env_name, env):
 
 
 def _get_pointer_to_function(self, name):
-    _emit(self)
+    self._ensure_finalized()    # (optimises, and defers the emission ...)
+    _emit(self)                 # (... which happens here)
     return _orig_get_pointer(self, name)
 
 

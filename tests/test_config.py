@@ -306,6 +306,72 @@ def test_explicit_signatures_callable_with_deferred_code():
     assert h(4) == 15 and g(4) == 5
 
 
+def test_numba_features_run_with_deferred_code():
+    """The deferral is process-wide, so user numba code meets it too: every
+    way numba hands out a pointer or an entry (ufunc and gufunc loops, a C
+    callback, jitclass methods and properties, an object-mode block, a
+    first-class function, a generator, a prange loop) still runs and
+    computes what NumPy does."""
+    import numba
+    from numba.experimental import jitclass
+
+    v = numba.vectorize(["float64(float64)"])(lambda x: x * 3.0)
+    vp = numba.vectorize(["float64(float64)"], target="parallel")(lambda x: x * 3.0)
+    dv = numba.vectorize(lambda x: x + 1)
+    a = np.arange(5.0)
+    np.testing.assert_array_equal(v(a), a * 3.0)
+    np.testing.assert_array_equal(vp(a), a * 3.0)
+    np.testing.assert_array_equal(dv(np.arange(4)), np.arange(4) + 1)
+
+    @numba.guvectorize(["void(float64[:], float64[:])"], "(n)->()")
+    def row_sum(r, out):
+        out[0] = r.sum()
+    np.testing.assert_array_equal(row_sum(a.reshape(1, 5)), [10.0])
+
+    cb = numba.cfunc("float64(float64)")(lambda x: x * 5.0)
+    assert cb.ctypes(2.0) == 10.0
+
+    @jitclass([("a", numba.float64)])
+    class Box:
+        def __init__(self, a):
+            self.a = a
+
+        def twice(self):
+            return self.a * 2.0
+
+        @property
+        def plus(self):
+            return self.a + 1.0
+
+    b = Box(3.0)
+    assert b.twice() == 6.0 and b.plus == 4.0
+
+    @numba.njit
+    def obj(x):
+        with numba.objmode(y="float64"):
+            y = float(np.sqrt(x))
+        return y + 1.0
+    assert obj(16.0) == 5.0
+
+    sq = numba.njit(lambda x: x * x)
+    call = numba.njit(lambda f, x: f(x))
+    assert call(sq, 3.0) == 9.0
+
+    @numba.njit
+    def gen(n):
+        for i in range(n):
+            yield i * i
+    assert list(gen(4)) == [0, 1, 4, 9]
+
+    @numba.njit(parallel=True)
+    def total(x):
+        s = 0.0
+        for i in numba.prange(x.size):
+            s += x[i]
+        return s
+    assert total(a) == 10.0
+
+
 _DEFERRED_MOD = '''
 import numpy as np
 from opscope_nb._config import njit
