@@ -45,10 +45,14 @@ import contextlib
 import os
 import pathlib
 import tempfile
+import weakref
 
 import numba
 from numba.core import codegen as _ncodegen
 from numba.core import config as _nconfig
+from numba.core import cpu as _ncpu
+from numba.core import dispatcher as _ndispatcher
+from numba.core.environment import lookup_environment
 from numba.core.compiler_lock import global_compiler_lock
 from numba.np.ufunc.parallel import _launch_threads
 
@@ -550,7 +554,6 @@ def _emit(lib):
             return
         setattr(lib, _PENDING, False)
         _orig_finalize_final_module(lib)
-        from numba.core.environment import lookup_environment
         for gv in lib._final_module.global_variables:
             if gv.name.startswith("_ZN08NumbaEnv"):
                 env = lookup_environment(gv.name)
@@ -564,8 +567,9 @@ def _emit(lib):
 
 
 #: Environments whose global was not in the engine yet when numba set it (a
-#: cache load of a deferred library): set when that library is emitted.
-_ENVS = {}
+#: cache load of a deferred library): set when that library is emitted (weak:
+#: one whose function is gone is never needed).
+_ENVS = weakref.WeakValueDictionary()
 
 
 def _set_env(self, env_name, env):
@@ -627,11 +631,14 @@ def _get_executable(self, library, fndesc, env):
 
 
 def _add_overload(self, cres):
-    if isinstance(cres.entry_point, _PendingEntry) and cres.entry_point.cfunc is None:
-        # no entry for Python calls yet: _compile_for_args makes it on the first
-        self.overloads[tuple(cres.signature.args)] = cres
-        return
-    _orig_add_overload(self, cres)
+    entry = cres.entry_point
+    if not isinstance(entry, _PendingEntry):
+        return _orig_add_overload(self, cres)
+    args = tuple(cres.signature.args)
+    if entry.cfunc is not None:     # (already emitted: its real entry goes in the table)
+        self._insert([a._code for a in args], entry.cfunc, cres.objectmode)
+    # else no entry for Python calls yet: _compile_for_args makes it on the first
+    self.overloads[args] = cres
 
 
 def _compile_for_args(self, *args, **kws):
@@ -683,9 +690,6 @@ _ncodegen.CPUCodeLibrary.serialize_using_object_code = _serialize_using_object_c
 _ncodegen.CPUCodeLibrary._unserialize = classmethod(_unserialize)
 _orig_set_env = _ncodegen.JITCPUCodegen.set_env
 _ncodegen.JITCPUCodegen.set_env = _set_env
-
-from numba.core import cpu as _ncpu  # noqa: E402
-from numba.core import dispatcher as _ndispatcher  # noqa: E402
 
 _orig_get_executable = _ncpu.CPUContext.get_executable
 _ncpu.CPUContext.get_executable = _get_executable

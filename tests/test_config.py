@@ -292,6 +292,11 @@ def test_callee_machine_code_deferred_until_python_calls_it():
     assert callee(a) == 12.0 and cres.entry_point(a) == 12.0
     with pytest.raises(ValueError, match="too long"):
         callee(np.zeros(12))
+    # an emitted result added to another dispatcher puts its real entry in
+    # that one's table (a stand-in there would be called as a C function)
+    other = _config.njit(cache=False)(callee_py)
+    other.add_overload(cres)
+    assert other(a) == 12.0 and other.signatures == callee.signatures
 
 
 def test_explicit_signatures_callable_with_deferred_code():
