@@ -35,6 +35,9 @@ Every ``@njit`` in the package takes its options from here (never a literal
   only as a callee runs inside its callers' modules, so its own library is
   emitted only if Python (or a pointer lookup) calls it; until then it is
   cached as LLVM bitcode, and as object code once it runs.
+* Its module is optimised on demand too (:func:`_optimise`): a callee's code
+  is optimised inside each caller's module, so its own optimisation waits
+  until its own machine code (or an inspection of its IR) is asked for.
 
 Thresholds are never module globals read by kernels (numba freezes globals at
 compile time): they are function arguments.
@@ -475,14 +478,15 @@ def _link_late(mod, late):
 
 
 def _finalize(self):
-    """``CPUCodeLibrary.finalize`` with late linking (numba's own when no
-    callee links late): link the early callees, optimise, keep that module
-    for callers (:func:`_early_part`), link the late ones, drop what nothing
-    calls, emit."""
+    """``CPUCodeLibrary.finalize`` with late linking and deferred optimisation
+    (numba's own when neither applies): link the early callees, optimise (now,
+    or when the library's own code is needed: :func:`_optimise`), keep that
+    module for callers (:func:`_early_part`), link the late ones, drop what
+    nothing calls; the emission waits for the first pointer (:func:`_emit`)."""
     late = _late_closure(self._linking_libraries)
-    if not late:
+    defer = _defers_optimisation(self)
+    if not late and not defer:
         return _orig_finalize(self)
-    import llvmlite.binding as ll
     from numba.core.compiler_lock import require_global_compiler_lock
 
     require_global_compiler_lock()
@@ -496,22 +500,110 @@ def _finalize(self):
         seen.add(id(lib))
         self._reload_init.update(lib._reload_init)
         self._final_module.link_in(_early_part(lib), preserve=True)
-    self._optimize_final_module()
-    setattr(self, _EARLY, _linkable(self._final_module))
-    setattr(self, _LATE_SET, tuple(late))
-    for lib in late:
-        self._reload_init.update(lib._reload_init)
-    _link_late(self._final_module, late)
-    # the late modules bring their Python wrappers and unused helpers along
-    pm = ll.ModulePassManager()
-    pm.add_global_dead_code_eliminate_pass()
-    pm.run(self._final_module, self._codegen._pass_builder())
+    if late:
+        setattr(self, _LATE_SET, tuple(late))
+        for lib in late:
+            self._reload_init.update(lib._reload_init)
+    if defer:
+        if late:    # (callers link the early part unoptimised, as any deferred module)
+            setattr(self, _EARLY, _linkable(self._final_module))
+        setattr(self, _OPT_LATER, (int(_nconfig.OPT), bool(_nconfig.LOOP_VECTORIZE),
+                                   bool(_nconfig.SLP_VECTORIZE)))
+    else:
+        _optimise_then_link_late(self, keep_early=True)
     self._final_module.verify()
     self._finalize_final_module()
 
 
+def _optimise_then_link_late(lib, keep_early):
+    """Optimise ``lib``'s module, then (``keep_early``: keep it for callers)
+    link its late callees and drop what nothing calls."""
+    import llvmlite.binding as ll
+
+    lib._optimize_final_module()
+    late = getattr(lib, _LATE_SET, ())
+    if not late:
+        return
+    if keep_early:
+        setattr(lib, _EARLY, _linkable(lib._final_module))
+    _link_late(lib._final_module, late)
+    # the late modules bring their Python wrappers and unused helpers along
+    pm = ll.ModulePassManager()
+    pm.add_global_dead_code_eliminate_pass()
+    pm.run(lib._final_module, lib._codegen._pass_builder())
+
+
 _orig_finalize = _ncodegen.CPUCodeLibrary.finalize
 _ncodegen.CPUCodeLibrary.finalize = _finalize
+
+
+# ── optimisation on demand ─────────────────────────────────────────────────
+# A library whose code only ever runs inside its callers' modules (most
+# callees: the block functions, the parfor bodies, numba's own helpers) was
+# optimised once on its own and then again in every caller, where its code is
+# linked; the first optimisation served only a Python call of it, which most
+# callees never get.  So a library compiled at the package's default level is
+# optimised when its own machine code is first needed (:func:`_emit`), or
+# when its IR is inspected; its callers always link its unoptimised module
+# (also after it has been optimised, and from the cache: the module for
+# linking is fixed at the first request), so their code never depends on
+# which call came first.  A deferred library keeps the settings it was
+# compiled at (level, vectorisers) for its own optimisation.  Not deferred:
+# late-linked functions (their code is linked after their callers'
+# optimisation) and functions with a level or vectoriser setting of their own
+# (``njit(opt=..., vectorize=False)``: their callers would optimise their code
+# at the callers' settings only); callees compiled inside them are.
+_OPT_LATER = "_opscope_opt_later"
+#: Cache kind of a library cached before it was optimised (bitcode + settings).
+_KIND_UNOPTIMISED = "opscope-unoptimised-bitcode"
+#: Qualified names of the functions whose libraries are optimised in their
+#: own compile: late-linked ones and those with settings of their own.
+_EAGER_NAMES = set()
+#: Switch (tests): defer the optimisation of eligible libraries.
+DEFER_OPTIMISATION = True
+
+
+def _defers_optimisation(lib) -> bool:
+    return (DEFER_OPTIMISATION and isinstance(lib, _ncodegen.JITCodeLibrary)
+            and lib.name not in _EAGER_NAMES)
+
+
+def _optimise(lib):
+    """Run a deferred library's module optimisation (once), at the settings
+    it was compiled with; its module for linking stays the unoptimised one."""
+    if getattr(lib, _OPT_LATER, None) is None:
+        return
+    with global_compiler_lock:
+        state = getattr(lib, _OPT_LATER, None)
+        if state is None:
+            return
+        if getattr(lib, _EARLY, None) is None:
+            lib._get_module_for_linking()   # (fixed now, before the module changes)
+        old = _nconfig.OPT, _nconfig.LOOP_VECTORIZE, _nconfig.SLP_VECTORIZE
+        _nconfig.OPT = _nconfig._OptLevel(str(state[0]))
+        _nconfig.LOOP_VECTORIZE, _nconfig.SLP_VECTORIZE = state[1], state[2]
+        try:
+            _optimise_then_link_late(lib, keep_early=False)
+        finally:
+            _nconfig.OPT, _nconfig.LOOP_VECTORIZE, _nconfig.SLP_VECTORIZE = old
+        lib._final_module.verify()
+        setattr(lib, _OPT_LATER, None)
+
+
+def _get_llvm_str(self):
+    _optimise(self)
+    return _orig_get_llvm_str(self)
+
+
+def _get_asm_str(self):
+    _optimise(self)
+    return _orig_get_asm_str(self)
+
+
+_orig_get_llvm_str = _ncodegen.CPUCodeLibrary.get_llvm_str
+_orig_get_asm_str = _ncodegen.CPUCodeLibrary.get_asm_str
+_ncodegen.CPUCodeLibrary.get_llvm_str = _get_llvm_str
+_ncodegen.CPUCodeLibrary.get_asm_str = _get_asm_str
 
 
 # ── machine code on demand ──────────────────────────────────────────────────
@@ -552,6 +644,7 @@ def _emit(lib):
     with global_compiler_lock:      # (the JIT engine is shared; the lock is reentrant)
         if not getattr(lib, _PENDING, False):
             return
+        _optimise(lib)
         setattr(lib, _PENDING, False)
         _orig_finalize_final_module(lib)
         for gv in lib._final_module.global_variables:
@@ -588,11 +681,26 @@ def _get_pointer_to_function(self, name):
 def _serialize_using_object_code(self):
     if getattr(self, _PENDING, False):
         setattr(self, _BITCODE, True)
+        opt = getattr(self, _OPT_LATER, None)
+        if opt is not None and not getattr(self, _LATE_SET, ()):
+            # bitcode a later process optimises before emitting it
+            return (self.name, _KIND_UNOPTIMISED, (self._final_module.as_bitcode(), opt))
+        _optimise(self)     # (its late callees are linked after the optimisation)
         return self.serialize_using_bitcode()
     return _orig_serialize(self)
 
 
 def _unserialize(cls, codegen, state):
+    if state[1] == _KIND_UNOPTIMISED:
+        import llvmlite.binding as ll
+
+        name, _, (data, opt) = state
+        lib = codegen.create_library(name)
+        lib._final_module = ll.parse_bitcode(data)
+        setattr(lib, _OPT_LATER, tuple(opt))
+        setattr(lib, _BITCODE, True)
+        lib._finalize_final_module()
+        return lib
     lib = _orig_unserialize(cls, codegen, state)
     if state[1] == "bitcode":
         setattr(lib, _BITCODE, True)
@@ -710,9 +818,13 @@ def _jit(opts, fn, overrides):
         raise ValueError(f"link must be 'early' or 'late'; got {link!r}")
     late = link == "late"
     vec = bool(opts.pop("vectorize", True))
-    if fn is None:
-        return lambda f: _at_opt(numba.njit(**opts)(f), level, late, vec)
-    return _at_opt(numba.njit(**opts)(fn), level, late, vec)
+
+    def make(f):
+        if late or level != OPT or not vec:     # (see _defers_optimisation)
+            _EAGER_NAMES.add(f.__qualname__)
+        return _at_opt(numba.njit(**opts)(f), level, late, vec)
+
+    return make if fn is None else make(fn)
 
 
 def njit(fn=None, **overrides):

@@ -215,11 +215,80 @@ def test_link_late_callee_optimised_alone_and_linked_after():
     assert not getattr(lib[helper], _config._LATE, False)
     early = getattr(lib[mid], _config._EARLY)
     assert early.get_function(name[big]).is_declaration
+    # mid ran only inside top: its own optimisation, and the late linking
+    # after it, wait until its code is needed (optimisation on demand)
+    assert getattr(lib[mid], _config._OPT_LATER) is not None
+    assert not _defined(lib[mid]._final_module, name[big])
+    _config._optimise(lib[mid])
+    assert getattr(lib[mid], _config._OPT_LATER) is None
+    assert getattr(lib[mid], _config._EARLY) is early      # callers' part unchanged
     for f in (mid, top):
         assert _defined(lib[f]._final_module, name[big]), f
     assert getattr(lib[mid], _config._LATE_SET) == (lib[big],)
     # top linked mid's early part and big after its own optimisation
     assert getattr(lib[top], _config._LATE_SET) == (lib[big],)
+
+
+def _sq_py(a):
+    s = 0.0
+    for v in a:
+        s += v * v
+    return s
+
+
+def _sum_py(a):
+    return a.sum()
+
+
+def _max_py(a):
+    return a.max()
+
+
+def _tail_py(a):
+    return a[-1]
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_callee_optimised_when_its_own_code_is_needed(monkeypatch, defer):
+    """A callee's module is optimised only inside its callers until its own
+    code is needed (a Python call, an IR inspection); the module its callers
+    link stays the one they linked; functions with settings of their own
+    (``opt=``, ``vectorize=False``, ``link="late"``) are optimised in their
+    own compile.  ``DEFER_OPTIMISATION = False`` optimises every library at
+    once (numba's way)."""
+    monkeypatch.setattr(_config, "DEFER_OPTIMISATION", defer)
+    sq = _config.njit(cache=False)(_sq_py)
+    hot = _config.njit(cache=False, opt=_config.OPT_HOT)(_sum_py)
+    tiles = _config.njit(cache=False, vectorize=False)(_max_py)
+    late = _config.njit(cache=False, link="late")(_tail_py)
+
+    def top_py(a):
+        return sq(a) + hot(a) + tiles(a) + late(a)
+    top = _config.njit(cache=False)(top_py)
+
+    def lib(f):
+        return f.overloads[f.signatures[0]].library
+
+    def waiting(f):
+        return getattr(lib(f), _config._OPT_LATER, None) is not None
+
+    a = np.arange(5.0)
+    assert top(a) == 30.0 + 10.0 + 4.0 + 4.0
+    assert not waiting(top)                         # emitted, so optimised
+    assert waiting(sq) is defer
+    assert not any(waiting(f) for f in (hot, tiles, late))
+    linked = lib(sq)._get_module_for_linking()
+    assert sq(a) == 30.0                            # its own code: optimised now
+    assert not waiting(sq)
+    assert lib(sq)._get_module_for_linking() is linked
+
+    # an inspection shows the optimised module
+    sq2 = _config.njit(cache=False)(_sq_py)
+    top2 = _config.njit(cache=False)(lambda a: sq2(a) * 2.0)
+    assert top2(a) == 60.0
+    assert waiting(sq2) is defer
+    assert "define" in sq2.inspect_llvm(sq2.signatures[0])
+    assert not waiting(sq2)
 
 
 def test_link_option_checked():
@@ -403,8 +472,10 @@ seen = []
 enter = C._enter
 
 
-def spy(disp, pending):   # (function, loaded or compiled as bitcode) per first Python call
-    seen.append((disp.py_func.__name__, bool(getattr(pending.library, C._BITCODE, False))))
+def spy(disp, pending):   # (function, bitcode, not optimised yet) per first Python call
+    lib = pending.library
+    seen.append((disp.py_func.__name__, bool(getattr(lib, C._BITCODE, False)),
+                 getattr(lib, C._OPT_LATER, None) is not None))
     return enter(disp, pending)
 
 
@@ -441,13 +512,15 @@ def test_deferred_callee_cached_as_bitcode_then_as_object(tmp_path):
 
     out = run("caller")            # cold: both compiled, the callee never emitted
     assert "caller 13.0 0 1 1" in out and "raised empty input" in out, out
-    assert "seen [('caller', True)]" in out, out
+    assert "seen [('caller', True, True)]" in out, out
     out = run("caller")            # the caller from its object code alone
     assert "caller 13.0 1 0 0" in out and "raised empty input" in out, out
-    assert "seen [('caller', False)]" in out, out
-    out = run("callee")            # the callee's bitcode, emitted, cached again
+    assert "seen [('caller', False, False)]" in out, out
+    # the callee's bitcode, cached before its optimisation: optimised, emitted,
+    # cached again
+    out = run("callee")
     assert "callee 12.0 1 0 1" in out, out
-    assert "seen [('callee', True), ('caller', False)]" in out, out
+    assert "seen [('callee', True, True), ('caller', False, False)]" in out, out
     out = run("callee", "caller")  # now object code
     assert "callee 12.0 1 0 1" in out and "caller 13.0 1 0 1" in out, out
-    assert "seen [('callee', False), ('caller', False)]" in out, out
+    assert "seen [('callee', False, False), ('caller', False, False)]" in out, out
