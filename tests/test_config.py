@@ -230,10 +230,7 @@ def test_link_late_callee_optimised_alone_and_linked_after():
 
 
 def _sq_py(a):
-    s = 0.0
-    for v in a:
-        s += v * v
-    return s
+    return (a * a).sum()
 
 
 def _sum_py(a):
