@@ -25,6 +25,17 @@ if THREADS is not None:
         if _var != "NUMBA_NUM_THREADS":
             os.environ.setdefault(_var, _val)
 
+try:
+    from hypothesis import settings as _hyp_settings
+except ImportError:     # (the property tests skip without it)
+    pass
+else:
+    # every random choice from an explicit seed: the property tests draw the
+    # same examples in every run (a random draw found a float32 threshold edge
+    # once; test_zero_scale_threshold_compared_in_float32 now pins it)
+    _hyp_settings.register_profile("opscope", derandomize=True)
+    _hyp_settings.load_profile("opscope")
+
 
 def pytest_configure(config):
     if THREADS is not None:

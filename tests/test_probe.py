@@ -469,3 +469,34 @@ def test_hyp_outlier_relerr(x, ratio):
     _close(r, r2)
     y = np.flip(x, axis=1).copy()
     _close(probe.rel_err(x, y), N.naive_rel_err(x, y))
+
+
+def test_zero_scale_threshold_compared_in_float32():
+    """A row whose ``max|x|`` is float32(1e-20) -- just below the float64
+    1e-20 -- is not "all zero": every quantiser compares the threshold in
+    float32, as its NumPy twin does (a float64 comparison gave scale 1 and
+    codes 0 where the twins give 7; found by ``test_hyp_nm_ternary_card``),
+    and the next float32 below it is."""
+    import naive_matmul as NM
+    t = np.float32(1e-20)
+    for v, zero in ((t, False), (np.nextafter(t, np.float32(0)), True)):
+        x = np.array([[v, -v / 2]], np.float32)
+        c, s = kernels.quantize_rows_sym(x, 4)
+        cn, sn = N.naive_quantize_rows_sym(x, 4)
+        np.testing.assert_array_equal(c, cn)
+        np.testing.assert_array_equal(s, sn)
+        assert bool(s[0] == 1.0) == zero
+        q, sx = kernels.quantize_rows_i8(x)
+        qn, sxn = NM.naive_quantize_rows_i8(x)
+        np.testing.assert_array_equal(q, qn)
+        np.testing.assert_array_equal(sx, sxn)
+        assert bool(sx[0] == 1.0) == zero
+        cg, sg = kernels.quantize_groups_sym(x, 4, 32)
+        cgn, sgn = N.naive_quantize_groups_sym(x, 4, 32)
+        np.testing.assert_array_equal(cg, cgn)
+        np.testing.assert_array_equal(sg, sgn)
+        lv = NM.naive_a16_levels(2)
+        q16, s16 = kernels.quantize_rows_i16(x, lv)
+        q16n, s16n = NM.naive_quantize_rows_i16(x, lv)
+        np.testing.assert_array_equal(q16, q16n)
+        np.testing.assert_array_equal(s16, s16n)

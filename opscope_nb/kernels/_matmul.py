@@ -297,8 +297,9 @@ def _code(v, scale):
 
 @njit
 def _scale_of(amax):
-    """``amax / 127`` (exact IEEE division), or 1 for an all-zero block."""
-    if amax < 1e-20:
+    """``amax / 127`` (exact IEEE division), or 1 for an all-zero block
+    (``amax < 1e-20`` in float32)."""
+    if amax < np.float32(1e-20):
         return np.float32(1.0)
     return np.float32(div_f32(np.float32(amax), np.float32(127.0)))
 
@@ -580,7 +581,7 @@ def _q16_rows(x, lv, xq, sx, i0, i1):
     for i in range(i0, i1):
         amax = absmax_f32(x[i], np.int64(0), k)
         s = np.float32(1.0)
-        if amax >= 1e-20:
+        if amax >= np.float32(1e-20):
             s = np.float32(div_f32(amax, lv))
         sx[i] = s
         for p in range(k):

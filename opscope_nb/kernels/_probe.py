@@ -212,8 +212,9 @@ def _tensor_absmax(x):
 
 @njit
 def _scale_for(amax, levels):
-    """Symmetric scale ``amax / levels`` (float32), 1 when ``amax < 1e-20``."""
-    if amax < 1e-20:
+    """Symmetric scale ``amax / levels`` (float32), 1 when ``amax < 1e-20``
+    (compared in float32, as every quantiser of the package and NumPy do)."""
+    if amax < np.float32(1e-20):
         return np.float32(1.0)
     return div_f32(amax, np.float32(levels))
 
