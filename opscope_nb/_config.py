@@ -542,9 +542,8 @@ _ncodegen.CPUCodeLibrary.finalize = _finalize
 # callees: the block functions, the parfor bodies, numba's own helpers) was
 # optimised once on its own and then again in every caller, where its code is
 # linked; the first optimisation served only a Python call of it, which most
-# callees never get.  So a library compiled at the package's default level is
-# optimised when its own machine code is first needed (:func:`_emit`), or
-# when its IR is inspected; its callers always link its unoptimised module
+# callees never get.  So a library is optimised when its own machine code is
+# first needed (:func:`_emit`), or when its IR is inspected; its callers always link its unoptimised module
 # (also after it has been optimised, and from the cache: the module for
 # linking is fixed at the first request), so their code never depends on
 # which call came first.  A deferred library keeps the settings it was
@@ -673,8 +672,8 @@ def _set_env(self, env_name, env):
 
 
 def _get_pointer_to_function(self, name):
-    self._ensure_finalized()    # (optimises, and defers the emission ...)
-    _emit(self)                 # (... which happens here)
+    self._ensure_finalized()    # (the optimisation and emission may wait ...)
+    _emit(self)                 # (... until here)
     return _orig_get_pointer(self, name)
 
 

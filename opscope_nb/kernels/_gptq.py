@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._config import njit
-from ._probe import div_f32, round_half_away
+from ._probe import ZERO_AMAX, div_f32, round_half_away
 
 __all__ = ["gptq_core", "gptq_group_scales"]
 
@@ -72,7 +72,7 @@ def gptq_group_scales(w, imp, bits, group, steps):
                 a = abs(np.float32(w[r, j]))
                 if a > amax:
                     amax = a
-            if amax < np.float32(1e-20):
+            if amax < ZERO_AMAX:
                 scales[r, g] = np.float32(1.0)
                 continue
             best_s = div_f32(amax, flev)

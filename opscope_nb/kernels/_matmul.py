@@ -53,7 +53,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .._config import njit, njit_parallel
-from ._probe import absmax_f32, div_f32, round_half_away
+from ._probe import absmax_f32, div_f32, round_half_away, sym_scale
 from ._simd import (F32_CHUNK, I8_CHUNK, i8dot_raw_tile_4x4, i8dot_rawc_tile_4x4, f32dot_tile_1x1, f32dot_tile_1x4,
                     f32dot_tile_2x4, i8dot_tile_1x1, i8dot_tile_1x4,
                     i8dot_tile_2x1, i8dot_tile_2x4, W16_CHUNK,
@@ -295,15 +295,6 @@ def _code(v, scale):
     return np.int8(r)
 
 
-@njit
-def _scale_of(amax):
-    """``amax / 127`` (exact IEEE division), or 1 for an all-zero block
-    (``amax < 1e-20`` in float32)."""
-    if amax < np.float32(1e-20):
-        return np.float32(1.0)
-    return np.float32(div_f32(np.float32(amax), np.float32(127.0)))
-
-
 @njit_parallel
 def transpose(w):
     """``wt[n, k] = w[k, n].T`` as a new C-contiguous array (blocked copy).
@@ -352,7 +343,7 @@ def quantize_cols_t(w):
     scale = np.empty(n, dtype=np.float32)
     for j in prange(n):
         amax = absmax_f32(wt[j], np.int64(0), k)
-        s = _scale_of(amax)
+        s = sym_scale(amax, 127)
         scale[j] = s
         for p in range(k):
             wtq[j, p] = _code(wt[j, p], s)
@@ -367,7 +358,7 @@ def _q8_rows(x, xq, sx, i0, i1):
     k = x.shape[1]
     for i in range(i0, i1):
         amax = absmax_f32(x[i], np.int64(0), k)
-        s = _scale_of(amax)
+        s = sym_scale(amax, 127)
         sx[i] = s
         for p in range(k):
             q = div_f32(x[i, p], s)
@@ -438,7 +429,7 @@ def quantize_row_i8(x):
     amax = np.float32(0.0)
     for i in range(m):
         amax = max(amax, absmax_f32(x[i], np.int64(0), k))
-    s = _scale_of(amax)
+    s = sym_scale(amax, 127)
     xq = np.empty((m, k), dtype=np.int8)
     for i in range(m):
         for p in range(k):
@@ -580,9 +571,7 @@ def _q16_rows(x, lv, xq, sx, i0, i1):
     k = x.shape[1]
     for i in range(i0, i1):
         amax = absmax_f32(x[i], np.int64(0), k)
-        s = np.float32(1.0)
-        if amax >= np.float32(1e-20):
-            s = np.float32(div_f32(amax, lv))
+        s = sym_scale(amax, lv)
         sx[i] = s
         for p in range(k):
             r = round_half_away(div_f32(x[i, p], s))

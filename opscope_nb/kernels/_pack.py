@@ -42,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._config import njit
-from ._probe import absmax_f32, div_f32, round_half_away
+from ._probe import absmax_f32, div_f32, round_half_away, sym_scale
 
 __all__ = [
     "quantize_groups_sym",
@@ -100,7 +100,7 @@ def quantize_groups_sym(x, bits, group):
             lo = g * group
             hi = min(lo + group, cols)
             amax = absmax_f32(x[i], lo, hi)
-            sc = div_f32(amax, flev) if amax >= np.float32(1e-20) else np.float32(1.0)
+            sc = sym_scale(amax, flev)
             scales[i, g] = sc
             for j in range(lo, hi):
                 r = round_half_away(div_f32(x[i, j], sc))

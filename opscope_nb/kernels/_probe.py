@@ -210,11 +210,16 @@ def _tensor_absmax(x):
     return m
 
 
+#: ``max|x|`` of a block below which it quantises as all zero (scale 1);
+#: float32, so every quantiser compares it as its NumPy twin does.
+ZERO_AMAX = np.float32(1e-20)
+
+
 @njit
-def _scale_for(amax, levels):
-    """Symmetric scale ``amax / levels`` (float32), 1 when ``amax < 1e-20``
-    (compared in float32, as every quantiser of the package and NumPy do)."""
-    if amax < np.float32(1e-20):
+def sym_scale(amax, levels):
+    """Symmetric scale ``amax / levels`` (float32), 1 when ``amax < ZERO_AMAX``:
+    the scale rule of every symmetric quantiser of the package."""
+    if amax < ZERO_AMAX:
         return np.float32(1.0)
     return div_f32(amax, np.float32(levels))
 
@@ -262,7 +267,7 @@ def quantize_rows_sym(x, bits):
     codes = np.empty((rows, cols), dtype=np.int8)
     scales = np.empty(rows, dtype=np.float32)
     for i in prange(rows):
-        s = _scale_for(amax[i], levels)
+        s = sym_scale(amax[i], levels)
         scales[i] = s
         for j in range(cols):
             codes[i, j] = np.int8(_code(x[i, j], s, levels))
@@ -289,7 +294,7 @@ def quantize_tensor_sym(x, bits):
         raise ValueError("quantize_tensor_sym: bits must be in 2..8 for int8 codes")
     rows, cols = x.shape
     levels = quant_levels(bits)
-    s = _scale_for(_tensor_absmax(x), levels)
+    s = sym_scale(_tensor_absmax(x), levels)
     codes = np.empty((rows, cols), dtype=np.int8)
     for i in range(rows):
         for j in range(cols):
@@ -557,7 +562,7 @@ def _per_channel_err_from_amax(x, amax, bits):
     rows = x.shape[0]
     sc = np.empty(rows, dtype=np.float32)
     for i in range(rows):
-        sc[i] = _scale_for(amax[i], levels)
+        sc[i] = sym_scale(amax[i], levels)
     num, den = _quant_err_sums(x, sc, True, levels)
     return _ratio(num, den)
 
