@@ -294,14 +294,14 @@ _install_index_lock()
 
 def _forced_path_cache() -> bool:
     """A forced int8 path (``OPSCOPE_I8_PATH``, see ``kernels._simd``) caches in
-    its own ``__pycache__/i8path-<path>`` (numba keys the cache on CPU
-    features, not on our path, so the shared cache would hand it another
-    path's machine code).  That directory keeps a copy of the source stamp
-    and is emptied when the stamp changed, as :func:`_drop_stale_cache` does
-    for the shared one.  Returns whether to cache (False if that is not
-    possible, e.g. a read-only install: forced runs then compile)."""
-    import os
-    import pathlib
+    a directory of its own, ``i8path-<path>`` next to the cache's source stamp
+    (the package's ``__pycache__``, under ``NUMBA_CACHE_DIR`` when that is set,
+    or in the per-user directory of a read-only install: :func:`cache_base`):
+    numba keys the cache on CPU features, not on our path, so the shared cache
+    would hand it another path's machine code.  That directory keeps a copy of
+    the source stamp and is emptied when the stamp changed, as
+    :func:`_drop_stale_cache` does for the shared one.  Returns whether to
+    cache (False if that is not possible: forced runs then compile)."""
     import shutil
 
     path = os.environ.get("OPSCOPE_I8_PATH", "").strip()
@@ -309,17 +309,20 @@ def _forced_path_cache() -> bool:
         return True
     if not path.isalnum():  # kernels._simd raises the ValueError
         return False
-    pyc = pathlib.Path(__file__).resolve().parent / "__pycache__"
-    d = pyc / f"i8path-{path}"
+    d = _STAMP_DIR / f"i8path-{path}"
     try:
-        stamp = (pyc / "opscope_sources.sha256").read_text()
+        stamp = (_STAMP_DIR / "opscope_sources.sha256").read_text()
         if not (d / "sources.sha256").exists() or (d / "sources.sha256").read_text() != stamp:
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir(parents=True, exist_ok=True)
             (d / "sources.sha256").write_text(stamp)
     except OSError:
         return False
-    numba.config.CACHE_DIR = str(d)
+    if _PackageLocator.base is not None:
+        # a read-only install: only the package's locator moves
+        _PackageLocator.base = d
+    else:
+        numba.config.CACHE_DIR = str(d)
     return True
 
 # Start numba's thread pool now.  A serial @njit function loaded from the

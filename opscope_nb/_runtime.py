@@ -161,6 +161,12 @@ class PackedLinear:
             # computed here once (4 bytes per output, not part of the format):
             # never from a cache that an edit of the codes could leave stale
             self._aux = _k.i8_row_sums(got["codes"])
+        elif d.kind in ("int4", "intn") and got["scales"].ndim == 1:
+            # per-channel int4 / intN: the kernels take their scales as the
+            # (rows, 1) view of the same buffer (no byte more), so a channel
+            # and a group layer of one kind share one compiled entry (numba
+            # types a 1-D and a 2-D array apart: two compiles of every entry)
+            self._aux = got["scales"].reshape(rows, 1)
         self._arrays = got
 
     @classmethod
@@ -424,17 +430,22 @@ def _fwd_int8(lin, x, act):
     return _int8_checked_a16(x, a["codes"], a["scales"])
 
 
+def _scales2d(lin):
+    # int4 / intN scales as a 2-D array: the (rows, 1) view of per-channel ones
+    return lin._arrays["scales"] if lin._aux is None else lin._aux
+
+
 def _fwd_int4(lin, x, act):
     a = lin._arrays
     g = lin._decomp.group if lin._kind == "int4g" else 0
     if not _act8(lin, act):
-        return _k.int4_linear_checked_a16(x, a["codes"], a["scales"], lin._shape[1], g,
+        return _k.int4_linear_checked_a16(x, a["codes"], _scales2d(lin), lin._shape[1], g,
                                           **_lowbit_path(lin, x))
     kw = _lowbit_path(lin, x)
     if kw is _PREFILL_ONLY:
         # a shape the W4A8 panel takes whole compiles no dot-tile core
         kw = {**kw, **_k.w4a8_tiles_kw(x.shape[0], lin._shape[0], lin._shape[1], g)}
-    return _k.int4_linear_checked_a8(x, a["codes"], a["scales"], lin._shape[1], g, **kw)
+    return _k.int4_linear_checked_a8(x, a["codes"], _scales2d(lin), lin._shape[1], g, **kw)
 
 
 def _fwd_ternary(lin, x, act):
@@ -448,7 +459,7 @@ def _fwd_intn(lin, x, act):
     d = lin._decomp
     lo = a["lo"]
     fn = _k.intn_linear_entry(d.bits, _act8(lin, act))
-    return fn(x, lo, a.get("hi", lo), a["scales"], lin._shape[1], d.group or 0, _PAR_MIN,
+    return fn(x, lo, a.get("hi", lo), _scales2d(lin), lin._shape[1], d.group or 0, _PAR_MIN,
               **_lowbit_path(lin, x))
 
 
