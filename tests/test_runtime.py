@@ -121,6 +121,41 @@ def test_no_densification_at_call(monkeypatch):
         np.testing.assert_array_equal(lin(x), y)
 
 
+def test_channel_and_group_layers_share_one_entry(monkeypatch):
+    """int4/chan and intN/chan layers hand the kernels their per-channel scales
+    as the ``(rows, 1)`` view of the stored buffer, as the group layers' 2-D
+    scales: numba types a 1-D and a 2-D array apart, so with 1-D scales a plan
+    mixing int4/chan and int4/g32 compiled every int4 entry twice.  No byte
+    more: the view shares the stored array, ``nbytes`` is unchanged."""
+    import opscope_nb._runtime as R
+    seen = []
+
+    def spy(real):
+        def call(x, codes, codes_or_hi, *rest, **kw):
+            # (int4: codes, scales, ...; intN: lo, hi, scales, ...)
+            sc = codes_or_hi if codes_or_hi.dtype == np.float32 else rest[0]
+            seen.append((sc.ndim, sc.shape[0]))
+            return real(x, codes, codes_or_hi, *rest, **kw)
+        return call
+
+    for name in ("int4_linear_checked_a8", "int4_linear_checked_a16"):
+        monkeypatch.setattr(R._k, name, spy(getattr(K, name)))
+    real_entry = K.intn_linear_entry
+    monkeypatch.setattr(R._k, "intn_linear_entry", lambda b, a8: spy(real_entry(b, a8)))
+    w = _w((8, 64))
+    x = _x(2, 64)
+    for d in (Decomp.int4(), Decomp.int4(group=32), Decomp.intn(3), Decomp.intn(3, group=32)):
+        lin = PackedLinear.pack(w, d)
+        for act in ("f32", "int8"):
+            seen.clear()
+            lin(x, act)
+            assert seen == [(2, 8)], (d.label, act, seen)
+        assert lin.arrays["scales"].ndim == (1 if d.group is None else 2)
+        assert lin.nbytes == sum(a.nbytes for a in lin.arrays.values())
+        if d.group is None:
+            assert np.shares_memory(lin._aux, lin._arrays["scales"])
+
+
 # ---------------------------------------------------------------- menu kinds
 def _menu(shape):
     return [o.decomp for o in profile_layer("t", _w(shape, 3), rank_cap=8).options]
