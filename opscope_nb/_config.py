@@ -48,6 +48,7 @@ import contextlib
 import os
 import pathlib
 import tempfile
+import warnings
 import weakref
 
 import numba
@@ -55,6 +56,7 @@ from numba.core import codegen as _ncodegen
 from numba.core import config as _nconfig
 from numba.core import cpu as _ncpu
 from numba.core import dispatcher as _ndispatcher
+from numba.core import errors as _nerrors
 from numba.core.environment import lookup_environment
 from numba.core.compiler_lock import global_compiler_lock
 from numba.np.ufunc.parallel import _launch_threads
@@ -358,6 +360,10 @@ OPT = 2
 OPT_HOT = 3
 
 
+#: numba's warning for a ``parallel=True`` function without a parallel loop.
+_NO_PARFOR_WARNING = r"\s*The keyword argument 'parallel=True' was specified but no transformation"
+
+
 def _at_opt(disp, level, late=False, vectorize=True):
     """``disp`` compiling at LLVM level ``level``: numba reads ``config.OPT``
     when it builds each pass pipeline, so it is set for the duration of this
@@ -372,9 +378,14 @@ def _at_opt(disp, level, late=False, vectorize=True):
     for kernels whose loops are explicit SIMD tiles: it found nothing to do
     there and took about a tenth of their compile.  The settings do not key
     numba's on-disk cache; a change of them is a change of a source file,
-    which drops the cache.  A user's ``NUMBA_OPT`` leaves the level alone."""
+    which drops the cache.  A user's ``NUMBA_OPT`` leaves the level alone.
+    A parallel dispatcher's compile does not warn that it found no loop to
+    run in parallel: a one-path variant of an entry (``PackedLinear``'s
+    decode, ``prefill=None``) has none by design, its product's prange loops
+    being in the kernel it calls."""
     want = None if "NUMBA_OPT" in os.environ else _nconfig._OptLevel(str(level))
-    if want is None and not late and vectorize:
+    quiet = bool(disp.targetoptions.get("parallel"))
+    if want is None and not late and vectorize and not quiet:
         return disp
     orig = disp.compile
 
@@ -386,7 +397,14 @@ def _at_opt(disp, level, late=False, vectorize=True):
             if not vectorize:
                 _nconfig.LOOP_VECTORIZE = False
             try:
-                out = orig(sig)
+                if quiet:
+                    # (under numba's global lock: no other compile shares the filter)
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", _NO_PARFOR_WARNING,
+                                                _nerrors.NumbaPerformanceWarning)
+                        out = orig(sig)
+                else:
+                    out = orig(sig)
             finally:
                 _nconfig.OPT, _nconfig.LOOP_VECTORIZE = old
             if late:

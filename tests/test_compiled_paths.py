@@ -265,7 +265,11 @@ def test_kinds_compile_only_the_decode_variants_they_reach(tmp_path):
     touching their dispatchers, so only a cold compile shows what is typed."""
     from subproc import run_cold
     code = (
+        "import warnings\n"
         "import numpy as np\n"
+        "from numba.core.errors import NumbaPerformanceWarning\n"
+        # a decode entry has no parallel loop of its own: no warning about it
+        "warnings.simplefilter('error', NumbaPerformanceWarning)\n"
         "from opscope_nb.kernels import _packed_quant as PQ\n"
         "from opscope_nb.mining import Decomp\n"
         "from opscope_nb.runtime import PackedLinear\n"

@@ -174,6 +174,44 @@ def test_njit_opt_level_scoped_to_its_compile():
     assert numba.core.config.OPT == before
 
 
+def _no_parallel_loop(a):
+    s = 0.0
+    for i in range(a.shape[0]):      # range, not prange: nothing to parallelise
+        s += a[i] * i
+    return s
+
+
+def test_parallel_kernel_without_parallel_loop_compiles_quietly():
+    """A package ``parallel=True`` function whose variant has no parallel loop
+    (``PackedLinear``'s decode entries) compiles without numba's "no
+    transformation for parallel execution" warning; the same function jitted
+    by plain numba (a user's) still warns, and other warnings of the package's
+    compile are not hidden."""
+    import warnings
+
+    import numba
+    from numba.core.errors import NumbaPerformanceWarning
+    from opscope_nb import _config
+    a = np.ones(5)
+
+    def caught(fn):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert fn(a) == 10.0
+        return [x for x in w if issubclass(x.category, NumbaPerformanceWarning)
+                and "parallel=True" in str(x.message)]
+
+    assert caught(_config.njit_parallel(cache=False)(_no_parallel_loop)) == []
+    assert len(caught(numba.njit(parallel=True, cache=False)(_no_parallel_loop))) == 1
+    # the filter is scoped to the compile: a warning raised after it shows
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _config.njit_parallel(cache=False)(_no_parallel_loop)(a)
+        warnings.warn(NumbaPerformanceWarning(
+            "The keyword argument 'parallel=True' was specified but no transformation"))
+    assert len(w) == 1
+
+
 def _defined(mod, name):
     try:
         fn = mod.get_function(name)

@@ -710,55 +710,13 @@ _ONE_PATH = "_run compiles one path: pass decode=None or prefill=None (or call _
 def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
          prefill=True, big=True):
     """One path of the low-bit product: exactly one of ``decode`` /
-    ``prefill`` is None (:func:`_run_any` takes both)."""
-    return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode,
-                     prefill, big)
-
-
-def _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
-             prefill=True, big=True):
-    """:func:`_run` with any flags: a call holding both paths picks one of the
-    two one-path variants of :func:`_run` by shape at run time (the rule the
-    tiles always followed: the prefill tiles for ``m >= 4`` and ``rows >= 4``),
-    so it compiles no variant of its own and shares its code with every
-    one-path caller (``PackedLinear``'s)."""
-    raise NotImplementedError("call from @njit code")
-
-
-def _typed_none(t):
-    """``t`` (a numba type) is None or an omitted ``None``."""
-    return isinstance(t, types.NoneType) or (isinstance(t, types.Omitted) and t.value is None)
-
-
-@overload(_run_any, inline="always", prefer_literal=True)
-def _ov_run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
-                prefill=True, big=True):
-    if _typed_none(decode) or _typed_none(prefill):
-        def impl(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
-                 prefill=True, big=True):
-            return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode,
-                        prefill, big)
-        return impl
-
-    def impl(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
-             prefill=True, big=True):
-        if xq.shape[0] >= 4 and w.shape[0] >= _NB:
-            return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, None,
-                        True, big)
-        return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, True, None,
-                    big)
-    return impl
-
-
-# The bodies below are ``inline="always"`` so that an entry point compiles as
-# one parallel function with its prange loop inside: a plain entry calling a
-# parallel kernel re-optimised and re-emitted all of that kernel's code once
-# more (see the module's note on wrappers).  ``big`` as :func:`_arrange`; like
-# ``decode`` / ``prefill`` it never enters a prange body (a None-typed value
-# passed into a parfor gave wrong results in some processes).
-@njit(inline="always")
-def _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
-              prefill=True, big=True):
+    ``prefill`` is None (:func:`_run_any` takes both).  Every caller -- the
+    public cores and ``PackedLinear``'s entries, decode and prefill -- calls
+    this one function (linked late: its code is not optimised again in each
+    caller), so a variant compiles once per process.  ``big`` as
+    :func:`_arrange`; like ``decode`` / ``prefill`` it never enters a prange
+    body (a None-typed value passed into a parfor gave wrong results in some
+    processes)."""
     m = xq.shape[0]
     rows = w.shape[0]
     if decode is None and (m < 4 or rows < _NB):
@@ -800,6 +758,41 @@ def _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, dec
         # (:func:`_run_any` never sends both flags here)
         raise ValueError(_ONE_PATH)
     return y
+
+
+def _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
+             prefill=True, big=True):
+    """:func:`_run` with any flags: a call holding both paths picks one of the
+    two one-path variants of :func:`_run` by shape at run time (the rule the
+    tiles always followed: the prefill tiles for ``m >= 4`` and ``rows >= 4``),
+    so it compiles no variant of its own and shares its code with every
+    one-path caller (``PackedLinear``'s)."""
+    raise NotImplementedError("call from @njit code")
+
+
+def _typed_none(t):
+    """``t`` (a numba type) is None or an omitted ``None``."""
+    return isinstance(t, types.NoneType) or (isinstance(t, types.Omitted) and t.value is None)
+
+
+@overload(_run_any, inline="always", prefer_literal=True)
+def _ov_run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
+                prefill=True, big=True):
+    if _typed_none(decode) or _typed_none(prefill):
+        def impl(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
+                 prefill=True, big=True):
+            return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode,
+                        prefill, big)
+        return impl
+
+    def impl(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
+             prefill=True, big=True):
+        if xq.shape[0] >= 4 and w.shape[0] >= _NB:
+            return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, None,
+                        True, big)
+        return _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, True, None,
+                    big)
+    return impl
 
 
 #: Smallest ``m`` that takes the W4A8 panel (on a ``vpdpbusd`` host): at m = 8 the
@@ -1162,9 +1155,10 @@ def packed_intn_linear(x, lo, hi, scales, bits, cols, group, act8, min_parallel=
 
 
 # ── checked entries: what ``PackedLinear`` calls ────────────────────────────
-# One parallel function per format and activation path, everything inlined
-# into it (``fmt`` reaches the tiles as a constant, so only that format's
-# variants compile).  Each checks that ``x`` is finite first and returns an
+# One parallel function per format and activation path: the check and the
+# activation quantiser inlined, the product through :func:`_run` (``fmt``
+# reaches it as a constant, so only that format's variants compile, shared
+# with the public cores).  Each checks that ``x`` is finite first and returns an
 # empty ``(0, rows)`` array if not (a parallel function cannot return
 # ``None`` or an array: numba's array analysis rejects the optional).
 
@@ -1188,9 +1182,10 @@ def _checked_a8(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode
         if decode is None:
             raise ValueError(_NO_PATH)
         _q8_rows(x, xq, sx, np.int64(0), m)
-        # (_run_a8 without its prefill panel is _run)
-        return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
-                         np.int64(min_parallel), decode, prefill)
+        # (_run_a8 without its prefill panel is _run; called, not inlined: the
+        # public cores' decode calls the same variant, so it compiles once)
+        return _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
+                        np.int64(min_parallel), decode, prefill)
     # with the prefill path: quantise in this function's parallel loop, then
     # the separate kernel (inlined here, its prefill loops ran up to 25 %
     # slower -- ternary f32 m = 32)
@@ -1233,8 +1228,8 @@ def _checked_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decod
             raise ValueError(_NO_PATH)
         _q16_rows(x, lv, xq, sx, np.int64(0), m)
         # int16 activations never take the 128-column modes: big=None
-        return _run_body(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
-                         np.int64(min_parallel), decode, prefill, None)
+        return _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
+                        np.int64(min_parallel), decode, prefill, None)
     _q16_par(x, lv, xq, sx, np.int64(min_parallel))
     return _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
                     decode, prefill, None)
