@@ -347,11 +347,12 @@ def test_block_functions_compile_once_for_serial_and_parallel_calls(tmp_path):
     """A core's serial path and its ``prange`` path call the same block
     function with the same argument types (``np.int64(0)``, not a literal 0 or
     a ``uint64`` prange index), and ``PackedLinear``'s int8 forward shares the
-    public ``dynamic_matmul_w8a8``'s cores (no literal ``PAR_MIN``): each
-    compiles once.  A fresh process with an empty cache of its own."""
+    public ``dynamic_matmul_w8a8``'s cores, called with ``min_parallel`` or
+    without (no literal ``PAR_MIN``): each compiles once.  A fresh process with an empty cache of its own."""
     from subproc import run_cold
     code = (
         "import numpy as np\n"
+        "from opscope_nb import kernels as K\n"
         "from opscope_nb import matmul as M\n"
         "from opscope_nb.kernels import _matmul as KM\n"
         "from opscope_nb.mining import Decomp\n"
@@ -363,7 +364,10 @@ def test_block_functions_compile_once_for_serial_and_parallel_calls(tmp_path):
         "    x = rng.standard_normal((m, 256)).astype(np.float32)\n"
         "    y = M.dynamic_matmul_w8a8(x, wq, sc, min_parallel=0 if m == 3 else 10**9)\n"
         "    ref = M.dynamic_matmul_w8a8(x, wq, sc)\n"
-        "    print('EQ', bool((y == ref).all()))\n"
+        # the kernel itself with min_parallel omitted (a literal default), on
+        # the decode path opscope_nb.matmul picks for these m
+        "    ref2 = K.dynamic_matmul_w8a8(x, wq, sc, prefill=None)\n"
+        "    print('EQ', bool((y == ref).all() and (y == ref2).all()))\n"
         "w = rng.standard_normal((64, 256)).astype(np.float32)\n"
         "PackedLinear.pack(w, Decomp.int8())(x, 'int8')\n"
         "print('B', len(KM._w8a8_blocks.signatures), len(KM._w8a8_decode.signatures),\n"

@@ -388,7 +388,7 @@ def quantize_rows_i8(x, min_parallel=PAR_MIN):
     m, k = x.shape
     xq = np.empty((m, k), dtype=np.int8)
     sx = np.empty(m, dtype=np.float32)
-    _quantize_rows_into(x, xq, sx, min_parallel)
+    _quantize_rows_into(x, xq, sx, np.int64(min_parallel))   # (no literal: see _w8a8_float)
     return xq, sx
 
 
@@ -1502,6 +1502,10 @@ def _w8a8_float(x, quant, xq, sx, wtq, scale, min_parallel, wsum, prefill=True,
     (:func:`w8a8_prefill_kw`)."""
     m, k = xq.shape
     n = wtq.shape[0]
+    # an int64 for the cores below: an omitted default reaches here as the
+    # literal PAR_MIN, and a literal would compile a second specialisation of
+    # each of them beside an explicit value's
+    min_parallel = np.int64(min_parallel)
     y = np.empty((m, n), dtype=np.float32)
     ws = np.empty(0, dtype=np.int32) if wsum is None else wsum
     if prefill is not None and rowsplit is not None:
@@ -1578,7 +1582,7 @@ def matmul_i8i8_i32(xq, wtq, min_parallel=PAR_MIN, wsum=None):
     dummy_y = np.empty((0, 0), dtype=np.float32)
     dummy_s = np.empty(0, dtype=np.float32)
     ws = np.empty(0, dtype=np.int32) if wsum is None else wsum
-    _w8a8_run(xq, wtq, acc, dummy_y, dummy_s, dummy_s, False, min_parallel, ws)
+    _w8a8_run(xq, wtq, acc, dummy_y, dummy_s, dummy_s, False, np.int64(min_parallel), ws)
     return acc
 
 
