@@ -451,7 +451,8 @@ def _fwd_int4(lin, x, act):
 def _fwd_ternary(lin, x, act):
     a = lin._arrays
     fn = _k.ternary_linear_checked_a8 if _act8(lin, act) else _k.ternary_linear_checked_a16
-    return fn(x, a["codes"], a["alpha"], lin._shape[1], _PAR_MIN, **_lowbit_path(lin, x))
+    # (min_parallel omitted, as for int4: the entry's default, one specialisation)
+    return fn(x, a["codes"], a["alpha"], lin._shape[1], **_lowbit_path(lin, x))
 
 
 def _fwd_intn(lin, x, act):
