@@ -294,6 +294,11 @@ def _install_index_lock():
 _install_index_lock()
 
 
+#: The int8 dot-product paths ``OPSCOPE_I8_PATH`` may name (``kernels._simd``
+#: describes each and picks the host's).
+I8_PATHS = ("avx512vnni", "avx512vnni256", "avxvnni", "avx2", "portable")
+
+
 def _forced_path_cache() -> bool:
     """A forced int8 path (``OPSCOPE_I8_PATH``, see ``kernels._simd``) caches in
     a directory of its own, ``i8path-<path>`` next to the cache's source stamp
@@ -309,7 +314,7 @@ def _forced_path_cache() -> bool:
     path = os.environ.get("OPSCOPE_I8_PATH", "").strip()
     if not path:
         return True
-    if not path.isalnum():  # kernels._simd raises the ValueError
+    if path not in I8_PATHS:  # kernels._simd raises the ValueError (no directory made)
         return False
     d = _STAMP_DIR / f"i8path-{path}"
     try:

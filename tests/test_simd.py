@@ -441,12 +441,15 @@ def test_forced_path_rejected_at_import(tmp_path):
     import sys
 
     env = dict(os.environ, **{S.I8_PATH_ENV: "sse9"})
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "nc")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(K.__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in (env.get("PYTHONPATH"),) if p])
     r = subprocess.run([sys.executable, "-c", "import opscope_nb.kernels"], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode != 0
     assert "ValueError" in r.stderr and f"{S.I8_PATH_ENV}='sse9'" in r.stderr
+    # no cache directory is made for a name that is no path
+    assert (tmp_path / "nc").is_dir() and not list((tmp_path / "nc").rglob("i8path-*"))
 
 
 def test_forced_path_choice():

@@ -130,7 +130,7 @@ USE_AVX2_PMADDWD = _X86 and "avx2" in _FEATS
 #:   same IR as ``avx512vnni256``;
 #: * ``avx2``          -- ``vpmaddubsw`` + ``vpmaddwd`` by ones;
 #: * ``portable``      -- widen to int32, multiply, add lane groups.
-I8_PATHS = ("avx512vnni", "avx512vnni256", "avxvnni", "avx2", "portable")
+from .._config import I8_PATHS  # noqa: E402  (one list: the cache of a forced path uses it)
 
 #: Features each path needs (``portable`` needs none).
 _PATH_NEEDS = {
