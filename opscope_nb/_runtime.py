@@ -161,12 +161,6 @@ class PackedLinear:
             # computed here once (4 bytes per output, not part of the format):
             # never from a cache that an edit of the codes could leave stale
             self._aux = _k.i8_row_sums(got["codes"])
-        elif d.kind in ("int4", "intn") and got["scales"].ndim == 1:
-            # per-channel int4 / intN: the kernels take their scales as the
-            # (rows, 1) view of the same buffer (no byte more), so a channel
-            # and a group layer of one kind share one compiled entry (numba
-            # types a 1-D and a 2-D array apart: two compiles of every entry)
-            self._aux = got["scales"].reshape(rows, 1)
         self._arrays = got
 
     @classmethod
@@ -431,8 +425,10 @@ def _fwd_int8(lin, x, act):
 
 
 def _scales2d(lin):
-    # int4 / intN scales as a 2-D array: the (rows, 1) view of per-channel ones
-    return lin._arrays["scales"] if lin._aux is None else lin._aux
+    # int4 / intN scales as a 2-D array, per-channel ones as their (rows, 1)
+    # view (no byte more): a channel and a group layer of one kind then share
+    # one compiled entry (numba types a 1-D and a 2-D array apart)
+    return lin._arrays["scales"].reshape(lin._shape[0], -1)
 
 
 def _fwd_int4(lin, x, act):

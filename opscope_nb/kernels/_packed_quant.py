@@ -1183,7 +1183,9 @@ def _checked_a8(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode
             raise ValueError(_NO_PATH)
         _q8_rows(x, xq, sx, np.int64(0), m)
         # (_run_a8 without its prefill panel is _run; called, not inlined: the
-        # public cores' decode calls the same variant, so it compiles once)
+        # public cores' decode calls the same variant, so it compiles once.
+        # Through _run_any: a plain _run call here failed numba's array
+        # analysis in the both-paths variant, "Dimension mismatch")
         return _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
                         np.int64(min_parallel), decode, prefill)
     # with the prefill path: quantise in this function's parallel loop, then
@@ -1227,10 +1229,9 @@ def _checked_a16(x, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decod
         if decode is None:
             raise ValueError(_NO_PATH)
         _q16_rows(x, lv, xq, sx, np.int64(0), m)
-        # int16 activations never take the 128-column modes: big=None
-        return _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt,
-                        np.int64(min_parallel), decode, prefill, None)
-    _q16_par(x, lv, xq, sx, np.int64(min_parallel))
+    else:
+        _q16_par(x, lv, xq, sx, np.int64(min_parallel))
+    # int16 activations never take the 128-column modes: big=None
     return _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt, np.int64(min_parallel),
                     decode, prefill, None)
 

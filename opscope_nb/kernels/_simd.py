@@ -43,6 +43,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+# (one list of path names: the cache of a forced path is chosen from it in _config)
+from .._config import I8_PATHS
+
 __all__ = [
     "I8_CHUNK",
     "i8dot_tile_1x1",
@@ -121,16 +124,15 @@ _FEATS = frozenset(f[1:] for f in _target_features().split(",") if f.startswith(
 #: kernel always matches this choice.
 USE_AVX2_PMADDWD = _X86 and "avx2" in _FEATS
 
-#: The int8 dot-product paths, fastest first.  ``i8_dot_accumulate`` and the
-#: ``i8dot_tile_*`` intrinsics lower to one of them:
-#:
-#: * ``avx512vnni``    -- ``vpdpbusd`` on 512-bit vectors (AVX-512 VNNI + BW);
-#: * ``avx512vnni256`` -- ``vpdpbusd`` on 256-bit vectors (AVX-512 VNNI + VL);
-#: * ``avxvnni``       -- the VEX ``vpdpbusd`` of AVX-VNNI (Alder Lake, Zen 5),
-#:   same IR as ``avx512vnni256``;
-#: * ``avx2``          -- ``vpmaddubsw`` + ``vpmaddwd`` by ones;
-#: * ``portable``      -- widen to int32, multiply, add lane groups.
-from .._config import I8_PATHS  # noqa: E402  (one list: the cache of a forced path uses it)
+# I8_PATHS: the int8 dot-product paths, fastest first.  ``i8_dot_accumulate``
+# and the ``i8dot_tile_*`` intrinsics lower to one of them:
+#
+# * ``avx512vnni``    -- ``vpdpbusd`` on 512-bit vectors (AVX-512 VNNI + BW);
+# * ``avx512vnni256`` -- ``vpdpbusd`` on 256-bit vectors (AVX-512 VNNI + VL);
+# * ``avxvnni``       -- the VEX ``vpdpbusd`` of AVX-VNNI (Alder Lake, Zen 5),
+#   same IR as ``avx512vnni256``;
+# * ``avx2``          -- ``vpmaddubsw`` + ``vpmaddwd`` by ones;
+# * ``portable``      -- widen to int32, multiply, add lane groups.
 
 #: Features each path needs (``portable`` needs none).
 _PATH_NEEDS = {
