@@ -330,13 +330,14 @@ def products():
             s = (2.0 ** rng.integers(-3, 4, (n, 10) if g else n)).astype(np.float32)
             out[f"w4a8_{m}_{g}"] = K.w4a8_matmul(xq, sx, codes, s, 320, g, 1)
         # int3 (2+1 bit planes): 320 columns run 64-column units, 256 the
-        # 128-column units (m = 1: the one-row decode of AVX2 hosts); int6/g128
-        # the crumb merge (int5 shares the 4-bit tiles).  Through the entries
-        # PackedLinear calls, with its one-path flags: only these two formats
-        # compile (intn_matmul_a8 from Python compiles all four)
+        # 128-column units (m = 1: the one-row decode of AVX2 hosts).  Through
+        # the entry PackedLinear calls, with its one-path flags: only int3
+        # compiles (intn_matmul_a8 from Python compiles all four formats; the
+        # others' tiles on each path are checked in-process,
+        # test_packed_quant.py::test_lowbit_paths_agree)
         xf = rng.standard_normal((m, 320)).astype(np.float32)
         flags = {"prefill": None} if m < 4 else {"decode": None}
-        for bits, kk, g in ((3, 320, 32), (3, 256, 32), (6, 256, 128)):
+        for bits, kk, g in ((3, 320, 32), (3, 256, 32)):
             lb = 2 if bits <= 3 else 4
             lo = rng.integers(0, 256, (n, kk * lb // 8)).astype(np.uint8)
             hi = rng.integers(0, 256, (n, kk * (bits - lb) // 8)).astype(np.uint8)
