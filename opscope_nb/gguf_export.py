@@ -8,7 +8,7 @@ Layer 3 (imports :mod:`opscope_nb.formats`, :mod:`opscope_nb.ggml`,
   the source's order; planned tensors in their planned ggml type (bytes of
   :func:`opscope_nb.formats.pack`, i.e. :func:`opscope_nb.ggml.quantize`),
   planned-dense and unplanned tensors copied byte for byte as stored.  Written
-  to a temporary file next to the target, read back with ``gguf.GGUFReader``
+  to a temporary file next to the target, read back with ``io.gguf_reader``
   and checked (key-values, every tensor's type, shape and bytes), then
   renamed over the target.
 * :func:`tensor_type_text` / :func:`quantize_command` /
@@ -237,10 +237,6 @@ def _import_gguf():
     return gguf
 
 
-def _field_bytes(f) -> bytes:
-    return b"".join(np.asarray(p).tobytes() for p in f.parts)
-
-
 def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
                 plan_bytes=None) -> dict:
     """Write ``source`` (a ``.gguf``) with the planned tensors re-quantised to
@@ -405,7 +401,7 @@ def _verify(src, path, plan, want, digests) -> dict:
         raise GGUFExportError(f"{path}: key-values read back as {[f.name for f in ok][:5]}... "
                               f"instead of the source's {[f.name for f in sk][:5]}...")
     for a, b in zip(sk, ok):
-        if _field_bytes(a) != _field_bytes(b):
+        if a.raw != b.raw:
             raise GGUFExportError(f"{path}: key-value {a.name!r} differs from the source.")
     st = list(src.tensors)
     ot = list(out.tensors)

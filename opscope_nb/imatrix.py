@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._gguf import GGUFFile
+
 __all__ = ["Imatrix", "ImatrixError", "read_imatrix", "gguf_to_hf", "GGUF_TO_HF"]
 
 
@@ -83,20 +85,21 @@ class Imatrix:
 
 def _read_gguf(path):
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401  (its type tables)
     except ImportError:  # pragma: no cover - gguf is a dependency of the io extra
         raise ImatrixError(f"{path}: reading GGUF imatrix files needs the 'gguf' package "
                            f"(pip install gguf).") from None
     try:
-        r = GGUFReader(path)
+        r = GGUFFile(path)
     except Exception as exc:
         raise ImatrixError(f"{path}: not a readable GGUF file ({exc}).") from None
     tens = {t.name: t for t in r.tensors}
     chunks = None
     f = r.fields.get("imatrix.chunk_count")
     if f is not None:
+        v = f.contents()
         try:
-            chunks = int(f.parts[f.data[0]][0])
+            chunks = int(v[0] if isinstance(v, list) else v)
         except Exception:
             chunks = None
     out, moe = {}, []

@@ -36,6 +36,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from ._gguf import GGUFFile
+
 __all__ = [
     "SourceError",
     "UnsupportedDtypeError",
@@ -476,23 +478,25 @@ _READERS_KEEP = 4
 
 
 def gguf_reader(path):
-    """The ``gguf.GGUFReader`` of ``path`` (read-only map), parsed once per file
-    version in this process.
+    """The parsed header of the GGUF file ``path`` over a read-only map
+    (:class:`opscope_nb._gguf.GGUFFile`: ``gguf.GGUFReader``'s ``fields``,
+    ``tensors`` and ``endianess``), parsed once per file version in this process.
 
-    The reader parses every key/value in Python: SmolLM2's 49 k tokenizer
-    strings took 3.9 s per reader (Zen 4), and an ``apply`` then ``eval`` in
-    one process opened the file seven times (tensor list, detection,
-    metadata, tokenizer).  A file is
+    ``gguf.GGUFReader`` took 2--4 s per parse of SmolLM2's 49 k-token
+    vocabulary (Zen 4), :class:`~opscope_nb._gguf.GGUFFile` 0.07 s; an
+    ``apply`` then ``eval`` in one process opened the file seven times
+    (tensor list, detection, metadata, tokenizer).  A file is
     known by its device, inode, size and modification time (not its name: an
     export's read-back of its temporary file serves the renamed result), so a
     rewritten file is parsed again; the last :data:`_READERS_KEEP` stay open.
-    Errors are the reader's own (callers word them)."""
+    Errors are the parser's own ``ValueError`` / ``OSError`` (callers word them)."""
     path = os.path.abspath(os.fspath(path))
     st = os.stat(path)
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     reader = _READERS.pop(key, None)
     if reader is None:
-        reader = _import_gguf().GGUFReader(path, "r")
+        _import_gguf()                   # its type tables; the one-line error if missing
+        reader = GGUFFile(path)
     _READERS[key] = reader
     while len(_READERS) > _READERS_KEEP:
         _READERS.pop(next(iter(_READERS)))

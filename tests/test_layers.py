@@ -14,7 +14,7 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "opscope_nb"
 
 #: Lowest first.  A module imports only from modules of its layer or below.
 LAYERS = {
-    0: ["opscope_nb", "_config", "_validation", "_fs", "kernels", "data", "synth",
+    0: ["opscope_nb", "_config", "_validation", "_fs", "_gguf", "kernels", "data", "synth",
         "imatrix"],
     1: ["formats", "probe", "svd", "decompose", "gptq", "matmul", "accel", "io", "ggml"],
     2: ["_runtime"],
