@@ -32,7 +32,13 @@ def _same_as_reader(path):
     assert list(got.fields) == list(ref.fields)
     for name, f in ref.fields.items():
         g = got.fields[name]
-        assert g.name == name and list(g.types) == list(f.types), name
+        assert g.name == name, name
+        if list(f.types) == [VT.ARRAY]:
+            # an empty array: the reader drops its item type (it reads types
+            # off the first item), GGUFFile keeps what the file says
+            assert g.types[0] == VT.ARRAY and len(g.types) == 2 and g.contents() == []
+        else:
+            assert list(g.types) == list(f.types), name
         # (the reader flattens nested arrays -- its own FIXME -- GGUFFile keeps them)
         assert _flat(g.contents()) == f.contents(), name
         if not name.startswith("GGUF."):
@@ -75,7 +81,6 @@ def _write(path, endian=None, alignment=None):
     w.add_array("t.ints", [1, -2, 3])
     w.add_array("t.floats", [0.5, -1.25])
     w.add_array("t.bools", [True, False, True])
-    w.add_array("t.none", [])
     w.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
     w.add_tensor("f16", rng.standard_normal((2, 4, 6)).astype(np.float16))
     w.add_tensor("i32", np.arange(7, dtype=np.int32))
@@ -178,13 +183,16 @@ def test_bad_headers_name_the_fault(tmp_path, raw, match):
 
 def test_hand_made_header_reads_as_the_reader(tmp_path):
     """The builder above writes what both parsers read alike (so its bad
-    variants test the faults, not the builder), nested arrays included."""
+    variants test the faults, not the builder), nested and empty arrays
+    included (gguf's writer skips an empty array)."""
     nested = struct.pack("<IQ", 9, 2) + struct.pack("<IQ", 5, 2) + struct.pack("<2i", 1, -1) \
         + struct.pack("<IQ", 5, 1) + struct.pack("<i", 7)
     p = tmp_path / "ok.gguf"
-    p.write_bytes(_header([("n", 9, nested), ("u", 4, struct.pack("<I", 3))],
-                          [("w", (32, 2), 0, 0)]))
+    empty = struct.pack("<IQ", 6, 0)
+    p.write_bytes(_header([("n", 9, nested), ("u", 4, struct.pack("<I", 3)),
+                           ("e", 9, empty)], [("w", (32, 2), 0, 0)]))
     got = _same_as_reader(p)
+    assert got.fields["e"].types == [VT.ARRAY, VT.FLOAT32]
     assert got.fields["n"].types == [VT.ARRAY, VT.ARRAY, VT.INT32]
     assert got.fields["n"].contents() == [[1, -1], [7]]
     assert got.tensors[0].data.shape == (2, 32)
