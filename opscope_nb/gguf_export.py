@@ -29,7 +29,7 @@ import numpy as np
 from . import ggml
 from ._fs import atomic_write, umask_mode
 from .formats import Decomp, pack, packed_bytes
-from .io import gguf_reader
+from .io import gguf_dequantize, gguf_reader
 
 __all__ = ["GGUFExportError", "export_gguf", "gguf_name", "ggml_type_name",
            "tensor_type_text", "quantize_command", "write_tensor_type_file",
@@ -361,8 +361,7 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
             if t.name in want:
                 d = plan[t.name]
                 cols, rows = int(t.shape[0]), int(t.shape[1])
-                w = np.array(gguf.quants.dequantize(t.data, t.tensor_type),
-                             dtype=np.float32).reshape(rows, cols)
+                w = gguf_dequantize(t.data, t.tensor_type, (rows, cols))
                 g = None if grams is None else grams.get(t.name)
                 blocks = pack(w, d, gram=g)["blocks"]
                 del w

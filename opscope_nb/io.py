@@ -47,6 +47,7 @@ __all__ = [
     "TensorSource",
     "open_source",
     "gguf_reader",
+    "gguf_dequantize",
     "select",
     "is_embedding",
     "synthetic_model",
@@ -505,11 +506,11 @@ def gguf_reader(path):
 
 
 def _gguf_entries(path: str) -> list:
-    gguf = _import_gguf()
+    _import_gguf()                       # the one-line error when gguf is missing
     try:
         reader = gguf_reader(path)
         tensors = list(reader.tensors)
-    except Exception as exc:  # the reader raises ValueError/IndexError/struct.error on bad files
+    except Exception as exc:  # the parser raises ValueError (OSError) on bad files
         raise SourceError(f"{path}: not a readable GGUF file ({type(exc).__name__}: "
                           f"{_one_line(exc)}). Re-download it.") from None
     entries = []
@@ -518,7 +519,7 @@ def _gguf_entries(path: str) -> list:
         shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
         qtype = t.tensor_type
         entries.append(TensorEntry(t.name, shape, qtype.name, path,
-                                   _gguf_loader(gguf, path, t.name, t.data, qtype, shape),
+                                   _gguf_loader(path, t.name, t.data, qtype, shape),
                                    _gguf_raw(t.data)))
     return entries
 
@@ -535,7 +536,7 @@ def _gguf_raw(data):
 _GGML_DECODED = frozenset(ggml.GGML_TYPES) - {"F16", "BF16"}
 
 
-def _gguf_loader(gguf, path, name, data, qtype, shape):
+def _gguf_loader(path, name, data, qtype, shape):
     def load() -> np.ndarray:
         tname = qtype.name
         if tname == "F64":
@@ -544,22 +545,48 @@ def _gguf_loader(gguf, path, name, data, qtype, shape):
             raise UnsupportedDtypeError(
                 f"{path}: tensor {name!r} has integer type {tname}; only float and "
                 f"quantised float weights can be profiled. Exclude it with --exclude.")
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        if tname in _GGML_DECODED and shape and rows >= 1:
-            # the package's numba decoder: bit for bit gguf-py's result
-            # (tests/test_ggml.py), 6.5x faster on Q4_1 (1.1 vs 7.2 ns a weight,
-            # SmolLM2, Zen 4) -- minutes on a 70 B checkpoint
-            return ggml.dequantize(np.asarray(data).reshape(-1), tname,
-                                   (rows, shape[-1])).reshape(shape)
         try:
-            out = gguf.quants.dequantize(data, qtype)
+            return gguf_dequantize(data, qtype, shape)
         except NotImplementedError:
             raise UnsupportedDtypeError(
                 f"{path}: tensor {name!r} has type {tname}, which this gguf package "
                 f"cannot dequantise. Upgrade gguf or exclude it with --exclude.") from None
-        # F32 "dequantisation" is a view of the reader's read-only map: copy it
-        return np.array(out, dtype=np.float32, copy=True).reshape(shape)
     return load
+
+
+def gguf_dequantize(data, qtype, shape) -> np.ndarray:
+    """A GGUF tensor's stored data as a new float32 array of ``shape``.
+
+    Parameters
+    ----------
+    data : ndarray
+        The tensor's data as :func:`gguf_reader` maps it (uint8 bytes in
+        gguf's byte shape for block types, elements for float types).
+    qtype : gguf.GGMLQuantizationType
+    shape : tuple of int
+        PyTorch order (``shape[-1]`` = GGUF's ``ne[0]``).
+
+    Returns
+    -------
+    ndarray of float32, writable, of ``shape``.  The block types of
+    :mod:`opscope_nb.ggml` decode with its numba decoders (bit for bit
+    ``gguf.quants.dequantize``, tests/test_ggml.py; Q4_1 1.1 against 7.2 ns a
+    weight on SmolLM2, Zen 4: minutes on a 70 B checkpoint), every other type
+    with gguf-py.
+
+    Raises
+    ------
+    NotImplementedError
+        gguf-py cannot decode ``qtype``.
+    """
+    shape = tuple(int(s) for s in shape)
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    if qtype.name in _GGML_DECODED and shape and rows >= 1:
+        return ggml.dequantize(np.asarray(data).reshape(-1), qtype.name,
+                               (rows, shape[-1])).reshape(shape)
+    out = _import_gguf().quants.dequantize(data, qtype)
+    # F32 "dequantisation" is a view of the reader's read-only map: copy it
+    return np.array(out, dtype=np.float32, copy=True).reshape(shape)
 
 
 # --------------------------------------------------------------------------- #
