@@ -772,15 +772,15 @@ def test_quant_err_budget_and_deprecated_budget(tmp_path):
 
 def test_import_does_not_touch_openblas_threads():
     """Importing never sets OPENBLAS_NUM_THREADS; main() pins it to 1 only for
-    the commands that profile (review finding: it was pinned for every
-    command, slowing eval's attention)."""
+    the commands that interleave BLAS with numba's parallel kernels (profile,
+    quant, eval), not for the others (allocate, plot, ...)."""
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
     code = ("import os, sys, opscope_nb.cli, opscope_nb.__main__; "
             "print(os.environ.get('OPENBLAS_NUM_THREADS'), 'numpy' in sys.modules); "
             "opscope_nb.cli.main(['--version']); "
-            "opscope_nb.cli.main(['eval', '--help']); "
+            "opscope_nb.cli.main(['allocate', '--help']); "
             "print(os.environ.get('OPENBLAS_NUM_THREADS')); "
-            "opscope_nb.cli.main(['profile', '--help']); "
+            "opscope_nb.cli.main(['eval', '--help']); "
             "print(os.environ.get('OPENBLAS_NUM_THREADS'))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=env, timeout=120)
