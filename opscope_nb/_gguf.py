@@ -95,7 +95,6 @@ class GGUFFile:
             GGUFValueType
         from gguf.quants import quant_shape_to_byte_shape
 
-        self.path = path
         self.data = np.memmap(path, mode="r")
         buf = memoryview(self.data)
         size = len(buf)

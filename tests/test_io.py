@@ -771,35 +771,38 @@ def test_gguf_reader_parsed_once_per_file_version(tmp_path):
         tio.gguf_reader(tmp_path / "missing.gguf")
 
 
-def test_gguf_every_ggml_block_type_loads_as_gguf_dequantises(tmp_path):
-    """Every block type the loader decodes with the package's own decoder
-    (``io._GGML_DECODED``: every ggml type of :mod:`opscope_nb.ggml` but the
-    float ones) loads bit for bit as ``gguf.quants.dequantize`` decodes the
-    stored bytes -- 2-D, 3-D and 1-D tensors -- as a fresh writable float32 array."""
+def test_gguf_every_ggml_block_type_loads_as_gguf_dequantises(tmp_path, monkeypatch):
+    """Every ggml block type of :mod:`opscope_nb.ggml` (its float types aside)
+    loads through the package's own decoder -- gguf-py's is made to fail
+    during the loads -- bit for bit as ``gguf.quants.dequantize`` decodes the
+    stored bytes, 2-D, 3-D and 1-D, as a fresh writable float32 array."""
     gguf = pytest.importorskip("gguf")
     from opscope_nb import ggml
     T = gguf.GGMLQuantizationType
-    assert oio._GGML_DECODED == set(ggml.GGML_TYPES) - {"F16", "BF16"}
     rng = np.random.default_rng(21)
     shapes = {"Q4_K": (2, 3, 256), "Q8_0": (256,)}
     p = tmp_path / "all.gguf"
     w = gguf.GGUFWriter(str(p), "llama")
-    raw = {}
-    for t in sorted(oio._GGML_DECODED):
+    ref = {}
+    for t in sorted(set(ggml.GGML_TYPES) - {"F16", "BF16"}):
         shape = shapes.get(t, (4, 512))
         x = rng.standard_normal(shape).astype(np.float32)
         q = ggml.quantize(x.reshape(-1, shape[-1]), t).reshape(*shape[:-1], -1)
-        raw[t] = q
+        ref[t] = np.asarray(gguf.quants.dequantize(q, T[t]), np.float32)
         w.add_tensor(f"blk.0.{t.lower()}.weight", q, raw_shape=q.shape, raw_dtype=T[t])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+    def not_gguf_py(*a, **k):
+        raise AssertionError("a ggml block type went through gguf.quants.dequantize")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", not_gguf_py)
     e = {x.dtype: x for x in oio.open_source(p).entries}
-    assert set(e) == set(raw)
-    for t, q in raw.items():
+    assert set(e) == set(ref)
+    for t, r in ref.items():
         got = e[t].load()
-        ref = np.asarray(gguf.quants.dequantize(q, T[t]), np.float32)
-        assert got.shape == ref.shape == shapes.get(t, (4, 512)), t
+        assert got.shape == r.shape == shapes.get(t, (4, 512)), t
         assert got.dtype == np.float32 and got.flags.writeable, t
-        np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32), err_msg=t)
+        np.testing.assert_array_equal(got.view(np.uint32), r.view(np.uint32), err_msg=t)
