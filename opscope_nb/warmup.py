@@ -264,13 +264,13 @@ def items(only=None):
 def _cache_counts():
     """(compiled, loaded): summed numba cache misses / hits of every dispatcher
     of this package imported so far."""
-    from numba.core.registry import CPUDispatcher
+    from numba.extending import is_jitted
     miss = hit = 0
     for name, mod in list(sys.modules.items()):
         if not (name == "opscope_nb" or name.startswith("opscope_nb.")) or mod is None:
             continue
         for obj in list(vars(mod).values()):
-            if isinstance(obj, CPUDispatcher) and obj.__module__ == name:
+            if is_jitted(obj) and obj.__module__ == name:
                 st = obj.stats
                 miss += sum(st.cache_misses.values())
                 hit += sum(st.cache_hits.values())
@@ -411,7 +411,7 @@ def warm(only=None, jobs=None, on_result=None, names=None):
 
 def _stamp():
     from . import _config
-    return _config.CACHE_LOCK.parent / "opscope_warm.json"
+    return _config.STATE_DIR / "opscope_warm.json"
 
 
 def can_autowarm() -> bool:
@@ -422,11 +422,11 @@ def can_autowarm() -> bool:
     from . import _config
     if os.environ.get("OPSCOPE_AUTOWARM", "1").strip() == "0":
         return False
-    if not _config.CACHE or os.environ.get("OPSCOPE_I8_PATH", "").strip():
+    if not _config.CACHE:
         return False
     if _config.SOURCES_DIGEST is None:
         return False
-    return _config._writable(_config.CACHE_LOCK.parent)
+    return _config._writable(_config.STATE_DIR)
 
 
 def warmed() -> set:

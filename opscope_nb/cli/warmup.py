@@ -32,7 +32,7 @@ def run(args) -> int:
         raise CliError(f"--jobs must be >= 1; got {args.jobs}")
     todo = wu.items(args.only)
     n = len(todo)
-    where = _config.CACHE_LOCK.parent
+    where = _config.STATE_DIR
     print(f"warming {n} items ({args.only or 'all groups'}) in "
           f"{args.jobs or wu.default_jobs()} processes; cache: {where}", flush=True)
     done = [0]

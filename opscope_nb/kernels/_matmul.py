@@ -509,7 +509,7 @@ def _float_block(xf, m, k, wf, wo, j0, j1, y):
                 y[i, j0 + q] = v
 
 
-@njit(link="late")
+@njit
 def _f32_blocks(xf, m, k, wf, n, y, b0, b1):
     for b in range(b0, b1):
         j0 = b * _NB
@@ -706,7 +706,7 @@ def _w16_block(xf, m, k, wf, j0, j1, sx, scale, y):
                 y[i, j0 + q] = np.float32(a0 * np.float64(sx[i]) * sq)
 
 
-@njit(link="late")
+@njit
 def _w16_blocks(xf, m, k, wf, n, sx, scale, y, b0, b1):
     for b in range(b0, b1):
         j0 = b * _NB
@@ -880,7 +880,7 @@ def _i8_block(xf, m, k, wf, j0, j1, acc, y, sx, scale, want_y, i0):
                 _put(acc, y, sx, scale, want_y, i, j0 + q, a0)
 
 
-@njit(link="late")
+@njit
 def _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
     """Blocks ``b0..b1-1``: exact int32 sums into ``acc``, or (``want_y``)
     the dequantised ``y = sum * sx[i] * scale[j]``.
@@ -897,7 +897,7 @@ def _w8a8_blocks(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
         _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, want_y, np.int64(0))
 
 
-@njit(link="late")
+@njit
 def _w8a8_decode(xf, m, k, wf, n, acc, y, sx, scale, want_y, b0, b1):
     """Blocks ``b0..b1-1`` for ``m < 4``: one 1 x 4 tile per row and block in
     a loop of its own.  Through :func:`_i8_block` (which also carries the
@@ -1051,7 +1051,7 @@ def i8_row_sums(wtq):
     return out
 
 
-@njit(link="late")
+@njit
 def _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, t0, t1, buf, ones, wsum):
     """Panel tiles ``t0..t1-1`` (outputs ``6t .. 6t+5``): rows ``0..mp-1``
     through the outer-product tiles (blocks of 32 rows, then one of 16), the
@@ -1135,7 +1135,7 @@ def _panel_tiles(xf, m, mp, k, P, wf, acc, y, sx, scale, want_y, t0, t1, buf, on
                     y[r, jc + j] = yt[j * mp + r]
 
 
-@njit_parallel(link="late")
+@njit_parallel
 def _w8a8_panel(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum):
     """W8A8 prefill (``m >= 16`` on a VNNI or AVX2 host): the activation panel is
     built once per call, then chunks of 6-output tiles run in parallel; the
@@ -1216,8 +1216,7 @@ def _prefill_kw(m, k, n, min_parallel, wsum):
     if m < I8_PANEL_MIN_M:
         return _KW_TILES
     # the thread count only matters for a parallel-sized call (the row split);
-    # _threads() reads it in 0.04 us, numba.get_num_threads() in 0.64 us
-    threads = _threads() if m * k * n >= min_parallel else 1
+    threads = numba.get_num_threads() if m * k * n >= min_parallel else 1
     return _prefill_path(m, k, n, min_parallel, wsum, threads)
 
 
@@ -1250,7 +1249,7 @@ _NO_I8_ROWS = ("W8A8: outsplit=None needs a call the row split takes (w8a8_prefi
                "the shape, in the calling thread); omit outsplit")
 
 
-@njit_parallel(link="late")
+@njit_parallel
 def _w8a8_run(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum, prefill=True):
     """The W8A8 core behind both entry points (validated input; ``wsum``
     empty when the caller gave none): panel tiles for a prefill on a VNNI or AVX2
@@ -1278,7 +1277,13 @@ def _num_threads(typingctx):
     """The calling thread's numba thread count (``numba.get_num_threads()``)
     as an intrinsic: numba's own overload reads it through a ctypes pointer,
     which keeps every caller out of the on-disk cache; this calls the
-    threading layer's ``get_num_threads`` symbol by name."""
+    threading layer's ``get_num_threads`` symbol (which numba registers with
+    LLVM for its own parallel code) by name.  The package's one use of a numba
+    detail beyond the extension API: read-only, in the package's own kernels
+    only, and only in functions that also link a parallel kernel (numba then
+    starts its threading layer before loading them from the cache);
+    ``tests/test_numba_citizen.py`` fails if numba drops the symbol.  Used
+    only to pick between schedules that give the same bits."""
     numba.get_num_threads()          # launches the layer: registers the symbol
 
     def codegen(context, builder, sig, args):
@@ -1288,38 +1293,6 @@ def _num_threads(typingctx):
     return types.intp(), codegen
 
 
-@intrinsic
-def _set_threads(typingctx, n):
-    """Set the calling thread's numba thread count (``numba.set_num_threads``,
-    no range check: pass ``1`` or a value :func:`_num_threads` returned) as
-    an intrinsic, cacheable like :func:`_num_threads`.  A kernel below its
-    ``min_parallel`` size runs its ``prange`` loops on one thread this way
-    instead of through a serial copy of them: the block functions are then
-    compiled and emitted once per kernel, not twice."""
-    numba.get_num_threads()          # launches the layer: registers the symbol
-    if not isinstance(n, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        i32 = _llir.IntType(32)      # the threading layer's set_num_threads(int)
-        fn = cgutils.get_or_insert_function(builder.module, _llir.FunctionType(
-            _llir.VoidType(), [i32]), "set_num_threads")
-        builder.call(fn, [builder.trunc(context.cast(builder, args[0], sig.args[0],
-                                                     types.intp), i32)])
-        return context.get_dummy_value()
-    return types.none(n), codegen
-
-
-@njit
-def _threads():
-    """This thread's numba thread count from Python, through
-    :func:`_num_threads` (0.04 us a call; ``numba.get_num_threads()`` takes
-    0.64 us, a few per cent of a small W8A8 call)."""
-    return _num_threads()
-
-
-# a cached caller of _num_threads links against the symbol before any typing
-numba.get_num_threads()
 
 
 #: Largest weight matrix (``n * k`` bytes) that takes the W8A8 row split:
@@ -1358,7 +1331,7 @@ def _w8a8_row_plan(m, k, n, min_parallel, have_wsum, threads):
     return 0
 
 
-@njit(link="late")
+@njit
 def _w8a8_rowblock(x, quant, xq, sx, i0, rows, rest, wf, scale, wsum, y, P, yt):
     """Rows ``i0 .. i0+rows-1`` of the W8A8 product through the panel tiles,
     then (``rest``) rows ``i0+rows .. m-1`` (fewer than 16) through the dot
@@ -1408,7 +1381,7 @@ def _w8a8_rowblock(x, quant, xq, sx, i0, rows, rest, wf, scale, wsum, y, P, yt):
             _i8_block(xf, m, k, wf, j0, min(j0 + _NB, n), acc, y, sx, scale, True, i0 + rows)
 
 
-@njit_parallel(link="late")
+@njit_parallel
 def _w8a8_rowsplit(x, quant, xq, sx, wtq, scale, wsum, y, rows):
     """The row-split W8A8 schedule (see :func:`_w8a8_row_plan`): one
     parallel task per block of ``rows`` rows; the last task also takes the

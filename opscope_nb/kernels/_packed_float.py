@@ -39,7 +39,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .._config import OPT_HOT, njit, njit_parallel
+from .._config import njit, njit_parallel
 from ._matmul import matmul_f32
 from ._simd import USE_AVX2_PMADDWD as _HAS_AVX2
 from ._simd import _FEATS, _X86
@@ -422,7 +422,7 @@ def _sparse_rows(x, xp, values, indices, y, r0, r1, rows4):
             y[i, rr] += acc
 
 
-@njit_parallel(opt=OPT_HOT)          # m = 1 in cache 9 % slower at -O2 (Zen 4)
+@njit_parallel
 def sparse24_linear(x, values, indices, min_parallel=PAR_MIN, rows4=False):
     """``y = x @ W_hat.T`` for the ``sparse2:4`` pack, using only the kept
     values.

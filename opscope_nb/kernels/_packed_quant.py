@@ -333,7 +333,7 @@ def _arrange(xq, nunits, fmt, upf, mode, big=True):
     return xp, corr
 
 
-@njit(link="late")
+@njit
 def _tail(xq, i, w, w2, j, p0, cols, fmt, sflat, soff, group, scaled):
     """Scalar sum over columns ``p0..cols-1`` (mode 0: integer; else scaled)."""
     if not scaled:
@@ -364,7 +364,7 @@ def _fin(t, sxi, s0, mode):
     return np.float32(v * np.float64(sxi))
 
 
-@njit(link="late")
+@njit
 def _put(y, i, j, t, xq, w, w2, sflat, sstride, group, cols, fmt, region, mode, sx):
     soff = j * sstride
     # one call site with a run-time flag: a literal True / False compiled
@@ -420,7 +420,7 @@ def _scale_off(mode, u0, upf):
     return 0
 
 
-@njit(vectorize=False)
+@njit
 def _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
                sx, y, b0, b1):
     """Prefill (``m >= 4``) over output blocks ``b0..b1``, k-blocked.
@@ -486,7 +486,7 @@ def _blocks_kb(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, up
                             y[i, j] = _fin(v, sx[i], sflat[j * sstride], mode)
 
 
-@njit(vectorize=False)
+@njit
 def _decode_i4m3(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0, b1):
     """Decode of int4/g32 with int8 activations (mode 3, no tail): the tile is
     called with literal ``fmt`` / ``mode`` so LLVM keeps only that variant and
@@ -536,7 +536,7 @@ DEC_ONE_ROW = LOWBIT_PATH == "avx2"
 _PF_ROWS1 = 4
 
 
-@njit(vectorize=False)
+@njit
 def _rows1(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstride, cols, group, fmt,
            nunits, upf, mode, sx, y, b0, b1):
     """:func:`_decode_rows1`'s loop for one constant ``mode``."""
@@ -630,7 +630,7 @@ def _ov_decode_i4m3_a8(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y,
     return impl
 
 
-@njit(vectorize=False)
+@njit
 def _blocks_dec(xp, corr, xq, w, w2, sflat, sstride, cols, group, fmt, nunits, upf, mode,
                 sx, y, b0, b1):
     """Output blocks ``b0..b1`` through the decode tiles (any ``m``; the path of
@@ -706,7 +706,7 @@ _NO_TILES = "tiles=None needs an int4 product the W4A8 panel takes (w4a8_tiles_k
 _ONE_PATH = "_run compiles one path: pass decode=None or prefill=None (or call _run_any)"
 
 
-@njit_parallel(link="late")
+@njit_parallel
 def _run(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
          prefill=True, big=True):
     """One path of the low-bit product: exactly one of ``decode`` /
@@ -839,7 +839,7 @@ def _panel_a8(xq, sx, w, sflat, sstride, cols, group, min_parallel):
     return y
 
 
-@njit(link="late")
+@njit
 def _run_a8(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, decode=True,
             prefill=True):
     """:func:`_run` for int8 activations: int4 prefill on a VNNI or AVX2 host goes

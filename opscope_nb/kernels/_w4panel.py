@@ -44,8 +44,8 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .._config import OPT_HOT, njit, njit_parallel
-from ._matmul import _num_threads, _pack_panel_words, _set_threads
+from .._config import njit, njit_parallel
+from ._matmul import _pack_panel_words
 from ._simd import (HOST_I8_PATH, I8_PATHS, _PANEL_LANES, _dpbusd, _maddubs, _madd16_ones,
                     I8_PANEL, panel_pack8)
 
@@ -373,7 +373,7 @@ def _tail4(xq, i, codes, j, p0, cols, sflat, soff, group, grouped):
 
 # -O3 as the panel: a late callee keeps its own level (it is not optimised
 # again inside its caller)
-@njit(opt=OPT_HOT, link="late")
+@njit
 def _tiles(xq, sx, codes, sflat, sstride, cols, group, grouped, P, C, npan, nch, cpg,
            ngf, rem, y, t0, t1):
     """6-output tiles ``t0 .. t1-1`` against every panel.  Tile ``t`` writes
@@ -425,7 +425,7 @@ def _tiles(xq, sx, codes, sflat, sstride, cols, group, grouped, P, C, npan, nch,
 
 
 
-@njit_parallel(opt=OPT_HOT, link="late")          # 6-19 % slower at -O2 (bench.py section 9, Zen 4)
+@njit_parallel
 def w4a8_panel_matmul(xq, sx, codes, sflat, sstride, cols, group, min_parallel, y):
     """W4A8 through the panel tiles: fills ``y`` (every output when ``n >= 6``;
     nothing below).
@@ -471,17 +471,16 @@ def w4a8_panel_matmul(xq, sx, codes, sflat, sstride, cols, group, min_parallel, 
     C = np.empty(npan * R * max(ngt, 1), dtype=np.int32)
     # tiles of 6 outputs; the last covers n - 6 .. n - 1 (see _tiles)
     nt = (n + W4_PANEL_J - 1) // W4_PANEL_J if n >= W4_PANEL_J else 0
-    # below min_parallel the same prange loops run on this thread alone (one
-    # compiled copy of the packing and the tiles instead of a serial one too)
-    one = m * cols * n < min_parallel
-    threads = _num_threads()
-    if one:
-        _set_threads(1)
+    nc = min(nt, 16)
+    if m * cols * n < min_parallel:
+        # below min_parallel: the same block functions on this thread, in order
+        for pn in range(npan):
+            pack_w4_panel(xq, pn * R, R, nch, cpg, P, pn * R * 8 * nch, C, pn * R * ngt)
+        _tiles(xq, sx, codes, sflat, sstride, cols, g, grouped, P, C, npan, nch, cpg,
+               ngf, rem, y, 0, nt)
+        return
     for pn in prange(npan):
         pack_w4_panel(xq, pn * R, R, nch, cpg, P, pn * R * 8 * nch, C, pn * R * ngt)
-    nc = min(nt, 16)
     for c in prange(nc):
         _tiles(xq, sx, codes, sflat, sstride, cols, g, grouped, P, C, npan, nch, cpg,
                ngf, rem, y, c * nt // nc, (c + 1) * nt // nc)
-    if one:
-        _set_threads(threads)
