@@ -38,6 +38,7 @@ import contextlib
 import hashlib
 import os
 import pathlib
+import re
 import tempfile
 import warnings
 
@@ -217,14 +218,20 @@ JIT_PARALLEL = dict(JIT, parallel=True)
 #: contraction (``fastmath`` off).
 JIT_EXACT = dict(JIT, fastmath=False)
 
-# A one-path variant of a parallel entry (``PackedLinear``'s decode,
-# ``prefill=None``) has no parallel loop by design; numba then warns at its
-# compile.  The filter matches only warnings located in this package's files
-# (numba reports them at the kernel's source file), so a user's function
-# still warns.
-warnings.filterwarnings(
-    "ignore", r"\s*The keyword argument 'parallel=True' was specified but no transformation",
-    NumbaPerformanceWarning, r".*opscope_nb[/\\]")
+def _filter_parallel_warning():
+    """Ignore numba's "parallel=True ... no transformation" warning for this
+    package's kernels: a one-path variant of a parallel entry
+    (``PackedLinear``'s decode, ``prefill=None``) has no parallel loop by
+    design.  numba names the function's source file in the message, and the
+    filter matches only files of this package, so a user's function still
+    warns."""
+    warnings.filterwarnings(
+        "ignore", r"(?s).*The keyword argument 'parallel=True' was specified but no "
+        r"transformation.*File \"([^\"]*[/\\])?opscope_nb[/\\][^\"]*\.py\", line",
+        NumbaPerformanceWarning)
+
+
+_filter_parallel_warning()
 
 
 def _jit(opts, fn, overrides):
@@ -253,3 +260,34 @@ def njit_exact(fn=None, **overrides):
 def njit_parallel_exact(fn=None, **overrides):
     """``numba.njit`` with :data:`JIT_EXACT` and ``parallel=True``."""
     return _jit(dict(JIT_EXACT, parallel=True), fn, overrides)
+
+
+#: The error of a kernel part that runs only compiled (an ``@overload`` stand-in
+#: or an intrinsic) when Python calls it: numba is off (``NUMBA_DISABLE_JIT=1``).
+NO_JIT = ("opscope_nb: this kernel part runs only compiled (from @njit code), and "
+          "NUMBA_DISABLE_JIT=1 is set; unset NUMBA_DISABLE_JIT to run this function")
+
+
+def intrinsic(fn=None, *, py=None, **options):
+    """``numba.extending.intrinsic``, with a pure-Python stand-in under
+    ``NUMBA_DISABLE_JIT=1``: ``py`` (the intrinsic's Python twin) when given,
+    else a function raising ``NotImplementedError`` that names the setting
+    (numba's own stand-in does not), so a JIT-less run gets a slow but correct
+    answer or a clear error.  Usable as ``@intrinsic``, ``@intrinsic(py=...)``,
+    ``@intrinsic(prefer_literal=True)`` or ``intrinsic(typer)``."""
+    def make(f):
+        if not numba.config.DISABLE_JIT:
+            from numba.extending import intrinsic as _intrinsic
+            return _intrinsic(**options)(f) if options else _intrinsic(f)
+        if py is not None:
+            return py
+        name = getattr(f, "__name__", "intrinsic")
+
+        def nojit(*args, **kwargs):
+            raise NotImplementedError(
+                f"opscope_nb: {name} is explicit SIMD code that runs only compiled, and "
+                f"NUMBA_DISABLE_JIT=1 is set; unset NUMBA_DISABLE_JIT to run this function")
+        nojit.__name__ = name
+        return nojit
+
+    return make if fn is None else make(fn)

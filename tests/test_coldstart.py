@@ -25,14 +25,15 @@ def _fake_pkg(root):
     return root
 
 
-def test_stale_check_covers_a_cache_base_directory(tmp_path):
-    """With a cache base (read-only install), the stamp and the files live under
-    ``<base>/<dirname>_<sha1>`` per source directory; a changed source drops
-    them there, and only there."""
+def test_stale_check_covers_numba_cache_dir(tmp_path, monkeypatch):
+    """Under ``NUMBA_CACHE_DIR`` numba keeps the files under
+    ``<dir>/<dirname>_<sha1>`` per source directory; the stamp lives there,
+    and a changed source drops the package's files there, and only those."""
     pkg = _fake_pkg(tmp_path / "pkg")
     base = tmp_path / "base"
-    _config._drop_stale_cache(pkg, base=base)
-    stamp_dir, dirs = _config._cache_dirs(pkg, base)
+    monkeypatch.setattr(_config.numba.config, "CACHE_DIR", str(base))
+    _config._drop_stale_cache(pkg)
+    stamp_dir, dirs = _config.cache_dirs(pkg)
     assert (stamp_dir / "opscope_sources.sha256").exists()
     assert all(d.parent == base for d in dirs) and len(dirs) == 2
     cached = []
@@ -44,27 +45,34 @@ def test_stale_check_covers_a_cache_base_directory(tmp_path):
     other = base / "unrelated_0123" / "u.g-1.py311.nbi"     # another package's cache
     other.parent.mkdir()
     other.write_bytes(b"x")
-    _config._drop_stale_cache(pkg, base=base)
+    _config._drop_stale_cache(pkg)
     assert all(f.exists() for f in cached)
     (pkg / "sub" / "b.py").write_text("y = 3\n")
-    _config._drop_stale_cache(pkg, base=base)
+    _config._drop_stale_cache(pkg)
     assert not any(f.exists() for f in cached)
     assert other.exists()
     assert not list((pkg).rglob("*.nbi"))
 
 
-def test_cache_base_follows_numba_cache_dir_and_writability(tmp_path, monkeypatch):
+def test_cache_dirs_follow_numba(tmp_path, monkeypatch):
+    """The directories are numba's own choice: ``NUMBA_CACHE_DIR`` (numba's
+    ``<dirname>_<sha1>`` sub-path, checked against numba's locator), else the
+    writable ``__pycache__``; a read-only install has none of the package's
+    (numba's per-user cache, keyed on each file's stamp)."""
+    from numba.core.caching import UserProvidedCacheLocator
     pkg = _fake_pkg(tmp_path / "pkg")
     monkeypatch.setattr(_config.numba.config, "CACHE_DIR", "")
-    assert _config.cache_base(pkg) is None             # writable: in-tree
+    stamp_dir, dirs = _config.cache_dirs(pkg)
+    assert stamp_dir == pkg / "__pycache__"
+    assert sorted(dirs) == sorted([pkg / "__pycache__", pkg / "sub" / "__pycache__"])
     monkeypatch.setattr(_config.numba.config, "CACHE_DIR", str(tmp_path / "nc"))
-    assert _config.cache_base(pkg) is None             # NUMBA_CACHE_DIR: numba's
-    stamp_dir, dirs = _config._cache_dirs(pkg, None)
+    stamp_dir, dirs = _config.cache_dirs(pkg)
+    want = UserProvidedCacheLocator.get_suitable_cache_subpath(str(pkg / "sub" / "b.py"))
+    assert tmp_path / "nc" / want in dirs
     assert stamp_dir.parent == tmp_path / "nc"
     monkeypatch.setattr(_config.numba.config, "CACHE_DIR", "")
     monkeypatch.setattr(_config, "_writable", lambda d: "__pycache__" not in str(d))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert _config.cache_base(pkg) == tmp_path / "xdg" / "opscope-nb" / "numba"
+    assert _config.cache_dirs(pkg) == (None, [])
 
 
 _RACER = textwrap.dedent("""
@@ -108,7 +116,7 @@ _RO_WORKLOAD = textwrap.dedent("""
     a = np.ones((8, 8), np.float32)
     rel_err(a, a)
     st = rel_err.stats
-    json.dump({"file": opscope_nb.__file__, "base": str(_config._PackageLocator.base),
+    json.dump({"file": opscope_nb.__file__, "state": str(_config.STATE_DIR),
                "path": st.cache_path, "hits": sum(st.cache_hits.values()),
                "misses": sum(st.cache_misses.values())}, sys.stdout)
 """)
@@ -119,7 +127,7 @@ def test_read_only_install_caches_per_user(tmp_path):
     """A copy of the package whose ``__pycache__`` directories cannot be created
     (non-root: read-only files and directories; root, which writes anyway: each
     ``__pycache__`` is a plain file) compiles into
-    ``$XDG_CACHE_HOME/opscope-nb/numba`` once, and a second process loads from
+    numba's per-user cache (``$XDG_CACHE_HOME/numba``) once, and a second process loads from
     there (numba's dispatcher stats: hits, no misses; no file in the package)."""
     root = os.geteuid() == 0 if hasattr(os, "geteuid") else False
     top = tmp_path / "site"
@@ -147,11 +155,9 @@ def test_read_only_install_caches_per_user(tmp_path):
                 os.chmod(p, os.stat(p).st_mode | stat.S_IWUSR)
     first, second = runs
     assert first["file"].startswith(str(top))
-    assert first["base"] == str(xdg / "opscope-nb" / "numba")
-    assert first["path"].startswith(first["base"])
+    assert first["state"] == str(xdg / "opscope-nb")
+    assert first["path"].startswith(str(xdg / "numba"))    # numba's per-user cache
     assert first["misses"] >= 1
     assert second["misses"] == 0 and second["hits"] >= 1
-    stamps = list((xdg / "opscope-nb" / "numba").rglob("opscope_sources.sha256"))
-    assert len(stamps) == 1
-    assert list((xdg / "opscope-nb" / "numba").rglob("*.nbi"))
+    assert list((xdg / "numba").rglob("*.nbi"))
     assert not list((top / "opscope_nb").rglob("*.nbi"))

@@ -50,7 +50,7 @@ import numba
 from llvmlite import ir as _llir
 from numba import prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from .._config import intrinsic
 
 from .._config import njit, njit_parallel
 from ._probe import absmax_f32, div_f32, round_half_away, sym_scale
@@ -1272,7 +1272,7 @@ def _w8a8_run(xq, wtq, acc, y, sx, scale, want_y, min_parallel, wsum, prefill=Tr
                          c * nb // nc, (c + 1) * nb // nc)
 
 
-@intrinsic
+@intrinsic(py=numba.get_num_threads)
 def _num_threads(typingctx):
     """The calling thread's numba thread count (``numba.get_num_threads()``)
     as an intrinsic: numba's own overload reads it through a ctypes pointer,

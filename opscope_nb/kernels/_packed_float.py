@@ -37,7 +37,7 @@ import numpy as np
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from .._config import intrinsic
 
 from .._config import njit, njit_parallel
 from ._matmul import matmul_f32

@@ -100,7 +100,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from .._config import njit, njit_parallel
+from .._config import NO_JIT, njit, njit_parallel
 
 # Thin wrappers and small helpers are ``inline="always"`` (inlined in numba IR
 # into their caller): a wrapper compiled as a function of its own re-optimises
@@ -587,7 +587,7 @@ def _decode_rows1_a8(xpf, xst, cf, cst, wf, wb, w2f, w2b, xq, w, w2, sflat, sstr
     numba types the call, so int16-activation kernels and VNNI hosts compile
     none of the one-row decode (a ``None`` flag cannot enter the parallel
     loops that call this)."""
-    raise NotImplementedError("call from @njit code")
+    raise NotImplementedError(NO_JIT)
 
 
 @overload(_decode_rows1_a8, prefer_literal=True, jit_options={"cache": True})
@@ -614,7 +614,7 @@ def _decode_i4m3_a8(xpf, xst, cf, cst, wf, wb, sflat, sstride, nunits, sx, y, b0
     not a literal), returning True; else False, decided when numba types the
     call: the other kinds (mode 3 is int4/g32 with int8 activations only)
     compile none of it (~0.8 s of each one's cold first call)."""
-    raise NotImplementedError("call from @njit code")
+    raise NotImplementedError(NO_JIT)
 
 
 @overload(_decode_i4m3_a8, prefer_literal=True, jit_options={"cache": True})
@@ -767,7 +767,7 @@ def _run_any(xq, sx, w, w2, sflat, sstride, cols, group, fmt, min_parallel, deco
     tiles always followed: the prefill tiles for ``m >= 4`` and ``rows >= 4``),
     so it compiles no variant of its own and shares its code with every
     one-path caller (``PackedLinear``'s)."""
-    raise NotImplementedError("call from @njit code")
+    raise NotImplementedError(NO_JIT)
 
 
 def _typed_none(t):

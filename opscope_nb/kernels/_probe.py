@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
-from numba.extending import intrinsic
+from .._config import intrinsic
 
 from .._config import njit, njit_parallel
 
@@ -135,7 +135,16 @@ def div_f32(a, b):
     return np.float32(a) / np.float32(b)
 
 
-@intrinsic
+def _f32_from_bits_py(v):
+    return np.array(v, dtype=np.int32).view(np.float32)[()]
+
+
+def _require_f32_array_py(r):
+    if not (isinstance(r, np.ndarray) and r.dtype == np.float32):
+        raise TypeError(f"expected a float32 array; got {getattr(r, 'dtype', type(r))}")
+
+
+@intrinsic(py=_f32_from_bits_py)
 def _f32_from_bits(typingctx, v):
     """Reinterpret an int32 bit pattern as float32 (no conversion)."""
     if v != types.int32:
@@ -147,7 +156,7 @@ def _f32_from_bits(typingctx, v):
     return types.float32(types.int32), codegen
 
 
-@intrinsic
+@intrinsic(py=_require_f32_array_py)
 def _require_f32_array(typingctx, r):
     """Typing guard: compiles only for float32 arrays (a float64 row viewed as
     int32 would give wrong maxima silently)."""

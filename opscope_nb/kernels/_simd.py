@@ -41,7 +41,7 @@ import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from .._config import intrinsic
 
 # (one list of path names: the cache of a forced path is chosen from it in _config)
 from .._config import I8_PATHS

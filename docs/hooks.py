@@ -1,0 +1,149 @@
+"""MkDocs hooks: pages generated from the code, so they cannot drift.
+
+* ``cli.md``: the marker ``<!-- cli-reference -->`` becomes, for the top-level
+  command and every sub-command, a ``## <name>`` heading and its full
+  ``--help`` text, taken from the argparse parsers
+  (``opscope_nb.cli.build_parser``; if that is missing, from ``python -m
+  opscope_nb [CMD] --help`` in a subprocess).
+* ``kernels.md``: the marker ``<!-- kernel-table -->`` becomes a table of
+  every name in ``opscope_nb.kernels.__all__`` with what it is and the first
+  paragraph of its docstring.
+
+Registered under ``hooks:`` in ``mkdocs.yml``.  Help text is formatted at a
+fixed width of 80 columns, whatever the terminal.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import html
+import os
+import re
+import subprocess
+import sys
+
+CLI_MARKER = "<!-- cli-reference -->"
+KERNEL_MARKER = "<!-- kernel-table -->"
+PROG = "opscope-nb"
+WIDTH = "80"
+
+
+@contextlib.contextmanager
+def _columns(width=WIDTH):
+    """argparse wraps help at ``$COLUMNS``; pin it while the help is formatted."""
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = width
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = old
+
+
+def _help_from_parsers():
+    """``[(name, help text)]``: the top-level parser, then each sub-command in
+    ``--help`` order; ``None`` when the parser builder cannot be imported."""
+    try:
+        from opscope_nb.cli import build_parser
+    except ImportError:
+        return None
+    with _columns():
+        parser = build_parser()
+        out = [(PROG, parser.format_help())]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    out.append((name, sub.format_help()))
+    return out
+
+
+def _run_help(*words):
+    env = dict(os.environ, COLUMNS=WIDTH, MPLBACKEND="Agg")
+    r = subprocess.run([sys.executable, "-m", "opscope_nb", *words, "--help"],
+                       capture_output=True, text=True, env=env, check=True)
+    return r.stdout
+
+
+def _help_from_subprocess():
+    """The same list from ``python -m opscope_nb [CMD] --help``."""
+    top = _run_help()
+    names, seen = [], False
+    for line in top.splitlines():
+        if line.strip().startswith("{") or line.strip() == "COMMAND":
+            seen = True
+            continue
+        m = re.match(r"^ {4}(\w[\w-]*)\s", line)
+        if seen and m:
+            names.append(m[1])
+        elif seen and line and not line.startswith(" "):
+            seen = False
+    return [(PROG, top)] + [(n, _run_help(n)) for n in names]
+
+
+def cli_help():
+    """``[(name, help text)]`` of the top-level command and every sub-command."""
+    got = _help_from_parsers()
+    return got if got is not None else _help_from_subprocess()
+
+
+def cli_reference() -> str:
+    parts = []
+    for name, text in cli_help():
+        parts.append(f"## {name}\n\n```text\n{text.rstrip()}\n```\n")
+    return "\n".join(parts)
+
+
+def _first_paragraph(doc) -> str:
+    if not doc:
+        return ""
+    lines = []
+    for line in doc.strip().splitlines():
+        if not line.strip():
+            break
+        lines.append(line.strip())
+    text = " ".join(lines)
+    text = re.sub(r":\w+:`~?([^`]+)`", r"``\1``", text)    # Sphinx roles -> literals
+    text = re.sub(r"``([^`]+)``", r"`\1`", text)            # RST -> Markdown literals
+    if len(text) > 240:
+        text = text[:237].rsplit(" ", 1)[0] + " …"
+        if text.count("`") % 2:
+            text = text.replace(" …", "` …")
+    return text.replace("|", "&#124;")
+
+
+def _what(obj) -> str:
+    tname = type(obj).__name__
+    if tname.endswith("Dispatcher"):
+        opts = getattr(obj, "targetoptions", {}) or {}
+        return "njit, parallel" if opts.get("parallel") else "njit"
+    if tname == "_Intrinsic":
+        return "intrinsic (numba code only)"
+    if callable(obj):
+        return "Python function"
+    return f"constant ({tname})"
+
+
+def kernel_table() -> str:
+    import opscope_nb.kernels as k
+    rows = ["| name | what | description |", "| --- | --- | --- |"]
+    for name in k.__all__:
+        obj = getattr(k, name)
+        if callable(obj):
+            desc = _first_paragraph(getattr(obj, "__doc__", None))
+        else:
+            r = repr(obj)
+            desc = f"`{html.escape(r)}`" if len(r) <= 60 else f"{type(obj).__name__}, see source"
+            desc = desc.replace("|", "&#124;")
+        rows.append(f"| `{name}` | {_what(obj)} | {desc} |")
+    return "\n".join(rows) + "\n"
+
+
+def on_page_markdown(markdown, page, config, files):
+    src = page.file.src_uri
+    if src == "cli.md" and CLI_MARKER in markdown:
+        markdown = markdown.replace(CLI_MARKER, cli_reference())
+    if src == "kernels.md" and KERNEL_MARKER in markdown:
+        markdown = markdown.replace(KERNEL_MARKER, kernel_table())
+    return markdown
