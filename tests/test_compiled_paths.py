@@ -287,8 +287,7 @@ def test_kinds_compile_only_the_decode_variants_they_reach(tmp_path):
 def test_w8a8_prefill_kw_fresh_dict_and_thread_count():
     """The public helper returns a dict of its own (editing it does not
     change what later calls get, though the runtime shares one per path),
-    and the cheap thread-count reader behind it agrees with numba's,
-    including after ``numba.set_num_threads`` in this thread."""
+    and the path it names follows ``numba.set_num_threads`` in this thread."""
     import numba
     from opscope_nb.kernels import _matmul as KM
     kw = K.w8a8_prefill_kw(16, 256, 64)
@@ -297,17 +296,14 @@ def test_w8a8_prefill_kw_fresh_dict_and_thread_count():
     assert KM._prefill_kw(16, 256, 64, PAR_MIN, True) == K.w8a8_prefill_kw(16, 256, 64)
     assert KM._prefill_kw(3, 256, 64, PAR_MIN, True) == {"prefill": None}
     before = numba.get_num_threads()
-    assert KM._threads() == before
     try:
         numba.set_num_threads(1)
-        assert KM._threads() == 1
         # one thread: a parallel-sized call the row split would take on two
         # threads goes to the panel (the row plan needs 2+ threads)
         one = {"rowsplit": None, "tiles": None} if KM.I8_PANEL else {"prefill": None}
         assert K.w8a8_prefill_kw(32, 256, 64) == one
     finally:
         numba.set_num_threads(before)
-    assert KM._threads() == before
     if KM.I8_PANEL and before >= 2:
         assert K.w8a8_prefill_kw(32, 256, 64) == {"outsplit": None}
 

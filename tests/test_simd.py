@@ -310,6 +310,7 @@ import json, sys
 import numpy as np
 import numba
 from opscope_nb import kernels as K
+from opscope_nb import _config
 
 def products():
     rng = np.random.default_rng(11)
@@ -351,7 +352,8 @@ if __name__ == "__main__":
     if sys.argv[2] == "products":
         np.savez(sys.argv[1], **products())
     print(json.dumps({"path": K.HOST_I8_PATH, "forced": bool(K.I8_PATH_FORCED),
-                      "lowbit": K.LOWBIT_PATH, "cache_dir": numba.config.CACHE_DIR}))
+                      "lowbit": K.LOWBIT_PATH, "cache_dir": numba.config.CACHE_DIR,
+                      "cache": _config.CACHE}))
 """
 
 
@@ -370,11 +372,10 @@ def _run_switch(tmp_path, value, name="out", products=True):
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in (env.get("PYTHONPATH"),) if p])
     if value is not None:
         env[S.I8_PATH_ENV] = value
-        # a forced run caches under NUMBA_CACHE_DIR when set: a directory of
-        # this test's, compiled at LLVM level 0 (a third less compile; the
-        # products are exact sums, equal at every level -- the tiles' own
-        # code at the package's level is checked in-process above), so no
-        # level-0 code is left in the package's cache for a later forced run
+        # a forced run compiles uncached; at LLVM level 0 (a third less
+        # compile; the products are exact sums, equal at every level -- the
+        # tiles' own code is checked in-process above).  NUMBA_CACHE_DIR of
+        # this test's: it must come back unchanged
         env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba-cache")
         env["NUMBA_OPT"] = "0"
     out = tmp_path / f"{name}.npz"
@@ -391,10 +392,9 @@ _SWITCH_DEFAULT = {}
 @pytest.mark.slow
 @pytest.mark.parametrize("path", S.I8_PATHS)
 def test_forced_path_bit_identical(path, tmp_path):
-    """``OPSCOPE_I8_PATH=<path>`` runs that path (reported, cached apart) and
+    """``OPSCOPE_I8_PATH=<path>`` runs that path (reported, compiled uncached) and
     gives the default path's results bit for bit.  The products (a cold
-    compile of every kernel they call at LLVM level 0, into the forced path's
-    own cache under this test's ``NUMBA_CACHE_DIR``: 35 s alone on Zen 4) run for one forced path per host -- ``avx2`` on a
+    compile of every kernel they call at LLVM level 0, uncached) run for one forced path per host -- ``avx2`` on a
     VNNI host (the path this switch exists to test there), ``portable`` on an
     AVX2 host; the other paths are checked for the report only (their tiles
     are checked bit for bit in-process by the ``make_i8_*`` tests above)."""
@@ -407,8 +407,9 @@ def test_forced_path_bit_identical(path, tmp_path):
     assert info["path"] == path and info["forced"]
     assert info["lowbit"] == {"avx512vnni": "vnni256", "avx512vnni256": "vnni256"}.get(
         path, path)
-    assert info["cache_dir"].endswith(f"i8path-{path}")
-    assert info["cache_dir"].startswith(str(tmp_path / "numba-cache")), info
+    # compiled uncached; numba's cache directory is left as the user set it
+    assert info["cache"] is False
+    assert info["cache_dir"] == str(tmp_path / "numba-cache"), info
     if report_only:
         return
     if "default" not in _SWITCH_DEFAULT:   # one default run for every path

@@ -126,6 +126,7 @@ def stamp_dir(tmp_path, monkeypatch):
     """Warm stamps in a temporary directory, for sources with digest 'd1'."""
     from opscope_nb import _config
     monkeypatch.setattr(_config, "CACHE_LOCK", tmp_path / "opscope.lock")
+    monkeypatch.setattr(_config, "STATE_DIR", tmp_path)
     monkeypatch.setattr(_config, "SOURCES_DIGEST", "d1")
     monkeypatch.setattr(_config, "CACHE", True)
     monkeypatch.delenv("OPSCOPE_AUTOWARM", raising=False)
@@ -180,14 +181,15 @@ def test_warm_first_runs_once_then_the_stamp_holds(stamp_dir, monkeypatch):
 
 
 def test_warm_first_off_switches_and_failures(stamp_dir, monkeypatch):
+    from opscope_nb import _config
     calls = []
     monkeypatch.setattr(wu, "warm", _fake_warm(calls, fail={"profile tt"}))
     monkeypatch.setenv("OPSCOPE_AUTOWARM", "0")
     assert not wu.warm_first("profile") and calls == []
-    monkeypatch.setenv("OPSCOPE_I8_PATH", "portable")        # caches elsewhere
+    monkeypatch.setattr(_config, "CACHE", False)        # a forced path: uncached
     monkeypatch.setenv("OPSCOPE_AUTOWARM", "1")
     assert not wu.warm_first("profile") and calls == []
-    monkeypatch.delenv("OPSCOPE_I8_PATH")
+    monkeypatch.setattr(_config, "CACHE", True)
     lines = []
     assert wu.warm_first("profile", jobs=1, log=lines.append)    # an item failed:
     assert any("FAILED: RuntimeError: boom" in ln for ln in lines)

@@ -43,7 +43,7 @@ from numba import types
 from numba.core import cgutils
 from .._config import intrinsic
 
-# (one list of path names: the cache of a forced path is chosen from it in _config)
+# (one list of path names, shared with _config)
 from .._config import I8_PATHS
 
 __all__ = [
@@ -210,8 +210,9 @@ def _chosen_i8_path(environ=None) -> tuple[str, bool]:
     A value that is not a path, or a path this host cannot run, raises a
     ValueError naming the variable, the value, the supported paths and the fix
     (the kernels would otherwise fail to compile or die of SIGILL).  Forced
-    runs cache their machine code apart (``_config``): numba keys its on-disk
-    cache on the CPU features, which do not change with the forced path.
+    runs compile without the disk cache (``_config.CACHE``): numba keys its
+    on-disk cache on the CPU features, which do not change with the forced
+    path.
     """
     import os
 
