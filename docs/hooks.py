@@ -95,6 +95,23 @@ def cli_reference() -> str:
     return "\n".join(parts)
 
 
+def _escape_text(text: str) -> str:
+    """Markdown-safe text for a table cell: outside code spans, ``<``, ``>``,
+    ``*`` and ``|`` are escaped; inside them, a ``|`` would end the cell, so a
+    span holding one becomes plain escaped text."""
+    parts = text.split("`")
+    if len(parts) % 2 == 0:            # unbalanced backtick: treat all as text
+        parts = [text.replace("`", "'")]
+    out = []
+    for i, part in enumerate(parts):
+        if i % 2 and "|" not in part:
+            out.append(f"`{part}`")
+        else:
+            out.append(html.escape(part, quote=False).replace("*", "\\*")
+                       .replace("|", "&#124;"))
+    return "".join(out)
+
+
 def _first_paragraph(doc) -> str:
     if not doc:
         return ""
@@ -107,10 +124,11 @@ def _first_paragraph(doc) -> str:
     text = re.sub(r":\w+:`~?([^`]+)`", r"``\1``", text)    # Sphinx roles -> literals
     text = re.sub(r"``([^`]+)``", r"`\1`", text)            # RST -> Markdown literals
     if len(text) > 240:
-        text = text[:237].rsplit(" ", 1)[0] + " …"
+        text = text[:237].rsplit(" ", 1)[0]
         if text.count("`") % 2:
-            text = text.replace(" …", "` …")
-    return text.replace("|", "&#124;")
+            text += "`"
+        text += " …"
+    return _escape_text(text)
 
 
 def _what(obj) -> str:
@@ -134,8 +152,8 @@ def kernel_table() -> str:
             desc = _first_paragraph(getattr(obj, "__doc__", None))
         else:
             r = repr(obj)
-            desc = f"`{html.escape(r)}`" if len(r) <= 60 else f"{type(obj).__name__}, see source"
-            desc = desc.replace("|", "&#124;")
+            ok = len(r) <= 60 and "|" not in r and "`" not in r and "\n" not in r
+            desc = f"`{r}`" if ok else f"`{type(obj).__name__}`, see its source"
         rows.append(f"| `{name}` | {_what(obj)} | {desc} |")
     return "\n".join(rows) + "\n"
 
