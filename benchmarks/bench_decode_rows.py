@@ -32,9 +32,9 @@ from numba import njit, prange
 from opscope_nb import kernels as K
 from opscope_nb.bench.machine import machine_info, stream_reader
 from opscope_nb.kernels import _packed_quant as PQ
-from opscope_nb.mining import Decomp
+from opscope_nb.formats import Decomp
 from opscope_nb.runtime import PackedLinear
-from opscope_nb.synth import Dist, sample
+from opscope_nb.io.synth import Dist, sample
 
 _FMT = {2: 2, 3: 3, 5: 4, 6: 5}
 

@@ -22,7 +22,7 @@ import time
 import numba
 import numpy as np
 
-from opscope_nb import ggml
+from opscope_nb.formats import ggml
 
 TYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_NL", "IQ4_XS",
          "Q3_K", "Q2_K", "TQ2_0", "TQ1_0"]

@@ -67,7 +67,7 @@ def _write_f16(src, out):
     """The source with every 2-D tensor F16 (dequantised), the rest as stored."""
     import gguf
     from opscope_nb.formats import Decomp
-    from opscope_nb.gguf_export import export_gguf
+    from opscope_nb.io.gguf_export import export_gguf
     plan = {t.name: Decomp.ggml("F16") for t in gguf.GGUFReader(src).tensors
             if len(t.shape) == 2}
     return export_gguf(src, plan, out)
@@ -75,7 +75,7 @@ def _write_f16(src, out):
 
 def _imatrix(calib_npz):
     """llama.cpp's importance (mean x^2 per input column) from the calibration grams."""
-    from opscope_nb.calib import load_grams
+    from opscope_nb.profile.calib import load_grams
     grams, meta = load_grams(calib_npz)
     n = float(meta.get("tokens") or 1)
     return {name: (np.diag(g) if g.ndim == 2 else g).astype(np.float32) / np.float32(n)
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     root = args.workdir or tempfile.mkdtemp(prefix="opscope-gguf-")
     os.makedirs(root, exist_ok=True)
     from opscope_nb.bench.machine import cpu_model
-    from opscope_nb.matmul import simd_path
+    from opscope_nb.runtime.matmul import simd_path
     print(f"# bench_gguf on {cpu_model() or platform.machine()} ({os.cpu_count()} cores, "
           f"int8 path {simd_path()}; the scores come from llama.cpp, which picks its own "
           f"kernels); llama-cpp-python {llama_cpp.__version__}; calibration text: "

@@ -3,7 +3,7 @@
 
 For every ``--every``-th calibrated layer of a model (all-MiniLM-L6-v2 or
 SmolLM2-135M, the wheels), quantises the weight with
-:func:`opscope_nb.gptq.gptq_quantize` four ways -- natural column order with
+:func:`opscope_nb.formats.gptq.gptq_quantize` four ways -- natural column order with
 unclipped static scales (textbook GPTQ up to the static scales), act-order
 alone, clipping alone, and both (the package's default) -- from the grams of a
 profile's calibration (``calib.npz`` of ``opscope-nb profile MODEL --calib
@@ -34,8 +34,8 @@ import types
 import numpy as np
 
 from opscope_nb import io as tio
-from opscope_nb.calib import CalibrationStream, load_grams
-from opscope_nb.gptq import gptq_quantize, output_error
+from opscope_nb.profile.calib import CalibrationStream, load_grams
+from opscope_nb.formats.gptq import gptq_quantize, output_error
 
 VARIANTS = (("natural", False, False), ("act", True, False), ("clip", False, True),
             ("act+clip", True, True))

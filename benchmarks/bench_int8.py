@@ -11,7 +11,7 @@ Times, with the interleaved best-block method of the bench
   numba uses -- 2 on the 2-core machine) at m = 1 and
   m = 32;
 * ours W8A8 at m = 128 against the vendor float32 sgemm (OpenBLAS,
-  :mod:`opscope_nb.accel`);
+  :mod:`opscope_nb.runtime.accel`);
 * decode (m = 1) through a stack of weights larger than L3, as a fraction of
   the measured streaming read bandwidth
   (:func:`opscope_nb.bench.machine.stream_bandwidth`);
@@ -33,7 +33,7 @@ import time
 import numba
 import numpy as np
 
-from opscope_nb import accel
+from opscope_nb.runtime import accel
 from opscope_nb import kernels as K
 from opscope_nb.bench._util import time_group as _time_group_median
 from opscope_nb.bench import machine as _machine

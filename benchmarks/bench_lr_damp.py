@@ -24,10 +24,15 @@ import platform
 import numpy as np
 
 from opscope_nb import io as tio
-from opscope_nb.calib import CalibrationStream, load_grams
-from opscope_nb.formats import (Decomp, approximate, correction_basis, correction_product,
-                                correction_slice)
-from opscope_nb.gptq import output_error
+from opscope_nb.profile.calib import CalibrationStream, load_grams
+from opscope_nb.formats import (
+    Decomp,
+    approximate,
+    correction_basis,
+    correction_product,
+    correction_slice,
+)
+from opscope_nb.formats.gptq import output_error
 
 METRICS = (("diag", 0.1), ("full", 0.01), ("full", 0.1), ("full", 1.0))
 

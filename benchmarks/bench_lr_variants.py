@@ -46,12 +46,12 @@ import time
 import numpy as np
 
 from opscope_nb import io as tio
-from opscope_nb.allocate import exact_allocate
-from opscope_nb.calib import load_grams
+from opscope_nb.plan.allocate import exact_allocate
+from opscope_nb.profile.calib import load_grams
 from opscope_nb.formats import approximate, correction_basis, correction_metric
-from opscope_nb.gptq import output_error
+from opscope_nb.formats.gptq import output_error
 from opscope_nb.kernels import quantize_groups_sym
-from opscope_nb.mining import DecompOption, LayerProfile
+from opscope_nb.profile.mining import DecompOption, LayerProfile
 
 
 def _factors(uf, vf, r, bits):

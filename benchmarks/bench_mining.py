@@ -22,7 +22,8 @@ import numpy as np
 def synthetic_layers(n_layers, seed=0):
     """LayerProfiles shaped like real ones: dense, int8, int4, two int4/g,
     ternary, 2:4, three low-rank, Tucker, TT (12 options), random errors."""
-    from opscope_nb.mining import Decomp, DecompOption, LayerProfile, packed_bytes
+    from opscope_nb.formats import Decomp, packed_bytes
+    from opscope_nb.profile.mining import DecompOption, LayerProfile
 
     rng = np.random.default_rng(seed)
     shapes = [(1024, 1024), (1024, 3072), (3072, 1024), (512, 2048), (2048, 512)]
@@ -77,8 +78,8 @@ def main():
 
     import numba
 
-    from opscope_nb.allocate import dado_allocate, exact_allocate, greedy_allocate
-    from opscope_nb.mining import profile_layer
+    from opscope_nb.plan.allocate import dado_allocate, exact_allocate, greedy_allocate
+    from opscope_nb.profile.mining import profile_layer
 
     blas = os.environ.get("OPENBLAS_NUM_THREADS", "default")
     print(f"threads: numba {numba.get_num_threads()}, OPENBLAS_NUM_THREADS={blas}, "

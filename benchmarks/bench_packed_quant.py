@@ -9,7 +9,7 @@ For each kind a *stack* of different ``[n, n]`` weights (n = 4096, ``--quick``
 1024) whose packed bytes exceed twice the L3 cache is cycled call after call
 (each timed call reads the next weight of the stack), so the weights come from
 DRAM as they do when a model decodes one token through all its layers.  The
-vendor float32 product (``opscope_nb.accel``, OpenBLAS ``sgemv``/``sgemm``)
+vendor float32 product (``opscope_nb.runtime.accel``, OpenBLAS ``sgemv``/``sgemm``)
 cycles its own stack of float32 weights the same way.  Timing: per round one
 pass over the stack untimed (warm), then one timed pass; the figure is the
 median per call of the best of ``--rounds`` rounds; our kernel and the vendor
@@ -36,9 +36,10 @@ import time
 
 import numpy as np
 
-from opscope_nb import accel, kernels as K
+from opscope_nb.runtime import accel
+from opscope_nb import kernels as K
 from opscope_nb.bench.machine import machine_info
-from opscope_nb.mining import Decomp
+from opscope_nb.formats import Decomp
 from opscope_nb.runtime import PackedLinear
 
 KINDS = ["int8/chan", "int4/chan", "int4/g32", "int4/g128", "ternary"]
@@ -118,7 +119,7 @@ def ort_compare(threads, ms=(1, 32), shapes=((1024, 1024), (1024, 3072), (3072, 
     which ours and ORT alternate.  Returns rows (dicts) of k, n, m, us, ort_us,
     x_ort (ORT time / ours), GOP/s and rel-L2 errors vs float64."""
     import numba
-    from opscope_nb import mining
+    from opscope_nb.profile import mining
     from opscope_nb.bench.peers import ort_sessions, peers_available
     why = peers_available()
     if why:

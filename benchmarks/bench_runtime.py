@@ -8,7 +8,7 @@ For each kind a **stack** of distinct ``[size, size]`` layers is built whose
 packed bytes exceed ``2 x L3`` (L3 read from ``/sys`` or ``lscpu``; at least 3
 layers), and the timed loop calls every layer of the stack in turn, so the
 weights stream from DRAM as they do when a model decodes one token through all
-its layers.  The vendor yardstick is ``opscope_nb.accel``'s float32 GEMM/GEMV
+its layers.  The vendor yardstick is ``opscope_nb.runtime.accel``'s float32 GEMM/GEMV
 on its own stack of dense weights of the same shape.  Timing (``time_stack``):
 per round one untimed pass over the stack, then ``reps`` passes timing every
 call on its own; the best round's median call is the figure (robust to time
@@ -71,7 +71,7 @@ def l3_bytes() -> int:
 
 def menu(size):
     """The kinds to time, with a maker of one packed layer each."""
-    from opscope_nb.mining import Decomp, balanced_factor
+    from opscope_nb.formats import Decomp, balanced_factor
 
     c1, c2 = balanced_factor(size)
     r1, r2 = balanced_factor(size)
@@ -102,7 +102,7 @@ def random_arrays(d, rows, cols, rng):
 
 
 def one_layer(d, size, rng):
-    from opscope_nb.mining import pack
+    from opscope_nb.formats import pack
     if d.kind in ("lowrank", "monarch", "tucker", "tt"):
         return random_arrays(d, size, size, rng)
     w = rng.standard_normal((size, size)).astype(np.float32)
@@ -147,7 +147,7 @@ def main(argv=None):
                          "busy shared machine does not inflate")
     args = ap.parse_args(argv)
 
-    from opscope_nb import accel
+    from opscope_nb.runtime import accel
     from opscope_nb.runtime import PackedLinear, has_kernel
 
     size = args.size

@@ -133,7 +133,7 @@ def run_profile(src, out, tokens, include):
 
 _CALIB_ONLY = r"""
 import json, resource, sys, time
-from opscope_nb.calib import calibrate
+from opscope_nb.profile.calib import calibrate
 src, tokens, layer = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 t = time.perf_counter()
 c = calibrate(src, max_tokens=tokens, sensitivity=[layer], keep_grams=False)

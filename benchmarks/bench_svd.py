@@ -39,7 +39,7 @@ _CHILD = """
 import time
 t0 = time.perf_counter()
 import numpy as np
-from opscope_nb.svd import truncated_svd
+from opscope_nb.profile.svd import truncated_svd
 t1 = time.perf_counter()
 w = np.random.default_rng(0).standard_normal((1024, 3072)).astype(np.float32)
 t2 = time.perf_counter()
@@ -65,8 +65,8 @@ def main(argv=None):
 
     import numba
     import scipy.linalg
-    from opscope_nb.svd import truncated_svd
-    from opscope_nb import decompose as D
+    from opscope_nb.profile.svd import truncated_svd
+    from opscope_nb.profile import decompose as D
 
     print(f"numba {numba.__version__}, numba threads {numba.get_num_threads()}, "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}, "

@@ -14,7 +14,7 @@ One task per selected weight matrix.  The task carries only the checkpoint
 *path* and the tensor's name and shape; the worker opens the checkpoint by path
 (:func:`opscope_nb.io.open_source`, cached per worker process), memory-maps and
 loads just that tensor (:meth:`opscope_nb.io.TensorEntry.load`), checks it is
-finite, runs :func:`opscope_nb.mining.profile_layer` and returns the layer's
+finite, runs :func:`opscope_nb.profile.mining.profile_layer` and returns the layer's
 JSON record (``LayerProfile.to_dict`` inside).  No weights travel through the
 scheduler, so every worker must see the checkpoint at the same path (a local
 disk on one machine, a shared file system across machines).
@@ -70,7 +70,7 @@ import threading
 import time
 import warnings
 
-from ._fs import peak_rss_mb, reset_peak_rss
+from .io._fs import peak_rss_mb, reset_peak_rss
 
 __all__ = [
     "INSTALL_LINE",
@@ -249,7 +249,7 @@ def profile_task(source_path, name, shape, profile_kwargs=None, threads=None) ->
     shape : tuple of int
         Its shape as the client saw it (checked: the file must not have changed).
     profile_kwargs : dict, optional
-        Keyword arguments of :func:`opscope_nb.mining.profile_layer`
+        Keyword arguments of :func:`opscope_nb.profile.mining.profile_layer`
         (``rank_cap``, ``seed`` ...).
     threads : int, optional
         Numba and BLAS threads for this task; None: the Dask worker's own
@@ -265,7 +265,7 @@ def profile_task(source_path, name, shape, profile_kwargs=None, threads=None) ->
     """
     import platform
 
-    from .profiling import profile_entry
+    from .profile.checkpoint import profile_entry
     if threads is None:
         try:
             from distributed import get_worker
@@ -455,7 +455,7 @@ def run_profile(cluster: Cluster, source_path, jobs, profile_kwargs, on_result, 
         Source index and entry of every tensor to profile (already-resumed
         layers are simply not in this list).
     profile_kwargs : dict
-        Keyword arguments of :func:`opscope_nb.mining.profile_layer`.
+        Keyword arguments of :func:`opscope_nb.profile.mining.profile_layer`.
     on_result : callable(index, entry, result)
         Called in completion order, exactly once per job, in this thread;
         ``result`` is :func:`profile_task`'s dict.

@@ -72,58 +72,59 @@ def _w(rows=64, cols=64, seed=0):
 
 def _profile_labels(labels):
     """Pack, unpack and measure ``labels`` as ``profile_layer`` does."""
-    from . import mining
-    from .kernels._probe import rel_err
+    from . import formats
+    from .kernels._quant_probe import rel_err
     w = _w()
     for lab in labels:
-        d = mining.Decomp.from_label(lab)
-        packed = mining._pack(w, d)
-        recon = mining.unpack(packed, d, w.shape)
+        d = formats.Decomp.from_label(lab)
+        packed = formats._pack(w, d)
+        recon = formats.unpack(packed, d, w.shape)
         float(rel_err(w, recon))
 
 
 def _profile_svd(_):
-    from . import mining
+    from . import formats
     from .kernels import truncated_svd
-    from .kernels._probe import rel_err
+    from .kernels._quant_probe import rel_err
     w = _w()
     svd = truncated_svd(w, 48, 0)
-    d = mining.Decomp.lowrank(8, svd_rank=48, seed=0)
-    recon = mining.unpack(mining._pack(w, d, svd), d, w.shape)
+    d = formats.Decomp.lowrank(8, svd_rank=48, seed=0)
+    recon = formats.unpack(formats._pack(w, d, svd), d, w.shape)
     float(rel_err(w, recon))
 
 
 def _profile_family(kind):
-    from . import mining
-    from .kernels._probe import rel_err
+    from . import formats
+    from .kernels._quant_probe import rel_err
     w = _w()
     rows, cols = w.shape
     if kind == "monarch":
-        d = mining.Decomp.monarch()
+        d = formats.Decomp.monarch()
     elif kind == "tucker":
-        c1, c2 = mining.balanced_factor(cols)
-        d = mining.Decomp.tucker((rows, c1, c2), (32, c1 // 2, c2 // 2))
+        c1, c2 = formats.balanced_factor(cols)
+        d = formats.Decomp.tucker((rows, c1, c2), (32, c1 // 2, c2 // 2))
     else:
-        r1, r2 = mining.balanced_factor(rows)
-        c1, c2 = mining.balanced_factor(cols)
-        d = mining.Decomp.tt((r1, r2, c1, c2), 16)
-    recon = mining.unpack(mining._pack(w, d), d, w.shape)
+        r1, r2 = formats.balanced_factor(rows)
+        c1, c2 = formats.balanced_factor(cols)
+        d = formats.Decomp.tt((r1, r2, c1, c2), 16)
+    recon = formats.unpack(formats._pack(w, d), d, w.shape)
     float(rel_err(w, recon))
 
 
 def _profile_synth(_):
     """The built-in model's weight generators (the RNG kernels), as
     ``opscope-nb profile`` without a source draws them."""
-    from . import synth
+    from .io import synth
     from .io import SYNTHETIC_LAYERS
     for _name, dist, _rows, _cols, seed in SYNTHETIC_LAYERS:
         synth.sample(getattr(synth.Dist, dist), 8, 8, seed=seed)
 
 
 def _profile_allocate(_):
-    from . import mining
-    from .allocate import dado_allocate, exact_allocate, greedy_allocate
-    D = mining.Decomp
+    from . import formats
+    from .profile import mining
+    from .plan.allocate import dado_allocate, exact_allocate, greedy_allocate
+    D = formats.Decomp
     layers = []
     for i in range(3):
         opts = [mining.DecompOption(D.dense(), 0.0, 4096 * 4, 4096),
@@ -136,14 +137,17 @@ def _profile_allocate(_):
 
 
 def _profile_cli(_):
-    """``opscope-nb profile`` on the built-in model (output discarded)."""
+    """``opscope-nb profile`` on the built-in model (output discarded), in a
+    child process: the command layer sits above this module (it warms through
+    it), so it is run, not imported."""
+    import subprocess
     import tempfile
-    from .cli import main
-    with tempfile.TemporaryDirectory() as tmp, \
-            contextlib.redirect_stdout(io.StringIO()):
-        code = main(["profile", "--out", tmp, "--no-warmup"])
-    if code:
-        raise RuntimeError(f"opscope-nb profile exited with status {code}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run([sys.executable, "-m", "opscope_nb", "profile", "--out", tmp,
+                              "--no-warmup"], capture_output=True, text=True)
+    if out.returncode:
+        tail = (out.stderr.strip().splitlines() or [""])[-1]
+        raise RuntimeError(f"opscope-nb profile exited with status {out.returncode}: {tail}")
 
 
 # ───────────────────────────── runtime items ─────────────────────────────
@@ -162,7 +166,7 @@ def _runtime_kind(spec):
     is the profile group's SVD / Tucker / TT items)."""
     import numpy as np
     from .bench.formats import FACTOR_KINDS, _random_factors
-    from .mining import Decomp
+    from .profile.mining import Decomp
     from .runtime import PackedLinear
     label, act, m = _spec(spec)
     rows, cols = (64, 64) if label == "monarch" else (64, 256)
@@ -410,7 +414,7 @@ def warm(only=None, jobs=None, on_result=None, names=None):
 # ─────────────────────── warm stamps and the first run ───────────────────────
 
 def _stamp():
-    from . import _config
+    from .kernels import _jit as _config
     return _config.STATE_DIR / "opscope_warm.json"
 
 
@@ -419,7 +423,7 @@ def can_autowarm() -> bool:
     kernels are cached on disk (a forced ``OPSCOPE_I8_PATH`` caches elsewhere
     and is left alone), the cache directory is writable, and
     ``OPSCOPE_AUTOWARM`` is not ``0``."""
-    from . import _config
+    from .kernels import _jit as _config
     if os.environ.get("OPSCOPE_AUTOWARM", "1").strip() == "0":
         return False
     if not _config.CACHE:
@@ -434,7 +438,7 @@ def warmed() -> set:
     cache (``opscope_warm.json``) holding the sources' digest; any edit of
     the package makes it stale, as it drops the cache."""
     import json
-    from . import _config
+    from .kernels import _jit as _config
     try:
         rec = json.loads(_stamp().read_text())
     except (OSError, ValueError):
@@ -460,7 +464,7 @@ def mark_warm(names) -> None:
     record's read-modify-write runs under the cache lock, so concurrent
     warm-ups keep each other's names)."""
     import json
-    from . import _config
+    from .kernels import _jit as _config
     names = list(names)
     if _config.SOURCES_DIGEST is None or not names:
         return

@@ -275,7 +275,7 @@ def naive_box_muller(words):
 
 
 def naive_sample(dist, rows, cols, seed=0):
-    """Upstream ``sample`` with NumPy streams (see opscope_nb.synth for the spec)."""
+    """Upstream ``sample`` with NumPy streams (see opscope_nb.io.synth for the spec)."""
     n = rows * cols
     mseed = seed ^ 0x9E3779B97F4A7C15
 

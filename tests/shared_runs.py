@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from opscope_nb._config import _locked
+from opscope_nb.kernels._jit import _locked
 from test_io import minilm_path
 
 

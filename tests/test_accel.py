@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from naive_matmul import naive_dense_matmul, naive_rel_l2
-from opscope_nb import accel
+from opscope_nb.runtime import accel
 
 needs_vendor = pytest.mark.skipif(not accel.available(),
                                   reason=f"no vendor BLAS: {accel.why_unavailable()}")

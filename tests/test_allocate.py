@@ -9,11 +9,18 @@ import pytest
 from naive_alloc import (naive_brute_force, naive_brute_force2, naive_budget_bpw,
                          naive_budget_exact, naive_dado, naive_greedy,
                          naive_lagrangian_bound)
-from opscope_nb.allocate import (Allocation, DadoConfig, budget_bytes, dado_allocate,
-                                 exact_allocate, greedy_allocate, silence_native_output)
-from opscope_nb.kernels import (dado_core, greedy2_core, greedy_core, lower_hull_core,
-                                mckp_lp_bound)
-from opscope_nb.mining import Decomp, DecompOption, LayerProfile
+from opscope_nb.plan.allocate import (
+    Allocation,
+    DadoConfig,
+    budget_bytes,
+    dado_allocate,
+    exact_allocate,
+    greedy_allocate,
+    silence_native_output,
+)
+from opscope_nb.kernels import dado_core, greedy2_core, greedy_core, lower_hull_core, mckp_lp_bound
+from opscope_nb.formats import Decomp
+from opscope_nb.profile.mining import DecompOption, LayerProfile
 
 KINDS = [Decomp.int8(), Decomp.int4(), Decomp.int4(32), Decomp.ternary(),
          Decomp.sparse24(), Decomp.lowrank(4), Decomp.lowrank(8), Decomp.lowrank(16),

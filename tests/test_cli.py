@@ -106,7 +106,8 @@ def small_profile(rng, nl, k, *, latency=None):
 
     ``latency``: a tuple of m values; every option then gets ``latency_us`` in the
     JSON (random, dense slowest but not always)."""
-    from opscope_nb.mining import Decomp, DecompOption, LayerProfile
+    from opscope_nb.formats import Decomp
+    from opscope_nb.profile.mining import DecompOption, LayerProfile
     kinds = [Decomp.int8(), Decomp.int4(), Decomp.ternary(), Decomp.lowrank(2),
              Decomp.lowrank(4), Decomp.sparse24()]
     recs, layers = [], []
@@ -333,7 +334,7 @@ def test_resume_reuses_same_name_and_shape(small_st, tmp_path):
 
 
 def test_interrupted_run_keeps_done_layers(small_st, tmp_path, monkeypatch):
-    from opscope_nb import mining
+    from opscope_nb.profile import mining
     p, _ = small_st
     out = tmp_path / "o"
     real = mining.profile_layer
@@ -431,7 +432,7 @@ def minilm():
 
 def test_quant_recipe_sizes(tmp_path):
     """The mixed recipe counts packed codes plus one float32 scale per row."""
-    from opscope_nb import mining
+    from opscope_nb.profile import mining
     rng = np.random.default_rng(4)
     t = {"a.weight": rng.standard_normal((16, 33)).astype(np.float32),
          "b.weight": np.round(rng.standard_normal((8, 10)) * 2).astype(np.float32) / 2}
@@ -468,7 +469,7 @@ def test_plot(synth_run, tmp_path):
     assert not [f for f in os.listdir(tmp_path) if f != "rd.png"]
 
     prof = load_json(d / "profile.json")
-    from opscope_nb.mining import LayerProfile
+    from opscope_nb.profile.mining import LayerProfile
     layers = [LayerProfile.from_dict(r["profile"]) for r in prof["layers"]]
     data = cplot.plot_data(layers, budgets=(0.2, 0.35, 0.6))
     for rec, ld in zip(prof["layers"], data["layers"]):
@@ -522,7 +523,7 @@ def test_plot_frontier_matches_brute_force(tmp_path):
 
 
 def test_lower_hull_against_brute_force():
-    from opscope_nb.allocate import lower_hull
+    from opscope_nb.plan.allocate import lower_hull
     rng = np.random.default_rng(5)
     for t in range(60):
         pts = [(float(b), float(e)) for b, e in rng.random((9, 2))]
@@ -667,7 +668,7 @@ def test_progress_bar_only_on_a_terminal(quiet):
 
 
 def test_interrupt_during_resume_keeps_saved_later_layers(small_st, tmp_path, monkeypatch):
-    from opscope_nb import mining
+    from opscope_nb.profile import mining
     p, t = small_st
     out = tmp_path / "o"
     assert run(["profile", p, "--out", out, "--rank-cap", "4"])[0] == 0
@@ -753,7 +754,7 @@ def test_quant_depth_trend_when_indices_do_not_start_at_zero(tmp_path):
     assert rc == 0, err
     line = next(ln for ln in out.splitlines() if ln.startswith("depth trend"))
     assert "nan" not in line.lower()
-    from opscope_nb.mining import quant_stat
+    from opscope_nb.profile.mining import quant_stat
     e = quant_stat("x", t["model.layers.10.mlp.up_proj.weight"], 0.03).int4_pc
     lt = quant_stat("x", t["model.layers.12.mlp.up_proj.weight"], 0.03).int4_pc
     assert f"early third {e:.4f} vs late third {lt:.4f}" in line
@@ -900,7 +901,7 @@ def test_latency_budget_needs_latencies(tmp_path):
 
 def _has_latency_field():
     import dataclasses
-    from opscope_nb.mining import DecompOption
+    from opscope_nb.profile.mining import DecompOption
     return "latency_us" in {f.name for f in dataclasses.fields(DecompOption)}
 
 
@@ -938,7 +939,7 @@ def test_latency_budget_plan_matches_brute_force(tmp_path):
 
 def test_profile_latency_flag(small_st, tmp_path):
     import inspect
-    from opscope_nb import mining
+    from opscope_nb.profile import mining
     p, _ = small_st
     rc, out, err = run(["profile", p, "--rank-cap", "4", "--latency", "1", "--method",
                         "greedy", "--out", tmp_path / "o"])
@@ -969,7 +970,7 @@ def test_profile_latency_flag(small_st, tmp_path):
 
 
 def test_quant_shows_int5_int6_when_measured(tmp_path):
-    from opscope_nb.mining import quant_stat
+    from opscope_nb.profile.mining import quant_stat
     rng = np.random.default_rng(18)
     w = rng.standard_normal((12, 40)).astype(np.float32)
     p = tmp_path / "w.safetensors"

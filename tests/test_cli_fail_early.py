@@ -81,7 +81,7 @@ def test_progress_lines_off_a_terminal(tmp_path):
 
 
 def test_interrupt_message_fits_the_command(tmp_path, monkeypatch):
-    from opscope_nb import apply as ap
+    from opscope_nb.plan import apply as ap
     p = _ckpt(tmp_path)
     d = tmp_path / "o"
     assert run(["profile", p, "--rank-cap", "4", "--method", "greedy", "--out", d, "-q"])[0] == 0

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from opscope_nb import _config
+from opscope_nb.kernels import _jit as _config
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "opscope_nb"
 
@@ -77,7 +77,7 @@ def test_cache_dirs_follow_numba(tmp_path, monkeypatch):
 
 _RACER = textwrap.dedent("""
     import os, pathlib, sys, time
-    from opscope_nb import _config
+    from opscope_nb.kernels import _jit as _config
     pkg, go = pathlib.Path(sys.argv[1]), float(sys.argv[2])
     while time.time() < go:
         pass
@@ -111,8 +111,8 @@ _RO_WORKLOAD = textwrap.dedent("""
     import json, sys
     import numpy as np
     import opscope_nb
-    from opscope_nb import _config
-    from opscope_nb.kernels._probe import rel_err
+    from opscope_nb.kernels import _jit as _config
+    from opscope_nb.kernels._quant_probe import rel_err
     a = np.ones((8, 8), np.float32)
     rel_err(a, a)
     st = rel_err.stats

@@ -12,10 +12,10 @@ import pytest
 from numba import types
 
 import naive_packed_quant as nq
-from opscope_nb import _runtime
+from opscope_nb.runtime import _packed as _runtime
 from opscope_nb import kernels as K
-from opscope_nb.kernels._matmul import PAR_MIN
-from opscope_nb.mining import Decomp
+from opscope_nb.kernels._w8a8 import PAR_MIN
+from opscope_nb.formats import Decomp
 from opscope_nb.runtime import PackedLinear
 
 RNG = np.random.default_rng(25)
@@ -271,7 +271,7 @@ def test_kinds_compile_only_the_decode_variants_they_reach(tmp_path):
         # a decode entry has no parallel loop of its own: no warning about it
         "warnings.simplefilter('error', NumbaPerformanceWarning)\n"
         "from opscope_nb.kernels import _packed_quant as PQ\n"
-        "from opscope_nb.mining import Decomp\n"
+        "from opscope_nb.profile.mining import Decomp\n"
         "from opscope_nb.runtime import PackedLinear\n"
         "w = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)\n"
         "x = np.ones((1, 256), np.float32)\n"
@@ -289,7 +289,7 @@ def test_w8a8_prefill_kw_fresh_dict_and_thread_count():
     change what later calls get, though the runtime shares one per path),
     and the path it names follows ``numba.set_num_threads`` in this thread."""
     import numba
-    from opscope_nb.kernels import _matmul as KM
+    from opscope_nb.kernels import _w8a8 as KM
     kw = K.w8a8_prefill_kw(16, 256, 64)
     kw["prefill"] = "edited"
     assert "prefill" not in K.w8a8_prefill_kw(16, 256, 64)
@@ -309,7 +309,7 @@ def test_w8a8_prefill_kw_fresh_dict_and_thread_count():
 
 
 def test_w8a8_decode_from_python_compiles_no_prefill_path(tmp_path):
-    """``opscope_nb.matmul.matmul_w8a8`` / ``dynamic_matmul_w8a8`` below
+    """``opscope_nb.runtime.matmul.matmul_w8a8`` / ``dynamic_matmul_w8a8`` below
     ``I8_PANEL_MIN_M`` rows call the cores with ``prefill=None``: a decode
     compiles neither the panel nor the row split (about two thirds of the
     W8A8 compile), and still equals the exact integer product.  A fresh
@@ -320,7 +320,7 @@ def test_w8a8_decode_from_python_compiles_no_prefill_path(tmp_path):
     from subproc import run_cold
     code = (
         "import numpy as np\n"
-        "from opscope_nb import matmul as M\n"
+        "from opscope_nb.runtime import matmul as M\n"
         "from opscope_nb.kernels import _matmul as KM\n"
         "rng = np.random.default_rng(0)\n"
         "xq = rng.integers(-127, 128, (3, 96)).astype(np.int8)\n"
@@ -349,9 +349,9 @@ def test_block_functions_compile_once_for_serial_and_parallel_calls(tmp_path):
     code = (
         "import numpy as np\n"
         "from opscope_nb import kernels as K\n"
-        "from opscope_nb import matmul as M\n"
+        "from opscope_nb.runtime import matmul as M\n"
         "from opscope_nb.kernels import _matmul as KM\n"
-        "from opscope_nb.mining import Decomp\n"
+        "from opscope_nb.profile.mining import Decomp\n"
         "from opscope_nb.runtime import PackedLinear\n"
         "rng = np.random.default_rng(0)\n"
         "wq = rng.integers(-127, 128, (64, 256)).astype(np.int8)\n"
@@ -361,7 +361,7 @@ def test_block_functions_compile_once_for_serial_and_parallel_calls(tmp_path):
         "    y = M.dynamic_matmul_w8a8(x, wq, sc, min_parallel=0 if m == 3 else 10**9)\n"
         "    ref = M.dynamic_matmul_w8a8(x, wq, sc)\n"
         # the kernel itself with min_parallel omitted (a literal default), on
-        # the decode path opscope_nb.matmul picks for these m
+        # the decode path opscope_nb.runtime.matmul picks for these m
         "    ref2 = K.dynamic_matmul_w8a8(x, wq, sc, prefill=None)\n"
         "    print('EQ', bool((y == ref).all() and (y == ref2).all()))\n"
         "w = rng.standard_normal((64, 256)).astype(np.float32)\n"
@@ -388,7 +388,7 @@ def test_prefill_variants_compile_no_decode_tiles_and_no_foreign_panel(tmp_path)
         "import numpy as np\n"
         "from opscope_nb import kernels as K\n"
         "from opscope_nb.kernels import _packed_quant as PQ\n"
-        "from opscope_nb.mining import Decomp\n"
+        "from opscope_nb.profile.mining import Decomp\n"
         "from opscope_nb.runtime import PackedLinear\n"
         "rng = np.random.default_rng(0)\n"
         "w = rng.standard_normal((64, 256)).astype(np.float32)\n"

@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from opscope_nb import _config
+from opscope_nb.kernels import _jit as _config
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "opscope_nb"
 
@@ -25,21 +25,22 @@ def test_fastmath_keeps_nan_and_inf_semantics():
 def test_no_literal_jit_flags_outside_config():
     offenders = []
     for path in PKG.rglob("*.py"):
-        if path.name == "_config.py":
+        if path.name == "_jit.py":
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(r"\b(fastmath|cache)\s*=", line) and "jit" in line:
                 offenders.append(f"{path.name}:{i}: {line.strip()}")
-    assert not offenders, "jit flags must come from opscope_nb._config:\n" + "\n".join(offenders)
+    assert not offenders, "jit flags must come from opscope_nb.kernels._jit:\n" + "\n".join(offenders)
 
 
 _WORKLOAD = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from opscope_nb.synth import Dist, sample
-    from opscope_nb import probe, svd, kernels
-    from opscope_nb.mining import profile_layer
-    from opscope_nb.allocate import greedy_allocate, dado_allocate
+    from opscope_nb.io.synth import Dist, sample
+    from opscope_nb import kernels
+    from opscope_nb.profile import probe, svd
+    from opscope_nb.profile.mining import profile_layer
+    from opscope_nb.plan.allocate import greedy_allocate, dado_allocate
 
     w = sample(Dist.LOWRANK, 64, 96, seed=1)
     probe.per_channel_quant_error(w, 4); probe.nm_sparsity_error(w, 2, 4)
@@ -95,7 +96,7 @@ def test_drop_stale_cache_on_source_change(tmp_path):
     """A changed source file removes every numba cache file under the package
     root (and only then); the fingerprint is rewritten, so a second call with
     unchanged sources keeps the cache."""
-    from opscope_nb import _config
+    from opscope_nb.kernels import _jit as _config
     pkg = tmp_path / "pkg"
     (pkg / "sub" / "__pycache__").mkdir(parents=True)
     (pkg / "a.py").write_text("x = 1\n")
@@ -117,7 +118,7 @@ def test_absmax_f32_matches_numpy():
     """The int32-bit-pattern max equals max |x| (signed zeros, inf, subnormals,
     empty ranges) and refuses non-float32 arrays at compile time."""
     import numba
-    from opscope_nb.kernels._probe import absmax_f32
+    from opscope_nb.kernels._quant_probe import absmax_f32
     rng = np.random.default_rng(3)
     x = rng.standard_normal(1000).astype(np.float32) * 1e3
     x[[5, 9]] = [-0.0, np.float32(1e-42)]

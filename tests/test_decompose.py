@@ -7,9 +7,9 @@ import pytest
 
 import naive_decomp as nv
 from subproc import run_code
-from opscope_nb import decompose as D
+from opscope_nb.profile import decompose as D
 from opscope_nb import kernels
-from opscope_nb.synth import Dist, sample
+from opscope_nb.io.synth import Dist, sample
 
 
 def rel(a, b):
@@ -300,7 +300,8 @@ def test_tt_from_python_compiles_no_typed_list_accessors():
     code = (
         "import numpy as np\n"
         "from numba.typed import typedlist as T\n"
-        "from opscope_nb import decompose as D, formats as F\n"
+        "from opscope_nb import formats as F\n"
+        "from opscope_nb.profile import decompose as D\n"
         "x = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)\n"
         "D.tt_reconstruct(D.tt_svd(x, (4, 4, 4, 4), 3))\n"
         "d = F.Decomp.tt((4, 4, 4, 4), 3)\n"

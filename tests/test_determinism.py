@@ -13,8 +13,8 @@ import pytest
 
 CODE = r"""
 import json, sys
-from opscope_nb.mining import profile_layer
-from opscope_nb.synth import Dist, sample
+from opscope_nb.profile.mining import profile_layer
+from opscope_nb.io.synth import Dist, sample
 out = {}
 for i, (r, c) in enumerate([(64, 96), (144, 144), (96, 200)]):
     w = sample(Dist.GAUSSIAN if i % 2 else Dist.LOWRANK, r, c, seed=i)

@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 from naive_models import write_tiny_llama
 from opscope_nb.cli import main
-from opscope_nb.profiling import result_settings
+from opscope_nb.profile.checkpoint import result_settings
 from test_io import write_st
 
 
@@ -44,7 +44,7 @@ def _ckpt(path, bump=None):
 def _interrupt_at(monkeypatch, n):
     """Make the n-th profile_layer call raise KeyboardInterrupt (Ctrl-C mid-run);
     returns the real function to restore."""
-    from opscope_nb import mining
+    from opscope_nb.profile import mining
     real, calls = mining.profile_layer, []
 
     def flaky(name, w, **kw):
@@ -72,7 +72,7 @@ def test_profile_records_fingerprints(tmp_path):
 
 
 def test_resume_against_a_changed_tensor_is_refused(tmp_path, monkeypatch):
-    from opscope_nb import mining
+    from opscope_nb.profile import mining
     p = _ckpt(tmp_path / "m.safetensors")
     d = tmp_path / "o"
     real = _interrupt_at(monkeypatch, 3)
@@ -104,7 +104,7 @@ def test_result_settings_ignore_run_facts():
 
 
 def test_resume_with_calib_after_an_interrupt_resumes(tmp_path, monkeypatch):
-    from opscope_nb import mining
+    from opscope_nb.profile import mining
     d0 = str(tmp_path / "tiny")
     os.makedirs(d0)
     write_tiny_llama(d0, seed=3)
@@ -148,7 +148,7 @@ def test_apply_and_eval_refuse_another_source(tmp_path):
 def test_plan_resolved_elsewhere_applies_bit_identically(tmp_path):
     """A plan re-solved by ``allocate`` in another directory (no profile.json
     beside it) rebuilds low-rank options with the same sketch rank and seed."""
-    from opscope_nb.checkpoint import load
+    from opscope_nb.runtime.checkpoint import load
     d0 = str(tmp_path / "tiny")
     os.makedirs(d0)
     write_tiny_llama(d0, seed=7)

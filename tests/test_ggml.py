@@ -1,4 +1,4 @@
-"""ggml quantisers (:mod:`opscope_nb.ggml`) against libggml's own bytes.
+"""ggml quantisers (:mod:`opscope_nb.formats.ggml`) against libggml's own bytes.
 
 Golden fixtures (``tests/fixtures/ggml``)
 ----------------------------------------
@@ -35,7 +35,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from opscope_nb import ggml
+from opscope_nb.formats import ggml
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize  # noqa: E402

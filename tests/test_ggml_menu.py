@@ -7,7 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from opscope_nb import formats, ggml, mining
+from opscope_nb import formats
+from opscope_nb.formats import ggml
+from opscope_nb.profile import mining
 from opscope_nb.formats import Decomp
 from opscope_nb.runtime import PackedLinear
 

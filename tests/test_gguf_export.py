@@ -8,11 +8,17 @@ import os
 import numpy as np
 import pytest
 
-from opscope_nb import ggml
+from opscope_nb.formats import ggml
 from opscope_nb.cli import main
 from opscope_nb.formats import Decomp
-from opscope_nb.gguf_export import (GGUFExportError, export_gguf, ggml_type_name, gguf_name,
-                                    quantize_command, tensor_type_text)
+from opscope_nb.io.gguf_export import (
+    GGUFExportError,
+    export_gguf,
+    ggml_type_name,
+    gguf_name,
+    quantize_command,
+    tensor_type_text,
+)
 
 gguf = pytest.importorskip("gguf")
 

@@ -1,4 +1,4 @@
-"""``opscope_nb._gguf.GGUFFile`` (the header parse behind ``io.gguf_reader``)
+"""``opscope_nb.io._gguf_header.GGUFFile`` (the header parse behind ``io.gguf_reader``)
 against gguf-py's own ``GGUFReader``: the same key/values (values, types, the
 records' bytes), tensors (type, shape, sizes, offsets, data views) on files
 with every value type, both byte orders, an alignment of its own and a real
@@ -14,7 +14,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from opscope_nb._gguf import GGUFFile  # noqa: E402
+from opscope_nb.io._gguf_header import GGUFFile  # noqa: E402
 
 VT = gguf.GGUFValueType
 QT = gguf.GGMLQuantizationType

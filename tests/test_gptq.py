@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import naive_gptq as ng
-from opscope_nb.gptq import check_gram, gptq_quantize, output_error
-from opscope_nb.mining import (Decomp, DecompOption, LayerProfile, approximate, pack,
-                               profile_layer)
+from opscope_nb.formats.gptq import check_gram, gptq_quantize, output_error
+from opscope_nb.formats import Decomp, approximate, pack
+from opscope_nb.profile.mining import DecompOption, LayerProfile, profile_layer
 
 
 def _data(rows, cols, n=300, seed=0):
@@ -29,9 +29,9 @@ def test_gptq_codes_equal_numpy_twin(bits, group):
 
 
 def test_gptq_core_from_njit_caller():
-    from opscope_nb._config import njit
-    from opscope_nb.gptq import hessian_factor, sweep_order
-    from opscope_nb.kernels._gptq import gptq_core, gptq_group_scales
+    from opscope_nb.kernels._jit import njit
+    from opscope_nb.formats.gptq import hessian_factor, sweep_order
+    from opscope_nb.kernels._gptq_round import gptq_core, gptq_group_scales
 
     @njit
     def call(w, wp, imp, u, perm):

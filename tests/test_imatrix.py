@@ -4,7 +4,7 @@ import struct
 import numpy as np
 import pytest
 
-from opscope_nb.imatrix import ImatrixError, gguf_to_hf, read_imatrix
+from opscope_nb.io.imatrix import ImatrixError, gguf_to_hf, read_imatrix
 
 
 def _write_gguf(path, entries, moe=None):
@@ -71,7 +71,7 @@ def test_legacy_dat_imatrix(tmp_path):
 
 
 def test_imatrix_gram_feeds_profile_layer(tmp_path):
-    from opscope_nb.mining import profile_layer
+    from opscope_nb.profile.mining import profile_layer
     v = np.linspace(0.5, 2.0, 64).astype(np.float32)
     p = tmp_path / "im.dat"
     _write_dat(p, {"blk.0.attn_k.weight": (v, 1)})

@@ -569,7 +569,7 @@ def test_synthetic_model_layout():
 
 
 def test_synthetic_model_data():
-    from opscope_nb import synth       # a broken import must fail, not skip
+    from opscope_nb.io import synth       # a broken import must fail, not skip
     src = oio.open_source(None)
     for e, (_, dist, r, c, seed) in zip(src.entries, oio.SYNTHETIC_LAYERS):
         w = e.load()
@@ -722,7 +722,7 @@ def test_read_tensor_file_is_the_single_dump_reader(tmp_path):
 def test_read_tensor_file_keeps_probe_load_tensor_contract(tmp_path):
     """probe.load_tensor can delegate to io.read_tensor_file: same values, and the
     ValueError messages its tests match (sizes, 'truncated' / 'longer' / 'header')."""
-    from opscope_nb import probe
+    from opscope_nb.profile import probe
     x = np.arange(16, dtype=np.float32).reshape(4, 4) / 7
     p = tmp_path / "w.tensor"
     probe.save_tensor(p, x)
@@ -772,12 +772,12 @@ def test_gguf_reader_parsed_once_per_file_version(tmp_path):
 
 
 def test_gguf_every_ggml_block_type_loads_as_gguf_dequantises(tmp_path, monkeypatch):
-    """Every ggml block type of :mod:`opscope_nb.ggml` (its float types aside)
+    """Every ggml block type of :mod:`opscope_nb.formats.ggml` (its float types aside)
     loads through the package's own decoder -- gguf-py's is made to fail
     during the loads -- bit for bit as ``gguf.quants.dequantize`` decodes the
     stored bytes, 2-D, 3-D and 1-D, as a fresh writable float32 array."""
     gguf = pytest.importorskip("gguf")
-    from opscope_nb import ggml
+    from opscope_nb.formats import ggml
     T = gguf.GGMLQuantizationType
     rng = np.random.default_rng(21)
     shapes = {"Q4_K": (2, 3, 256), "Q8_0": (256,)}

@@ -20,9 +20,9 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from opscope_nb import ggml                                       # noqa: E402
+from opscope_nb.formats import ggml                                       # noqa: E402
 from opscope_nb.formats import Decomp                             # noqa: E402
-from opscope_nb.gguf_export import export_gguf, tensor_type_text  # noqa: E402
+from opscope_nb.io.gguf_export import export_gguf, tensor_type_text  # noqa: E402
 from opscope_nb.models import llamacpp                            # noqa: E402
 from naive_models import smollm2_gguf                             # noqa: E402
 

@@ -9,10 +9,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from opscope_nb import checkpoint
-from opscope_nb.formats import (LR_KINDS, Decomp, approximate, correction_factors, layout,
-                                pack, packed_bytes, unpack)
-from opscope_nb.mining import profile_layer
+from opscope_nb.runtime import checkpoint
+from opscope_nb.formats import (
+    LR_KINDS,
+    Decomp,
+    approximate,
+    correction_factors,
+    layout,
+    pack,
+    packed_bytes,
+    unpack,
+)
+from opscope_nb.profile.mining import profile_layer
 from opscope_nb.runtime import PackedLinear
 
 from naive_runtime import unpack as twin_unpack

@@ -11,7 +11,7 @@ from naive_matmul import (naive_a16_levels, naive_matmul_w8a16_f32act,
                           naive_quantize_rows_i8, naive_rel_l2,
                           naive_sparse_skip_matmul)
 from opscope_nb import kernels as K
-from opscope_nb import matmul as M
+from opscope_nb.runtime import matmul as M
 
 # (m, k, n): 1x1, decode rows, k = 1, k not a multiple of any SIMD width
 # (8 floats, 16/32 int8), n not a multiple of the 4-output blocks, odd m.
@@ -226,7 +226,7 @@ def test_simd_path_named():
 
 
 # --------------------------------------------------------------------------
-# int8 guards (I8_MAX_K, -128) and the validated public twin opscope_nb.matmul
+# int8 guards (I8_MAX_K, -128) and the validated public twin opscope_nb.runtime.matmul
 # --------------------------------------------------------------------------
 _BIG_K = K._matmul.I8_MAX_K + 1
 
@@ -255,7 +255,7 @@ def test_i8_max_k_enforced_by_cores():
 
 
 def test_public_matmul_matches_cores_and_validates():
-    from opscope_nb import matmul as M
+    from opscope_nb.runtime import matmul as M
     x, w = _data(5, 70, 9, seed=11)
     wtq, sc = M.quantize_cols_t(w)
     xq, sx = M.quantize_rows_i8(x)

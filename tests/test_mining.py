@@ -8,9 +8,8 @@ import pytest
 from naive_alloc import (naive_group_quant, naive_lowrank, naive_nm_prune, naive_rel_err,
                          naive_ternary)
 from opscope_nb.kernels import rel_err as kernel_rel_err
-from opscope_nb.mining import (Decomp, DecompOption, LayerProfile, approximate,
-                               balanced_factor, pack, packed_bytes, parse_layer_kind,
-                               profile_layer, quant_stat)
+from opscope_nb.formats import Decomp, approximate, balanced_factor, pack, packed_bytes
+from opscope_nb.profile.mining import DecompOption, LayerProfile, parse_layer_kind, profile_layer, quant_stat
 
 ALL_DECOMPS = [
     (Decomp.dense(), "dense"),
@@ -408,7 +407,7 @@ def test_layer_profile_helpers_and_json():
 # ───────────────────────────── seed tests ─────────────────────────────
 
 def test_seed_lowrank_layer_has_cheap_lowrank_option():
-    from opscope_nb.synth import Dist, sample
+    from opscope_nb.io.synth import Dist, sample
 
     prof = profile_layer("lr", sample(Dist.LOWRANK, 64, 64, 1))
     low = next(o for o in prof.options if o.decomp.kind == "lowrank")
@@ -416,8 +415,8 @@ def test_seed_lowrank_layer_has_cheap_lowrank_option():
 
 
 def test_seed_dado_matches_greedy_four_layers():
-    from opscope_nb.allocate import dado_allocate, exact_allocate, greedy_allocate
-    from opscope_nb.synth import Dist, sample
+    from opscope_nb.plan.allocate import dado_allocate, exact_allocate, greedy_allocate
+    from opscope_nb.io.synth import Dist, sample
 
     layers = [profile_layer("a", sample(Dist.LOWRANK, 64, 64, 1)),
               profile_layer("b", sample(Dist.QUANTIZED, 48, 32, 2)),

@@ -205,7 +205,7 @@ def test_thread_count_intrinsic_follows_numba():
     must equal ``numba.get_num_threads()`` (fails if numba drops or changes
     the symbol)."""
     import numba
-    from opscope_nb.kernels._matmul import _num_threads
+    from opscope_nb.kernels._w8a8 import _num_threads
 
     @numba.njit(cache=False)
     def read():
@@ -228,9 +228,9 @@ def test_imports_and_runs_without_jit(tmp_path):
         import json
         import numpy as np
         import opscope_nb.kernels, opscope_nb.runtime
-        from opscope_nb import probe
+        from opscope_nb.profile import probe
         from opscope_nb.formats import Decomp
-        from opscope_nb.mining import profile_layer
+        from opscope_nb.profile.mining import profile_layer
         from opscope_nb.runtime import PackedLinear
         w = np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32)
         err = probe.quant_error(w, 8)
@@ -256,7 +256,7 @@ def test_forced_int8_path_leaves_numba_cache_dir_alone(tmp_path):
     out = _py("""
         import json, numba
         before = numba.config.CACHE_DIR
-        from opscope_nb import _config
+        from opscope_nb.kernels import _jit as _config
         print(json.dumps([before, numba.config.CACHE_DIR, _config.CACHE]))
     """, tmp_path, env={"OPSCOPE_I8_PATH": "portable"})
     before, after, cache = json.loads(out)

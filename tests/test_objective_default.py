@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from opscope_nb.allocate import output_objective, predicted_damage
-from opscope_nb.cli._plan import run_allocators
-from opscope_nb.mining import Decomp, DecompOption, LayerProfile
+from opscope_nb.plan.allocate import output_objective, predicted_damage
+from opscope_nb.cli._budget import run_allocators
+from opscope_nb.formats import Decomp
+from opscope_nb.profile.mining import DecompOption, LayerProfile
 
 
 def _layer(i, sens=None, out_err=None):
@@ -65,7 +66,7 @@ def test_cli_default_objective_is_recorded(tmp_path):
 
 # --- the output head's data-free weight (issue 22: a tied head chosen by sum rel_err**2) ---
 def test_prior_weight_scales_the_output_objective_only():
-    from opscope_nb.allocate import exact_allocate
+    from opscope_nb.plan.allocate import exact_allocate
     plain = [_layer(i) for i in range(2)]
     head = [_layer(0), _layer(1)]
     head[0].prior_weight = 20.0
@@ -87,7 +88,7 @@ def test_prior_weight_scales_the_output_objective_only():
 
 
 def test_prior_weight_round_trip_and_validation():
-    from opscope_nb.mining import profile_layer
+    from opscope_nb.profile.mining import profile_layer
     lp = _layer(0)
     assert "prior_weight" not in lp.to_dict()                # old profiles read the same
     lp.prior_weight = 60.0

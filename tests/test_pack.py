@@ -11,8 +11,8 @@ from naive_alloc import naive_rel_err
 from naive_probe import (naive_intn_plane_bytes, naive_pack_intn,
                          naive_per_channel_quant_error, naive_quantize_groups_sym)
 from opscope_nb import kernels
-from opscope_nb.mining import (Decomp, approximate, pack, packed_bytes, profile_layer,
-                               quant_stat, unpack)
+from opscope_nb.formats import Decomp, approximate, pack, packed_bytes, unpack
+from opscope_nb.profile.mining import profile_layer, quant_stat
 
 BITS = (2, 3, 5, 6)
 
@@ -255,7 +255,7 @@ def test_quant_stat_int5_int6():
 def test_layout_modules_export_through_kernels():
     """Packing cores live in kernels._pack, the Philox generator in kernels._rng,
     both re-exported by opscope_nb.kernels; _dado keeps only allocator cores."""
-    from opscope_nb.kernels import _dado, _pack, _probe, _rng
+    from opscope_nb.kernels import _dado, _pack, _quant_probe as _probe, _rng
 
     for mod in (_pack, _rng):
         for name in mod.__all__:

@@ -12,8 +12,8 @@ import pytest
 
 import naive_packed_quant as nq
 from opscope_nb import kernels as K
-from opscope_nb.kernels._matmul import PAR_MIN
-from opscope_nb.mining import Decomp, pack, unpack
+from opscope_nb.kernels._w8a8 import PAR_MIN
+from opscope_nb.formats import Decomp, pack, unpack
 from opscope_nb.runtime import PackedLinear
 
 RNG = np.random.default_rng(1234)

@@ -1,4 +1,4 @@
-"""Tests of opscope_nb.probe and its @njit cores against the NumPy twins."""
+"""Tests of opscope_nb.profile.probe and its @njit cores against the NumPy twins."""
 import struct
 
 import numba
@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import naive_probe as N
-from opscope_nb import kernels, probe
-from opscope_nb.synth import Dist, sample
+from opscope_nb import kernels
+from opscope_nb.profile import probe
+from opscope_nb.io.synth import Dist, sample
 
 SHAPES = [(1, 1), (1, 17), (17, 1), (7, 13), (33, 64)]
 RTOL = 1e-6        # float64 sums in both; only the summation order differs

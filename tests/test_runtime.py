@@ -10,8 +10,9 @@ import pytest
 
 import naive_runtime as nv
 from opscope_nb import kernels as K
-from opscope_nb import mining
-from opscope_nb.mining import Decomp, DecompOption, LayerProfile, profile_layer
+from opscope_nb.profile import mining
+from opscope_nb.formats import Decomp
+from opscope_nb.profile.mining import DecompOption, LayerProfile, profile_layer
 from opscope_nb.runtime import PackedLinear, expected_arrays, has_kernel, measure_latency
 
 # Float-weight kinds on odd shapes: cols not a multiple of 2, 4 or 32.
@@ -127,7 +128,7 @@ def test_channel_and_group_layers_share_one_entry(monkeypatch):
     scales: numba types a 1-D and a 2-D array apart, so with 1-D scales a plan
     mixing int4/chan and int4/g32 compiled every int4 entry twice.  The stored
     arrays and ``nbytes`` are unchanged."""
-    import opscope_nb._runtime as R
+    import opscope_nb.runtime._packed as R
     seen = []
 
     def spy(real):

@@ -310,7 +310,7 @@ import json, sys
 import numpy as np
 import numba
 from opscope_nb import kernels as K
-from opscope_nb import _config
+from opscope_nb.kernels import _jit as _config
 
 def products():
     rng = np.random.default_rng(11)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from opscope_nb.cli import main
-from opscope_nb.mining import LayerProfile, profile_layer, stored_bytes
+from opscope_nb.profile.mining import LayerProfile, profile_layer, stored_bytes
 from test_io import minilm_path, write_st
 
 
@@ -158,7 +158,7 @@ def _hand_plan(path, src, label_of):
 
 
 def test_apply_keeps_unplanned_bf16_byte_for_byte(minilm_bf16, tmp_path):
-    from opscope_nb.checkpoint import load
+    from opscope_nb.runtime.checkpoint import load
     plan, rows = _hand_plan(str(tmp_path / "p" / "plan.json"), minilm_bf16,
                             lambda n: "int8/chan" if "attention.self.query" in n else None)
     out = tmp_path / "c.safetensors"
@@ -188,7 +188,7 @@ def _smollm2():
 
 def test_gguf_apply_keeps_block_types_as_stored(tmp_path):
     pytest.importorskip("gguf")
-    from opscope_nb.checkpoint import load
+    from opscope_nb.runtime.checkpoint import load
     from opscope_nb.io import open_source
     src = _smollm2()
     entries = {e.name: e for e in open_source(src).entries}

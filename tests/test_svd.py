@@ -12,8 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 from naive_decomp import naive_rank_r_error, naive_truncated_svd
 from opscope_nb import kernels
-from opscope_nb.svd import truncated_svd
-from opscope_nb.synth import Dist, sample
+from opscope_nb.profile.svd import truncated_svd
+from opscope_nb.io.synth import Dist, sample
 
 
 def _check(w, r, *, s_rtol_1=1e-3, s_rtol=3e-2, err_ratio=1.01, seed=0,

@@ -1,11 +1,11 @@
-"""Tests of opscope_nb.synth: the Philox stream, every Dist, validation."""
+"""Tests of opscope_nb.io.synth: the Philox stream, every Dist, validation."""
 import numpy as np
 import pytest
 
 from naive_probe import (DIST_LABELS, naive_box_muller, naive_philox_words,
                          naive_round_half_away, naive_sample)
 from opscope_nb import kernels
-from opscope_nb.synth import Dist, sample
+from opscope_nb.io.synth import Dist, sample
 
 SHAPES = [(1, 1), (1, 17), (17, 1), (7, 13), (40, 33)]
 

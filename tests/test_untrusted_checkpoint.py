@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from opscope_nb import runtime
-from opscope_nb.checkpoint import CheckpointError, load
+from opscope_nb.runtime.checkpoint import CheckpointError, load
 from opscope_nb.formats import Decomp
 from opscope_nb.io import SourceError
 from opscope_nb.runtime import PackedLinear

@@ -124,7 +124,7 @@ def test_startable_waits_for_dependencies_and_phases():
 @pytest.fixture
 def stamp_dir(tmp_path, monkeypatch):
     """Warm stamps in a temporary directory, for sources with digest 'd1'."""
-    from opscope_nb import _config
+    from opscope_nb.kernels import _jit as _config
     monkeypatch.setattr(_config, "CACHE_LOCK", tmp_path / "opscope.lock")
     monkeypatch.setattr(_config, "STATE_DIR", tmp_path)
     monkeypatch.setattr(_config, "SOURCES_DIGEST", "d1")
@@ -135,7 +135,7 @@ def stamp_dir(tmp_path, monkeypatch):
 
 
 def test_warm_record_follows_the_sources(stamp_dir, monkeypatch):
-    from opscope_nb import _config
+    from opscope_nb.kernels import _jit as _config
     assert not wu.is_warm("profile") and wu.warmed() == set()
     phase0 = [it.name for it in wu.items("profile") if it.phase == 0]
     wu.mark_warm(phase0[:2])
@@ -181,7 +181,7 @@ def test_warm_first_runs_once_then_the_stamp_holds(stamp_dir, monkeypatch):
 
 
 def test_warm_first_off_switches_and_failures(stamp_dir, monkeypatch):
-    from opscope_nb import _config
+    from opscope_nb.kernels import _jit as _config
     calls = []
     monkeypatch.setattr(wu, "warm", _fake_warm(calls, fail={"profile tt"}))
     monkeypatch.setenv("OPSCOPE_AUTOWARM", "0")

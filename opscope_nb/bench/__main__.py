@@ -1,7 +1,7 @@
 """``python -m opscope_nb.bench`` = ``python bench.py``."""
 import sys
 
-from ..warmup import warm_bench
+from opscope_nb.warmup import warm_bench
 from .runner import main
 
 sys.exit(main(warm=warm_bench))

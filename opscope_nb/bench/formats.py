@@ -12,7 +12,7 @@ bytes together exceed ``cfg["s8_l3_mult"]`` x the L3 cache, and every timed
 call uses the next layer of the stack (cyclically), so the weights come from
 DRAM as they do when a model decodes one token through all its layers --
 timing one small matrix over and over would measure the cache.  Layer 0 of
-the quantised / sparse / dense stacks is ``mining.pack`` of a Gaussian weight;
+the quantised / sparse / dense stacks is ``formats.pack`` of a Gaussian weight;
 the others are its rows rotated (a different, equally valid packed matrix at
 its own address).  The factor kinds (low-rank, Monarch, Tucker, TT) are their
 factors: their stacks are random Gaussian factors in ``mining``'s layout
@@ -35,10 +35,10 @@ import math
 
 import numpy as np
 
-from opscope_nb import accel
+from opscope_nb.runtime import accel
 from opscope_nb import formats
-from opscope_nb.mining import Decomp, balanced_factor
-from opscope_nb.synth import Dist, sample
+from opscope_nb.formats import Decomp, balanced_factor
+from opscope_nb.io.synth import Dist, sample
 
 from ._util import fmt, rel_l2, table, time_group
 from .machine import stream_reader

@@ -9,9 +9,9 @@ import numpy as np
 from numba import prange
 
 import opscope_nb
-from opscope_nb import accel
+from opscope_nb.runtime import accel
 from opscope_nb import kernels as K
-from opscope_nb._config import njit, njit_parallel
+from opscope_nb.kernels._jit import njit, njit_parallel
 
 from ._util import time_group
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from opscope_nb import accel
+from opscope_nb.runtime import accel
 from opscope_nb import kernels as K
-from opscope_nb.synth import Dist, sample
+from opscope_nb.io.synth import Dist, sample
 
 from ._util import fmt, ratio, rel_l2, table, time_group, truth
 
@@ -66,7 +66,7 @@ def section2(cfg, comp, res):
         print("\n## 2. Low-rank weight: SKIPPED (opscope_nb.kernels.factorize missing)")
         res["2"] = {"skipped": "factorize missing"}
         return
-    from opscope_nb.probe import stable_rank
+    from opscope_nb.profile.probe import stable_rank
     w = sample(Dist.LOWRANK, k, n, 3)
     x = sample(Dist.GAUSSIAN, m, k, 4)
     r = 8
@@ -104,7 +104,7 @@ def section2(cfg, comp, res):
 
 
 def section3(cfg, comp, res):
-    from opscope_nb.probe import per_channel_quant_error
+    from opscope_nb.profile.probe import per_channel_quant_error
     m, k, n = cfg["s1"]
     w = sample(Dist.GAUSSIAN, k, n, 5)
     x = sample(Dist.GAUSSIAN, m, k, 6)

@@ -22,7 +22,7 @@ B = our int4/g32 nibbles + 8,          has an int4/g32 kernel
 scales ``[n * k/32]``, zero point 8
 =====================================  ==========================================
 
-Both libraries get the same weights (``mining.pack`` codes and scales) and
+Both libraries get the same weights (``formats.pack`` codes and scales) and
 the same thread count: ONNX Runtime's intra-op pool = numba's thread count,
 inter-op 1.  Errors are rel-L2 vs the float64 product with the float weight.
 Without ``onnxruntime``/``onnx`` the section prints how to enable it
@@ -34,9 +34,9 @@ import numba
 import numpy as np
 
 from opscope_nb import kernels as K
-from opscope_nb import mining
-from opscope_nb.mining import Decomp
-from opscope_nb.synth import Dist, sample
+from opscope_nb import formats
+from opscope_nb.formats import Decomp
+from opscope_nb.io.synth import Dist, sample
 
 from ._util import fmt, rel_l2, table, time_group
 
@@ -65,7 +65,7 @@ def ort_sessions(w, threads, *, packed8=None, packed4=None):
     threads : int
         ONNX Runtime intra-op threads.
     packed8, packed4 : dict, optional
-        ``mining.pack(w, Decomp.int8())`` / ``Decomp.int4(32)`` (computed when
+        ``formats.pack(w, Decomp.int8())`` / ``Decomp.int4(32)`` (computed when
         omitted).
 
     Returns
@@ -78,8 +78,8 @@ def ort_sessions(w, threads, *, packed8=None, packed4=None):
     from onnx import TensorProto, helper, numpy_helper
 
     n, k = w.shape
-    p8 = mining.pack(w, Decomp.int8()) if packed8 is None else packed8
-    p4 = mining.pack(w, Decomp.int4(32)) if packed4 is None else packed4
+    p8 = formats.pack(w, Decomp.int8()) if packed8 is None else packed8
+    p4 = formats.pack(w, Decomp.int4(32)) if packed4 is None else packed4
 
     def session(node, inits):
         g = helper.make_graph(
@@ -142,8 +142,8 @@ def section9(cfg, comp, res):
     w4a8_missing = False
     for i, (k, n) in enumerate(cfg["peer_shapes"]):
         w = sample(Dist.GAUSSIAN, n, k, 40 + i)               # [out, in]
-        p8 = mining.pack(w, Decomp.int8())
-        p4 = mining.pack(w, Decomp.int4(32))
+        p8 = formats.pack(w, Decomp.int8())
+        p4 = formats.pack(w, Decomp.int4(32))
         sess = ort_sessions(w, threads, packed8=p8, packed4=p4)
         codes8, sc8 = p8["codes"], p8["scales"]
         ws8 = K.i8_row_sums(codes8)      # once per weight, like ORT's PrePack

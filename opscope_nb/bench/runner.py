@@ -16,7 +16,7 @@ import numba
 import numpy as np
 from tabulate import tabulate
 
-from opscope_nb import accel
+from opscope_nb.runtime import accel
 from opscope_nb import kernels as K
 
 from ._util import TIMING, Compile

@@ -1,7 +1,7 @@
 """Section 7 of ``python bench.py``: verdict sentences computed from the run."""
 from __future__ import annotations
 
-from opscope_nb import accel
+from opscope_nb.runtime import accel
 
 __all__ = ["section7"]
 

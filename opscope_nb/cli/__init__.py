@@ -4,7 +4,7 @@ Sub-commands
 ------------
 ``profile [SOURCE]``
     Mine every compression option of every selected weight matrix
-    (:func:`opscope_nb.mining.profile_layer`), solve the byte budget (``--budget``
+    (:func:`opscope_nb.profile.mining.profile_layer`), solve the byte budget (``--budget``
     fraction or ``--bpw`` bits per weight, optionally ``--latency-budget``) with
     the greedy, DADO and exact allocators, print the plan; ``--out DIR`` writes
     ``profile.json``, ``plan.json`` and ``options.csv``.
@@ -103,7 +103,7 @@ def _command_modules():
 
 def build_parser():
     """The ``opscope-nb`` argument parser (every module of :data:`COMMANDS`)."""
-    from .. import __version__
+    from opscope_nb import __version__
     from ._common import Parser
     p = Parser(prog=PROG, description="Which compression fits each weight matrix, and "
                "which mix fits a memory budget.")
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     words = sys.argv[1:] if argv is None else [str(a) for a in argv]
     if next((a for a in words if not a.startswith("-")), None) in _PIN_BLAS:
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from .. import io as tio
+    from opscope_nb import io as tio
     from ._common import CliError as _CliError
     try:
         args = build_parser().parse_args(argv)

@@ -16,10 +16,10 @@ import time
 
 import numpy as np
 
-from .. import __version__
-from .._fs import atomic_write, peak_rss_mb  # noqa: F401  (used by the commands)
-from ..profiling import PROFILE_FORMAT, TOOL, load_checked, timing_split  # noqa: F401
-from .. import io as tio
+from opscope_nb import __version__
+from opscope_nb.io._fs import atomic_write, peak_rss_mb  # noqa: F401  (used by the commands)
+from opscope_nb.profile.checkpoint import PROFILE_FORMAT, TOOL, load_checked, timing_split  # noqa: F401
+from opscope_nb import io as tio
 
 PROG = TOOL
 
@@ -292,7 +292,7 @@ def first_run_notice(args) -> None:
 
     import numba
 
-    from .. import warmup as wu
+    from opscope_nb import warmup as wu
     if wu.warmed():
         return
     roots = [pathlib.Path(__file__).resolve().parents[1]]
@@ -310,7 +310,7 @@ def warm_first(args, group) -> bool:
     """:func:`opscope_nb.warmup.warm_first` for a command: compile ``group``'s
     kernels on every core before a cold first run, one stderr line per item
     (none with ``--quiet``).  Returns whether it ran."""
-    from .. import warmup as wu
+    from opscope_nb import warmup as wu
     log = None if getattr(args, "quiet", False) else (
         lambda line: print(f"{PROG}: {line}", file=sys.stderr, flush=True))
     return wu.warm_first(group, log=log)
@@ -332,7 +332,7 @@ def open_and_select(args):
 
 
 def source_info(src) -> dict:
-    from ..profiling import source_files
+    from opscope_nb.profile.checkpoint import source_files
     path = src.path if src.kind == "synthetic" else os.path.abspath(src.path)
     return {"path": path, "kind": src.kind, "n_tensors": len(src.entries),
             "files": source_files(src)}
@@ -361,7 +361,7 @@ def load_profile_doc(path: str) -> dict:
 
 def layers_from_doc(doc: dict, path: str) -> list:
     """The ``LayerProfile`` list of a profile document."""
-    from ..mining import LayerProfile
+    from opscope_nb.profile.mining import LayerProfile
     out = []
     for i, rec in enumerate(doc["layers"]):
         try:

@@ -9,11 +9,26 @@ from __future__ import annotations
 import argparse
 import os
 
-from ._ggml import add_tensor_type_arg, write_type_file
-from ._common import (ensure_outdir, json_text, layers_from_doc, load_profile_doc,
-                      progress_enabled, warn, write)
-from ._plan import (add_budget_args, allocate_checked, budget_spec, budget_text, methods_of,
-                    plan_dict, print_plan, validate_plans)
+from ._tensor_types import add_tensor_type_arg, write_type_file
+from ._common import (
+    ensure_outdir,
+    json_text,
+    layers_from_doc,
+    load_profile_doc,
+    progress_enabled,
+    warn,
+    write,
+)
+from ._budget import (
+    add_budget_args,
+    allocate_checked,
+    budget_spec,
+    budget_text,
+    methods_of,
+    plan_dict,
+    print_plan,
+    validate_plans,
+)
 
 NAME = "allocate"
 

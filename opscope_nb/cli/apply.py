@@ -2,13 +2,13 @@
 source checkpoint as ``plan.json`` says and write one safetensors file (packed
 layers as ``<tensor>.<array>``, every other tensor copied, a JSON record with
 each layer's Decomp and shape and a SHA-256 of each source tensor in the
-metadata; see :mod:`opscope_nb.checkpoint`).  Source tensors are read one at a
+metadata; see :mod:`opscope_nb.runtime.checkpoint`).  Source tensors are read one at a
 time and the file is written atomically.
 
 ``-o OUT.gguf`` (from a ``.gguf`` SOURCE and a ``profile --menu ggml`` plan)
 writes a GGUF file instead: every key-value and tensor of SOURCE in its order,
 planned tensors in their ggml type, the others copied byte for byte; read back
-and checked before it replaces OUT (:mod:`opscope_nb.gguf_export`).
+and checked before it replaces OUT (:mod:`opscope_nb.io.gguf_export`).
 ``--tensor-type-file OUT.txt`` writes the plan as llama-quantize patterns and
 the command (``OUT.txt.cmd``)."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import sys
 
 from ._common import CliError, Progress, first_run_notice, fmt_bytes, progress_enabled
-from ._ggml import add_tensor_type_arg, imatrix_of, profile_doc_near, write_type_file
+from ._tensor_types import add_tensor_type_arg, imatrix_of, profile_doc_near, write_type_file
 
 NAME = "apply"
 
@@ -49,9 +49,9 @@ def _restream(args, calib, want):
     """The plan's calibration run again (same text and token cap, no
     sensitivity), streamed block by block, handing each wanted gram to
     ``apply`` as its block finishes -- for profiles that kept no calib.npz."""
-    from ..calib import CalibrationStream, StreamedGrams
-    from ..models import ModelError, UnsupportedModelError
-    from ..data import TEXT_KEYWORDS
+    from opscope_nb.profile.calib import CalibrationStream, StreamedGrams
+    from opscope_nb.models import ModelError, UnsupportedModelError
+    from opscope_nb.data import TEXT_KEYWORDS
     text = calib.get("text")
     if text is not None and text not in TEXT_KEYWORDS and not os.path.exists(text):
         raise CliError(f"{args.plan}: its calibration text {text} is gone and there is no "
@@ -82,7 +82,7 @@ def _imatrix_grams(plan_path, names):
     path = imatrix_of(profile_doc_near(plan_path))
     if not path or not os.path.isfile(path):
         return None
-    from ..imatrix import ImatrixError, read_imatrix
+    from opscope_nb.io.imatrix import ImatrixError, read_imatrix
     try:
         return dict(read_imatrix(path, names=sorted(names)).diag)
     except ImatrixError as exc:
@@ -90,9 +90,9 @@ def _imatrix_grams(plan_path, names):
 
 
 def run(args) -> int:
-    from ..apply import PlanError, apply_plan, read_plan
-    from ..formats import GramRequiredError
-    from ..gguf_export import GGUFExportError
+    from opscope_nb.plan.apply import PlanError, apply_plan, read_plan
+    from opscope_nb.formats import GramRequiredError
+    from opscope_nb.io.gguf_export import GGUFExportError
     if args.output is None and not args.tensor_type_file:
         raise CliError("give -o OUT.safetensors / OUT.gguf, --tensor-type-file OUT.txt, "
                        "or both.")
@@ -132,7 +132,7 @@ def run(args) -> int:
         if need and not os.path.exists(gpath):
             raise CliError(f"{args.plan}: {len(need)} +gptq layer(s) (e.g. {need[0]}) need "
                            f"calibration grams; no {gpath} (give --grams FILE).")
-        from ..calib import GramsError, load_grams
+        from opscope_nb.profile.calib import GramsError, load_grams
         try:
             allg, _ = load_grams(gpath)
         except (OSError, GramsError) as exc:

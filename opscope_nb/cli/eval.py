@@ -14,8 +14,16 @@ from __future__ import annotations
 import argparse
 import math
 
-from ._common import (CliError, Progress, fmt_bytes, json_text, positive_int,
-                      progress_enabled, write, first_run_notice)
+from ._common import (
+    CliError,
+    Progress,
+    fmt_bytes,
+    json_text,
+    positive_int,
+    progress_enabled,
+    write,
+    first_run_notice,
+)
 
 NAME = "eval"
 
@@ -68,16 +76,16 @@ def _f(v, fmt="{:.4f}"):
 
 
 def run(args) -> int:
-    from ..checkpoint import CheckpointError
-    from ..models import ModelError
-    from ..models.evaluate import evaluate
+    from opscope_nb.runtime.checkpoint import CheckpointError
+    from opscope_nb.models import ModelError
+    from opscope_nb.models.evaluate import evaluate
     show = progress_enabled(args)
-    from ..models.loader import is_gguf
+    from opscope_nb.models.loader import is_gguf
     # a GGUF file carries no fingerprint record; its tensor shapes are checked on load
     if args.compressed and not args.force and not is_gguf(args.compressed):
-        from ..apply import check_made_from
-        from ..checkpoint import read_record
-        from ..profiling import FingerprintError
+        from opscope_nb.plan.apply import check_made_from
+        from opscope_nb.runtime.checkpoint import read_record
+        from opscope_nb.profile.checkpoint import FingerprintError
         try:
             check_made_from(args.source, read_record(args.compressed)[2])
         except FingerprintError as exc:

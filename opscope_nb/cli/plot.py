@@ -11,9 +11,9 @@ import os
 
 import numpy as np
 
-from .._fs import atomic_writer
+from opscope_nb.io._fs import atomic_writer
 from ._common import CliError, layers_from_doc, load_profile_doc, positive_int
-from ._plan import METHODS, allocate_checked
+from ._budget import METHODS, allocate_checked
 
 NAME = "plot"
 #: Budgets (fractions of dense bytes) of the frontier panel.
@@ -37,11 +37,11 @@ def plot_data(layers, budgets=BUDGETS, methods=METHODS, path="profile") -> dict:
     dict
         ``layers``: per layer ``{"name", "points": [(bytes/dense, rel_err), ...]
         (one per option, profile order), "hull": [...] (the vertices of the lower
-        convex hull, from :func:`opscope_nb.allocate.lower_hull` on linear
+        convex hull, from :func:`opscope_nb.plan.allocate.lower_hull` on linear
         bytes)}``; ``frontier``: per method ``{"budget": [...], "mean_err":
         [...]}`` over the budgets where that method's plan is feasible.
     """
-    from ..allocate import lower_hull
+    from opscope_nb.plan.allocate import lower_hull
     out = {"layers": [], "frontier": {}}
     for lp in layers:
         x = [o.bytes / lp.dense_bytes for o in lp.options]

@@ -1,5 +1,5 @@
 """``opscope-nb profile [SOURCE]``: mine every option of every selected weight
-(:func:`opscope_nb.mining.profile_layer`), solve the budget with the greedy, DADO
+(:func:`opscope_nb.profile.mining.profile_layer`), solve the budget with the greedy, DADO
 and exact allocators and print the plan; ``--out DIR`` writes ``profile.json``
 (rewritten after every layer, so ``--resume`` continues an interrupted run),
 ``plan.json`` and ``options.csv``."""
@@ -12,18 +12,50 @@ import time
 
 import numpy as np
 
-from ..mining import LayerProfile
-from ..models.loader import HEAD_PRIOR_PER_BLOCK, output_head
-from ..profiling import (FingerprintError, check_fingerprints, profile_doc, profile_entry,
-                         result_settings, timing_split)
-from ._common import (CliError, add_source_args, ensure_outdir, fmt_bytes, int_list,
-                      first_run_notice, warm_first, json_text, json_text_reusing,
-                      load_profile_doc, nonneg_int,
-                      open_and_select, peak_rss_mb,
-                      positive_int, Progress, progress_enabled, source_info, warn, write)
-from ._plan import (add_budget_args, budget_spec, budget_text, check_latencies, methods_of,
-                    sensitivity_transfer_line,
-                    options_csv, plan_dict, print_plan, run_allocators, validate_plans)
+from opscope_nb.profile.mining import LayerProfile
+from opscope_nb.models.loader import HEAD_PRIOR_PER_BLOCK, output_head
+from opscope_nb.profile.checkpoint import (
+    FingerprintError,
+    check_fingerprints,
+    profile_doc,
+    profile_entry,
+    result_settings,
+    timing_split,
+)
+from ._common import (
+    CliError,
+    add_source_args,
+    ensure_outdir,
+    fmt_bytes,
+    int_list,
+    first_run_notice,
+    warm_first,
+    json_text,
+    json_text_reusing,
+    load_profile_doc,
+    nonneg_int,
+    open_and_select,
+    peak_rss_mb,
+    positive_int,
+    Progress,
+    progress_enabled,
+    source_info,
+    warn,
+    write,
+)
+from ._budget import (
+    add_budget_args,
+    budget_spec,
+    budget_text,
+    check_latencies,
+    methods_of,
+    sensitivity_transfer_line,
+    options_csv,
+    plan_dict,
+    print_plan,
+    run_allocators,
+    validate_plans,
+)
 
 NAME = "profile"
 
@@ -133,7 +165,7 @@ def _ggml_types(args):
         return None
     if args.menu not in ("ggml", "mixed"):
         raise CliError("--types narrows the ggml menu; add --menu ggml (or --menu mixed).")
-    from ..mining import ggml_types_checked
+    from opscope_nb.profile.mining import ggml_types_checked
     names = [t.strip() for t in args.types.split(",") if t.strip()]
     if not names:
         raise CliError(f"--types needs ggml type names like Q8_0,Q4_K; got {args.types!r}.")
@@ -149,7 +181,7 @@ def _lr_ranks(text):
 
 
 def _lr_list(args) -> list:
-    from ..mining import LR_RANKS
+    from opscope_nb.profile.mining import LR_RANKS
     return list(LR_RANKS) if args.lr_ranks is None else list(args.lr_ranks)
 
 
@@ -172,7 +204,7 @@ def _calibration(args, src, chosen, kw, dist):
     With ``--calib`` the calibration runs lazily, one block at a time, as the
     profile loop asks for grams (``chosen`` is put in block order): the grams
     of a block live while its layers are profiled, then go to
-    ``DIR/calib.npz`` (:class:`~opscope_nb.calib.GramsWriter`) and out of
+    ``DIR/calib.npz`` (:class:`~opscope_nb.profile.calib.GramsWriter`) and out of
     memory.  Sensitivities come at the end (:func:`_finish_calibration`)."""
     if not args.calib and not args.imatrix:
         if args.calib_text or args.calib_tokens or args.sensitivity is not None \
@@ -189,8 +221,8 @@ def _calibration(args, src, chosen, kw, dist):
     grams, rec, stream = {}, {}, None
     names = {e.name for e in chosen}
     if args.calib:
-        from ..calib import CalibrationStream
-        from ..models import ModelError, UnsupportedModelError
+        from opscope_nb.profile.calib import CalibrationStream
+        from opscope_nb.models import ModelError, UnsupportedModelError
         objective = getattr(args, "objective", "auto")
         sens_on = args.sensitivity if args.sensitivity is not None else \
             objective in ("sensitivity", "auto")
@@ -225,7 +257,7 @@ def _calibration(args, src, chosen, kw, dist):
                      "no sensitivity")
         print(f"calibration: {stream.n_blocks} blocks streamed one at a time, "
               f"{stream.tokens} tokens; {sens_text}", flush=True)
-        from ..data import TEXT_KEYWORDS
+        from opscope_nb.data import TEXT_KEYWORDS
         rec = {"text": os.path.abspath(args.calib_text)
                if args.calib_text and args.calib_text not in TEXT_KEYWORDS else args.calib_text,
                "max_tokens": args.calib_tokens, "tokens": stream.tokens, "metric": stream.metric, "eps": stream.eps,
@@ -249,12 +281,12 @@ def _calibration(args, src, chosen, kw, dist):
                   f"them): 'apply' re-runs the calibration for the +gptq layers it packs",
                   flush=True)
         if args.out and keep:
-            from ..calib import GramsWriter
+            from opscope_nb.profile.calib import GramsWriter
             stream.writer = GramsWriter(os.path.join(ensure_outdir(args.out), "calib.npz"))
             stream.on_stage = lambda k, g: stream.writer.add(
                 {n: v for n, v in g.items() if n in names})
     if args.imatrix:
-        from ..imatrix import ImatrixError, read_imatrix
+        from opscope_nb.io.imatrix import ImatrixError, read_imatrix
         try:
             im = read_imatrix(args.imatrix, names=sorted(names))
         except ImatrixError as exc:
@@ -343,7 +375,7 @@ def _setup(args):
         if args.workers is not None and args.scheduler is not None:
             raise CliError("give --workers N (a local cluster) or --scheduler ADDRESS "
                            "(a running one), not both.")
-        from .. import distributed as dist
+        from opscope_nb import distributed as dist
         try:
             dist.require_dask()
         except dist.DaskMissingError as exc:
@@ -547,7 +579,7 @@ def _head_prior(st, records, layers) -> None:
 
 def _validate_plans(st, layers, allocs, args) -> dict:
     """The plans measured on the held-out calibration text
-    (:func:`~opscope_nb.cli._plan.validate_plans`)."""
+    (:func:`~opscope_nb.cli._budget.validate_plans`)."""
     if st.get("stream") is None:
         return {}
     return validate_plans(args.source, st["settings"].get("calib"), layers, allocs,

@@ -1,5 +1,5 @@
 """``opscope-nb quant [SOURCE]``: the upstream ``--quant`` sweep - int8/int4/int3
-(and int5/int6 when :class:`opscope_nb.mining.QuantStat` has them) errors per
+(and int5/int6 when :class:`opscope_nb.profile.mining.QuantStat` has them) errors per
 layer, the depth trend, a by-kind table, outlier hotspots and a mixed int4/int8
 recipe under an int4 error ceiling (``--err-budget``)."""
 from __future__ import annotations
@@ -8,9 +8,21 @@ import argparse
 
 import numpy as np
 
-from ._common import (CliError, Progress, add_source_args, budget_arg, fmt_bytes, fmt_err,
-                      load_checked, open_and_select, peak_rss_mb, progress_enabled, first_run_notice,
-                      tabulate_rows, warn)
+from ._common import (
+    CliError,
+    Progress,
+    add_source_args,
+    budget_arg,
+    fmt_bytes,
+    fmt_err,
+    load_checked,
+    open_and_select,
+    peak_rss_mb,
+    progress_enabled,
+    first_run_notice,
+    tabulate_rows,
+    warn,
+)
 
 NAME = "quant"
 DEFAULT_ERR_BUDGET = 0.1
@@ -66,7 +78,7 @@ def depth_verdict(early: float, late: float) -> str:
 def run(args) -> int:
     budget = err_budget(args)
     src, chosen, _ = open_and_select(args)
-    from ..mining import parse_layer_kind, quant_stat
+    from opscope_nb.profile.mining import parse_layer_kind, quant_stat
     first_run_notice(args)
     bar = Progress(len(chosen), sum(e.numel for e in chosen), progress_enabled(args))
     stats = []   # (entry, idx, kind, QuantStat)

@@ -14,7 +14,7 @@ NAME = "warmup"
 
 
 def add_parser(sub) -> None:
-    from .. import warmup as wu
+    from opscope_nb import warmup as wu
     p = sub.add_parser(NAME, help="compile the kernels now (fill the on-disk cache), "
                                   "so first runs load them instead of compiling")
     p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
@@ -26,8 +26,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from .. import _config
-    from .. import warmup as wu
+    from opscope_nb.kernels import _jit as _config
+    from opscope_nb import warmup as wu
     if args.jobs is not None and args.jobs < 1:
         raise CliError(f"--jobs must be >= 1; got {args.jobs}")
     todo = wu.items(args.only)

@@ -3,7 +3,7 @@
 Every name here is a numba dispatcher (or a plain Python helper where noted)
 that **assumes valid input**: C-contiguous ``float32`` arrays of the documented
 shape, finite values, in-range integers.  The validating public twins live in
-:mod:`opscope_nb.probe`, :mod:`opscope_nb.svd`, :mod:`opscope_nb.decompose`, etc.
+:mod:`opscope_nb.profile.probe`, :mod:`opscope_nb.profile.svd`, :mod:`opscope_nb.profile.decompose`, etc.
 
 Example
 -------
@@ -15,28 +15,46 @@ Example
 ...     return quant_error(w, 8), u.shape[1]
 """
 from ._coerce import *        # noqa: F401,F403
-from ._probe import *         # noqa: F401,F403
+from ._quant_probe import *         # noqa: F401,F403
 from ._rng import *           # noqa: F401,F403
 from ._sort import *          # noqa: F401,F403
 from ._pack import *          # noqa: F401,F403
-from ._svd import *           # noqa: F401,F403
+from ._krylov import *           # noqa: F401,F403
 from ._lowrank import *       # noqa: F401,F403
 from ._monarch import *       # noqa: F401,F403
 from ._tucker import *        # noqa: F401,F403
 from ._tt import *            # noqa: F401,F403
-from ._matmul import *        # noqa: F401,F403
+from ._w8a8 import *        # noqa: F401,F403
 from ._simd import *          # noqa: F401,F403
 from ._dado import *          # noqa: F401,F403
 from ._packed_float import *  # noqa: F401,F403
 from ._simd_lowbit import *   # noqa: F401,F403
 from ._w4panel import *       # noqa: F401,F403
 from ._packed_quant import *  # noqa: F401,F403
-from ._gptq import *          # noqa: F401,F403
-from ._ggml import *          # noqa: F401,F403
+from ._gptq_round import *          # noqa: F401,F403
+from ._ggml_quant import *          # noqa: F401,F403
 
-from . import (_coerce, _probe, _rng, _sort, _pack, _svd, _lowrank, _monarch, _tucker, _tt,
-               _matmul, _simd, _dado, _packed_float, _simd_lowbit, _w4panel, _packed_quant,
-               _gptq, _ggml)
+from . import (
+    _coerce,
+    _quant_probe as _probe,
+    _rng,
+    _sort,
+    _pack,
+    _krylov as _svd,
+    _lowrank,
+    _monarch,
+    _tucker,
+    _tt,
+    _w8a8 as _matmul,
+    _simd,
+    _dado,
+    _packed_float,
+    _simd_lowbit,
+    _w4panel,
+    _packed_quant,
+    _gptq_round as _gptq,
+    _ggml_quant as _ggml,
+)
 
 __all__ = sorted(set().union(*(m.__all__ for m in (
     _coerce, _probe, _rng, _sort, _pack, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd,

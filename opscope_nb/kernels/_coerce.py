@@ -14,7 +14,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from .._config import JIT
+from ._jit import JIT
 
 __all__ = ["as_f32c", "as_i64_vector"]
 

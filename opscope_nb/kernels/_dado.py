@@ -14,13 +14,13 @@ The packing / quantisation cores of the menu options live in
 :mod:`opscope_nb.kernels._pack`.
 
 Every function assumes valid, C-contiguous input of the documented dtype; the
-validating wrappers are :mod:`opscope_nb.allocate` and :mod:`opscope_nb.mining`.
+validating wrappers are :mod:`opscope_nb.plan.allocate` and :mod:`opscope_nb.profile.mining`.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .._config import njit
+from ._jit import njit
 from ._sort import argsort_stable
 
 __all__ = [

@@ -1,15 +1,15 @@
 """Cheap low-rank factoriser (the upstream's randomized range finder).
 
 **No input validation** here; the validating twin is
-:func:`opscope_nb.decompose.factorize`.
+:func:`opscope_nb.profile.decompose.factorize`.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .._config import njit
+from ._jit import njit
 from ._coerce import as_f32c, njit_entry
-from ._svd import _append_block, _complete_rows, uniform_sketch
+from ._krylov import _append_block, _complete_rows, uniform_sketch
 
 __all__ = ["factorize"]
 

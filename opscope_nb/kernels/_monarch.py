@@ -10,7 +10,7 @@ Index convention (the upstream's), for ``W`` of shape ``[n, n]`` read as
 
 ``monarch_matmul`` applies ``x @ M`` in ``2 * batch * m**3`` multiply-adds.
 Kernels here do **no input validation**; the validating twins are in
-:mod:`opscope_nb.decompose`.
+:mod:`opscope_nb.profile.decompose`.
 
 References
 ----------
@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .._config import njit, njit_parallel
+from ._jit import njit, njit_parallel
 from ._coerce import as_f32c, njit_entry
 
 __all__ = ["monarch_blocks", "monarch_params", "monarch_project",

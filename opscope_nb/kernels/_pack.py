@@ -35,14 +35,14 @@ a PyTorch ``nn.Linear`` weight ``[out_features, in_features]``; packing runs
 along a row, and each row starts at a byte boundary.
 
 Every function assumes valid, C-contiguous input of the documented dtype; the
-validating wrapper is :mod:`opscope_nb.mining`.
+validating wrapper is :mod:`opscope_nb.profile.mining`.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .._config import njit
-from ._probe import absmax_f32, div_f32, round_half_away, sym_scale
+from ._jit import njit
+from ._quant_probe import absmax_f32, div_f32, round_half_away, sym_scale
 
 __all__ = [
     "quantize_groups_sym",

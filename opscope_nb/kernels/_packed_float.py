@@ -1,10 +1,10 @@
 """``@njit`` layer kernels for the float-weight packed formats of
-:func:`opscope_nb.mining.pack`: dense, 2:4 sparse, low-rank, Monarch, Tucker
+:func:`opscope_nb.profile.mining.pack`: dense, 2:4 sparse, low-rank, Monarch, Tucker
 and Tensor-Train.
 
 Every kernel computes ``y[m, rows] = x[m, cols] @ W_hat.T`` where ``W_hat`` is
 the ``[rows, cols]`` (``[out, in]``, PyTorch Linear layout) weight that
-``mining.unpack`` would rebuild from the same arrays -- but **from the packed
+``formats.unpack`` would rebuild from the same arrays -- but **from the packed
 arrays themselves**: the dense ``W_hat`` is never materialised.  Inputs are
 float32, C-contiguous, finite, and shaped as the docstrings say (the
 validating public entry point is :class:`opscope_nb.runtime.PackedLinear`);
@@ -37,10 +37,10 @@ import numpy as np
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
-from .._config import intrinsic
+from ._jit import intrinsic
 
-from .._config import njit, njit_parallel
-from ._matmul import matmul_f32
+from ._jit import njit, njit_parallel
+from ._w8a8 import matmul_f32
 from ._simd import USE_AVX2_PMADDWD as _HAS_AVX2
 from ._simd import _FEATS, _X86
 from ._simd import prefetch as _prefetch
@@ -543,7 +543,7 @@ def monarch_linear(x, w1, w2, min_parallel=PAR_MIN):
     multiply-adds per sample.
 
     ``W_hat[ri m + j, l m + s] = w1[ri, j, l] * w2[l, s, ri]``
-    (``mining.unpack`` / ``monarch_reconstruct``; row = output ``ri m + j``,
+    (``formats.unpack`` / ``monarch_reconstruct``; row = output ``ri m + j``,
     column = input ``l m + s``), so
 
     1. ``t[l, ri] = sum_s w2[l, s, ri] x[l m + s]`` -- ``m`` independent

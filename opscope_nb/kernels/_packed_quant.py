@@ -1,7 +1,7 @@
 """Matmul ``@njit`` cores computing straight from *packed* quantised weights.
 
 ``y[m, rows] = x[m, cols] @ What.T`` where ``What`` is the dequantised weight
-of :func:`opscope_nb.mining.pack`; the dense ``What`` is never materialised.
+of :func:`opscope_nb.profile.mining.pack`; the dense ``What`` is never materialised.
 Layouts (every array C-contiguous; weight row = output channel, so the packed
 arrays are already output-major):
 
@@ -100,7 +100,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from .._config import NO_JIT, njit, njit_parallel
+from ._jit import NO_JIT, njit, njit_parallel
 
 # Thin wrappers and small helpers are ``inline="always"`` (inlined in numba IR
 # into their caller): a wrapper compiled as a function of its own re-optimises
@@ -110,13 +110,33 @@ from .._config import NO_JIT, njit, njit_parallel
 # The public cores below are plain @njit functions that call a parallel
 # (prange) kernel; numba's thread pool is started by ``_config`` at import
 # (a cached serial caller would not start it, and its first call crashed).
-from ._matmul import (PAR_MIN, _q8_par, _q8_rows, _q16_par, _q16_rows, dynamic_matmul_w8a8,
-                      matmul_w8a16, quantize_rows_i8, quantize_rows_i16)
-from ._probe import absmax_f32
+from ._w8a8 import (
+    PAR_MIN,
+    _q8_par,
+    _q8_rows,
+    _q16_par,
+    _q16_rows,
+    dynamic_matmul_w8a8,
+    matmul_w8a16,
+    quantize_rows_i8,
+    quantize_rows_i16,
+)
+from ._quant_probe import absmax_f32
 from ._w4panel import W4_PANEL, W4_PANEL_J, w4a8_panel_matmul
-from ._simd_lowbit import (LOWBIT_BIG_LANES, LOWBIT_BIG_UNIT, LOWBIT_LANES, LOWBIT_OFFSET,
-                           LOWBIT_PATH, LOWBIT_PLANE_BYTES, LOWBIT_SLOTS, LOWBIT_UNIT,
-                           lowbit_tile_1x1, lowbit_tile_1x4, lowbit_tile_1x8, lowbit_tile_4x2)
+from ._simd_lowbit import (
+    LOWBIT_BIG_LANES,
+    LOWBIT_BIG_UNIT,
+    LOWBIT_LANES,
+    LOWBIT_OFFSET,
+    LOWBIT_PATH,
+    LOWBIT_PLANE_BYTES,
+    LOWBIT_SLOTS,
+    LOWBIT_UNIT,
+    lowbit_tile_1x1,
+    lowbit_tile_1x4,
+    lowbit_tile_1x8,
+    lowbit_tile_4x2,
+)
 
 __all__ = [
     "FMT_INT4",

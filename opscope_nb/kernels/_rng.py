@@ -1,7 +1,7 @@
-"""``@njit`` cores of the synthetic data generator (:mod:`opscope_nb.synth`):
+"""``@njit`` cores of the synthetic data generator (:mod:`opscope_nb.io.synth`):
 rlx_ir's Philox4x32-10 variant and its Box-Muller normals.
 
-**No input validation**; the validating public twin is :mod:`opscope_nb.synth`.
+**No input validation**; the validating public twin is :mod:`opscope_nb.io.synth`.
 Counter-based: blocks are computed in parallel (``prange``) and every result is
 independent of the thread count.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .._config import njit, njit_parallel
+from ._jit import njit, njit_parallel
 
 __all__ = [
     "philox4x32_block",

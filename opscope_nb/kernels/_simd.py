@@ -41,10 +41,10 @@ import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from .._config import intrinsic
+from ._jit import intrinsic
 
 # (one list of path names, shared with _config)
-from .._config import I8_PATHS
+from ._jit import I8_PATHS
 
 __all__ = [
     "I8_CHUNK",
@@ -402,7 +402,7 @@ def i8_dot_accumulate(builder, acc, xv, wv, path=None, xabs=None):
     negative ``xv`` byte comes out negated on the sign-trick paths (``vpsignb``
     cannot negate ``-128``), while the portable path and the VNNI offset tiles
     (``R >= 2``) stay exact.  The validating entry points
-    (:mod:`opscope_nb.matmul`) reject ``-128``; user numba code calling the
+    (:mod:`opscope_nb.runtime.matmul`) reject ``-128``; user numba code calling the
     tiles directly must keep its codes in range.  (The int16 pair sums of
     ``vpmaddubsw`` never saturate: ``2 * 128 * 127 < 2**15``.)  For int4 codes
     (nibbles unpacked to int8 in [-8, 7]) every path is exact.

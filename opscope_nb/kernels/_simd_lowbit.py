@@ -82,7 +82,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from .._config import intrinsic
+from ._jit import intrinsic
 
 from ._simd import _FEATS, _X86, HOST_I8_PATH, I8_PATH_FORCED, _hsum, _madd16, _shuffle
 from ._simd import prefetch as _prefetch

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._config import njit
+from ._jit import njit
 
 __all__ = ["argsort_stable"]
 

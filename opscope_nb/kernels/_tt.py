@@ -8,7 +8,7 @@ new remainder ``diag(S) Vt``.  The last core is the remainder itself,
 ``(r_prev, d_last, 1)``.  Each step uses the truncated-SVD core (exact Gram
 path for a short side, block Krylov with block ``r_k + 16`` and depth 4
 otherwise).
-No input validation here; see :mod:`opscope_nb.decompose`.
+No input validation here; see :mod:`opscope_nb.profile.decompose`.
 
 References
 ----------
@@ -21,9 +21,9 @@ import numpy as np
 from numba import types
 from numba.typed import List
 
-from .._config import njit
+from ._jit import njit
 from ._coerce import as_f32c, as_i64_vector, njit_entry
-from ._svd import truncated_svd_opts
+from ._krylov import truncated_svd_opts
 
 __all__ = ["tt_svd", "tt_reconstruct", "tt_params", "tt_svd_flat", "tt_reconstruct_flat"]
 

@@ -12,7 +12,7 @@ mode, exact otherwise); modes 1 and 2 only need the
 copy of the tensor, float64 BLAS GEMMs, no materialised unfolding: mode 2 is a
 free view, mode 1 sums ``X[i0] X[i0]^T``), then an exact ``eigh``.  A float32
 Gram would square the condition number in float32 and lose the small
-eigenvalues' directions to rounding; the factors and the core are float32.  No input validation here; see :mod:`opscope_nb.decompose`.
+eigenvalues' directions to rounding; the factors and the core are float32.  No input validation here; see :mod:`opscope_nb.profile.decompose`.
 
 References
 ----------
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._config import njit
+from ._jit import njit
 from ._coerce import as_f32c, as_i64_vector, njit_entry
-from ._svd import top_eigvecs, truncated_svd_opts
+from ._krylov import top_eigvecs, truncated_svd_opts
 
 __all__ = ["tucker_hosvd", "tucker_reconstruct", "tucker_params"]
 

@@ -42,12 +42,20 @@ import numpy as np
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
-from .._config import intrinsic
+from ._jit import intrinsic
 
-from .._config import njit, njit_parallel
-from ._matmul import _pack_panel_words
-from ._simd import (HOST_I8_PATH, I8_PATHS, _PANEL_LANES, _dpbusd, _maddubs, _madd16_ones,
-                    I8_PANEL, panel_pack8)
+from ._jit import njit, njit_parallel
+from ._w8a8 import _pack_panel_words
+from ._simd import (
+    HOST_I8_PATH,
+    I8_PATHS,
+    _PANEL_LANES,
+    _dpbusd,
+    _maddubs,
+    _madd16_ones,
+    I8_PANEL,
+    panel_pack8,
+)
 
 __all__ = [
     "W4_PANEL",

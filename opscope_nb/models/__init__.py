@@ -8,8 +8,7 @@ Llama-style decoders in numpy, every linear layer a
 * :mod:`.llama` - ``forward(model, ids, cache)`` next-token logits with a KV cache.
 * :mod:`.evaluate` - ``evaluate(...)`` dense vs compressed metrics.
 """
-from .loader import (Model, ModelError, UnsupportedModelError, open_model, detect,
-                     SUPPORTED)
+from .loader import Model, ModelError, UnsupportedModelError, open_model, detect, SUPPORTED
 
 __all__ = ["Model", "ModelError", "UnsupportedModelError", "open_model", "detect",
            "SUPPORTED"]

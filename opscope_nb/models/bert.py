@@ -78,7 +78,7 @@ def attention_bias(mask) -> np.ndarray:
 def block(model, i, h, bias, *, act="auto") -> np.ndarray:
     """Encoder block ``i`` on ``h`` ``[B*L, hidden]`` float32 with the key mask
     ``bias`` (:func:`attention_bias`, ``[B, 1, 1, L]``); returns ``[B*L, hidden]``.
-    Reads only block ``i``'s tensors (:mod:`opscope_nb.calib` streams the
+    Reads only block ``i``'s tensors (:mod:`opscope_nb.profile.calib` streams the
     model one block at a time)."""
     cfg, T = model.config, model.tensors
     B, L = bias.shape[0], bias.shape[-1]

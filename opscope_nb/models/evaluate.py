@@ -29,8 +29,8 @@ import time
 
 import numpy as np
 
-from .._fs import peak_rss_mb
-from ..data import TEXT_KEYWORDS
+from opscope_nb.io._fs import peak_rss_mb
+from opscope_nb.data import TEXT_KEYWORDS
 from .loader import ModelError, open_model
 
 __all__ = ["evaluate", "load_passages", "JSON_KEYS", "kl_stats", "cosine"]
@@ -55,10 +55,10 @@ def load_passages(text=None) -> list:
         on an installation without the standard library's sources.
     """
     if text is None or text == "sample":
-        from ..data import sample_passages
+        from opscope_nb.data import sample_passages
         return sample_passages()
     if text == "builtin":
-        from ..data import builtin_passages
+        from opscope_nb.data import builtin_passages
         got = list(builtin_passages())
         if not got:
             raise ModelError("--calib-text builtin: this Python has no standard-library "
@@ -313,7 +313,7 @@ def _eval_llamacpp(res, source, compressed, passages, max_tokens, decode_steps,
                    prompt_tokens, window, mk) -> None:
     """:func:`evaluate` with ``runtime="llama.cpp"``: both GGUF files scored by
     llama.cpp's own forward on this package's token ids."""
-    from .. import io as tio
+    from opscope_nb import io as tio
     from . import llamacpp
     from .loader import detect, is_gguf
     family, arch, cfg, tok = detect(source)

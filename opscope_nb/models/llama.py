@@ -104,7 +104,7 @@ def block(model, i, x, kc, vc, p0, ctx, *, act="auto") -> np.ndarray:
     the earlier ones; ``ctx`` is :func:`rope_context` ``(config, p0, T)``.
     Returns the block's output ``[T, hidden]`` float32.  Reads only block
     ``i``'s tensors, so a caller may hold one block at a time
-    (:mod:`opscope_nb.calib` streams the model this way).
+    (:mod:`opscope_nb.profile.calib` streams the model this way).
     """
     cfg, W = model.config, model.tensors
     nm = cfg["names"]

@@ -14,7 +14,7 @@ llama.cpp`` (:func:`opscope_nb.models.evaluate.evaluate`) and
   as ``Q4_K_M``), per-tensor type overrides (the ``--tensor-type`` patterns),
   output / token-embedding types and an importance matrix.
 
-Layer: models (imports :mod:`opscope_nb.ggml` for the type ids).
+Layer: models (imports :mod:`opscope_nb.formats.ggml` for the type ids).
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def speed(llm, prompt, decode_steps: int) -> tuple:
 
 
 def _ggml_type_id(name) -> int:
-    from ..ggml import GGML_TYPES
+    from opscope_nb.formats.ggml import GGML_TYPES
     t = GGML_TYPES.get(str(name).upper())
     if t is None:
         if str(name).upper() == "F32":

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import io as tio
+from opscope_nb import io as tio
 
 __all__ = ["Model", "ModelError", "UnsupportedModelError", "open_model", "detect",
            "dense_linear", "gguf_metadata", "SUPPORTED", "block_tensors", "output_head",
@@ -49,8 +49,8 @@ class UnsupportedModelError(ModelError):
 # --------------------------------------------------------------------------- #
 def dense_linear(w: np.ndarray):
     """A dense ``PackedLinear`` over ``w`` ``[out, in]`` float32 (no copy when possible)."""
-    from .._runtime import PackedLinear
-    from ..mining import Decomp
+    from opscope_nb.runtime._packed import PackedLinear
+    from opscope_nb.formats import Decomp
     w = np.ascontiguousarray(w, dtype=np.float32)
     return PackedLinear(Decomp.dense(), {"w": w}, w.shape)
 
@@ -58,7 +58,7 @@ def dense_linear(w: np.ndarray):
 def is_linear(x) -> bool:
     """Whether a model tensor is a linear layer (a :class:`~opscope_nb.runtime.
     PackedLinear`, dense or packed) rather than a plain array."""
-    from .._runtime import PackedLinear
+    from opscope_nb.runtime._packed import PackedLinear
     return isinstance(x, PackedLinear)
 
 
@@ -392,7 +392,7 @@ _BLOCK_INDEX = re.compile(r"(?:^|\.)(?:blk|layers|layer|h)\.(\d+)\.")
 
 def output_head(path, names) -> tuple | None:
     """The tensor that computes a decoder's logits and its data-free weight in
-    the ``output`` objective (:attr:`opscope_nb.mining.LayerProfile.prior_weight`).
+    the ``output`` objective (:attr:`opscope_nb.profile.mining.LayerProfile.prior_weight`).
 
     Why a weight: without calibration the objective sums every layer's squared
     relative error alike.  A block's linear layer adds its error to one of the
@@ -532,9 +532,9 @@ def _gguf_held(path, family, conf) -> dict:
     by :mod:`opscope_nb.formats`' ggml decode, counted at their stored bytes),
     F32 linear layers dense, every other tensor the forward needs dequantised
     to float32 (tensors it does not need are not read)."""
-    from .._runtime import PackedLinear
-    from ..formats import Decomp
-    from ..ggml import GGML_TYPES, row_bytes
+    from opscope_nb.runtime._packed import PackedLinear
+    from opscope_nb.formats import Decomp
+    from opscope_nb.formats.ggml import GGML_TYPES, row_bytes
     src = tio.open_source(path)
     names = {e.name for e in src.entries}
     lin, other, opt = required_tensors(family, conf, names)
@@ -569,7 +569,7 @@ def open_model(source, compressed=None, *, make_progress=None, lazy=False) -> Mo
         ``advance(work)`` / ``close()`` for reading the source's tensors.
     lazy : bool
         Read no weights now: :meth:`Model.load` / :meth:`Model.drop` bring
-        tensors in and out (one block at a time, see :mod:`opscope_nb.calib`).
+        tensors in and out (one block at a time, see :mod:`opscope_nb.profile.calib`).
         Only without ``compressed``.
 
     Returns
@@ -611,7 +611,7 @@ def open_model(source, compressed=None, *, make_progress=None, lazy=False) -> Mo
         if progress is not None:
             progress.close()
     else:
-        from ..checkpoint import load as ck_load
+        from opscope_nb.runtime.checkpoint import load as ck_load
         src = tio.open_source(source)
         shapes = {e.name: tuple(e.shape) for e in src.entries}
         if is_gguf(compressed):

@@ -1,0 +1,231 @@
+"""ggml (llama.cpp / GGUF) quantisation types, byte-identical to libggml.
+
+``quantize(w, qtype, importance=None)`` returns the bytes
+``ggml_quantize_chunk(type, w, ..., imatrix)`` writes, and
+``dequantize(data, qtype, shape)`` decodes them (equal to
+``gguf.quants.dequantize``).  Without ``importance`` the reference path is used
+(``quantize_row_*_ref``; for IQ4_NL / IQ4_XS ``quantize_iq4_*`` with ``NULL``
+weights, as ``ggml_quantize_chunk`` does); with it, ggml's importance-weighted
+path.  Q8_0, TQ1_0 and TQ2_0 ignore importance, as ggml does.
+
+The numba cores live in :mod:`opscope_nb.kernels._ggml_quant`; this module validates
+at the boundary.  F16 is numpy's cast (round to nearest even), BF16 is ggml's
+``ggml_compute_fp32_to_bf16`` (round to nearest even on the bits, NaN made
+quiet) in numpy.
+
+Example
+-------
+>>> import numpy as np
+>>> from opscope_nb.formats import ggml
+>>> w = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+>>> q = ggml.quantize(w, "q4_K")
+>>> q.shape, ggml.row_bytes("Q4_K", 256)
+((4, 144), 144)
+>>> ggml.dequantize(q, "q4_K", w.shape).shape
+(4, 256)
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class GGMLType(NamedTuple):
+    """One ggml tensor type: its id in ``enum ggml_type``, block and bytes."""
+
+    name: str
+    id: int
+    block: int
+    bytes: int
+
+
+#: ggml's type table for the supported types (ids as in ``ggml.h``).
+GGML_TYPES = {t.name: t for t in (
+    GGMLType("F16", 1, 1, 2),
+    GGMLType("BF16", 30, 1, 2),
+    GGMLType("Q8_0", 8, 32, 34),
+    GGMLType("Q6_K", 14, 256, 210),
+    GGMLType("Q5_K", 13, 256, 176),
+    GGMLType("Q5_1", 7, 32, 24),
+    GGMLType("Q5_0", 6, 32, 22),
+    GGMLType("Q4_K", 12, 256, 144),
+    GGMLType("Q4_1", 3, 32, 20),
+    GGMLType("Q4_0", 2, 32, 18),
+    GGMLType("IQ4_NL", 20, 32, 18),
+    GGMLType("IQ4_XS", 23, 256, 136),
+    GGMLType("Q3_K", 11, 256, 110),
+    GGMLType("Q2_K", 10, 256, 84),
+    GGMLType("TQ2_0", 35, 256, 66),
+    GGMLType("TQ1_0", 34, 256, 54),
+)}
+
+#: llama-quantize's replacement when a row is not a multiple of the block.
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q3_K": "Q4_0", "Q2_K": "Q4_0",
+             "TQ1_0": "Q4_0", "TQ2_0": "Q4_0", "IQ4_XS": "IQ4_NL"}
+
+__all__ = ["GGML_TYPES", "GGMLType", "row_bytes", "fallback_type", "quantize", "dequantize"]
+
+
+def _type(qtype) -> GGMLType:
+    if isinstance(qtype, GGMLType):
+        return qtype
+    if not isinstance(qtype, str):
+        raise TypeError(f"qtype must be a ggml type name (str), got {type(qtype).__name__} "
+                        f"{qtype!r}; use one of {sorted(GGML_TYPES)}")
+    t = GGML_TYPES.get(qtype.upper())
+    if t is None:
+        raise ValueError(f"unknown ggml type {qtype!r}; the supported types are "
+                         f"{sorted(GGML_TYPES)} (case-insensitive)")
+    return t
+
+
+def _cols(cols) -> int:
+    if isinstance(cols, (bool, np.bool_)) or not isinstance(cols, (int, np.integer)):
+        raise TypeError(f"cols must be an int, got {type(cols).__name__} {cols!r}")
+    if cols < 1:
+        raise ValueError(f"cols must be >= 1, got {cols}")
+    return int(cols)
+
+
+def row_bytes(qtype, cols) -> int:
+    """Bytes of one row of ``cols`` values in ``qtype`` (``ggml_row_size``).
+
+    Raises ValueError when ``cols`` is not a multiple of the type's block.
+    """
+    t = _type(qtype)
+    cols = _cols(cols)
+    if cols % t.block:
+        raise ValueError(f"{t.name} needs rows that are a multiple of {t.block} values, got "
+                         f"cols={cols}; use fallback_type({t.name!r}, {cols}) "
+                         f"(= {fallback_type(t.name, cols)!r}) instead")
+    return cols // t.block * t.bytes
+
+
+def fallback_type(qtype, cols) -> str:
+    """The type llama-quantize uses for ``qtype`` when ``cols`` does not fit its block.
+
+    Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q3_K/Q2_K/TQ1_0/TQ2_0 -> Q4_0,
+    IQ4_XS -> IQ4_NL; when ``cols`` is not a multiple of 32 either, F16.
+    Returns ``qtype``'s canonical name when ``cols`` fits.
+    """
+    t = _type(qtype)
+    cols = _cols(cols)
+    if cols % t.block == 0:
+        return t.name
+    alt = _FALLBACK.get(t.name, "F16")
+    if cols % GGML_TYPES[alt].block:
+        return "F16"
+    return alt
+
+
+def _bf16_bits(w: np.ndarray) -> np.ndarray:
+    """``ggml_compute_fp32_to_bf16`` on an array: uint16 bits."""
+    u = np.ascontiguousarray(w, np.float32).view(np.uint32)
+    r = ((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16))
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    r = np.where(nan, (u >> np.uint32(16)) | np.uint32(64), r)
+    return r.astype(np.uint16)
+
+
+def _check_weights(w) -> np.ndarray:
+    if not isinstance(w, np.ndarray):
+        raise TypeError(f"w must be a numpy array, got {type(w).__name__}; "
+                        "use np.asarray(w, dtype=np.float32)")
+    if w.dtype != np.float32:
+        raise TypeError(f"w must be float32, got {w.dtype}; use w.astype(np.float32) "
+                        "(ggml quantises float32 rows)")
+    if w.ndim != 2:
+        raise ValueError(f"w must be 2-D [rows, cols], got shape {w.shape}; "
+                         "reshape to (-1, cols)")
+    if w.shape[0] == 0 or w.shape[1] == 0:
+        raise ValueError(f"w must not be empty, got shape {w.shape}")
+    if not np.isfinite(w).all():
+        bad = np.argwhere(~np.isfinite(w))[0]
+        raise ValueError(f"w must be finite (ggml's quantisers are undefined on NaN/Inf), got "
+                         f"{w[tuple(bad)]} at {tuple(int(i) for i in bad)}; clean the weights first")
+    return np.ascontiguousarray(w)
+
+
+def _check_importance(importance, cols) -> np.ndarray:
+    if importance is None:
+        return np.empty(0, np.float32)
+    imp = np.asarray(importance)
+    if imp.dtype.kind not in "fiu":
+        raise TypeError(f"importance must be a real numeric array, got dtype {imp.dtype}")
+    imp = np.ascontiguousarray(imp, dtype=np.float32)
+    if imp.ndim != 1 or imp.shape[0] != cols:
+        raise ValueError(f"importance must have shape ({cols},) (one weight per column), "
+                         f"got {imp.shape}; pass the imatrix row for this tensor")
+    if not np.isfinite(imp).all():
+        raise ValueError("importance must be finite, got NaN/Inf at column "
+                         f"{int(np.argwhere(~np.isfinite(imp))[0, 0])}")
+    if (imp < 0).any():
+        j = int(np.argwhere(imp < 0)[0, 0])
+        raise ValueError(f"importance must be >= 0, got {imp[j]} at column {j}; "
+                         "imatrix values are mean squared activations")
+    return imp
+
+
+def quantize(w, qtype, importance=None) -> np.ndarray:
+    """Quantise ``w`` to ggml ``qtype``: the bytes ``ggml_quantize_chunk`` writes.
+
+    Parameters
+    ----------
+    w : ndarray of shape (rows, cols), float32
+        Finite weights; ``cols`` must be a multiple of the type's block.
+    qtype : str
+        ggml type name, case-insensitive (``"q4_K"``, ``"Q4_K"``, ``"iq4_xs"``...).
+    importance : ndarray of shape (cols,), optional
+        Non-negative importance (imatrix) per column; ``None`` selects ggml's
+        reference quantiser.  Ignored by Q8_0, TQ1_0, TQ2_0, F16 and BF16.
+
+    Returns
+    -------
+    ndarray of shape (rows, row_bytes(qtype, cols)), uint8
+    """
+    t = _type(qtype)
+    w = _check_weights(w)
+    rows, cols = w.shape
+    row_bytes(t, cols)
+    imp = _check_importance(importance, cols)
+    if t.name == "F16":
+        return w.astype(np.float16).view(np.uint8).reshape(rows, cols * 2)
+    if t.name == "BF16":
+        return _bf16_bits(w).view(np.uint8).reshape(rows, cols * 2)
+    from opscope_nb.kernels._ggml_quant import GGML_KERNELS
+    return GGML_KERNELS[_name_key(t)][0](w, imp)
+
+
+def _name_key(t: GGMLType) -> str:
+    n = t.name.lower()
+    return n[:-1] + "K" if n.endswith("_k") else n
+
+
+def dequantize(data, qtype, shape) -> np.ndarray:
+    """Decode ggml ``qtype`` bytes to float32 of ``shape`` = (rows, cols).
+
+    ``data`` is uint8 of shape (rows, row_bytes(qtype, cols)) (or flat with that
+    many bytes).
+    """
+    t = _type(qtype)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
+        raise TypeError(f"data must be a uint8 numpy array, got "
+                        f"{getattr(data, 'dtype', type(data).__name__)}; pass quantize()'s output")
+    try:
+        rows, cols = (int(s) for s in shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"shape must be (rows, cols), got {shape!r}") from None
+    if rows < 1:
+        raise ValueError(f"shape must have rows >= 1, got {shape!r}")
+    rb = row_bytes(t, cols)
+    if data.size != rows * rb:
+        raise ValueError(f"{t.name} data for shape ({rows}, {cols}) must hold {rows}x{rb} = "
+                         f"{rows * rb} bytes, got {data.size} (shape {data.shape})")
+    data = np.ascontiguousarray(data).reshape(rows, rb)
+    if t.name == "F16":
+        return data.view(np.float16).astype(np.float32)
+    if t.name == "BF16":
+        return (data.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    from opscope_nb.kernels._ggml_quant import GGML_KERNELS
+    return GGML_KERNELS[_name_key(t)][1](data, cols)

@@ -1,0 +1,3 @@
+"""Choosing one option per layer (layer 4): the allocators (:mod:`.allocate`:
+greedy, DADO, exact) and writing a plan's compressed checkpoint
+(:mod:`.apply`)."""

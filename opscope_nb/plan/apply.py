@@ -1,0 +1,237 @@
+"""Apply a plan: read ``plan.json``, compress a checkpoint's planned layers and
+write the compressed checkpoint (:mod:`opscope_nb.runtime.checkpoint`'s format).
+
+Layer 3 (imports :mod:`opscope_nb.runtime.checkpoint`, :mod:`opscope_nb.runtime`,
+:mod:`opscope_nb.formats`, :mod:`opscope_nb.io`).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from opscope_nb import io as tio
+from opscope_nb.runtime.checkpoint import CheckpointWriter
+from opscope_nb.profile.checkpoint import FingerprintError, check_fingerprints
+from opscope_nb.formats import Decomp, packed_bytes
+from opscope_nb.runtime._packed import PackedLinear
+
+__all__ = ["apply_plan", "read_plan", "PlanError", "FINGERPRINT", "check_made_from"]
+
+#: What ``source_sha256`` in a compressed file hashes (files of before hashed
+#: the float32 values as loaded, and carry no ``source_fingerprint``).
+FINGERPRINT = "sha256 of stored bytes"
+
+
+class PlanError(ValueError):
+    """A plan.json is missing, malformed, or made for another model."""
+
+
+def read_plan(plan_path, method=None) -> tuple:
+    """``(method, {layer name: Decomp}, plan doc)`` from a ``plan.json``.
+
+    ``method`` None picks ``exact`` when present, else the first method.  Decomp
+    parameters come from the ``profile.json`` next to the plan when it lists the
+    same layer and option (keeps low-rank provenance: SVD rank and seed), else
+    from the option's label.
+
+    Raises
+    ------
+    ValueError
+        Missing/unreadable plan, unknown method, malformed layer entries.
+    """
+    plan_path = os.fspath(plan_path)
+    if not os.path.isfile(plan_path):
+        raise PlanError(f"{plan_path}: no such plan file; write one with "
+                         f"'opscope-nb profile SOURCE --out DIR' (DIR/plan.json).")
+    try:
+        with open(plan_path, encoding="utf-8") as f:
+            doc = json.load(f)
+        methods = doc["methods"]
+        if not isinstance(methods, dict) or not methods:
+            raise KeyError
+    except OSError as exc:
+        raise PlanError(f"{plan_path}: cannot read ({exc.strerror or exc}).") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise PlanError(f"{plan_path}: not an opscope-nb plan.json (needs a 'methods' "
+                         f"object from 'profile --out' or 'allocate --out').") from None
+    if method is None:
+        method = "exact" if "exact" in methods else next(iter(methods))
+    if method not in methods:
+        raise PlanError(f"{plan_path}: method {method!r} not in the plan; it has "
+                         f"{sorted(methods)}.")
+    prof_opts = {}
+    prof_path = os.path.join(os.path.dirname(os.path.abspath(plan_path)), "profile.json")
+    if os.path.isfile(prof_path):
+        try:
+            with open(prof_path, encoding="utf-8") as f:
+                pdoc = json.load(f)
+            for ent in pdoc.get("layers", []):
+                p = ent.get("profile", ent)
+                prof_opts[p["name"]] = [o["decomp"] for o in p["options"]]
+        except Exception:  # a stray/old profile.json only loses provenance
+            prof_opts = {}
+    out = {}
+    for ent in methods[method].get("layers", []):
+        try:
+            name, label = str(ent["name"]), str(ent["label"])
+            d = Decomp.from_label(label)
+            full = ent.get("decomp")
+            if isinstance(full, dict):
+                # the row's own full decomp (rank, sketch, seed): the same arrays
+                # whichever directory the plan is applied from
+                dd = Decomp.from_dict(full)
+            else:  # an older plan: provenance from the profile next to it
+                opts = prof_opts.get(name)
+                oi = ent.get("option")
+                dd = (Decomp.from_dict(opts[int(oi)])
+                      if opts is not None and oi is not None and 0 <= int(oi) < len(opts)
+                      else d)
+            if dd != d:
+                raise ValueError(f"its decomp {full!r} is not its label {label!r}")
+            d = dd
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"{plan_path}: bad layer entry {ent!r} in method "
+                             f"{method!r} ({exc}).") from None
+        out[name] = (d, ent.get("bytes"))
+    if not out:
+        raise PlanError(f"{plan_path}: method {method!r} lists no layers.")
+    return method, out, doc
+
+
+def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
+               grams=None, force=False) -> dict:
+    """Compress ``source`` as ``plan.json`` says and write the checkpoint to ``out_path``.
+
+    Parameters
+    ----------
+    source : str
+        The checkpoint the plan was made from (any :func:`opscope_nb.io.open_source` input).
+    plan_path : str
+        ``plan.json`` from ``profile --out`` / ``allocate --out``.
+    out_path : str
+        Target ``.safetensors`` (atomic replace), or ``.gguf``: a GGUF file
+        from a ``.gguf`` source and a plan of ggml types / dense only
+        (:func:`opscope_nb.io.gguf_export.export_gguf`; its report is returned,
+        with ``method`` and ``format: "gguf"``).
+    method : str or None
+        Allocator whose plan to use (default ``exact`` when present, else the first).
+    make_progress : callable or None
+        ``make_progress(n_tensors, total_elements)`` -> a bar with ``show(i, name)``
+        / ``advance(work)`` / ``close()`` (the CLI's stderr bar).
+    grams : dict of str -> ndarray, optional
+        Calibration grams by tensor name (:func:`opscope_nb.profile.calib.load_grams`),
+        needed by planned ``+gptq`` layers; or any object with ``get`` (e.g.
+        :class:`opscope_nb.profile.calib.StreamedGrams`; with an ``order_key(name)``
+        the tensors are packed in that order).
+    force : bool
+        Apply even when a planned tensor's stored bytes differ from the
+        fingerprint the plan records (``PlanError`` otherwise).
+
+    Returns
+    -------
+    dict
+        ``method``, ``layers`` (packed count), ``dense_layers`` (planned dense),
+        ``tensors`` (copied byte for byte as the source stores them, GGUF
+        block types and integer tensors included), ``skipped`` (always empty;
+        kept for callers), ``source_bytes`` (as stored), ``out_bytes`` (arrays
+        written), ``path``.
+
+    Raises
+    ------
+    ValueError
+        Bad plan; a planned layer missing from the source or of another shape
+        (the plan was made for another model).
+    """
+    method, plan, doc = read_plan(plan_path, method)
+    src = tio.open_source(source)
+    by_name = {e.name: e for e in src.entries}
+    for name, (d, nbytes) in plan.items():
+        e = by_name.get(name)
+        if e is None:
+            raise PlanError(f"{plan_path}: planned layer {name!r} is not in {src.path}; "
+                             f"the plan was made for another model.")
+        if e.ndim != 2:
+            raise PlanError(f"{plan_path}: planned layer {name!r} has shape {e.shape} in "
+                             f"{src.path}, not a 2-D weight; the plan is for another model.")
+        if nbytes is not None and packed_bytes(e.shape[0], e.shape[1], d) != int(nbytes):
+            raise PlanError(f"{plan_path}: planned layer {name!r} ({d.label}, {nbytes} "
+                             f"bytes) does not match its shape {e.shape} in {src.path}; the "
+                             f"plan was made for another model.")
+    if os.fspath(out_path).lower().endswith(".gguf"):
+        from opscope_nb.io.gguf_export import _check_ggml_plan   # what can go to GGUF, before anything else
+        _check_ggml_plan({n: d for n, (d, _) in plan.items()}, f"writing {out_path}")
+    recorded = (doc.get("source") or {}).get("sha256")
+    if not force:
+        try:
+            check_fingerprints([by_name[n] for n in plan], recorded, plan_path)
+        except FingerprintError as exc:
+            raise PlanError(f"{exc}; apply it to the source it was made from, or pass "
+                            f"--force.") from None
+    if os.fspath(out_path).lower().endswith(".gguf"):
+        # the GGUF writer checks names, shapes and bytes once more as it writes
+        from opscope_nb.io.gguf_export import export_gguf
+        r = export_gguf(source, {n: d for n, (d, _) in plan.items()}, out_path,
+                        grams=grams, make_progress=make_progress,
+                        plan_bytes={n: b for n, (_, b) in plan.items() if b is not None})
+        r.update(method=method, format="gguf")
+        return r
+    w = CheckpointWriter(out_path)
+    sha = {}
+    skipped, dense_layers, stored_bytes = [], 0, 0
+    total = float(sum(e.numel for e in src.entries)) or 1.0
+    progress = None if make_progress is None else make_progress(len(src.entries), total)
+    # grams streamed on demand (calib.StreamedGrams) come block by block: go in that order
+    entries = sorted(src.entries, key=lambda e: grams.order_key(e.name)) \
+        if hasattr(grams, "order_key") else src.entries
+    try:
+        for i, e in enumerate(entries):
+            if progress is not None:
+                progress.show(i, e.name)
+            sha[e.name] = e.sha256()       # the stored bytes, as profile.json keys them
+            stored_bytes += int(e.raw().size)
+            ent = plan.get(e.name)
+            if ent is not None and ent[0].kind != "dense":
+                g = None if grams is None or not ent[0].reads_gram else grams.get(e.name)
+                a = e.load()
+                w.add_layer(e.name, PackedLinear.pack(a, ent[0], gram=g))
+                del a
+            else:
+                # unplanned (or planned dense): byte for byte as the source stores it
+                dense_layers += ent is not None
+                w.add_stored(e)
+            if progress is not None:
+                progress.advance(e.numel)
+        meta = {"source": {"file": os.path.basename(os.fspath(source)),
+                           "kind": src.kind, "n_tensors": len(src.entries)},
+                "source_sha256": sha, "source_fingerprint": FINGERPRINT,
+                "plan": {"file": os.path.basename(os.fspath(plan_path)), "method": method,
+                         "budget": doc.get("budget")}}
+        n_layers, n_tensors = len(w.layers), len(w.tensors)
+        out_bytes = w._offset
+        w.finish(meta)
+    except BaseException:
+        w.abort()
+        raise
+    finally:
+        if progress is not None:
+            progress.close()
+    return {"method": method, "layers": n_layers, "dense_layers": dense_layers,
+            "tensors": n_tensors, "skipped": skipped, "source_bytes": int(stored_bytes),
+            "out_bytes": int(out_bytes), "path": os.fspath(out_path)}
+
+
+def check_made_from(source, record: dict) -> None:
+    """Raise :class:`opscope_nb.profile.checkpoint.FingerprintError` unless the compressed
+    checkpoint whose metadata ``record`` is given was made from ``source`` (every
+    source tensor's stored bytes match ``source_sha256``)."""
+    if record.get("source_fingerprint") != FINGERPRINT:
+        raise FingerprintError("the compressed file records no stored-bytes fingerprint "
+                               "of its source (made by an older opscope-nb)")
+    src = tio.open_source(source)
+    recorded = record.get("source_sha256") or {}
+    extra = sorted(set(recorded) - {e.name for e in src.entries})
+    if extra:
+        raise FingerprintError(f"the compressed file was made from a source with tensor "
+                               f"{extra[0]}, which {src.path} lacks")
+    check_fingerprints([e for e in src.entries if e.name in recorded] , recorded,
+                       "the compressed file")

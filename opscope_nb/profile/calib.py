@@ -1,0 +1,1069 @@
+"""Calibration: the inputs every linear layer sees, and how much each layer matters.
+
+:func:`calibrate` (and the :class:`CalibrationStream` behind it) opens a model
+lazily with :func:`opscope_nb.models.open_model` and runs its dense forward
+pass **one block at a time** (the :func:`opscope_nb.models.bert.block` /
+:func:`opscope_nb.models.llama.block` of ``opscope-nb eval``): the
+calibration activations of every chunk of text go through block ``i``, then
+block ``i``'s weights are dropped and block ``i + 1`` is read.  Peak memory is
+one block's weights (float32), that block's grams and the activations of the
+calibration tokens -- independent of the number of blocks, so a 7 B model
+calibrates in a few GB.  For every linear layer the stream accumulates the
+second moment of its inputs
+
+    ``H = sum_t x_t x_tᵀ``  (``[cols, cols]``, float64 at any width)
+
+Float64 because ``H`` is a sum over thousands of tokens whose small
+eigenvalues GPTQ's Cholesky and the ``out_err`` differences need; a
+14336-input gram is 1.6 GB in float64, held only while its block is profiled.
+Layers that receive the very same input array (q/k/v, gate/up) share one
+accumulator; padding rows of an encoder batch are left out.  ``diag(H)``
+instead of ``H`` above ``full_max_cols`` inputs is an explicit choice
+(default: never).
+
+Sensitivity (``d metric / d out_err**2``, one layer at a time): for each layer
+asked for, its weight gets a Gaussian perturbation ``s Z`` (``Z`` from an
+explicit seed, the same for every token), ``s`` making the output error
+``||x (sZ)ᵀ|| / ||x Wᵀ|| = eps`` on the sensitivity tokens; the model's final
+output is compared with the clean one and ``sensitivity = metric / eps**2`` -- encoders: mean over texts of ``1 - cos`` of the pooled
+embeddings; decoders: mean next-token ``KL(clean || perturbed)``.  For a small
+error both metrics are quadratic in the output error, so ``sensitivity *
+out_err**2`` predicts the metric a quantised layer costs.  A perturbed forward
+starts from the cached clean input of its block and runs in the same sweep
+over the blocks as the grams: a layer of block ``b`` costs ``n_blocks - b``
+block forwards over at most ``sens_tokens`` tokens (:attr:`CalibrationStream.
+sens_block_forwards`), and each pending perturbed activation is held until the
+head (``sens_tokens x hidden`` float32 each).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["Calibration", "CalibrationStream", "StreamedGrams", "calibrate", "FULL_MAX_COLS", "save_grams",
+           "load_grams", "GramsError", "GramsWriter"]
+
+#: Default ``full_max_cols``: ``None`` keeps the full gram at every width (the
+#: diagonal-only fallback is an explicit choice, never silent).
+FULL_MAX_COLS = None
+
+
+@dataclass
+class Calibration:
+    """What :func:`calibrate` measured.
+
+    Attributes
+    ----------
+    grams : dict of str -> ndarray of float64
+        Per linear weight name: ``[cols, cols]`` (full) or ``[cols]`` (diagonal).
+        Layers sharing an input share the same array object.  Empty when the
+        stream handed them to a callback instead (``keep_grams=False``).
+    tokens : int
+        Token rows accumulated into every gram.
+    sensitivity : dict of str -> float
+        ``metric / eps**2`` per weight name (empty when not measured).
+    metric : str
+        ``"1-cos"`` (encoders) or ``"kl"`` (decoders).
+    eps : float
+    sens_tokens : int
+        Tokens the sensitivity forwards ran on.
+    seconds : dict of str -> float
+        ``load`` (weights read), ``grams`` (block forwards and grams),
+        ``sensitivity`` (perturbed block forwards and the head).
+    blocks : int
+        Blocks streamed.
+    peak_block_bytes : int
+        Largest float32 weights held at once: the stem (embeddings and norms)
+        while the chunks are embedded, then the norms plus one block (or the
+        head).
+    layers, full_grams : int
+        Grams recorded (by layer name) and how many of them are full.
+    validation : dict of str -> dict
+        Per plan given to the stream: ``metric`` (``"1-cos"`` / ``"kl"``),
+        ``measured`` (its mean on the validation part), ``cosine`` or
+        ``top1``, ``tokens``.
+    val_tokens : int
+        Tokens held out for validation (none of them in the grams or the
+        sensitivity forwards).
+    sensitivity_val : dict of str -> float
+        The same probe (same perturbation, rescaled to ``eps`` there) measured
+        on the held-out part: how far each layer's sensitivity carries over to
+        text it was not measured on (empty without a held-out part).
+    sens_val_tokens : int
+        Held-out tokens those forwards ran on.
+    """
+
+    grams: dict
+    tokens: int
+    sensitivity: dict = field(default_factory=dict)
+    metric: str = ""
+    eps: float = 0.0
+    sens_tokens: int = 0
+    seconds: dict = field(default_factory=dict)
+    blocks: int = 0
+    peak_block_bytes: int = 0
+    layers: int = 0
+    full_grams: int = 0
+    validation: dict = field(default_factory=dict)
+    val_tokens: int = 0
+    sensitivity_val: dict = field(default_factory=dict)
+    sens_val_tokens: int = 0
+
+    def summary(self) -> dict:
+        """JSON-ready facts (no arrays)."""
+        return {"tokens": int(self.tokens), "layers": int(self.layers),
+                "full_grams": int(self.full_grams),
+                "diag_grams": int(self.layers - self.full_grams),
+                "metric": self.metric, "eps": float(self.eps),
+                "sens_tokens": int(self.sens_tokens), "blocks": int(self.blocks),
+                "sens_layers": len(self.sensitivity),
+                "sens_val_tokens": int(self.sens_val_tokens),
+                "peak_block_bytes": int(self.peak_block_bytes),
+                "seconds": {k: float(v) for k, v in self.seconds.items()}}
+
+
+class _Recorder:
+    def __init__(self, full_max_cols, want=None):
+        self.full_max_cols = full_max_cols
+        self.want = want     # layer names whose grams are needed (None: all)
+        self.pending = None  # (group key, input, real rows): accumulated on the next input
+        self.acc = {}        # group key -> float64 accumulator
+        self.alias = {}      # layer name -> group key
+        self.rows = None     # bool mask of real token rows (encoder padding)
+        self.prev_x = None
+        self.prev_name = None
+        self.on = True
+        self.perturb = None  # (name, eps, rng, state): see _Tap
+
+    def observe(self, name, x):
+        if not self.on:
+            return
+        same = x is self.prev_x
+        prev = self.prev_name
+        self.prev_x, self.prev_name = x, name
+        if name not in self.alias:
+            self.alias[name] = self.alias[prev] if same and prev in self.alias else name
+        key = self.alias[name]
+        if same and self.alias.get(prev) == key:
+            return  # this input is already pending for the group
+        self.flush()
+        # accumulated once the group is known (q, then k and v with the same
+        # input): only a group with a wanted member costs a gram
+        self.pending = (key, x, self.rows)
+
+    def flush(self):
+        if self.pending is None:
+            return
+        key, x, rows = self.pending
+        self.pending = None
+        if self.want is not None and not any(
+                k == key and n in self.want for n, k in self.alias.items()):
+            return
+        x2 = x.reshape(-1, x.shape[-1])
+        if rows is not None and rows.shape[0] == x2.shape[0]:
+            x2 = x2[rows]
+        x64 = x2.astype(np.float64)
+        cols = x64.shape[1]
+        if self.full_max_cols is None or cols <= self.full_max_cols:
+            # H += xᵀx in place, upper triangle (BLAS syrk): no [cols, cols]
+            # temporary next to the accumulator (0.97 GB at 11008 inputs)
+            from scipy.linalg.blas import dsyrk
+            acc = self.acc.get(key)
+            if acc is None:
+                acc = self.acc[key] = np.zeros((cols, cols), dtype=np.float64, order="F")
+            dsyrk(1.0, x64, beta=1.0, c=acc, trans=1, lower=0, overwrite_c=1)
+        else:
+            g = np.einsum("ij,ij->j", x64, x64)
+            if key in self.acc:
+                self.acc[key] += g
+            else:
+                self.acc[key] = g
+
+    def take(self, names) -> dict:
+        """The finished grams of ``names`` (shared arrays stay shared); forgets them.
+        The full ones are made symmetric (their lower triangle copied from the
+        upper one, a few rows at a time) and handed out C-contiguous."""
+        self.flush()
+        for key, a in list(self.acc.items()):
+            if a.ndim == 2:
+                n = a.shape[0]
+                for i0 in range(0, n, 256):
+                    i1 = min(n, i0 + 256)
+                    a[i1:, i0:i1] = a[i0:i1, i1:].T      # below the diagonal block
+                    blk = a[i0:i1, i0:i1]
+                    a[i0:i1, i0:i1] = np.triu(blk) + np.triu(blk, 1).T
+                self.acc[key] = a.T      # symmetric: its C-order view, no copy
+        out = {n: self.acc[self.alias[n]] for n in names
+               if n in self.alias and self.alias[n] in self.acc}
+        self.acc, self.alias = {}, {}
+        self.prev_x = self.prev_name = None
+        return out
+
+
+class _Tap:
+    """Wraps a ``PackedLinear``: records its input, optionally perturbs its weight.
+
+    The sensitivity probe adds ``s Z`` to the weight (``Z`` ``[out, in]``
+    standard normal from the layer's generator, one draw for every token and
+    chunk), ``s`` set on the first chunk so that the output error is ``eps``
+    of the output (``||x (sZ)ᵀ|| = eps ||x Wᵀ||`` over its real rows):
+    ``out_err = eps`` measured on the sensitivity tokens.  A weight error,
+    like a quantisation error, moves every token's output the same way; iid
+    noise on the outputs instead averages away under mean pooling and makes
+    the last layers look harmless (review finding 6a).
+    """
+
+    def __init__(self, inner, name, rec):
+        self._inner, self._name, self._rec = inner, name, rec
+
+    def __getattr__(self, a):
+        return getattr(self._inner, a)
+
+    def __call__(self, x, act="auto"):
+        self._rec.observe(self._name, x)
+        y = self._inner(x, act=act)
+        p = self._rec.perturb
+        if p is not None and p[0] == self._name:
+            _, eps, rng, state = p
+            x2 = x.reshape(-1, x.shape[-1])
+            y2 = y.reshape(-1, y.shape[-1])
+            if "z" not in state:
+                state["z"] = rng.standard_normal((y2.shape[1], x2.shape[1]),
+                                                 dtype=np.float32)
+            dy = x2 @ state["z"].T
+            if "s" not in state:
+                rows = self._rec.rows
+                sel = rows if rows is not None and rows.shape[0] == x2.shape[0] else slice(None)
+                num = float(np.linalg.norm(y2[sel].astype(np.float64)))
+                den = float(np.linalg.norm(dy[sel].astype(np.float64)))
+                state["s"] = eps * num / den if den > 0 else 0.0
+            y = (y2 + np.float32(state["s"]) * dy).astype(np.float32).reshape(y.shape)
+        return y
+
+
+def _stderr_log(s):
+    print(s, file=sys.stderr, flush=True)
+
+
+class CalibrationStream:
+    """Block-by-block calibration of a dense checkpoint (see the module docstring).
+
+    Parameters
+    ----------
+    source : str
+        A checkpoint :func:`opscope_nb.models.open_model` reads (BERT-style
+        encoder or Llama-style decoder).
+    text : str, optional
+        Text file, one passage per line; ``None`` = the built-in English
+        sample (:func:`opscope_nb.models.evaluate.load_passages`): encoders use
+        its sentences, decoders its token stream.
+    max_tokens : int, optional
+        Cap on calibration tokens (encoders: whole sentences while within the
+        cap, at least one).
+    full_max_cols : int or None
+        Keep ``diag(H)`` instead of ``H`` for layers with more inputs
+        (``None``: the full gram at every width).
+    sensitivity : bool or iterable of str
+        Measure sensitivity for every linear layer (``True``), none
+        (``False``), or the named ones.
+    eps, seed, sens_tokens, act, batch, window, log
+        As :func:`calibrate`.
+    validate : float
+        Fraction of the text held out (seeded by ``split_seed``): encoder
+        sentences or passages, decoder passages; the grams and sensitivities
+        come from the rest.  ``max_tokens`` caps each part.
+    split_seed : int
+    grams_for : iterable of str, optional
+        Only these layers' grams are accumulated (and returned); ``None``:
+        every linear layer's.  The forwards are the same.
+    plans : dict of str -> dict of str -> Decomp, optional
+        Plans to measure on the held-out part (needs ``validate > 0``): in the
+        same sweep, each block's planned layers are packed as the plan says
+        (``+gptq`` from that block's grams) and the plan's activations go
+        through them next to the dense ones; :attr:`validation` (and
+        :attr:`Calibration.validation`) get each plan's metric.
+
+    Attributes
+    ----------
+    stages : list of list of str
+        Linear names finished by each stage: blocks ``0 .. n_blocks - 1``,
+        then the head stage (a decoder's output projection; empty for encoders).
+    tokens, sens_tokens : int
+    sens_block_forwards : int
+        Perturbed stage runs (blocks and the head) the sensitivity sweep does.
+
+    Notes
+    -----
+    Call :meth:`next_stage` (or iterate) until it returns ``None``, then
+    :meth:`result`; or :meth:`gram` for a layer, which advances as far as
+    needed.  The grams of a stage are released when the next one runs.
+    """
+
+    def __init__(self, source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS,
+                 sensitivity=True, eps=0.05, seed=0, sens_tokens=256, act="f32",
+                 batch=32, window=256, log=None, validate=0.0, split_seed=0, plans=None,
+                 grams_for=None):
+        from opscope_nb.data import TEXT_KEYWORDS
+        from opscope_nb.models import open_model
+        from opscope_nb.models.evaluate import load_passages
+        if not (isinstance(eps, (int, float)) and np.isfinite(eps) and eps > 0):
+            raise ValueError(f"eps must be a finite number > 0; got {eps!r}.")
+        if full_max_cols is not None and int(full_max_cols) < 1:
+            raise ValueError(f"full_max_cols must be >= 1 or None; got {full_max_cols!r}.")
+        if max_tokens is not None and int(max_tokens) < 2:
+            raise ValueError(f"max_tokens must be >= 2; got {max_tokens!r}.")
+        if int(sens_tokens) < 2:
+            raise ValueError(f"sens_tokens must be >= 2; got {sens_tokens!r}.")
+        if not (isinstance(validate, (int, float)) and 0.0 <= float(validate) < 1.0):
+            raise ValueError(f"validate must be a fraction in [0, 1); got {validate!r}.")
+        self.validate, self.split_seed = float(validate), int(split_seed)
+        self.plans = {str(k): dict(v) for k, v in (plans or {}).items()}
+        if self.plans and not self.validate:
+            raise ValueError("plans are measured on the validation part: give validate > 0.")
+        self.log = log if log is not None else (_stderr_log if sys.stderr.isatty()
+                                                else (lambda s: None))
+        t0 = time.perf_counter()
+        self.model = m = open_model(source, lazy=True)
+        self.family = m.family
+        self.act, self.eps, self.seed = act, float(eps), int(seed)
+        self.rec = _Recorder(None if full_max_cols is None else int(full_max_cols),
+                             None if grams_for is None else set(grams_for))
+        self.n_blocks = int(m.config["n_layers"])
+        blocks = [m.block_tensors(i) for i in range(self.n_blocks)]
+        in_blocks = {n for lin, oth in blocks for n in lin + oth}
+        self._head = None
+        if self.family == "decoder":
+            nm = m.config["names"]
+            self._head = nm["embed"] if m.config.get("tied") else nm["head"]
+        # the stem (embeddings, norms) stays loaded; an untied head waits for its stage
+        stem = [n for n in m.entries if n not in in_blocks
+                and (m.config.get("tied") or n != self._head)]
+        self._stage_names = [lin + oth for lin, oth in blocks]
+        self.stages = [list(lin) for lin, _ in blocks] + [[self._head] if self._head else []]
+        self._order = {n: k for k, names in enumerate(self.stages) for n in names}
+        all_lin = [n for names in self.stages for n in names]
+        if sensitivity is True:
+            sens = all_lin
+        elif sensitivity is False or sensitivity is None:
+            sens = []
+        else:
+            want = set(sensitivity)
+            sens = [n for n in all_lin if n in want]
+        self._sens_index = {n: all_lin.index(n) for n in sens}
+        #: the layers whose sensitivity the sweep measures, in block order
+        self.sens_layers = list(sens)
+        #: ``on_stage(stage, grams)`` after each stage (e.g. a :class:`GramsWriter`)
+        self.on_stage = None
+        self.metric = "1-cos" if self.family == "encoder" else "kl"
+        self._peak = m.load(stem)
+        passages = load_passages(text)
+        if self.family == "encoder":
+            # the built-in texts are prose passages: encoders take their sentences
+            self._setup_encoder(passages, text is None or text in TEXT_KEYWORDS, max_tokens,
+                                sens_tokens, batch)
+        else:
+            self._setup_decoder(passages, max_tokens, sens_tokens, window)
+        # every chunk is embedded: the embedding tables leave memory (a tied
+        # head reads the table again at the last stage); the norms stay
+        tables = [n for n in stem if m.tensors[n].ndim == 2]
+        m.drop(tables)
+        self._stem = sum(int(m.tensors[n].nbytes) for n in stem if n in m.tensors)
+        # every stage from the layer's own to the head (included)
+        self.sens_block_forwards = sum(self.n_blocks + 1 - self._order[n] for n in sens)
+        if self._sens_val_chunks:
+            self.sens_block_forwards *= 2
+        self._val_dense = None           # dense validation activations per chunk
+        self._val_states = {}            # plan -> its validation activations per chunk
+        #: plan -> measured metric on the validation part (after the head stage)
+        self.validation = {}
+        self._sens = {}
+        self._sens_val = {}
+        # the probe's parts: the fitting text (the objective's sensitivities) and
+        # the held-out text (how well they carry over); each keeps its clean and
+        # per-layer perturbed activations per chunk while they are in flight
+        self._sparts = [{"chunks": ch, "clean": None, "states": {}, "out": out}
+                        for ch, out in ((self._sens_chunks, self._sens),
+                                        (self._sens_val_chunks, self._sens_val)) if ch]
+        self._pending = set(sens)
+        self.stage = -1                  # last finished stage
+        self.current = {}                # grams of the last finished stage
+        self.seconds = {"load": time.perf_counter() - t0, "grams": 0.0, "sensitivity": 0.0}
+        self.n_layers = 0
+        self.n_full = 0
+
+    # ---- per family ------------------------------------------------------ #
+    def _split(self, items):
+        """``(fit, validation)``: a seeded choice of ``ceil(validate * n)`` items
+        (at least one, leaving at least one) held out, both in text order."""
+        n = len(items)
+        if not self.validate or n < 2:
+            return list(items), []
+        k = min(n - 1, max(1, int(np.ceil(self.validate * n))))
+        held = set(np.random.default_rng(self.split_seed).choice(n, k, replace=False).tolist())
+        return ([x for i, x in enumerate(items) if i not in held],
+                [x for i, x in enumerate(items) if i in held])
+
+    def _setup_encoder(self, passages, builtin, max_tokens, sens_tokens, batch):
+        from opscope_nb.models import bert
+        from opscope_nb.models.evaluate import _sentences
+        m = self.model
+        fit_texts, val_texts = self._split(_sentences(passages) if builtin else list(passages))
+
+        def cap(texts, n):
+            lens = [min(len(m.tokenizer.encode(t).ids), m.config["max_seq_len"])
+                    for t in texts]
+            if n is None:
+                return list(texts), sum(lens)
+            keep, tot = [], 0
+            for t, k in zip(texts, lens):
+                if keep and tot + k > n:
+                    break
+                keep.append(t)
+                tot += k
+            return keep, tot
+
+        cal, ntok = cap(fit_texts, max_tokens)
+        scap = int(sens_tokens) if max_tokens is None else min(int(sens_tokens),
+                                                               int(max_tokens))
+        sens_texts, nsens = cap(fit_texts, scap)
+        val, nval = cap(val_texts, max_tokens)
+        sval, nsval = cap(val_texts, scap)
+
+        def chunks(ts):
+            out = []
+            for s in range(0, len(ts), batch):
+                ids, mask = bert.tokenize_batch(m, ts[s:s + batch])
+                out.append({"x": bert.embed_tokens(m, ids), "bias": bert.attention_bias(mask),
+                            "mask": mask, "rows": mask.reshape(-1) > 0})
+            return out
+
+        self._cal = chunks(cal)
+        self._sens_chunks = chunks(sens_texts) if self._sens_index else []
+        self._sens_val_chunks = chunks(sval) if self._sens_index and sval else []
+        self._val_chunks = chunks(val) if self.plans else []
+        self.tokens, self.sens_tokens, self.val_tokens = int(ntok), int(nsens), int(nval)
+        self.sens_val_tokens = int(nsval) if self._sens_val_chunks else 0
+
+    def _setup_decoder(self, passages, max_tokens, sens_tokens, window):
+        from opscope_nb.models import llama
+        m = self.model
+        cfg = m.config
+
+        def tokens(ps):
+            ids = list(m.tokenizer.encode("\n".join(ps)).ids) if ps else []
+            if ids and cfg.get("add_bos") and cfg.get("bos") is not None:
+                ids = [int(cfg["bos"])] + ids
+            if max_tokens is not None:
+                ids = ids[:int(max_tokens)]
+            return np.asarray(ids, dtype=np.int64)
+
+        fit_p, val_p = self._split(list(passages))
+        ids, vids = tokens(fit_p), tokens(val_p)
+        window = int(min(window, cfg.get("context", window)))
+        sens_ids = ids[:max(2, min(int(sens_tokens), len(ids), window))]
+        sval_ids = vids[:max(2, min(int(sens_tokens), len(vids), window))]
+        self._cal = [{"x": llama.embed_tokens(m, ids[s:s + window]), "rows": None}
+                     for s in range(0, len(ids), window)]
+        self._sens_chunks = [{"x": llama.embed_tokens(m, sens_ids), "rows": None}] \
+            if self._sens_index else []
+        self._val_chunks = [{"x": llama.embed_tokens(m, vids[s:s + window]), "rows": None}
+                            for s in range(0, len(vids), window)] if self.plans else []
+        self._sens_val_chunks = [{"x": llama.embed_tokens(m, sval_ids), "rows": None}] \
+            if self._sens_index and len(sval_ids) >= 2 else []
+        self.sens_val_tokens = int(len(sval_ids)) if self._sens_val_chunks else 0
+        self.tokens, self.sens_tokens, self.val_tokens = (int(len(ids)), int(len(sens_ids)),
+                                                          int(len(vids)))
+        self._ctx = {}
+
+    def _block(self, i, c, x):
+        """Block ``i`` on chunk ``c``'s activations ``x``."""
+        from opscope_nb.models import bert, llama
+        if self.family == "encoder":
+            return bert.block(self.model, i, x, c["bias"], act=self.act)
+        cfg = self.model.config
+        T = x.shape[0]
+        ctx = self._ctx.get(T)
+        if ctx is None:
+            ctx = self._ctx[T] = llama.rope_context(cfg, 0, T)
+        kc = np.zeros((cfg["n_kv"], T, cfg["head_dim"]), dtype=np.float32)
+        return llama.block(self.model, i, x, kc, np.zeros_like(kc), 0, ctx, act=self.act)
+
+    def _final(self, c, x):
+        """The model output of chunk ``c`` from the last block's ``x``: pooled
+        embeddings (encoder) or logits (decoder)."""
+        from opscope_nb.models import bert, llama
+        m = self.model
+        if self.family == "encoder":
+            B, L = c["mask"].shape
+            return bert.pool(m, x.reshape(B, L, m.config["hidden"]), c["mask"])
+        return llama.head_linear(m)(llama.final_norm(m, x), act=self.act)
+
+    def _distance(self, clean, outs) -> float:
+        from opscope_nb.models.evaluate import cosine, kl_stats
+        if self.family == "encoder":
+            return float(np.mean(1.0 - cosine(np.concatenate(clean), np.concatenate(outs))))
+        return float(np.concatenate([kl_stats(a, b)[0] for a, b in zip(clean, outs)]).mean())
+
+    # ---- the sweep ------------------------------------------------------- #
+    def _run_chunks(self, fn, chunks, xs):
+        out = []
+        for c, x in zip(chunks, xs):
+            self.rec.rows = c["rows"]
+            self.rec.prev_x = None
+            out.append(fn(c, x))
+        self.rec.rows = None
+        return out
+
+    def _perturbed(self, name, fn, xs, chunks):
+        """``fn`` over ``chunks`` with ``name``'s output perturbed (the same
+        ``Z`` for every part: its generator is seeded by the layer alone)."""
+        rng = np.random.default_rng([self.seed, self._sens_index[name]])
+        self.rec.perturb = (name, self.eps, rng, {})
+        try:
+            return self._run_chunks(fn, chunks, xs)
+        finally:
+            self.rec.perturb = None
+
+    def next_stage(self):
+        """Run the next stage; returns ``(stage, {name: gram})`` or ``None`` when done."""
+        k = self.stage + 1
+        if k > self.n_blocks:
+            return None
+        m = self.model
+        self.current = {}
+        t0 = time.perf_counter()
+        names = self._stage_names[k] if k < self.n_blocks else (
+            [self._head] if self._head else [])
+        nb = m.load(names)
+        self._peak = max(self._peak, self._stem + nb)
+        t1 = time.perf_counter()
+        self.seconds["load"] += t1 - t0
+        lin = self.stages[k]
+        tied = k == self.n_blocks and m.config.get("tied")
+        if tied:
+            # the tied head wraps the (stem) embedding; llama.head_linear reads extras
+            from opscope_nb.models.loader import dense_linear
+            m.extras["head"] = _Tap(dense_linear(m.tensors[self._head]), self._head, self.rec)
+        else:
+            for n in lin:
+                m.tensors[n] = _Tap(m.tensors[n], n, self.rec)
+        if k < self.n_blocks:
+            def fn(c, x):
+                return self._block(k, c, x)
+        else:
+            fn = self._final
+        self.rec.on = True
+        want = self.rec.want
+        if k < self.n_blocks:
+            outs = self._run_chunks(fn, self._cal, [c["x"] for c in self._cal])
+            for c, x in zip(self._cal, outs):
+                c["x"] = x
+        else:
+            # the head stage runs the calibration chunks only for the head's
+            # gram (an encoder has none), which needs the head's input alone:
+            # the logits of every calibration token (tokens x vocab floats) are
+            # never formed
+            if lin and (want is None or any(n in want for n in lin)):
+                from opscope_nb.models import llama
+                for c in self._cal:
+                    self.rec.rows, self.rec.prev_x = c["rows"], None
+                    self.rec.observe(self._head, llama.final_norm(m, c["x"]))
+                self.rec.rows = None
+            for c in self._cal:
+                c["x"] = None
+        grams = self.rec.take(lin)
+        self.rec.on = False
+        t2 = time.perf_counter()
+        self.seconds["grams"] += t2 - t1
+        if self._sparts:
+            self._sens_stage(k, fn, lin)
+        t3 = time.perf_counter()
+        self.seconds["sensitivity"] += t3 - t2
+        if self._val_chunks:
+            self._val_stage(k, fn, lin, grams, tied)
+            self.seconds["validation"] = self.seconds.get("validation", 0.0) + \
+                time.perf_counter() - t3
+        if tied:
+            m.extras.pop("head", None)
+        else:
+            for n in lin:
+                m.tensors[n] = m.tensors[n]._inner
+        m.drop(names)
+        self.stage = k
+        self.current = grams
+        self.n_layers += len(grams)
+        self.n_full += sum(1 for g in grams.values() if g.ndim == 2)
+        if self.on_stage is not None:
+            self.on_stage(k, grams)
+        where = f"block {k + 1}/{self.n_blocks}" if k < self.n_blocks else "head"
+        fly = self._in_flight()
+        extra = f", {fly} perturbed forwards in flight" if fly else ""
+        self.log(f"calibration: {where}, {len(grams)} grams, "
+                 f"{time.perf_counter() - t0:.1f}s{extra}")
+        return k, grams
+
+    def _sens_stage(self, k, fn, lin):
+        """Advance the clean and every pending perturbed sensitivity activation
+        through stage ``k``; start the perturbed runs of this stage's layers;
+        at the head, turn each into its sensitivity."""
+        for part in self._sparts:
+            ch, states = part["chunks"], part["states"]
+            if part["clean"] is None:
+                part["clean"] = [c["x"] for c in ch]
+            xin = part["clean"]
+            if k == self.n_blocks:
+                # at the head each run becomes its distance at once: the outputs
+                # (logits: tokens x vocab floats) of every layer in flight are
+                # never held together
+                clean = self._run_chunks(fn, ch, xin)
+                for n in list(states):
+                    outs = self._run_chunks(fn, ch, states.pop(n))
+                    part["out"][n] = self._distance(clean, outs) / self.eps ** 2
+                for n in lin:
+                    if n in self._pending:
+                        outs = self._perturbed(n, fn, xin, ch)
+                        part["out"][n] = self._distance(clean, outs) / self.eps ** 2
+                part["clean"] = clean
+                continue
+            for n, xs in list(states.items()):
+                states[n] = self._run_chunks(fn, ch, xs)
+            for n in lin:
+                if n in self._pending:
+                    states[n] = self._perturbed(n, fn, xin, ch)
+            part["clean"] = self._run_chunks(fn, ch, xin)
+        self._pending.difference_update(lin)
+
+    def _in_flight(self) -> int:
+        return sum(len(p["states"]) for p in self._sparts)
+
+    def _val_stage(self, k, fn, lin, grams, tied):
+        """Advance the dense and every plan's validation activations through
+        stage ``k``; each plan runs with its layers of this stage packed as it
+        says (``+gptq`` from this stage's grams).  At the head, the metrics."""
+        from opscope_nb.runtime._packed import PackedLinear
+        from opscope_nb.models.evaluate import cosine, kl_stats
+        m = self.model
+        if self._val_dense is None:
+            self._val_dense = [c["x"] for c in self._val_chunks]
+            self._val_states = {p: list(self._val_dense) for p in self.plans}
+        # a decoder's head is scored chunk by chunk: the logits of every held-out
+        # token at once (tokens x vocab floats, twice) would not fit in memory
+        stream_kl = k == self.n_blocks and self.family == "decoder"
+        if stream_kl:
+            from opscope_nb.models import llama
+            dense_head = llama.head_linear(m)
+
+            def logits(head, x):
+                return head(llama.final_norm(m, x), act=self.act)
+        packed = {}
+        for p, plan in self.plans.items():
+            swaps = {}
+            for n in lin:
+                d = plan.get(n)
+                if d is None or d.kind == "dense":
+                    continue
+                key = (n, repr(d))
+                if key not in packed:
+                    lay = m.extras["head"] if tied else m.tensors[n]
+                    w = np.asarray(lay._inner.arrays["w"], dtype=np.float32)
+                    packed[key] = PackedLinear.pack(w, d, gram=grams.get(n))
+                swaps[n] = packed[key]
+            saved = {}
+            for n, lay in swaps.items():
+                if tied:
+                    saved[n], m.extras["head"] = m.extras["head"], lay
+                else:
+                    saved[n], m.tensors[n] = m.tensors[n], lay
+            try:
+                if stream_kl:
+                    plan_head = llama.head_linear(m)
+                    st = [kl_stats(logits(dense_head, xd), logits(plan_head, xp))
+                          for xd, xp in zip(self._val_dense, self._val_states[p])]
+                    self.validation[p] = {
+                        "metric": "kl", "measured": float(np.concatenate([x[0] for x in st]).mean()),
+                        "top1": float(np.concatenate([x[1] for x in st]).mean()),
+                        "tokens": self.val_tokens}
+                else:
+                    self._val_states[p] = self._run_chunks(fn, self._val_chunks,
+                                                           self._val_states[p])
+            finally:
+                for n, lay in saved.items():
+                    if tied:
+                        m.extras["head"] = lay
+                    else:
+                        m.tensors[n] = lay
+        if stream_kl:
+            self._val_states, self._val_dense = {}, None
+            return
+        self._val_dense = self._run_chunks(fn, self._val_chunks, self._val_dense)
+        if k == self.n_blocks:          # encoders: pooled embeddings are small
+            for p, outs in self._val_states.items():
+                cos = cosine(np.concatenate(self._val_dense), np.concatenate(outs))
+                self.validation[p] = {"metric": "1-cos", "measured": float(np.mean(1 - cos)),
+                                      "cosine": float(np.mean(cos)), "tokens": self.val_tokens}
+            self._val_states = {}
+
+    def __iter__(self):
+        while True:
+            r = self.next_stage()
+            if r is None:
+                return
+            yield r
+
+    def stage_of(self, name):
+        """Stage index whose run finishes ``name``'s gram (``None``: not a linear layer)."""
+        return self._order.get(name)
+
+    def gram(self, name):
+        """``name``'s gram, running stages up to the one that finishes it (the
+        grams of earlier stages are gone by then); ``None`` for a name no stage
+        records or one whose stage has already passed."""
+        k = self._order.get(name)
+        if k is None or k < self.stage:
+            return None
+        while self.stage < k:
+            self.next_stage()
+        return self.current.get(name)
+
+    def result(self, grams=None, *, rest=True) -> Calibration:
+        """Run the remaining stages (``rest=False``: only while a sensitivity
+        sweep still needs them -- the caller wants no more grams); the
+        :class:`Calibration` with ``grams`` as given."""
+        while self.stage < self.n_blocks and (rest or self._pending or self._in_flight()
+                                              or self._val_chunks):
+            self.next_stage()
+        return Calibration(grams if grams is not None else {}, self.tokens, dict(self._sens),
+                           self.metric, self.eps,
+                           self.sens_tokens if self._sens_index else 0,
+                           dict(self.seconds), self.n_blocks, int(self._peak),
+                           self.n_layers, self.n_full, dict(self.validation),
+                           self.val_tokens if self.validate else 0, dict(self._sens_val),
+                           self.sens_val_tokens)
+
+
+class StreamedGrams:
+    """Grams on demand from a :class:`CalibrationStream`: ``get(name)`` runs the
+    stream up to the block that finishes ``name`` and hands the gram over
+    (each gram once; the grams of wanted layers in blocks already passed wait
+    until taken, all others are dropped as the stream goes).  What ``apply``
+    uses when no ``calib.npz`` was kept.
+
+    Parameters
+    ----------
+    stream : CalibrationStream
+        A fresh stream (its ``on_stage`` is taken over).
+    want : iterable of str
+        The layer names whose grams will be asked for.
+    """
+
+    def __init__(self, stream, want):
+        self.stream, self.want, self.kept = stream, set(want), {}
+        stream.on_stage = self._keep
+
+    def _keep(self, k, grams):
+        self.kept.update({n: g for n, g in grams.items() if n in self.want})
+
+    def get(self, name, default=None):
+        if name not in self.want:
+            return default
+        st = self.stream
+        while name not in self.kept and st.stage < st.n_blocks:
+            st.next_stage()
+        return self.kept.pop(name, default)
+
+    def order_key(self, name):
+        """Sort key putting names in the stream's block order (others last)."""
+        k = self.stream.stage_of(name)
+        return (k is None, k if k is not None else 0)
+
+
+def calibrate(source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS,
+              sensitivity=True, eps=0.05, seed=0, sens_tokens=256, act="f32",
+              batch=32, window=256, log=None, keep_grams=True, on_stage=None) -> Calibration:
+    """Accumulate every linear layer's input gram (and sensitivity) on calibration
+    text, streaming the model one block at a time (:class:`CalibrationStream`).
+
+    Parameters
+    ----------
+    source, text, max_tokens, full_max_cols, sensitivity
+        As :class:`CalibrationStream`.
+    eps : float
+        Relative output error of the sensitivity probe's weight perturbation (> 0).
+    seed : int
+        Seed of the probe (one generator per layer: ``[seed, index]``, the
+        layer's index in block order).
+    sens_tokens : int
+        Token cap for the sensitivity forwards (also capped by ``max_tokens``).
+    act : {"f32", "auto", "int8"}
+        Activation mode of the dense ``PackedLinear`` calls.
+    batch : int
+        Encoder sentences per forward.
+    window : int
+        Decoder tokens per forward (each window attends only within itself).
+    log : callable, optional
+        ``log(str)`` progress lines, one per block (default: stderr when it is
+        a terminal).
+    keep_grams : bool
+        Return every gram in :attr:`Calibration.grams` (``False``: only
+        ``on_stage`` sees them, so memory holds one block's grams).
+    on_stage : callable, optional
+        ``on_stage(stage, grams)`` after each block (and the head stage).
+
+    Returns
+    -------
+    Calibration
+    """
+    st = CalibrationStream(source, text=text, max_tokens=max_tokens,
+                           full_max_cols=full_max_cols, sensitivity=sensitivity, eps=eps,
+                           seed=seed, sens_tokens=sens_tokens, act=act, batch=batch,
+                           window=window, log=log)
+    grams = {}
+    for k, g in st:
+        if on_stage is not None:
+            on_stage(k, g)
+        if keep_grams:
+            grams.update(g)
+    return st.result(grams)
+
+
+class GramsError(ValueError):
+    """A calibration-grams file (or mapping) breaks the :func:`save_grams` schema."""
+
+
+def _check_gram_array(name, g, where):
+    """float64 C-contiguous copy of one gram: 1-D ``[cols]`` or square ``[cols, cols]``,
+    a float dtype, finite; else :class:`GramsError`."""
+    a = np.asarray(g)
+    if a.dtype.kind != "f":
+        raise GramsError(f"{where}: gram of {name!r} must be a float array; got dtype "
+                         f"{a.dtype}. Re-run the calibration.")
+    if a.ndim not in (1, 2) or (a.ndim == 2 and a.shape[0] != a.shape[1]):
+        raise GramsError(f"{where}: gram of {name!r} must be [cols] or square "
+                         f"[cols, cols]; got shape {a.shape}. Re-run the calibration.")
+    if not np.isfinite(a).all():
+        raise GramsError(f"{where}: gram of {name!r} has "
+                         f"{int(np.count_nonzero(~np.isfinite(a)))} NaN/Inf entries. "
+                         f"Re-run the calibration.")
+    return np.ascontiguousarray(a, dtype=np.float64)
+
+
+class GramsWriter:
+    """Write a :func:`load_grams` file one stage at a time (a streamed
+    calibration never holds every gram): ``add`` grams as they finish, then
+    ``close(meta)``; the file appears atomically at ``close`` and an error or
+    :meth:`abort` leaves no file (and the old one, if any, untouched).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+
+    Attributes
+    ----------
+    bytes : int
+        Array bytes written so far.
+
+    Notes
+    -----
+    Layout: arrays ``g0, g1, ...``; ``names``, a JSON list of ``[name, key]``
+    string pairs; ``meta``, a JSON object.  Names sharing one array object
+    within one :meth:`add` are stored once and share it again after
+    :func:`load_grams`.  Usable as a context manager (an exception aborts).
+    """
+
+    def __init__(self, path):
+        import os
+        import zipfile
+        from opscope_nb.io._fs import atomic_writer          # the package's one atomic writer
+        self.path = os.fspath(path)
+        self._cm = atomic_writer(self.path, "wb")
+        f = self._cm.__enter__()
+        self._z = zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self._pairs, self._seen, self._n, self.bytes = [], set(), 0, 0
+
+    def _entry(self, key, arr):
+        with self._z.open(key + ".npy", "w", force_zip64=True) as fh:
+            np.lib.format.write_array(fh, arr, allow_pickle=False)
+
+    def add(self, grams) -> None:
+        """Append ``grams`` (mapping name -> ``[cols]`` / ``[cols, cols]`` float,
+        finite); :class:`GramsError` on a bad name or array (the file is then
+        aborted)."""
+        try:
+            if not hasattr(grams, "items"):
+                raise GramsError(f"{self.path}: grams must be a mapping name -> array; got "
+                                 f"{type(grams).__name__}.")
+            keys = {}
+            for n, g in grams.items():
+                if not isinstance(n, str):
+                    raise GramsError(f"{self.path}: gram names must be strings; got {n!r}.")
+                if n in self._seen:
+                    raise GramsError(f"{self.path}: gram {n!r} was added twice.")
+                k = keys.get(id(g))
+                if k is None:
+                    k = keys[id(g)] = f"g{self._n}"
+                    self._n += 1
+                    a = _check_gram_array(n, g, self.path)
+                    self._entry(k, a)
+                    self.bytes += int(a.nbytes)
+                self._seen.add(n)
+                self._pairs.append([n, k])
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+
+    def close(self, meta=None) -> None:
+        """Write ``names`` and ``meta`` (JSON-serialisable) and commit the file."""
+        import json
+        try:
+            meta_json = json.dumps(meta or {})
+        except (TypeError, ValueError) as exc:
+            err = GramsError(f"{self.path}: meta must be JSON-serialisable ({exc}).")
+            self.abort(err)
+            raise err from None
+        try:
+            self._entry("names", np.array(json.dumps(self._pairs)))
+            self._entry("meta", np.array(meta_json))
+            self._z.close()
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        cm, self._cm = self._cm, None
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+    def abort(self, exc=None) -> None:
+        """Drop the temporary file (idempotent)."""
+        cm, self._cm = self._cm, None
+        if cm is None:
+            return
+        try:
+            self._z.close()
+        except Exception:
+            pass
+        err = exc if isinstance(exc, BaseException) else GramsError("aborted")
+        try:
+            cm.__exit__(type(err), err, None)
+        except BaseException:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, ev, tb):
+        if ev is not None:
+            self.abort(ev)
+        else:
+            self.abort()        # left without close(): nothing is written
+        return False
+
+
+def save_grams(path, grams, meta=None) -> None:
+    """Write calibration grams to an ``.npz`` file (atomic replace; see
+    :class:`GramsWriter` for the layout).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    grams : mapping of str -> ndarray
+        ``[cols]`` or ``[cols, cols]``, float, finite.  Names sharing one array
+        object are stored once and share it again after :func:`load_grams`.
+    meta : dict, optional
+        JSON-serialisable facts stored beside the arrays.
+
+    Raises
+    ------
+    GramsError
+        A name that is not a string, or an array breaking the rules above.
+    """
+    w = GramsWriter(path)
+    w.add(grams)
+    w.close(meta)
+
+
+def _short(value, limit=80):
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def load_grams(path) -> tuple:
+    """Read a :func:`save_grams` file, validating it (the file is untrusted).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+
+    Returns
+    -------
+    grams : dict of str -> ndarray of float64, C-contiguous
+        A name sharing a key with another shares the array object.
+    meta : dict
+
+    Raises
+    ------
+    GramsError
+        Unreadable or not an ``.npz``; ``names`` not a JSON list of ``[name,
+        key]`` string pairs (names unique, keys stored in the file); ``meta``
+        not a JSON object; an array not float, not ``[cols]`` / square
+        ``[cols, cols]``, or not finite.  Every message is one line.
+    """
+    import json
+    import os
+    import zipfile
+    path = os.fspath(path)
+    fix = "Re-run the calibration (opscope-nb profile --calib) to rewrite it."
+    try:
+        z = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise GramsError(f"{path}: no such file.") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise GramsError(f"{path}: not a calibration-grams .npz file "
+                         f"({type(exc).__name__}). {fix}") from None
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise GramsError(f"{path}: not a calibration-grams .npz file (a single array). "
+                         f"{fix}")
+
+    def text(entry):
+        if entry not in z.files:
+            raise GramsError(f"{path}: the {entry!r} entry is missing. {fix}")
+        try:
+            a = z[entry]
+            if a.ndim != 0 or a.dtype.kind != "U":
+                raise ValueError
+            return json.loads(str(a))
+        except (ValueError, RecursionError, OSError, zipfile.BadZipFile, EOFError):
+            raise GramsError(f"{path}: the {entry!r} entry must be a JSON string. "
+                             f"{fix}") from None
+
+    with z:
+        pairs = text("names")
+        meta = text("meta")
+        if not isinstance(meta, dict):
+            raise GramsError(f"{path}: 'meta' must be a JSON object; got "
+                             f"{type(meta).__name__}. {fix}")
+        if not isinstance(pairs, list):
+            raise GramsError(f"{path}: 'names' must be a JSON list of [name, key] pairs; "
+                             f"got {type(pairs).__name__}. {fix}")
+        cache, out = {}, {}
+        for p in pairs:
+            if not (isinstance(p, list) and len(p) == 2
+                    and all(isinstance(v, str) for v in p)):
+                raise GramsError(f"{path}: 'names' must hold [name, key] string pairs; "
+                                 f"got {_short(p)}. {fix}")
+            n, k = p
+            if n in out:
+                raise GramsError(f"{path}: gram name {_short(n)} is listed twice. {fix}")
+            if k in ("names", "meta") or k not in z.files:
+                raise GramsError(f"{path}: gram {_short(n)} refers to array {_short(k)}, "
+                                 f"which the file does not hold. {fix}")
+            if k not in cache:
+                try:
+                    arr = z[k]
+                except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
+                    raise GramsError(f"{path}: array {_short(k)} cannot be read "
+                                     f"({type(exc).__name__}). {fix}") from None
+                cache[k] = _check_gram_array(n, arr, path)
+            out[n] = cache[k]
+    return out, meta

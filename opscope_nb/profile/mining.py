@@ -1,0 +1,834 @@
+"""Per-layer decomposition mining: every compression option, its true error and
+its honest size.
+
+A weight ``w`` is a PyTorch ``Linear`` weight, ``[out_features, in_features]``
+= ``[rows, cols]``, float32; a *channel* is a row.  :func:`profile_layer`
+evaluates each applicable :class:`Decomp` and records a :class:`DecompOption`:
+
+* ``rel_err`` is the true relative Frobenius error of the reconstruction
+  ``approximate(w, decomp)`` (float64 sums, 0 for an all-zero ``w``);
+* ``bytes`` is exactly the total ``nbytes`` of the arrays :func:`pack` returns,
+  i.e. everything a kernel holds at run time (codes, float32 scales, indices,
+  factors);
+* ``flops`` is multiply-adds per input row (one ``x[cols] -> y[rows]`` product).
+
+:func:`approximate` is ``unpack(pack(w, d))``, the same code path
+:func:`profile_layer` measures, so a reported ``rel_err`` can always be
+re-checked.
+
+The option data model and packed layouts (:class:`Decomp`, :func:`pack`,
+:func:`unpack`, :func:`approximate`, :func:`packed_bytes`, the layout table)
+live in :mod:`opscope_nb.formats` and are re-exported here.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from opscope_nb._validation import as_matrix, check_int
+from opscope_nb.formats import (
+    INTN_BITS,
+    KINDS,
+    ROUNDINGS,
+    Decomp,
+    approximate,
+    balanced_factor,
+    check_applicable,
+    flops,
+    layout,
+    nbytes,
+    pack,
+    packed_bytes,
+    unpack,
+)
+from opscope_nb.formats import (
+    LR_KINDS,
+    LR_SKETCH,
+    _pack,
+    correction_basis,
+    correction_metric,
+    correction_product,
+    correction_slice,
+)
+from opscope_nb.formats.ggml import GGML_TYPES, row_bytes
+from opscope_nb.formats.gptq import check_gram, output_energy, output_error, output_ratio
+from opscope_nb.kernels._quant_probe import rel_err as _rel_err
+from opscope_nb.kernels._krylov import truncated_svd
+from opscope_nb.runtime._packed import PackedLinear, check_ms, measure_latency
+
+__all__ = [
+    "stored_bytes",
+    "LR_RANKS",
+    "quant_menu",
+    "structured_menu",
+    "lowrank_ranks",
+    "DecompOption",
+    "LayerProfile",
+    "QuantStat",
+    "profile_layer",
+    "ggml_menu",
+    "quant_stat",
+    "parse_layer_kind",
+]
+
+
+#: Ranks of the ``+lr`` corrections :func:`profile_layer` offers by default.
+LR_RANKS = (8, 16, 32)
+
+
+@dataclass(frozen=True)
+class DecompOption:
+    """One measured option: decomposition, true error, honest bytes, MACs/row.
+
+    ``latency_us`` maps a batch size ``m`` to the measured wall time (µs) of
+    the option's :class:`~opscope_nb.runtime.PackedLinear` call on ``[m, cols]``
+    input on this machine (``profile_layer(..., latency=(1, 32))``); empty when
+    not measured.  Not part of equality or hash.  In JSON its keys are strings;
+    :meth:`from_dict` restores int keys.
+
+    ``out_err`` is the relative output error on calibration inputs,
+    ``sqrt(tr(dW H dWᵀ) / tr(W H Wᵀ))`` (:func:`opscope_nb.formats.gptq.output_error`);
+    ``None`` when the layer was profiled without a gram.  Not part of
+    equality or hash.
+    """
+
+    decomp: Decomp
+    rel_err: float
+    bytes: int
+    flops: int
+    latency_us: dict = field(default_factory=dict, compare=False)
+    out_err: float | None = field(default=None, compare=False)
+
+    @property
+    def label(self) -> str:
+        return self.decomp.label
+
+    def to_dict(self) -> dict:
+        return {"decomp": self.decomp.to_dict(), "label": self.decomp.label,
+                "rel_err": float(self.rel_err), "bytes": int(self.bytes),
+                "flops": int(self.flops),
+                "latency_us": {str(int(k)): float(v) for k, v in
+                               sorted(self.latency_us.items())},
+                "out_err": None if self.out_err is None else float(self.out_err)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecompOption":
+        lat = {int(k): float(v) for k, v in (d.get("latency_us") or {}).items()}
+        oe = d.get("out_err")
+        return cls(Decomp.from_dict(d["decomp"]), float(d["rel_err"]), int(d["bytes"]),
+                   int(d["flops"]), lat, None if oe is None else float(oe))
+
+
+@dataclass
+class LayerProfile:
+    """Every applicable option of one weight.
+
+    Attributes
+    ----------
+    name : str
+    rows, cols : int
+        ``[out_features, in_features]``.
+    dense_bytes : int
+        Bytes of the weight **as the source stores it**
+        (:func:`stored_bytes` of ``stored_dtype``): the reference of budget
+        fractions, ``compression`` and the plan tables.  The float32 figure
+        is :attr:`f32_bytes`.
+    options : list of DecompOption
+        ``options[0]`` is dense (float32).
+    timings : dict of str -> float
+        Seconds spent per part of :func:`profile_layer` (``quant``,
+        ``ternary``, ``sparse``, ``svd``, ``lowrank``, ``monarch``,
+        ``tucker``, ``tt``).
+    sensitivity : float or None
+        How much the model's final output moves per unit of this layer's
+        squared relative output error (``d metric / d out_err**2``, measured
+        by :func:`opscope_nb.profile.calib.layer_sensitivity`); ``None`` without
+        calibration.
+    stored_dtype : str
+        How the source stores the weight: ``F32``, ``F16``, ``BF16`` or a
+        GGUF block type (``Q8_0``, ``Q4_1`` ...).
+    sensitivity_val : float or None
+        The same probe on the calibration text's held-out part (``profile
+        --calib --validate``): how well :attr:`sensitivity` carries over to
+        text it was not measured on.  Reported, never used by the objective.
+    prior_weight : float
+        Data-free weight of this layer's term in the output objective
+        (``allocate``'s ``output`` objective, and layers the ``sensitivity``
+        objective has no measured sensitivity for); 1 for most layers.  The
+        command line sets it for a decoder's output head (the logits
+        projection, or the token embedding when the head is tied to it):
+        :func:`opscope_nb.models.loader.output_head`.  A measured
+        :attr:`sensitivity` replaces it.
+    """
+
+    name: str
+    rows: int
+    cols: int
+    dense_bytes: int
+    options: list
+    timings: dict = field(default_factory=dict)
+    sensitivity: float | None = None
+    stored_dtype: str = "F32"
+    sensitivity_val: float | None = None
+    prior_weight: float = 1.0
+
+    @property
+    def f32_bytes(self) -> int:
+        """``4 * rows * cols``: the weight in float32 (the ``dense`` option)."""
+        return 4 * int(self.rows) * int(self.cols)
+
+    def dense(self) -> DecompOption:
+        """The dense baseline (``options[0]``)."""
+        return self.options[0]
+
+    def best_within(self, err_budget: float) -> DecompOption:
+        """Fewest bytes among options with ``rel_err <= err_budget`` (first
+        wins ties); the dense option when none qualifies."""
+        best = None
+        for o in self.options:
+            if o.rel_err <= err_budget and (best is None or o.bytes < best.bytes):
+                best = o
+        return self.options[0] if best is None else best
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "rows": int(self.rows), "cols": int(self.cols),
+                "dense_bytes": int(self.dense_bytes),
+                "options": [o.to_dict() for o in self.options],
+                "timings": {k: float(v) for k, v in self.timings.items()},
+                "sensitivity": None if self.sensitivity is None else float(self.sensitivity),
+                "stored_dtype": self.stored_dtype, "f32_bytes": self.f32_bytes,
+                **({} if self.sensitivity_val is None
+                   else {"sensitivity_val": float(self.sensitivity_val)}),
+                **({} if self.prior_weight == 1.0
+                   else {"prior_weight": float(self.prior_weight)})}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LayerProfile":
+        sens, sv = d.get("sensitivity"), d.get("sensitivity_val")
+        return cls(str(d["name"]), int(d["rows"]), int(d["cols"]), int(d["dense_bytes"]),
+                   [DecompOption.from_dict(o) for o in d["options"]],
+                   {k: float(v) for k, v in d.get("timings", {}).items()},
+                   None if sens is None else float(sens), str(d.get("stored_dtype", "F32")),
+                   None if sv is None else float(sv),
+                   check_prior_weight(d.get("prior_weight", 1.0)))
+
+
+def check_prior_weight(value) -> float:
+    """``value`` as a :attr:`LayerProfile.prior_weight`: a finite float ``> 0``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"prior_weight must be a real number; got {type(value).__name__} "
+                        f"{value!r}.")
+    v = float(value)
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"prior_weight must be finite and > 0 (1 leaves the layer as it "
+                         f"is); got {value!r}.")
+    return v
+
+
+# ───────────────────────────── profiling ─────────────────────────────
+
+#: Bytes per element of the plain stored dtypes (safetensors names).
+_PLAIN_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def stored_bytes(dtype: str, rows: int, cols: int) -> int:
+    """Bytes a ``[rows, cols]`` weight takes as the source stores it.
+
+    Parameters
+    ----------
+    dtype : str
+        ``F32``, ``F16``, ``BF16``, ``F64`` or a GGUF block type name
+        (``Q8_0``, ``Q4_K`` ...: whole blocks per row,
+        :func:`opscope_nb.formats.ggml.row_bytes`).
+
+    Raises
+    ------
+    ValueError
+        An unknown dtype, or a block type whose block does not divide ``cols``.
+    """
+    d = str(dtype).upper()
+    if d in _PLAIN_BYTES:
+        return _PLAIN_BYTES[d] * int(rows) * int(cols)
+    if d in GGML_TYPES:
+        return int(rows) * row_bytes(d, int(cols))
+    try:  # other GGUF types (IQ2_XXS ...): gguf-py's size table
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+        block, nb = GGML_QUANT_SIZES[GGMLQuantizationType[d]]
+        if int(cols) % block == 0:
+            return int(rows) * (int(cols) // block) * nb
+    except (ImportError, KeyError):
+        pass
+    raise ValueError(f"stored dtype {dtype!r} is not one of {sorted(_PLAIN_BYTES)} or a GGUF "
+                     f"block type ({', '.join(GGML_TYPES)}); pass the dtype the source "
+                     f"stores the weight in (TensorEntry.dtype).")
+
+
+def _int_seq(v, name, what, example):
+    """Deduplicated list of positive ints from a sequence (order kept)."""
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ints ({what}); got {v!r}. "
+                        f"Pass e.g. {example} or {name}=().")
+    out = []
+    for x in v:
+        x = check_int(x, f"{name}[i]", 1)
+        if x not in out:
+            out.append(x)
+    return out
+
+
+def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
+                  latency=None, intn_bits=(6, 5, 3), int2_groups=(32,), gram=None,
+                  gptq=True, sensitivity=None, stored_dtype="F32", menu="default",
+                  ggml_types=None, lr_ranks=LR_RANKS, prior_weight=1.0) -> LayerProfile:
+    """Measure every applicable compression option of one weight.
+
+    Options, in order: dense; BF16, F16 and the stored ggml block type
+    (:func:`quant_menu`); then the quantisation ladder by decreasing bits
+    -- int8/chan; int6/chan, int6/g{g}; int5/chan, int5/g{g}; int4/chan,
+    int4/g{g}; int3/chan, int3/g{g}; int2/g{g2} -- where ``g`` runs over
+    ``groups`` and ``g2`` over ``int2_groups`` in the given order, a group
+    option only when ``cols > g`` (at least two groups; a short last group is
+    packed with its own scale), and int6/int5/int3 only for the widths in
+    ``intn_bits``; each quantised option (and each ``+gptq`` twin) followed
+    by its ``+lr{r}`` composites for ``r`` in ``lr_ranks`` -- the codes plus
+    a rank-``r`` int8 correction of the residual, fitted in the gram's
+    output space (weight space without a gram;
+    :func:`opscope_nb.formats.correction_factors`) -- when ``r <= min(rows,
+    cols)`` and the composite takes fewer bytes than the stored weight; then
+    ternary; sparse2:4; low-rank at the smallest ranks holding 90 / 99 / 99.9
+    % of the energy of the top ``min(rank_cap, rows, cols)`` singular values (one truncated SVD serves
+    all; deduplicated; only when ``(rows + cols) r < rows cols``); Monarch when
+    square with a perfect-square side; Tucker of the view ``[rows, c1, c2]``
+    (``c1 * c2 = cols`` balanced) with ranks ``(min(rows // 2, 32, cols),
+    c1 // 2, c2 // 2)`` clamped to ``>= 1``, when it compresses; TT over
+    ``[r1, r2, c1, c2]`` (balanced factors of rows and cols, all ``> 1``), bond
+    cap 16, when it compresses.
+
+    Parameters
+    ----------
+    name : str
+    w : array_like of shape (rows, cols)
+        ``[out_features, in_features]`` (PyTorch Linear layout); float16/64
+        are computed in float32; must be finite.
+    rank_cap : int
+        Rank of the one truncated SVD (``>= 1``).
+    groups : sequence of int
+        Group lengths for group-wise int4, int3, int5 and int6.
+    seed : int
+        Seed of the truncated SVD sketch.
+    latency : sequence of int, optional
+        Batch sizes ``m`` at which to time each option's
+        :class:`~opscope_nb.runtime.PackedLinear` call on this machine (warm,
+        best block median: :func:`opscope_nb.runtime.measure_latency`), stored
+        in ``DecompOption.latency_us`` as ``{m: µs}``.  ``None``: not measured
+        (empty dicts).
+    intn_bits : sequence of int
+        Which of the ``intn`` widths 3, 5, 6 to offer (per channel and per
+        group); ``()`` gives the int8/int4-only menu.
+    int2_groups : sequence of int
+        Group lengths of the group-wise int2 options (``()``: none).
+    gram : array_like, optional
+        Calibration second moment of the layer's inputs, ``H = X.T @ X``
+        ``[cols, cols]`` float64, or its diagonal ``[cols]``
+        (:func:`opscope_nb.formats.gptq.check_gram`: shape, finite, symmetric PSD
+        within 1e-6 relative, else ``ValueError``).  With it every option gets
+        ``out_err`` and, when ``gram`` is 2-D and ``gptq`` is true, each
+        quantised option (int8/chan, int6/int5/int4/int3 per channel and per
+        group, int2/g) is followed by its ``+gptq`` twin (same layout and
+        bytes, codes from :func:`opscope_nb.formats.gptq.gptq_quantize`).  A diagonal
+        gram gives no ``+gptq`` options (GPTQ with a diagonal Hessian is round
+        to nearest).
+    gptq : bool
+        Offer the ``+gptq`` twins when a 2-D ``gram`` is given.
+    sensitivity : float, optional
+        Stored as ``LayerProfile.sensitivity`` (finite, ``>= 0``).
+    stored_dtype : str
+        How the source stores ``w`` (``F32``, ``F16``, ``BF16`` or a GGUF
+        block type): ``LayerProfile.dense_bytes`` is :func:`stored_bytes` of
+        it, and structured options are offered only when they take fewer
+        bytes than that.  A GGUF block type (``Q4_1`` ...) is also offered
+        as an option of the default menu, after ``F16`` (keeping the layer
+        as stored; :func:`quant_menu`).
+    menu : {"default", "ggml", "mixed"}
+        ``"default"``: the menu above.  ``"ggml"``: dense, then the ggml
+        (llama.cpp / GGUF) block types of :func:`ggml_menu` (``ggml_types``);
+        the other menu arguments are ignored.  ``"mixed"``: the default menu,
+        then the ggml types it does not hold yet (every one runs in
+        :class:`~opscope_nb.runtime.PackedLinear`; only a plan of ggml types
+        exports to GGUF).  The asymmetric K-quants help most on a quantised
+        source: on SmolLM2's Q4_1 weights, Q4_K (4.5 bits) keeps a relative
+        error of 0.018 where int4/chan has 0.16.  With a ``gram`` each ggml type
+        is packed with its diagonal as ggml's importance
+        (:func:`opscope_nb.formats.ggml_importance`) and gets ``out_err``.
+    ggml_types : sequence of str, optional
+        The ggml types :func:`ggml_menu` may offer (``None``: its default set).
+    lr_ranks : sequence of int
+        Ranks of the ``+lr`` composites (default :data:`LR_RANKS` = 8, 16,
+        32; ``()``: none).  Ignored by ``menu="ggml"``.
+    prior_weight : float
+        Stored as ``LayerProfile.prior_weight`` (finite, ``> 0``; default 1).
+
+    Returns
+    -------
+    LayerProfile
+        ``timings`` holds seconds per part (``lr`` for the composites'
+        fits, ``latency`` when measured, ``gptq`` and ``out_err`` with a gram).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str; got {type(name).__name__}.")
+    w = as_matrix(w, "w")
+    rank_cap = check_int(rank_cap, "rank_cap", 1)
+    seed = check_int(seed, "seed", 0)
+    gs = _int_seq(groups, "groups", "group lengths along a row", "groups=(32, 128)")
+    g2s = _int_seq(int2_groups, "int2_groups", "int2 group lengths", "int2_groups=(32,)")
+    nbits = _int_seq(intn_bits, "intn_bits", "intn code widths", "intn_bits=(6, 5, 3)")
+    lrs = _int_seq(lr_ranks, "lr_ranks", "ranks of the low-rank corrections",
+                   "lr_ranks=(8, 16, 32) or lr_ranks=()")
+    for b in nbits:
+        if b not in (3, 5, 6):
+            raise ValueError(f"intn_bits entries must be 3, 5 or 6 (int4/int8 are always in "
+                             f"the menu, int2 is set by int2_groups); got {b}. Pass e.g. "
+                             f"intn_bits=(6, 5, 3) or intn_bits=().")
+    lat_ms = None if latency is None else check_ms(latency)
+    rows, cols = w.shape
+    if gram is not None:
+        gram = check_gram(gram, cols)
+    if sensitivity is not None:
+        sensitivity = float(sensitivity)
+        if not math.isfinite(sensitivity) or sensitivity < 0:
+            raise ValueError(f"sensitivity must be finite and >= 0; got {sensitivity!r}.")
+    prior_weight = check_prior_weight(prior_weight)
+    with_gptq = bool(gptq) and gram is not None and gram.ndim == 2
+    ref = stored_bytes(stored_dtype, rows, cols)
+    if menu not in MENUS:
+        raise ValueError(f"menu must be one of {MENUS}; got {menu!r}.")
+
+    meas = _Measure(w, gram, lat_ms, seed)
+    if menu == "ggml":
+        for d, part in ggml_menu(cols, ggml_types):
+            meas(d, part)
+        return LayerProfile(name, rows, cols, ref, meas.options, meas.timings, sensitivity,
+                            str(stored_dtype).upper(), prior_weight=prior_weight)
+    for d, part in quant_menu(cols, groups=gs, intn_bits=nbits, int2_groups=g2s,
+                              gptq=with_gptq, stored=stored_dtype):
+        got = meas(d, part)
+        if got is not None and lrs and d.kind in LR_KINDS:
+            meas.corrections(d, *got, lrs, ref)
+    svd, ranks = meas.spectrum(rank_cap, ref)
+    for r in ranks:
+        meas(Decomp.lowrank(r, svd_rank=min(rows, cols, rank_cap), seed=seed), "lowrank", svd)
+    for d, part in structured_menu(rows, cols, ref):
+        meas(d, part)
+    if menu == "mixed":
+        have = {o.decomp.label for o in meas.options}
+        for d, part in ggml_menu(cols, ggml_types)[1:]:
+            if d.label not in have:
+                meas(d, part)
+    return LayerProfile(name, rows, cols, ref, meas.options, meas.timings, sensitivity,
+                        str(stored_dtype).upper(), prior_weight=prior_weight)
+
+
+#: Parts of :attr:`LayerProfile.timings` that every profile reports.
+_PARTS = ("quant", "ternary", "sparse", "svd", "lowrank", "monarch", "tucker", "tt", "lr")
+
+
+def quant_menu(cols, *, groups=(32, 128), intn_bits=(6, 5, 3), int2_groups=(32,),
+               gptq=False, stored=None) -> list:
+    """The data-independent head of :func:`profile_layer`'s menu, in order.
+
+    Dense; bf16 and f16 (ggml ``BF16`` / ``F16``: 2 bytes per weight); the
+    source's own ggml block type when ``stored`` names one whose block
+    divides ``cols`` (``Q4_1`` for a Q4_1 GGUF tensor: re-quantising its
+    dequantised values gives back the stored blocks, so keeping the layer as
+    stored is an option of error 0 at its stored bytes); int8/chan;
+    then for 6, 5, 4, 3 bits (4 always, the others when in
+    ``intn_bits``) per channel and per group of each ``groups`` length shorter
+    than ``cols``; int2 per group of ``int2_groups``; ternary; 2:4.  With
+    ``gptq`` each quantised option is followed by its ``+gptq`` twin.
+
+    Returns
+    -------
+    list of (Decomp, str or None)
+        The option and the :attr:`LayerProfile.timings` part it is timed in.
+    """
+    # half-width floats next to dense: 2 bytes per weight, honest error (exactly
+    # 0 for the option equal to how a bf16 / f16 source stores the weight)
+    out = [(Decomp.dense(), None), (Decomp.ggml("BF16"), "quant"), (Decomp.ggml("F16"), "quant")]
+    own = _stored_block_type(stored, cols)
+    if own is not None:
+        out.append((Decomp.ggml(own), "quant"))
+
+    def q(d):
+        out.append((d, "quant"))
+        if gptq:
+            out.append((d.with_rounding("gptq"), "gptq"))
+
+    q(Decomp.int8())
+    for b in (6, 5, 4, 3):
+        if b != 4 and b not in intn_bits:
+            continue
+        q(Decomp.int4() if b == 4 else Decomp.intn(b))
+        for g in groups:
+            if cols > g:
+                q(Decomp.int4(g) if b == 4 else Decomp.intn(b, g))
+    for g in int2_groups:
+        if cols > g:
+            q(Decomp.intn(2, g))
+    out += [(Decomp.ternary(), "ternary"), (Decomp.sparse24(), "sparse")]
+    return out
+
+
+def _stored_block_type(stored, cols):
+    """``stored`` as a ggml block type this package packs (not F16 / BF16,
+    already in every menu) whose block divides ``cols``; else None."""
+    from opscope_nb.formats.ggml import GGML_TYPES
+    t = None if stored is None else str(stored).upper()
+    if t in GGML_TYPES and GGML_TYPES[t].block > 1 and cols % GGML_TYPES[t].block == 0:
+        return t
+    return None
+
+
+#: :func:`profile_layer`'s ``menu`` choices.
+MENUS = ("default", "ggml", "mixed")
+#: The types :func:`ggml_menu` offers by default, most bits first (TQ1_0 /
+#: TQ2_0, for ternary-trained models only, only when asked for).
+GGML_MENU_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0",
+                   "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "F16", "BF16")
+
+
+def ggml_types_checked(types) -> tuple:
+    """Canonical ggml type names (deduplicated, order kept) from ``types``
+    (``None``: :data:`GGML_MENU_TYPES`); ``ValueError`` naming the valid ones
+    on an unknown name."""
+    from opscope_nb.formats.ggml import GGML_TYPES
+    if types is None:
+        return GGML_MENU_TYPES
+    if isinstance(types, str) or not hasattr(types, "__iter__"):
+        raise TypeError(f"ggml types must be a sequence of type names, e.g. "
+                        f"('Q8_0', 'Q4_K'); got {types!r}.")
+    out = []
+    for t in types:
+        c = GGML_TYPES.get(str(t).upper())
+        if c is None:
+            raise ValueError(f"unknown ggml type {t!r}; valid types: "
+                             f"{', '.join(GGML_TYPES)}.")
+        if c.name not in out:
+            out.append(c.name)
+    return tuple(out)
+
+
+def ggml_menu(cols, types=None) -> list:
+    """The ``menu="ggml"`` options of a weight with ``cols`` inputs, in order.
+
+    Dense, then each type of ``types`` (default :data:`GGML_MENU_TYPES`:
+    Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, Q4_1, Q4_0, IQ4_NL, IQ4_XS, Q3_K,
+    Q2_K, F16, BF16) whose block divides ``cols`` -- the types llama.cpp keeps
+    for that row length (llama-quantize replaces the others by a fallback,
+    :func:`opscope_nb.formats.ggml.fallback_type`, which is then offered under its
+    own name when it is in ``types``).
+
+    Returns
+    -------
+    list of (Decomp, str or None)
+        As :func:`quant_menu`: the option and its timings part (``"ggml"``).
+    """
+    from opscope_nb.formats.ggml import GGML_TYPES
+    cols = check_int(cols, "cols", 1)
+    out = [(Decomp.dense(), None)]
+    for t in ggml_types_checked(types):
+        if cols % GGML_TYPES[t].block == 0:
+            out.append((Decomp.ggml(t), "ggml"))
+    return out
+
+
+def structured_menu(rows, cols, ref_bytes=None) -> list:
+    """The tail of the menu: Monarch (square, perfect-square side), Tucker and
+    TT over balanced factors, Tucker and TT only when they take fewer than
+    ``ref_bytes`` (default the float32 weight's); as :func:`quant_menu`'s
+    ``(Decomp, part)`` pairs."""
+    ref = 4 * rows * cols if ref_bytes is None else int(ref_bytes)
+    out = []
+    m = math.isqrt(rows)
+    if rows == cols and m * m == rows and rows > 1:
+        out.append((Decomp.monarch(), "monarch"))
+    c1, c2 = balanced_factor(cols)
+    if c1 > 1 and c2 > 1:
+        tr = (max(min(rows // 2, 32, cols), 1), max(c1 // 2, 1), max(c2 // 2, 1))
+        d = Decomp.tucker((rows, c1, c2), tr)
+        if packed_bytes(rows, cols, d) < ref:
+            out.append((d, "tucker"))
+    r1, r2 = balanced_factor(rows)
+    if r1 > 1 and r2 > 1 and c1 > 1 and c2 > 1:
+        d = Decomp.tt((r1, r2, c1, c2), 16)
+        if packed_bytes(rows, cols, d) < ref:
+            out.append((d, "tt"))
+    return out
+
+
+def lowrank_ranks(s, rows, cols, rcap, ref_bytes=None) -> list:
+    """Ranks reaching 90 / 99 / 99.9 % of the spectral energy of the singular
+    values ``s`` (first ``rcap``), deduplicated, only those whose factors take
+    fewer bytes than ``ref_bytes`` (default the float32 weight's)."""
+    ref = 4 * rows * cols if ref_bytes is None else int(ref_bytes)
+    e = np.asarray(s, dtype=np.float64) ** 2
+    cum = np.cumsum(e)
+    energy = max(float(cum[-1]), 1e-30)
+    ranks = []
+    for frac in (0.90, 0.99, 0.999):
+        hit = np.flatnonzero(cum >= frac * energy)
+        r = int(hit[0]) + 1 if hit.size else rcap
+        r = min(max(r, 1), rcap)
+        if r not in ranks and 4 * (rows + cols) * r < ref:
+            ranks.append(r)
+    return ranks
+
+
+class _Measure:
+    """Measures options of one validated weight: error, bytes, flops, and
+    (with a gram / latency sizes) output error and latency; collects
+    :class:`DecompOption` s and seconds per part."""
+
+    def __init__(self, w, gram, lat_ms, seed):
+        self.w, self.gram, self.lat_ms, self.seed = w, gram, lat_ms, seed
+        self.options = []
+        self.timings = {k: 0.0 for k in _PARTS}
+        self._den = None
+        self._metric = False
+        self._eh = None
+
+    def _tick(self, part, t0):
+        self.timings[part] = self.timings.get(part, 0.0) + time.perf_counter() - t0
+
+    def den(self):
+        """``tr(W H Wᵀ)``, once per weight (every option's ``out_err`` divides by it)."""
+        if self._den is None:
+            self._den = output_energy(self.w, self.gram)
+        return self._den
+
+    def __call__(self, d, part, svd=None):
+        """Measure ``d``; returns ``(packed, recon)``, or None when ``d`` cannot
+        represent the weight."""
+        w = self.w
+        t0 = time.perf_counter()
+        packed = _pack(w, d, svd, self.gram)
+        recon = unpack(packed, d, w.shape)
+        err = float(_rel_err(w, recon))
+        if part:
+            self._tick(part, t0)
+        if not math.isfinite(err):
+            return None   # not representable (f16 past 65504): not an option here
+        oerr = None
+        self._eh = None
+        if self.gram is not None:
+            t0 = time.perf_counter()
+            if self.gram.ndim == 2:
+                # keep E H for the +lr composites of this option (same product)
+                e = w.astype(np.float64) - recon
+                self._eh = e @ self.gram
+                oerr = output_ratio(float(np.einsum("ij,ij->", self._eh, e)), self.den())
+            else:
+                oerr = output_error(w, recon, self.gram, den=self.den())
+            self._tick("out_err", t0)
+        self._record(d, packed, err, oerr)
+        return packed, recon
+
+    def _record(self, d, packed, err, oerr):
+        lat = {}
+        if self.lat_ms is not None:
+            t0 = time.perf_counter()
+            lat = measure_latency(PackedLinear(d, packed, self.w.shape), self.lat_ms,
+                                  seed=self.seed)
+            self._tick("latency", t0)
+        self.options.append(DecompOption(d, err, nbytes(packed), flops(*self.w.shape, d), lat,
+                                         oerr))
+
+    def corrections(self, d, packed, recon, ranks, ref_bytes):
+        """The ``+lr{r}`` options of the measured quantisation ``d`` for each
+        ``r`` in ``ranks`` that fits the weight and takes fewer than
+        ``ref_bytes``: one :func:`~opscope_nb.formats.correction_basis` serves
+        every rank, and ``out_err`` comes from the base residual's output
+        energy by expanding ``tr((E − UV) H (E − UV)ᵀ)`` (exact, float64, on
+        the packed int8 factors) instead of one ``rows x cols x cols`` product per
+        rank; it leaves out the float32 rounding of the dense reconstruction
+        (``rel_err`` includes it), ~1e-7 of the weight's output."""
+        import dataclasses
+        w = self.w
+        rows, cols = w.shape
+        todo = [r for r in ranks if r <= min(rows, cols)
+                and packed_bytes(rows, cols, d.with_correction(r)) < ref_bytes]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        e = w.astype(np.float64) - recon
+        bases = {}          # one SVD per sketch rank (LR_SKETCH for every r <= it)
+        for r in todo:
+            k = min(max(r, LR_SKETCH), rows, cols)
+            if k not in bases:
+                if self._metric is False:
+                    self._metric = correction_metric(self.gram)
+                bases[k] = correction_basis(e, k, self.gram, seed=self.seed,
+                                            metric=self._metric)
+        g = self.gram
+        if g is not None and g.ndim == 2:
+            eh = self._eh if self._eh is not None else e @ g
+            num0 = float(np.einsum("ij,ij->", eh, e))
+        self._tick("lr", t0)
+        for r in todo:
+            t0 = time.perf_counter()
+            dr = dataclasses.replace(d, lr=r, seed=self.seed)
+            u, v, sc = correction_slice(bases[min(max(r, LR_SKETCH), rows, cols)], r)
+            out = dict(packed)
+            out["lr_u"], out["lr_v"], out["lr_s"] = u, v, sc
+            rec = recon + correction_product(u, v, sc)
+            err = float(_rel_err(w, rec))
+            self._tick("lr", t0)
+            if not math.isfinite(err):
+                continue
+            oerr = None
+            if g is not None:
+                t0 = time.perf_counter()
+                if g.ndim == 1:
+                    oerr = output_error(w, rec, g, den=self.den())
+                else:
+                    u64, v64 = u.astype(np.float64) * sc, v.astype(np.float64)
+                    num = (num0 - 2.0 * float(np.einsum("ij,ij->", u64, eh @ v64.T))
+                           + float(np.einsum("ij,ij->", u64.T @ u64, (v64 @ g) @ v64.T)))
+                    oerr = output_ratio(num, self.den())
+                self._tick("out_err", t0)
+            self._record(dr, out, err, oerr)
+
+    def spectrum(self, rank_cap, ref_bytes):
+        """``((U, S, Vt), ranks)`` of the one truncated SVD, or ``(None, [])``
+        when no rank takes fewer than ``ref_bytes``."""
+        rows, cols = self.w.shape
+        if 4 * (rows + cols) >= ref_bytes:
+            return None, []
+        rcap = min(rows, cols, rank_cap)
+        t0 = time.perf_counter()
+        svd = truncated_svd(self.w, rcap, self.seed)
+        self._tick("svd", t0)
+        return svd, lowrank_ranks(svd[1], rows, cols, rcap, ref_bytes)
+
+
+# ───────────────────────────── quant sweep ─────────────────────────────
+
+@dataclass(frozen=True)
+class QuantStat:
+    """Cheap per-weight quantisation metrics (no SVD).
+
+    Attributes
+    ----------
+    name : str
+    layer : int or None
+        Block index parsed by :func:`parse_layer_kind`.
+    kind : str
+        Projection kind parsed by :func:`parse_layer_kind`.
+    numel : int
+    int8_pt : float
+        Per-tensor int8 relative error.
+    int8_pc, int4_pc, int3_pc : float
+        Per-channel (per-row) relative errors.
+    int5_pc, int6_pc : float
+        Per-channel relative errors of int5 / int6 (the ``int5/chan`` /
+        ``int6/chan`` menu options use the same quantiser).
+    outlier : float
+        Max / upper-median of the column max-abs (``outlier_channels(w, 5.0)``).
+    outlier_count : int
+        Columns whose max-abs exceeds 5x the median.
+    best_bits : int or None
+        First of 3, 4, 6, 8 whose per-channel error is ``< budget``.
+    """
+
+    name: str
+    layer: int | None
+    kind: str
+    numel: int
+    int8_pt: float
+    int8_pc: float
+    int4_pc: float
+    int3_pc: float
+    int5_pc: float
+    int6_pc: float
+    outlier: float
+    outlier_count: int
+    best_bits: int | None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def quant_stat(name, w, budget) -> QuantStat:
+    """The upstream quant sweep for one weight ``[out, in]``.
+
+    Parameters
+    ----------
+    name : str
+    w : array_like of shape (rows, cols)
+    budget : float
+        Per-channel error ceiling for ``best_bits`` (``> 0``).
+
+    Returns
+    -------
+    QuantStat
+    """
+    from . import probe
+
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str; got {type(name).__name__}.")
+    w = as_matrix(w, "w")
+    b = float(budget)
+    if not math.isfinite(b) or b <= 0:
+        raise ValueError(f"budget must be a finite positive error ceiling; got {budget!r}.")
+    layer, kind = parse_layer_kind(name)
+    cnt, ratio = probe.outlier_channels(w, 5.0)
+    bb = probe.best_bitwidth(w, b)
+    return QuantStat(name=name, layer=layer, kind=kind, numel=int(w.size),
+                     int8_pt=float(probe.quant_error(w, 8)),
+                     int8_pc=float(probe.per_channel_quant_error(w, 8)),
+                     int4_pc=float(probe.per_channel_quant_error(w, 4)),
+                     int3_pc=float(probe.per_channel_quant_error(w, 3)),
+                     outlier=float(ratio), outlier_count=int(cnt),
+                     best_bits=None if bb is None else int(bb),
+                     int5_pc=float(probe.per_channel_quant_error(w, 5)),
+                     int6_pc=float(probe.per_channel_quant_error(w, 6)))
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blk|blocks|block)\.(\d+)\.(.+)$")
+
+
+def parse_layer_kind(name: str) -> tuple:
+    """Split a checkpoint tensor name into ``(block index or None, kind)``.
+
+    ``kind`` is the dotted path *after* the block index with a trailing
+    ``.weight`` removed, so kinds stay distinct across a block (BERT has three
+    ``...dense`` weights):
+
+    ===============================================  ==================================
+    name                                             result
+    ===============================================  ==================================
+    ``model.layers.3.self_attn.q_proj.weight``       ``(3, "self_attn.q_proj")``
+    ``encoder.layer.0.attention.self.query.weight``  ``(0, "attention.self.query")``
+    ``h.5.attn.c_attn.weight`` (or ``transformer.``)  ``(5, "attn.c_attn")``
+    ``blk.2.attn_q.weight`` (GGUF)                   ``(2, "attn_q")``
+    ``lm_head.weight``                               ``(None, "lm_head")``
+    ===============================================  ==================================
+
+    Block containers recognised: ``layers``, ``layer``, ``h``, ``blk``,
+    ``blocks``, ``block`` followed by an integer.  Without one the index is
+    ``None`` and the kind is the whole name minus ``.weight``.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str; got {type(name).__name__}.")
+    m = _LAYER_RE.search(name)
+    if m:
+        idx, rest = int(m.group(1)), m.group(2)
+    else:
+        idx, rest = None, name
+    if rest.endswith(".weight"):
+        rest = rest[: -len(".weight")]
+    return idx, rest
