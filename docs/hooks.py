@@ -42,20 +42,28 @@ def _columns(width=WIDTH):
             os.environ["COLUMNS"] = old
 
 
+def _hidden(parser):
+    """Option strings a parser accepts but ``--help`` does not show
+    (``help=argparse.SUPPRESS``: deprecated spellings)."""
+    return [s for a in parser._actions if a.help == argparse.SUPPRESS
+            for s in a.option_strings if s not in ("-h", "--help")]
+
+
 def _help_from_parsers():
-    """``[(name, help text)]``: the top-level parser, then each sub-command in
-    ``--help`` order; ``None`` when the parser builder cannot be imported."""
+    """``[(name, help text, hidden options)]``: the top-level parser, then each
+    sub-command in ``--help`` order; ``None`` when the parser builder cannot be
+    imported."""
     try:
         from opscope_nb.cli import build_parser
     except ImportError:
         return None
     with _columns():
         parser = build_parser()
-        out = [(PROG, parser.format_help())]
+        out = [(PROG, parser.format_help(), _hidden(parser))]
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
                 for name, sub in action.choices.items():
-                    out.append((name, sub.format_help()))
+                    out.append((name, sub.format_help(), _hidden(sub)))
     return out
 
 
@@ -79,19 +87,24 @@ def _help_from_subprocess():
             names.append(m[1])
         elif seen and line and not line.startswith(" "):
             seen = False
-    return [(PROG, top)] + [(n, _run_help(n)) for n in names]
+    return [(PROG, top, [])] + [(n, _run_help(n), []) for n in names]
 
 
 def cli_help():
-    """``[(name, help text)]`` of the top-level command and every sub-command."""
+    """``[(name, help text, hidden options)]`` of the top-level command and every
+    sub-command."""
     got = _help_from_parsers()
     return got if got is not None else _help_from_subprocess()
 
 
 def cli_reference() -> str:
     parts = []
-    for name, text in cli_help():
+    for name, text, hidden in cli_help():
         parts.append(f"## {name}\n\n```text\n{text.rstrip()}\n```\n")
+        if hidden:
+            opts = ", ".join(f"`{o}`" for o in hidden)
+            parts.append(f"Also accepted but not shown by `--help` (deprecated spellings, "
+                         f"kept working): {opts}.\n")
     return "\n".join(parts)
 
 

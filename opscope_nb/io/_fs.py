@@ -28,19 +28,59 @@ def umask_mode() -> int:
 
 
 @contextlib.contextmanager
+def atomic_path(path, *, file_mode: int | None = None):
+    """Context manager yielding a temporary path next to ``path`` that replaces
+    ``path`` atomically (after an ``fsync``) when the block ends without an
+    exception, and is removed when it raises: for writers that open the file
+    themselves (gguf-py's ``GGUFWriter``).  The package's one atomic-write
+    sequence; :func:`atomic_writer` is built on it.
+
+    Parameters
+    ----------
+    path : str or PathLike
+        Target; its directory must exist.
+    file_mode : int, optional
+        Permission bits of the result (default: what the umask gives a new
+        file, not ``mkstemp``'s 0600).
+
+    Yields
+    ------
+    str
+        ``.<name>.<random>.tmp`` in ``path``'s directory (created, empty).
+    """
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".",
+                               suffix=".tmp")
+    os.close(fd)
+    try:
+        os.chmod(tmp, umask_mode() if file_mode is None else file_mode)
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+@contextlib.contextmanager
 def atomic_writer(path, mode: str = "wb", *, file_mode: int | None = None, **open_kw):
     """Context manager yielding a file object whose content replaces ``path``
-    atomically when the block ends without an exception.
+    atomically when the block ends without an exception (:func:`atomic_path`).
 
     Parameters
     ----------
     path : str or PathLike
         Target; its directory must exist.
     mode : {"wb", "w"}
-        Binary or text (``open_kw`` such as ``encoding`` go to :func:`os.fdopen`).
+        Binary or text (``open_kw`` such as ``encoding`` go to :func:`open`).
     file_mode : int, optional
         Permission bits of the result (default: what the umask gives a new
-        file, not ``mkstemp``'s 0600).
+        file).
 
     Yields
     ------
@@ -49,29 +89,12 @@ def atomic_writer(path, mode: str = "wb", *, file_mode: int | None = None, **ope
     """
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_writer mode must be 'wb' or 'w'; got {mode!r}.")
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".",
-                               suffix=".tmp")
-    try:
-        os.chmod(tmp, umask_mode() if file_mode is None else file_mode)
-        if mode == "w":
-            open_kw.setdefault("encoding", "utf-8")
-            open_kw.setdefault("newline", "")
-        with os.fdopen(fd, mode, **open_kw) as f:
-            fd = None                 # owned (and closed) by f from here on
+    if mode == "w":
+        open_kw.setdefault("encoding", "utf-8")
+        open_kw.setdefault("newline", "")
+    with atomic_path(path, file_mode=file_mode) as tmp:
+        with open(tmp, mode, **open_kw) as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if fd is not None:
-            os.close(fd)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def atomic_write(path, data, *, file_mode: int | None = None) -> None:

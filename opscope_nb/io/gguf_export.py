@@ -22,12 +22,11 @@ import hashlib
 import os
 import re
 import shlex
-import tempfile
 
 import numpy as np
 
 from opscope_nb.formats import ggml
-from ._fs import atomic_write, umask_mode
+from ._fs import atomic_path, atomic_write
 from opscope_nb.formats import Decomp, pack, packed_bytes
 from . import gguf_dequantize, gguf_reader
 
@@ -312,77 +311,64 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
                                   f"does not match its shape ({rows}, {cols}) in {source}; "
                                   f"the plan was made for another model.")
 
-    d_out = os.path.dirname(os.path.abspath(out_path))
-    fd, tmp = tempfile.mkstemp(dir=d_out, prefix="." + os.path.basename(out_path) + ".",
-                               suffix=".tmp")
-    os.close(fd)
     progress = None
     try:
-        arch = reader.fields.get("general.architecture")
-        arch = arch.contents() if arch is not None else "llama"
-        writer = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
-        align = reader.fields.get("general.alignment")
-        if align is not None:
-            writer.data_alignment = int(align.contents())
-        order = []
-        for f in reader.fields.values():
-            if f.name.startswith("GGUF."):
-                continue
-            order.append(f.name)
-            if f.name == "general.architecture":
-                continue                  # the writer's constructor added it
-            vt = f.types[0]
-            sub = f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(f.name, f.contents(), vt, sub_type=sub)
-        # the writer puts general.architecture first; keep the source's order
-        writer.kv_data[0] = {k: writer.kv_data[0][k] for k in order}
-        want = {}
-        for t in tensors:
-            d = plan.get(t.name)
-            if d is not None and d.kind == "ggml":
-                cols, rows = int(t.shape[0]), int(t.shape[1])
-                nb = rows * ggml.row_bytes(d.qtype, cols)
-                qt = gguf.GGMLQuantizationType[d.qtype]
-                writer.add_tensor_info(t.name, (rows, ggml.row_bytes(d.qtype, cols)),
-                                       np.dtype(np.uint8), nb, raw_dtype=qt)
-                want[t.name] = (qt, nb)
-            else:
-                writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes,
-                                       t.tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        total = float(sum(int(t.n_elements) for t in tensors)) or 1.0
-        progress = None if make_progress is None else make_progress(len(tensors), total)
-        digests = {}
-        for i, t in enumerate(tensors):
-            if progress is not None:
-                progress.show(i, t.name)
-            if t.name in want:
-                d = plan[t.name]
-                cols, rows = int(t.shape[0]), int(t.shape[1])
-                w = gguf_dequantize(t.data, t.tensor_type, (rows, cols))
-                g = None if grams is None else grams.get(t.name)
-                blocks = pack(w, d, gram=g)["blocks"]
-                del w
-                digests[t.name] = hashlib.sha256(blocks.data).hexdigest()
-                writer.write_tensor_data(blocks)
-            else:
-                writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
-            if progress is not None:
-                progress.advance(int(t.n_elements))
-        writer.close()
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.chmod(tmp, umask_mode())
-        report = _verify(reader, tmp, plan, want, digests)
-        os.replace(tmp, out_path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        with atomic_path(out_path) as tmp:
+            arch = reader.fields.get("general.architecture")
+            arch = arch.contents() if arch is not None else "llama"
+            writer = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
+            align = reader.fields.get("general.alignment")
+            if align is not None:
+                writer.data_alignment = int(align.contents())
+            order = []
+            for f in reader.fields.values():
+                if f.name.startswith("GGUF."):
+                    continue
+                order.append(f.name)
+                if f.name == "general.architecture":
+                    continue                  # the writer's constructor added it
+                vt = f.types[0]
+                sub = f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(f.name, f.contents(), vt, sub_type=sub)
+            # the writer puts general.architecture first; keep the source's order
+            writer.kv_data[0] = {k: writer.kv_data[0][k] for k in order}
+            want = {}
+            for t in tensors:
+                d = plan.get(t.name)
+                if d is not None and d.kind == "ggml":
+                    cols, rows = int(t.shape[0]), int(t.shape[1])
+                    nb = rows * ggml.row_bytes(d.qtype, cols)
+                    qt = gguf.GGMLQuantizationType[d.qtype]
+                    writer.add_tensor_info(t.name, (rows, ggml.row_bytes(d.qtype, cols)),
+                                           np.dtype(np.uint8), nb, raw_dtype=qt)
+                    want[t.name] = (qt, nb)
+                else:
+                    writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes,
+                                           t.tensor_type)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            total = float(sum(int(t.n_elements) for t in tensors)) or 1.0
+            progress = None if make_progress is None else make_progress(len(tensors), total)
+            digests = {}
+            for i, t in enumerate(tensors):
+                if progress is not None:
+                    progress.show(i, t.name)
+                if t.name in want:
+                    d = plan[t.name]
+                    cols, rows = int(t.shape[0]), int(t.shape[1])
+                    w = gguf_dequantize(t.data, t.tensor_type, (rows, cols))
+                    g = None if grams is None else grams.get(t.name)
+                    blocks = pack(w, d, gram=g)["blocks"]
+                    del w
+                    digests[t.name] = hashlib.sha256(blocks.data).hexdigest()
+                    writer.write_tensor_data(blocks)
+                else:
+                    writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+                if progress is not None:
+                    progress.advance(int(t.n_elements))
+            writer.close()
+            report = _verify(reader, tmp, plan, want, digests)
     finally:
         if progress is not None:
             progress.close()
