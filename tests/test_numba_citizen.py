@@ -91,6 +91,31 @@ def test_user_cache_written_without_the_package_loads_beside_it(tmp_path):
     assert _py("import usermod; print(usermod.callee(1.0), usermod.caller(1.0))", d) == "3.0 6.0"
 
 
+@pytest.mark.slow
+def test_user_cached_caller_of_a_parallel_kernel_loads_in_a_later_process(tmp_path):
+    """A user's ``cache=True`` function calling a parallel kernel, loaded from
+    the user's cache in a fresh process: numba does not start its threading
+    layer for it (numba issue 8578: "Symbol not found: allocate_sched"); the
+    package's import does, so it runs."""
+    d = tmp_path / "user"
+    d.mkdir()
+    (d / "usercall.py").write_text(textwrap.dedent("""
+        import numba
+        import numpy as np
+        from opscope_nb.kernels import i8_row_sums
+
+        @numba.njit(cache=True)
+        def sums(x):
+            return i8_row_sums(x)
+    """))
+    code = ("import numpy as np, usercall\n"
+            "print(int(usercall.sums(np.ones((8, 16), np.int8)).sum()), "
+            "sum(usercall.sums.stats.cache_hits.values()))")
+    assert _py(code, d).split()[0] == "128"
+    total, hits = _py(code, d).split()
+    assert total == "128" and int(hits) >= 1
+
+
 #: Every ``PackedLinear`` kind and activation path a user meets (the cold-start
 #: bench's list).
 KINDS = ("int6/g128:f32", "int4/chan:f32", "ternary:f32", "int8/chan:f32", "int4/g32:f32",

@@ -77,9 +77,9 @@ _PIN_BLAS = ("profile", "quant", "eval")
 _LAZY = {
     "CliError": "_common", "atomic_write": "_common", "Progress": "_common",
     "peak_rss_mb": "_common", "fmt_bytes": "_common", "fmt_err": "_common",
-    "METHODS": "_plan", "TIGHT_ERR": "_plan", "OPTIONS_CSV_COLUMNS": "_plan",
-    "run_allocators": "_plan", "plan_table": "_plan", "totals_table": "_plan",
-    "plan_dict": "_plan", "options_csv": "_plan", "best_bound": "_plan",
+    "METHODS": "_budget", "TIGHT_ERR": "_budget", "OPTIONS_CSV_COLUMNS": "_budget",
+    "run_allocators": "_budget", "plan_table": "_budget", "totals_table": "_budget",
+    "plan_dict": "_budget", "options_csv": "_budget", "best_bound": "_budget",
 }
 
 

@@ -292,3 +292,14 @@ def intrinsic(fn=None, *, py=None, **options):
         return nojit
 
     return make if fn is None else make(fn)
+
+
+# numba issue 8578: a function loaded from numba's disk cache whose code
+# includes a parallel kernel's (a user's ``cache=True`` caller of one of these
+# kernels, in a later process) does not start numba's threading layer, and the
+# process aborts with "LLVM ERROR: Symbol not found: allocate_sched".  So the
+# layer is started when the kernels are imported, through the public
+# ``numba.get_num_threads()``: the thread count and the configuration are
+# untouched; a threading layer of the user's choice must be chosen before
+# this import (``NUMBA_THREADING_LAYER``, or ``numba.config.THREADING_LAYER``).
+numba.get_num_threads()
