@@ -91,3 +91,18 @@ def test_interrupt_message_fits_the_command(tmp_path, monkeypatch):
     monkeypatch.setattr(ap, "apply_plan", stop)
     rc, o, e = run(["apply", p, d / "plan.json", "-o", tmp_path / "c.safetensors", "-q"])
     assert rc == 130 and "untouched" in e and "--resume" not in e
+
+
+def test_dat_imatrix_cut_inside_its_values_exits_2(tmp_path):
+    """Issue 58: a legacy .dat cut inside an entry's float32 values was a
+    traceback (numpy's 'buffer is smaller than requested size')."""
+    p = _ckpt(tmp_path)
+    im = tmp_path / "im.dat"
+    _write_dat(im, {"model.layers.0.mlp.up_proj.weight": (np.ones(32, np.float32), 4)})
+    head = 4 + 4 + len("model.layers.0.mlp.up_proj.weight") + 8   # count, name, ncall/nval
+    im.write_bytes(im.read_bytes()[:head + 50])                     # 12.5 of 32 values
+    out = tmp_path / "o"
+    rc, o, e = run(["profile", p, "--imatrix", im, "--out", out])
+    assert rc == 2 and e.count("\n") == 1, e
+    assert "truncated" in e and "inside the values" in e and "Traceback" not in e
+    assert _no_outputs(out)

@@ -68,6 +68,12 @@ def test_legacy_dat_imatrix(tmp_path):
     p.write_bytes(p.read_bytes()[:20])
     with pytest.raises(ImatrixError, match="truncated"):
         read_imatrix(p)
+    # cut inside the first entry's values (4 count + 4 length + 21 name + 8 = 37
+    # bytes of header, then 12 bytes of values): the same error, not numpy's
+    _write_dat(p, {"blk.2.ffn_gate.weight": (v, 2)})
+    p.write_bytes(p.read_bytes()[:37 + 6])
+    with pytest.raises(ImatrixError, match="inside the values of 'blk.2.ffn_gate.weight'"):
+        read_imatrix(p)
 
 
 def test_imatrix_gram_feeds_profile_layer(tmp_path):

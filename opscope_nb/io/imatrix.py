@@ -151,9 +151,11 @@ def _read_dat(path):
         ncall, nval = take("<ii")
         if nval < 1:
             raise ImatrixError(f"{path}: entry {name!r}: {nval} values.")
+        if pos + 4 * nval > len(buf):   # checked before frombuffer reads past the end
+            raise ImatrixError(f"{path}: truncated legacy imatrix (.dat) inside the values "
+                               f"of {name!r} ({nval} float32 values from byte {pos}, the "
+                               f"file ends at byte {len(buf)}); write the imatrix again.")
         vals = np.frombuffer(buf, dtype="<f4", count=nval, offset=pos).astype(np.float64)
-        if pos + 4 * nval > len(buf):
-            raise ImatrixError(f"{path}: truncated legacy imatrix (.dat) in {name!r}.")
         pos += 4 * nval
         if not np.isfinite(vals).all() or (vals < 0).any():
             raise ImatrixError(f"{path}: entry {name!r} holds negative or non-finite values.")
