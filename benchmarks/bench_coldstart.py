@@ -46,7 +46,7 @@ KINDS = ("int6/g128:f32", "int4/chan:f32", "ternary:f32", "int8/chan:f32", "int4
 
 _KIND = """
 import sys, numpy as np
-from opscope_nb.profile.mining import Decomp
+from opscope_nb.formats import Decomp
 from opscope_nb.runtime import PackedLinear
 label, act = sys.argv[1].rsplit(":", 1)
 w = np.random.default_rng(0).standard_normal((384, 384)).astype(np.float32)

@@ -166,7 +166,7 @@ def _runtime_kind(spec):
     is the profile group's SVD / Tucker / TT items)."""
     import numpy as np
     from .bench.formats import FACTOR_KINDS, _random_factors
-    from .profile.mining import Decomp
+    from .formats import Decomp
     from .runtime import PackedLinear
     label, act, m = _spec(spec)
     rows, cols = (64, 64) if label == "monarch" else (64, 256)
