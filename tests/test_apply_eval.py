@@ -357,7 +357,7 @@ def test_minilm_profile_apply_eval_budget_035(tmp_path, tmp_path_factory, capsys
     from shared_runs import minilm_profile
     MINILM, d, _, _ = minilm_profile(tmp_path_factory)
     plan = json.load(open(os.path.join(d, "plan.json")))
-    assert plan["budget"] == 0.35 and "exact" in plan["methods"]
+    assert plan["budget_default"] == 0.35 and "exact" in plan["methods"]
     out = str(tmp_path / "c.safetensors")
     rc, o, e = _run(capsys, "apply", MINILM, os.path.join(d, "plan.json"), "--method",
                     "exact", "-o", out, "-q")

@@ -55,6 +55,17 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
+def naive_default_budget(layers, where="0.35"):
+    """The default --budget from its definition: ``where`` of the way from the
+    smallest plan (each layer's fewest option bytes) to the stored bytes, as a
+    fraction of the stored bytes rounded up to 4 decimals."""
+    from fractions import Fraction
+    mn = sum(min(o["bytes"] for o in r["profile"]["options"]) for r in layers)
+    dense = sum(r["profile"]["dense_bytes"] for r in layers)
+    x = (mn + Fraction(where) * (dense - mn)) / dense * 10000
+    return min(float(Fraction(-(-x.numerator // x.denominator), 10000)), 1.0)
+
+
 def check_outputs(out_dir, budget, methods):
     """Invariants every profile --out directory must satisfy."""
     for f in PLAN_FILES:
@@ -82,6 +93,9 @@ def check_outputs(out_dir, budget, methods):
             assert float(c["rel_err"]) == o["rel_err"] and int(c["bytes"]) == o["bytes"]
             assert int(c["dense_bytes"]) == r["profile"]["dense_bytes"]
     # plan.json: every method, every plan within budget, totals add up
+    if budget is None:          # the default: 0.35 of the way from the smallest plan
+        budget = naive_default_budget(layers)
+        assert plan["budget_default"] == 0.35
     assert plan["budget"] == budget and set(plan["methods"]) == set(methods)
     budget_bytes = naive_budget_exact([r["profile"]["dense_bytes"] for r in layers], budget)
     for m, p in plan["methods"].items():
@@ -186,7 +200,7 @@ def test_profile_minilm_acceptance(minilm_run):
     p, d, out, err = minilm_run
     # one progress line per layer off a terminal, and no solver chatter
     assert_only_progress(err, 37)
-    prof, plan, rows = check_outputs(d, 0.35, cli.METHODS)
+    prof, plan, rows = check_outputs(d, None, cli.METHODS)
     assert len(prof["layers"]) == 37
     assert all(r["dtype"] == "F32" for r in prof["layers"])
     assert prof["source"]["path"] == os.path.abspath(p)
@@ -357,7 +371,7 @@ def test_interrupted_run_keeps_done_layers(small_st, tmp_path, monkeypatch):
     rc, text, err = run(["profile", p, "--out", out, "--rank-cap", "4", "--resume"])
     assert rc == 0, err
     assert "1 resumed" in text
-    check_outputs(out, 0.35, cli.METHODS)
+    check_outputs(out, None, cli.METHODS)
 
 
 def test_atomic_write_failure_keeps_old_file(tmp_path, monkeypatch):
@@ -859,9 +873,11 @@ def test_bpw_equals_budget_and_exactly_one(tmp_path, small_st):
                  ["allocate", out / "profile.json", "--bpw", "nan"]):
         rc, _, err = run(argv)
         assert rc == 2 and err.count("\n") == 1 and err.startswith("opscope-nb: error:")
-    # neither: the documented default --budget 0.35
+    # neither: the documented default, 0.35 of the way from the smallest plan
     rc, _, err = run(["allocate", out / "profile.json", "--out", tmp_path / "c"])
-    assert rc == 0 and load_json(tmp_path / "c" / "plan.json")["budget"] == 0.35
+    got = load_json(tmp_path / "c" / "plan.json")
+    assert rc == 0 and got["budget"] == naive_default_budget(
+        load_json(out / "profile.json")["layers"]) and got["budget_default"] == 0.35
 
 
 def test_time_limit_and_status_in_table(tmp_path, monkeypatch):

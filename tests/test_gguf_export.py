@@ -123,8 +123,11 @@ def test_export_planned_dense_and_pass_through(tmp_path):
     src, got = _src_reader(), gguf.GGUFReader(str(out))
     assert [f for f in got.fields] == [f for f in src.fields]
     for k in src.fields:
-        if not k.startswith("GGUF."):
+        if not k.startswith("GGUF.") and k != "general.file_type":
             assert src.fields[k].contents() == got.fields[k].contents()
+    # two tensors re-typed: llama.cpp's guess (most tensors are still Q4_1 = 3), GUESSED
+    assert src.fields["general.file_type"].contents() == 3
+    assert got.fields["general.file_type"].contents() == 3 | 1024 == r["file_type"]
     assert [t.name for t in got.tensors] == [t.name for t in src.tensors]
     by = {t.name: t for t in src.tensors}
     planned = 0
@@ -194,8 +197,17 @@ def test_cli_profile_ggml_allocate_apply(tmp_path, capsys):
     assert prof["settings"]["menu"] == "ggml"
     assert prof["settings"]["ggml_types"] == ["Q8_0", "Q4_0", "IQ4_NL", "Q4_K"]
     labels = {r["name"]: [o["label"] for o in r["profile"]["options"]] for r in prof["layers"]}
-    assert labels["blk.0.attn_k.weight"] == ["dense", "Q8_0", "Q4_0", "IQ4_NL"]
-    assert labels["blk.0.ffn_down.weight"] == ["dense", "Q8_0", "Q4_0", "IQ4_NL", "Q4_K"]
+    # the stored type (Q4_1) is always offered, as stored: error 0 at the stored bytes,
+    # as is dense (priced as stored, not at float32)
+    assert labels["blk.0.attn_k.weight"] == ["dense", "Q4_1", "Q8_0", "Q4_0", "IQ4_NL"]
+    assert labels["blk.0.ffn_down.weight"] == ["dense", "Q4_1", "Q8_0", "Q4_0", "IQ4_NL",
+                                               "Q4_K"]
+    for r in prof["layers"]:
+        o = r["profile"]["options"]
+        stored = r["profile"]["dense_bytes"]
+        assert o[0]["bytes"] == o[1]["bytes"] == stored == r["profile"]["rows"] * \
+            r["profile"]["cols"] // 32 * 20
+        assert o[0]["rel_err"] == o[1]["rel_err"] == 0.0
     capsys.readouterr()
     tt = tmp_path / "types.txt"
     assert main(["allocate", str(d / "profile.json"), "--bpw", "4.6", "--method", "exact",
@@ -203,7 +215,8 @@ def test_cli_profile_ggml_allocate_apply(tmp_path, capsys):
     plan = json.loads((d / "plan.json").read_text())["methods"]["exact"]["layers"]
     lines = tt.read_text().splitlines()
     assert lines == [f"^{p['name'].replace('.', chr(92) + '.')}$="
-                     f"{ggml_type_name(Decomp.from_label(p['label']))}" for p in plan]
+                     f"{'q4_1' if p['label'] == 'dense' else ggml_type_name(Decomp.from_label(p['label']))}"
+                     for p in plan]                        # dense keeps the stored type
     cmd = (tmp_path / "types.txt.cmd").read_text()
     assert "--allow-requantize" in cmd and f"--tensor-type-file {tt}" in cmd
     assert "llama-quantize" in capsys.readouterr().out
@@ -214,7 +227,8 @@ def test_cli_profile_ggml_allocate_apply(tmp_path, capsys):
     got = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
     for p in plan:
         t = got[p["name"]]
-        assert t.tensor_type.name == p["label"] and int(t.n_bytes) == p["bytes"]
+        want_type = "Q4_1" if p["label"] == "dense" else p["label"]
+        assert t.tensor_type.name == want_type and int(t.n_bytes) == p["bytes"]
     src_bytes = os.path.getsize(SMOL)
     planned_src = sum(int(t.n_bytes) for t in _src_reader().tensors
                       if t.name in got and t.name in {p["name"] for p in plan})
@@ -225,7 +239,8 @@ def test_cli_profile_ggml_allocate_apply(tmp_path, capsys):
     m = open_model(SMOL, str(out))
     for p in plan:
         lin = m.tensors[p["name"]]
-        assert lin.decomp.label == p["label"] and lin.nbytes == p["bytes"]
+        assert lin.decomp.label == ("Q4_1" if p["label"] == "dense" else p["label"])
+        assert lin.nbytes == p["bytes"]
         t = got[p["name"]]
         want_w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(lin.shape)
         np.testing.assert_array_equal(lin.dense(), want_w)

@@ -27,8 +27,14 @@ from ._common import (
 METHODS = ("greedy", "dado", "exact")
 #: Error a "best option" must stay within in the per-layer table (the upstream's 2 %).
 TIGHT_ERR = 0.02
-#: ``--budget`` when neither ``--budget`` nor ``--bpw`` is given.
+#: Where the default budget lies between the smallest plan the menu can reach
+#: (0) and the weights as stored (1) when neither ``--budget`` nor ``--bpw``
+#: is given (:func:`default_budget`).
 DEFAULT_BUDGET = 0.35
+#: Relative error above which a layer counts as badly damaged, and the share of
+#: such layers that flags a plan (:func:`flag_extreme`).
+EXTREME_ERR = 0.3
+EXTREME_SHARE = 0.5
 
 #: How each kind of bound is named in the tables.
 BOUND_NAMES = {"optimum": "exact optimum (proven by HiGHS)",
@@ -43,11 +49,18 @@ OPTIONS_CSV_COLUMNS = ("layer", "index", "kind", "rows", "cols", "option", "labe
 def add_budget_args(p) -> None:
     """--budget/--bpw, --latency-budget/--latency-m, --method, --time-limit."""
     p.add_argument("--budget", type=budget_arg, default=None,
-                   help=f"byte budget as a fraction of dense (0, 1] (default "
-                        f"{DEFAULT_BUDGET} unless --bpw is given)")
+                   help=f"byte budget as a fraction (0, 1] of the planned weights' bytes "
+                        f"as stored (default, unless --bpw is given: {DEFAULT_BUDGET:g} of "
+                        f"the way from the smallest plan the menu can reach to the stored "
+                        f"size, rounded up to 4 decimals -- always reachable; printed and "
+                        f"recorded in plan.json). A budget below the smallest plan is an "
+                        f"error naming the smallest feasible budget (see --fit)")
     p.add_argument("--bpw", type=positive_float, default=None, metavar="BITS",
                    help="byte budget in bits per weight instead of --budget "
                         "(bytes <= BITS/8 x weights of the planned layers)")
+    p.add_argument("--fit", action="store_true",
+                   help="when the budget cannot be met, plan at the smallest feasible "
+                        "budget (in the same unit) with a warning instead of exit 2")
     p.add_argument("--latency-budget", type=budget_arg, default=None, metavar="FRAC",
                    help="also keep the plan's latency at --latency-m within FRAC of the "
                         "all-dense latency (needs a profile made with --latency)")
@@ -75,7 +88,8 @@ def budget_spec(args) -> dict:
                        "per weight), not both.")
     spec = {"budget_frac": args.budget, "budget_bpw": args.bpw}
     if args.budget is None and args.bpw is None:
-        spec["budget_frac"] = DEFAULT_BUDGET
+        spec["budget_default"] = DEFAULT_BUDGET      # resolved by checked_budget
+    spec["fit"] = bool(getattr(args, "fit", False))
     if args.latency_budget is not None:
         spec["latency_frac"] = args.latency_budget
         spec["latency_m"] = args.latency_m
@@ -102,6 +116,107 @@ def check_latencies(layers, spec, path) -> None:
              f"they are left out of the latency-budgeted plan.")
 
 
+def _ceil_dec(num: int, den: int, places: int) -> float:
+    """``num / den`` rounded up to ``places`` decimals (exact rationals)."""
+    from fractions import Fraction
+    q = 10 ** places
+    v = Fraction(int(num) * q, max(int(den), 1))
+    return float(Fraction(-(-v.numerator // v.denominator), q))
+
+
+def reachable(layers) -> dict:
+    """What a budget can reach on these layers: ``min_bytes`` (every layer on
+    its fewest-bytes option), ``dense`` (the bytes as stored), ``weights``,
+    and the smallest feasible ``frac`` (4 decimals, rounded up) and ``bpw``
+    (3 decimals, rounded up)."""
+    mn = int(sum(min(int(o.bytes) for o in lp.options) for lp in layers))
+    dense = int(sum(int(lp.dense_bytes) for lp in layers))
+    nw = int(sum(int(lp.rows) * int(lp.cols) for lp in layers))
+    return {"min_bytes": mn, "dense": dense, "weights": nw,
+            "frac": min(_ceil_dec(mn, dense, 4), 1.0) if mn <= dense else None,
+            "bpw": _ceil_dec(8 * mn, nw, 3)}
+
+
+def default_budget(layers, where=DEFAULT_BUDGET) -> float:
+    """The default ``--budget``: ``where`` of the way from the smallest plan
+    (:func:`reachable`) to the stored bytes, as a fraction of the stored
+    bytes rounded up to 4 decimals (at most 1)."""
+    r = reachable(layers)
+    from fractions import Fraction
+    target = Fraction(r["min_bytes"]) + Fraction(repr(float(where))) * max(
+        r["dense"] - r["min_bytes"], 0)
+    return min(_ceil_dec(target.numerator, target.denominator * max(r["dense"], 1), 4), 1.0)
+
+
+def checked_budget(layers, spec: dict, path=None) -> dict:
+    """``spec`` with the default budget resolved and the byte budget checked
+    against the smallest plan: a budget below it is a :class:`CliError`
+    naming the smallest feasible budget in the same unit, or -- with
+    ``spec["fit"]`` -- that budget with a warning (``spec["fitted_from"]``
+    keeps the asked one)."""
+    from opscope_nb.plan.allocate import budget_bytes
+    spec = dict(spec)
+    if spec.get("budget_frac") is None and spec.get("budget_bpw") is None:
+        where = spec.get("budget_default", DEFAULT_BUDGET)
+        spec["budget_frac"] = default_budget(layers, where)
+        spec["budget_default"] = where
+    r = reachable(layers)
+    b = budget_bytes(layers, spec.get("budget_frac"), budget_bpw=spec.get("budget_bpw"))
+    if b >= r["min_bytes"]:
+        return spec
+    bpw = spec.get("budget_bpw") is not None
+    asked = (f"--bpw {spec['budget_bpw']:g}" if bpw else f"--budget {spec['budget_frac']:g}")
+    smallest = f"--bpw {r['bpw']:g}" if bpw else f"--budget {r['frac']:g}"
+    where = f"{path}: " if path else ""
+    if not spec.get("fit"):
+        raise CliError(
+            f"{where}{asked} ({b} bytes) is below the smallest plan the menu can reach "
+            f"({r['min_bytes']} bytes = {8 * r['min_bytes'] / max(r['weights'], 1):.3f} "
+            f"bits/weight, every layer on its fewest-bytes option); the smallest feasible "
+            f"budget is {smallest}. Give it (or more), or pass --fit to plan there.")
+    warn(f"{asked} ({b} bytes) cannot be met; --fit plans at the smallest feasible budget, "
+         f"{smallest} ({r['min_bytes']} bytes).")
+    spec["fitted_from"] = spec.get("budget_bpw") if bpw else spec.get("budget_frac")
+    if bpw:
+        spec["budget_bpw"] = r["bpw"]
+    else:
+        spec["budget_frac"] = r["frac"]
+    return spec
+
+
+def flag_extreme(layers, allocs, spec) -> None:
+    """Flag (stderr and ``extra["extreme_damage"]``) each feasible plan that
+    leaves more than :data:`EXTREME_SHARE` of its layers above
+    :data:`EXTREME_ERR` relative error, with the budget at which every layer
+    can stay within it (each layer's fewest-bytes option within the error)."""
+    n = len(layers)
+    need = sum(min(int(o.bytes) for o in lp.options if o.rel_err <= EXTREME_ERR)
+               if any(o.rel_err <= EXTREME_ERR for o in lp.options) else int(lp.dense_bytes)
+               for lp in layers)
+    r = reachable(layers)
+    frac = min(_ceil_dec(need, r["dense"], 4), 1.0)
+    bpw = _ceil_dec(8 * need, r["weights"], 3)
+    flagged = []
+    for m, (a, _) in allocs.items():
+        if not a.feasible:
+            continue
+        above = sum(float(lp.options[int(c)].rel_err) > EXTREME_ERR
+                    for lp, c in zip(layers, a.choice))
+        if above > EXTREME_SHARE * n:
+            a.extra["extreme_damage"] = {"layers_above": int(above), "layers": n,
+                                         "rel_err_above": EXTREME_ERR,
+                                         "avoid_budget": frac, "avoid_bpw": bpw,
+                                         "avoid_bytes": int(need)}
+            flagged.append((m, above))
+    if flagged:
+        which = ", ".join(f"{m} ({k} of {n})" for m, k in flagged)
+        unit = (f"--bpw {bpw:g}" if spec.get("budget_bpw") is not None
+                else f"--budget {frac:g} ({bpw:g} bits/weight)")
+        warn(f"extreme damage predicted: the plans leave most layers above {EXTREME_ERR:g} "
+             f"relative error -- {which}; expect a broken model. Every layer can stay "
+             f"within {EXTREME_ERR:g} at {unit}.")
+
+
 def methods_of(arg: str) -> tuple:
     return METHODS if arg == "all" else (arg,)
 
@@ -116,7 +231,10 @@ def run_allocators(layers, spec: dict, methods, time_limit: float = 60.0) -> dic
     from opscope_nb.plan import allocate as al
     if not isinstance(spec, dict):
         spec = {"budget_frac": float(spec)}
-    spec = dict(spec)
+    spec = {k: v for k, v in spec.items() if k not in ("fit", "fitted_from",
+                                                        "budget_default")}
+    if spec.get("budget_frac") is None and spec.get("budget_bpw") is None:
+        spec["budget_frac"] = default_budget(layers)
     flag = spec.pop("flag_damage", True)
     if spec.get("objective", "auto") == "auto":
         spec["objective"] = al.output_objective(layers)
@@ -138,6 +256,7 @@ def run_allocators(layers, spec: dict, methods, time_limit: float = 60.0) -> dic
         out[m] = (a, time.perf_counter() - t)
     if flag:
         _flag_damage(layers, spec, out, al)
+        flag_extreme(layers, out, spec)
     return out
 
 
@@ -170,7 +289,9 @@ def _flag_damage(layers, spec, allocs, al):
 
 
 def allocate_checked(layers, spec, methods, path, time_limit=60.0) -> dict:
-    """run_allocators on layers read from a user's file: bad numbers are user errors."""
+    """run_allocators on layers read from a user's file: bad numbers are user errors.
+    ``spec`` should have passed :func:`checked_budget` (the budget is checked
+    against the smallest plan there)."""
     check_latencies(layers, spec, path)
     try:
         return run_allocators(layers, spec, methods, time_limit)
@@ -265,29 +386,41 @@ def budget_text(spec: dict, layers) -> str:
     """``budget 0.35 = 1.2 MiB`` / ``budget 6.4 bits/weight = ...`` for the summary."""
     from opscope_nb.plan.allocate import budget_bytes
     b = budget_bytes(layers, spec.get("budget_frac"), budget_bpw=spec.get("budget_bpw"))
+    nw = sum(int(lp.rows) * int(lp.cols) for lp in layers)
     if spec.get("budget_bpw") is not None:
         head = f"budget {spec['budget_bpw']:g} bits/weight"
+        text = f"{head} = {fmt_bytes(b)}"
     else:
         head = f"budget {spec['budget_frac']:g}"
-    text = f"{head} = {fmt_bytes(b)}"
+        if spec.get("budget_default") is not None:
+            head += (f" (default: {spec['budget_default']:g} of the way from the smallest "
+                     f"plan to the stored size)")
+        text = f"{head} = {fmt_bytes(b)} = {8 * b / max(nw, 1):.2f} bits/weight"
+    if spec.get("fitted_from") is not None:
+        text += f" (--fit: {spec['fitted_from']:g} asked)"
     if spec.get("latency_frac") is not None:
         text += f", latency budget {spec['latency_frac']:g} of dense at m={spec['latency_m']}"
     return text
 
 
-def plan_dict(layers, allocs: dict, spec, source=None, calib=None, validation=None) -> dict:
+def plan_dict(layers, allocs: dict, spec, source=None, calib=None, validation=None,
+              requantize=False) -> dict:
     """The ``plan.json`` document: each method's :meth:`Allocation.to_dict` (with
     per-layer rows, latencies and totals), its seconds and its gap against the
     run's best bound; ``calib`` (the profile's calibration settings) lets
     ``apply`` re-run the calibration when no ``calib.npz`` was kept;
     ``validation`` (per method) is each plan's measured metric on held-out
-    text (``profile --calib --validate``)."""
+    text (``profile --calib --validate``); ``requantize``: the profile measured
+    each tensor's stored ggml type as a re-quantisation, which ``apply`` then
+    writes (``profile --requantize``)."""
     if not isinstance(spec, dict):
         spec = {"budget_frac": float(spec)}
     dense = int(sum(int(lp.dense_bytes) for lp in layers))
     value, kind, from_m = best_bound(allocs)
     doc = {"tool": PROG, "version": __version__,
            "budget": spec.get("budget_frac"), "budget_bpw": spec.get("budget_bpw"),
+           "budget_default": spec.get("budget_default"),
+           "budget_fitted_from": spec.get("fitted_from"),
            "latency_budget": spec.get("latency_frac"),
            "latency_m": spec.get("latency_m") if spec.get("latency_frac") is not None
            else None,
@@ -299,6 +432,7 @@ def plan_dict(layers, allocs: dict, spec, source=None, calib=None, validation=No
            "stored_dtypes": sorted({lp.stored_dtype for lp in layers}),
            "n_weights": int(sum(int(lp.rows) * int(lp.cols) for lp in layers)),
            "n_layers": len(layers),
+           "requantize": bool(requantize),
            "best_bound": {"value": value if math.isfinite(value) else None,
                           "kind": kind, "method": from_m},
            "methods": {}}
@@ -348,16 +482,27 @@ def options_csv(layers) -> str:
     return buf.getvalue()
 
 
+def plan_line(layers, allocs) -> str:
+    """One line per run: each plan's bytes and bits per weight."""
+    nw = sum(int(lp.rows) * int(lp.cols) for lp in layers)
+    parts = [f"{m} {fmt_bytes(a.total_bytes)} = {a.bits_per_weight:.3f} bits/weight"
+             + ("" if a.feasible else " (over budget)") for m, (a, _) in allocs.items()]
+    return f"plans over {nw} weights: " + "; ".join(parts)
+
+
 def print_plan(layers, allocs) -> None:
     print(plan_table(layers, allocs))
     print()
     print(totals_table(allocs, len(layers)))
     print(bound_line(allocs))
+    print(plan_line(layers, allocs))
 
 
 __all__ = ["METHODS", "TIGHT_ERR", "DEFAULT_BUDGET", "BOUND_NAMES", "OPTIONS_CSV_COLUMNS",
            "add_budget_args", "budget_spec", "check_latencies", "methods_of",
            "run_allocators", "allocate_checked", "best_bound", "gap_vs", "plan_table",
+           "reachable", "default_budget", "checked_budget", "flag_extreme", "plan_line",
+           "EXTREME_ERR", "EXTREME_SHARE",
            "totals_table", "bound_line", "budget_text", "plan_dict", "options_csv",
            "print_plan"]
 

@@ -24,6 +24,7 @@ from ._budget import (
     allocate_checked,
     budget_spec,
     budget_text,
+    checked_budget,
     methods_of,
     plan_dict,
     print_plan,
@@ -49,6 +50,7 @@ def run(args) -> int:
     spec = budget_spec(args)
     doc = load_profile_doc(args.profile)
     layers = layers_from_doc(doc, args.profile)
+    spec = checked_budget(layers, spec, args.profile)
     allocs = allocate_checked(layers, spec, methods_of(args.method), args.profile,
                               args.time_limit)
     print_plan(layers, allocs)
@@ -66,7 +68,8 @@ def run(args) -> int:
         out = ensure_outdir(args.out)
         p = os.path.join(out, "plan.json")
         write(p, json_text(plan_dict(layers, allocs, spec, doc.get("source"), cal,
-                                     validation)))
+                                     validation, requantize=bool(
+                                         (doc.get("settings") or {}).get("requantize")))))
         print(f"wrote {p}")
     if args.tensor_type_file:
         m = "exact" if "exact" in allocs else next(iter(allocs))

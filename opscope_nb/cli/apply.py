@@ -40,6 +40,14 @@ def add_parser(sub) -> None:
     p.add_argument("--force", action="store_true",
                    help="apply even when the source's planned tensors differ from the "
                         "fingerprints (SHA-256 of the stored bytes) the plan records")
+    p.add_argument("--requantize", action="store_true", default=None,
+                   help="re-quantise a tensor planned in the ggml type it is stored in "
+                        "(from its dequantised values, as llama-quantize's "
+                        "--allow-requantize) instead of copying its stored blocks "
+                        "(default: as the plan records, 'profile --requantize'; else copy)")
+    p.add_argument("--over-budget", action="store_true",
+                   help="write a plan whose layers take more bytes than the budget it "
+                        "records (refused otherwise)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     add_tensor_type_arg(p)
     p.set_defaults(func=run)
@@ -150,7 +158,8 @@ def run(args) -> int:
     try:
         r = apply_plan(args.source, args.plan, out, method=args.method,
                        make_progress=lambda n, w: Progress(n, w, show), grams=grams,
-                       force=args.force)
+                       force=args.force, requantize=args.requantize,
+                       over_budget=args.over_budget)
     except (PlanError, GGUFExportError) as exc:
         raise CliError(str(exc)) from None
     except GramRequiredError as exc:
@@ -158,12 +167,14 @@ def run(args) -> int:
                        f"(looked for {gpath}).") from None
     if r.get("format") == "gguf":
         types = ", ".join(f"{k} x{v}" for k, v in sorted(r["types"].items()))
-        print(f"{r['method']}: {r['planned']} tensors re-quantised, {r['planned_dense']} "
-              f"planned dense (kept as stored), {r['tensors']} tensors, {r['kv']} "
-              f"key-values ({types})")
+        print(f"{r['method']}: {r['planned']} tensors re-quantised, {r['as_stored']} planned "
+              f"in their stored type and {r['planned_dense']} planned dense (kept as "
+              f"stored), {r['tensors']} tensors, {r['kv']} key-values ({types}); "
+              f"general.file_type {_ftype_text(r)}")
         print(f"wrote {out}: {fmt_bytes(r['file_bytes'])} = planned {r['planned_bytes']} B "
               f"+ kept {r['kept_bytes']} B + header/padding {r['header_bytes']} B; read "
               f"back and checked")
+        print(_plan_bytes_line(r))
         return 0
     print(f"{r['method']}: {r['layers']} layers packed, {r['dense_layers']} planned dense, "
           f"{r['tensors']} tensors stored plain"
@@ -171,4 +182,28 @@ def run(args) -> int:
              f"{', ...' if len(r['skipped']) > 3 else ''})" if r["skipped"] else ""))
     print(f"wrote {out}: {fmt_bytes(r['out_bytes'])} of arrays "
           f"(source {fmt_bytes(r['source_bytes'])} as stored)")
+    print(_plan_bytes_line(r))
     return 0
+
+
+def _plan_bytes_line(r) -> str:
+    """The planned layers' bytes and bits per weight as written and as planned
+    (apply_plan has checked them within 0.1 %)."""
+    nw = r.get("plan_weights") or 0
+    got, want = r["written_plan_bytes"], r["plan_bytes"]
+    bpw = (lambda b: f"{8 * b / nw:.3f}") if nw else (lambda b: "-")
+    return (f"planned layers: {got} B written = {bpw(got)} bits/weight over {nw} weights "
+            f"(plan: {want} B = {bpw(want)} bits/weight; checked within 0.1 %)")
+
+
+def _ftype_text(r) -> str:
+    """``general.file_type`` as llama.cpp names it (``15 = MOSTLY_Q4_K_M``)."""
+    from opscope_nb.io.gguf_export import FTYPE_GUESSED
+    ft = int(r["file_type"])
+    try:
+        import gguf
+        name = gguf.LlamaFileType(ft & ~FTYPE_GUESSED).name
+    except (ImportError, ValueError):
+        name = "?"
+    kept = " (the source's, no tensor changed type)" if r.get("file_type_kept") else ""
+    return f"{ft} = {name}{' | GUESSED' if ft & FTYPE_GUESSED else ''}{kept}"

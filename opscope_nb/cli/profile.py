@@ -48,6 +48,7 @@ from ._budget import (
     budget_spec,
     budget_text,
     check_latencies,
+    checked_budget,
     methods_of,
     sensitivity_transfer_line,
     options_csv,
@@ -86,6 +87,12 @@ def add_parser(sub) -> None:
                    help="with --menu ggml/mixed: only these ggml types, e.g. Q8_0,Q6_K,Q4_K "
                         "(default: Q8_0 Q6_K Q5_K Q5_1 Q5_0 Q4_K Q4_1 Q4_0 IQ4_NL IQ4_XS "
                         "Q3_K Q2_K F16 BF16)")
+    p.add_argument("--requantize", action="store_true",
+                   help="measure a tensor's own stored ggml type (Q4_K for a Q4_K tensor) "
+                        "as a re-quantisation of its dequantised values, which 'apply' "
+                        "then writes (as llama-quantize's --allow-requantize); default: "
+                        "that option is the stored blocks as they are, error 0 at the "
+                        "stored bytes, copied unchanged by 'apply'")
     c = p.add_argument_group("calibration (data-aware menu and objectives)")
     c.add_argument("--calib", action="store_true",
                    help="run the dense model on calibration text: per-layer input grams "
@@ -189,6 +196,8 @@ def _profile_kwargs(args) -> dict:
     kw = {"rank_cap": args.rank_cap, "seed": args.seed, "lr_ranks": tuple(_lr_list(args))}
     if args.latency:
         kw["latency"] = tuple(args.latency)
+    if getattr(args, "requantize", False):
+        kw["requantize"] = True
     if args.menu != "default":
         kw["menu"] = args.menu
         kw["ggml_types"] = _ggml_types(args)
@@ -393,6 +402,8 @@ def _setup(args):
                 "include": args.include, "exclude": args.exclude,
                 "include_embeddings": args.include_embeddings,
                 "menu": args.menu, "ggml_types": kw_types, "lr_ranks": _lr_list(args)}
+    if args.requantize:      # only when set: profiles of before resume as they are
+        settings["requantize"] = True
     if calib_settings is not None:
         settings["calib"] = calib_settings
     out = ensure_outdir(args.out) if args.out else None
@@ -589,7 +600,19 @@ def _validate_plans(st, layers, allocs, args) -> dict:
 def _report(st, records, layers, reused, skipped, n_skip_load, t_start, args):
     """Allocate, print the plan and the run's summary, write the output files."""
     spec, src = st["spec"], st["src"]
+    out, prof_path = st["out"], st["prof_path"]
     check_latencies(layers, spec, src.path)
+    try:
+        spec = checked_budget(layers, spec)
+    except CliError as exc:
+        if not out:
+            raise
+        # the measured profile is kept: 'allocate' re-plans it at a budget it meets
+        write(prof_path, json_text(profile_doc(st["source"], st["settings"], records,
+                                               skipped, t_start, True)))
+        write(os.path.join(out, "options.csv"), options_csv(layers))
+        raise CliError(f"{exc} (the profile is in {prof_path}: 'opscope-nb allocate "
+                       f"{prof_path} --budget ...' re-plans it)") from None
     allocs = run_allocators(layers, spec, methods_of(args.method), args.time_limit)
     rss = peak_rss_mb()
     wall = time.perf_counter() - t_start
@@ -608,14 +631,14 @@ def _report(st, records, layers, reused, skipped, n_skip_load, t_start, args):
     if split:
         print(f"profile time split: {split}")
     validation = _validate_plans(st, layers, allocs, args)
-    out, prof_path = st["out"], st["prof_path"]
     if out:
         write(prof_path, json_text(profile_doc(st["source"], st["settings"], records,
                                                skipped, t_start, True)))
         fp = {r["name"]: r["sha256"] for r in records if r.get("sha256")}
         write(os.path.join(out, "plan.json"),
               json_text(plan_dict(layers, allocs, spec, dict(st["source"], sha256=fp),
-                                 st["settings"].get("calib"), validation)))
+                                 st["settings"].get("calib"), validation,
+                                 requantize=bool(st["settings"].get("requantize")))))
         write(os.path.join(out, "options.csv"), options_csv(layers))
         print(f"wrote {prof_path}, plan.json, options.csv")
 

@@ -164,13 +164,20 @@ def run(args) -> int:
                         ["outlier hotspot", "max/median", "int8/chan", "int4/chan"]))
 
     # mixed int4/int8 recipe; bytes are honest: packed codes + one float32 scale per row
+    from opscope_nb.profile.mining import stored_bytes
     n4 = n8 = 0
-    size = dense = 0
+    size = dense = stored = 0
     err_w = 0.0
     params = 0
+    dtypes = set()
     for e, _, _, q in stats:
         r, c = e.shape
         dense += 4 * r * c
+        try:
+            stored += stored_bytes(e.dtype, r, c)
+        except ValueError:            # a dtype without a size rule: its bytes as read
+            stored += int(e.raw().size)
+        dtypes.add(str(e.dtype).upper())
         params += r * c
         if q.int4_pc <= budget:
             n4 += 1
@@ -181,9 +188,13 @@ def run(args) -> int:
             size += r * c + 4 * r
             err_w += r * c * q.int8_pc
     print()
+    # against the bytes the weights take now (as stored), not float32's
+    versus = (f"{stored / max(size, 1):.2f}x smaller" if size < stored else
+              f"{size / max(stored, 1):.2f}x the stored bytes: no saving")
     print(f"mixed recipe (int4/chan where its error <= {budget:g}, else int8/chan): "
-          f"{n4} layers int4, {n8} int8; {fmt_bytes(size)} vs {fmt_bytes(dense)} f32 "
-          f"({dense / max(size, 1):.2f}x smaller, {size / max(dense, 1):.1%} of dense), "
-          f"parameter-weighted error {err_w / max(params, 1):.4f}")
+          f"{n4} layers int4, {n8} int8; {fmt_bytes(size)} vs {fmt_bytes(stored)} as stored "
+          f"({'/'.join(sorted(dtypes))}; {versus}, {size / max(stored, 1):.1%} of the "
+          f"stored bytes, {8 * size / max(params, 1):.2f} bits/weight; {fmt_bytes(dense)} "
+          f"in float32), parameter-weighted error {err_w / max(params, 1):.4f}")
     print(f"peak RSS {peak_rss_mb():.0f} MiB")
     return 0

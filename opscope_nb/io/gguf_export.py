@@ -32,7 +32,7 @@ from . import gguf_dequantize, gguf_reader
 
 __all__ = ["GGUFExportError", "export_gguf", "gguf_name", "ggml_type_name",
            "tensor_type_text", "quantize_command", "write_tensor_type_file",
-           "LLAMA_QUANTIZE_FTYPE"]
+           "LLAMA_QUANTIZE_FTYPE", "guess_file_type", "TOOL_KEY_PREFIX", "FTYPE_GUESSED"]
 
 
 class GGUFExportError(ValueError):
@@ -61,6 +61,53 @@ LLAMA_QUANTIZE_FTYPE = {
     "IQ4_XS": "IQ4_XS", "Q3_K": "Q3_K_M", "Q2_K": "Q2_K", "TQ2_0": "TQ2_0",
     "TQ1_0": "TQ1_0",
 }
+
+
+#: llama.cpp's ``llama_ftype`` a loader guesses from the most common tensor type
+#: (``llama_model_loader``: K-quants as their ``_M`` preset); other types -> ALL_F32.
+_FTYPE_OF_TYPE = {
+    "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
+    "Q2_K": 10, "Q3_K": 12, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "IQ2_XXS": 19,
+    "IQ2_XS": 20, "IQ3_XXS": 23, "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26, "IQ2_S": 28,
+    "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "TQ1_0": 36, "TQ2_0": 37,
+}
+#: ``LLAMA_FTYPE_GUESSED``: the bit llama.cpp sets on a file type it guessed
+#: (``llama_model_ftype_name`` then appends " (guessed)").
+FTYPE_GUESSED = 1024
+#: The prefix of the key-values the export adds (the plan that made the file).
+TOOL_KEY_PREFIX = "opscope."
+
+
+def guess_file_type(types) -> tuple:
+    """llama.cpp's file type of a file whose tensors have these ggml types.
+
+    ``llama_model_loader`` counts the tensors of each type (every tensor, 1-D
+    norms included) in name order and takes the first type to reach the
+    largest count; K-quants map to their ``_M`` preset (``Q4_K`` ->
+    ``MOSTLY_Q4_K_M`` = 15), a type it has no file type for to ``ALL_F32``.
+
+    Parameters
+    ----------
+    types : dict of str -> (str, int)
+        Tensor name -> (ggml type name, number of dimensions).
+
+    Returns
+    -------
+    (int, str, bool)
+        The ``general.file_type`` value, the type it was guessed from, and
+        whether the file is mixed (its weights of two or more dimensions hold
+        more than one type); for a mixed file the value carries
+        :data:`FTYPE_GUESSED`, as llama.cpp marks a file type it guessed.
+    """
+    counts, best, top = {}, 0, "F32"
+    for name in sorted(types, key=lambda n: n.encode()):   # std::map<std::string> order
+        t = str(types[name][0]).upper()
+        counts[t] = counts.get(t, 0) + 1
+        if best < counts[t]:
+            best, top = counts[t], t
+    mixed = len({str(t).upper() for t, nd in types.values() if nd >= 2}) > 1
+    ftype = _FTYPE_OF_TYPE.get(top, 0)
+    return (ftype | FTYPE_GUESSED if mixed else ftype), top, mixed
 
 
 def gguf_name(name: str) -> str:
@@ -237,9 +284,17 @@ def _import_gguf():
 
 
 def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
-                plan_bytes=None) -> dict:
+                plan_bytes=None, requantize=False, tool_kv=None) -> dict:
     """Write ``source`` (a ``.gguf``) with the planned tensors re-quantised to
     ``out_path`` (a ``.gguf``).
+
+    Every key-value of the source is copied in its order, except
+    ``general.file_type`` when a tensor changes type: it then follows
+    llama.cpp's guess from the written tensor types (:func:`guess_file_type`;
+    ``| GUESSED`` for a mixed file).  ``tool_kv`` is appended after them.
+    With no tensor re-typed or re-quantised (every planned tensor dense or in
+    its stored type) the output is the source byte for byte except the
+    ``opscope.`` key-values.
 
     Parameters
     ----------
@@ -247,8 +302,9 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
         The GGUF file the plan was made from (its tensor names).
     plan : dict of str -> Decomp
         Tensor name -> ggml Decomp (written in that type, packed from the
-        source tensor dequantised to float32) or dense (the source tensor kept
-        as stored).  Any other kind -> :class:`GGUFExportError`.
+        source tensor dequantised to float32; a tensor already stored in that
+        type is copied byte for byte unless ``requantize``) or dense (the
+        source tensor kept as stored).  Any other kind -> :class:`GGUFExportError`.
     out_path : str
         Target; written to a temporary file next to it, checked, then renamed.
     grams : dict of str -> ndarray, optional
@@ -260,16 +316,28 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
     plan_bytes : dict of str -> int, optional
         The bytes the plan recorded per tensor; a tensor whose packed size
         differs -> :class:`GGUFExportError` (the plan is for another model).
+    requantize : bool
+        Re-quantise a tensor planned in the type it is stored in (from its
+        dequantised values, as llama-quantize's ``--allow-requantize``)
+        instead of copying its stored blocks.
+    tool_kv : dict of str -> str, bool, int or float, optional
+        Key-values to record the plan under (every key starts with
+        :data:`TOOL_KEY_PREFIX`; a source's own ``opscope.`` keys are
+        replaced): strings, booleans, ints (UINT64) and floats (FLOAT64).
 
     Returns
     -------
     dict
         ``tensors`` (count), ``planned`` (tensors written in a ggml type),
-        ``planned_dense`` (planned dense, kept), ``planned_bytes`` (their ggml
-        bytes), ``kept_bytes`` (bytes of every other tensor as stored),
-        ``file_bytes``, ``header_bytes`` (``file_bytes`` minus tensor bytes:
-        header, key-values, tensor infos, alignment padding), ``kv`` (count),
-        ``types`` ({ggml type: tensors}), ``path``.
+        ``as_stored`` (planned in their stored type, copied), ``planned_dense``
+        (planned dense, kept), ``planned_bytes`` (bytes of the re-quantised
+        tensors), ``kept_bytes`` (bytes of every other tensor as stored),
+        ``plan_tensor_bytes`` (bytes of every planned tensor as written),
+        ``plan_weights`` (their weights), ``file_bytes``, ``header_bytes``
+        (``file_bytes`` minus tensor bytes: header, key-values, tensor infos,
+        alignment padding), ``kv`` (count), ``types`` ({ggml type: tensors}),
+        ``file_type`` (the ``general.file_type`` written), ``file_type_kept``
+        (the source's, unchanged), ``path``.
 
     Raises
     ------
@@ -281,6 +349,14 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
     gguf = _import_gguf()
     source, out_path = os.fspath(source), os.fspath(out_path)
     _check_ggml_plan(plan, "a GGUF export")
+    tool_kv = dict(tool_kv or {})
+    for k, v in tool_kv.items():
+        if not (isinstance(k, str) and k.startswith(TOOL_KEY_PREFIX)):
+            raise GGUFExportError(f"tool key-value {k!r} must start with "
+                                  f"{TOOL_KEY_PREFIX!r} (the source's own keys are copied).")
+        if not isinstance(v, (str, bool, int, float)):
+            raise GGUFExportError(f"tool key-value {k!r} must be a str, bool, int or "
+                                  f"float; got {type(v).__name__}.")
     if not source.lower().endswith(".gguf"):
         raise GGUFExportError(f"{source}: a .gguf output needs a .gguf source (its "
                               f"key-values and unplanned tensors are copied); convert the "
@@ -306,10 +382,25 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
         except ValueError as exc:
             raise GGUFExportError(f"planned tensor {name!r} [{rows}x{cols}]: {exc}") from None
         want_nb = None if plan_bytes is None else plan_bytes.get(name)
+        if d.kind == "dense" and want_nb is not None and int(want_nb) == int(t.n_bytes):
+            continue                      # dense priced as stored: what is copied
         if want_nb is not None and int(want_nb) != nb:
             raise GGUFExportError(f"planned tensor {name!r} ({d.label}, {want_nb} bytes) "
                                   f"does not match its shape ({rows}, {cols}) in {source}; "
                                   f"the plan was made for another model.")
+
+    # planned in the type it is stored in: copied unless re-quantisation is asked for
+    as_stored = {n for n, d in plan.items() if d.kind == "ggml" and not requantize
+                 and by_name[n].tensor_type.name == d.qtype}
+    written = {t.name: ((plan[t.name].qtype if t.name in plan and plan[t.name].kind == "ggml"
+                         else t.tensor_type.name), len(t.shape)) for t in tensors}
+    retyped = any(written[t.name][0] != t.tensor_type.name for t in tensors)
+    ft_field = reader.fields.get("general.file_type")
+    if retyped or ft_field is None:
+        file_type, _, _ = guess_file_type(written)
+        ft_kept = False
+    else:
+        file_type, ft_kept = int(ft_field.contents()), True
 
     progress = None
     try:
@@ -321,21 +412,34 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
             if align is not None:
                 writer.data_alignment = int(align.contents())
             order = []
+            vts = gguf.GGUFValueType
             for f in reader.fields.values():
-                if f.name.startswith("GGUF."):
+                if f.name.startswith("GGUF.") or f.name.startswith(TOOL_KEY_PREFIX):
                     continue
                 order.append(f.name)
                 if f.name == "general.architecture":
                     continue                  # the writer's constructor added it
+                if f.name == "general.file_type" and not ft_kept:
+                    writer.add_key_value(f.name, file_type, vts.UINT32)
+                    continue
                 vt = f.types[0]
-                sub = f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
+                sub = f.types[-1] if vt == vts.ARRAY else None
                 writer.add_key_value(f.name, f.contents(), vt, sub_type=sub)
+            if ft_field is None:
+                writer.add_key_value("general.file_type", file_type, vts.UINT32)
+                order.append("general.file_type")
+            for k, v in tool_kv.items():
+                vt = (vts.STRING if isinstance(v, str) else vts.BOOL if isinstance(v, bool)
+                      else vts.UINT64 if isinstance(v, int) and v >= 0
+                      else vts.INT64 if isinstance(v, int) else vts.FLOAT64)
+                writer.add_key_value(k, v, vt)
+                order.append(k)
             # the writer puts general.architecture first; keep the source's order
             writer.kv_data[0] = {k: writer.kv_data[0][k] for k in order}
             want = {}
             for t in tensors:
                 d = plan.get(t.name)
-                if d is not None and d.kind == "ggml":
+                if d is not None and d.kind == "ggml" and t.name not in as_stored:
                     cols, rows = int(t.shape[0]), int(t.shape[1])
                     nb = rows * ggml.row_bytes(d.qtype, cols)
                     qt = gguf.GGMLQuantizationType[d.qtype]
@@ -368,32 +472,51 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
                 if progress is not None:
                     progress.advance(int(t.n_elements))
             writer.close()
-            report = _verify(reader, tmp, plan, want, digests)
+            report = _verify(reader, tmp, plan, want, digests, tool_kv,
+                             None if ft_kept else file_type)
     finally:
         if progress is not None:
             progress.close()
-    report["path"] = out_path
+    report.update(path=out_path, as_stored=len(as_stored), file_type=int(file_type),
+                  file_type_kept=ft_kept)
     return report
 
 
-def _verify(src, path, plan, want, digests) -> dict:
+def _verify(src, path, plan, want, digests, tool_kv, file_type) -> dict:
     """Read ``path`` back and compare it with the source and the plan (a parse
-    of the written file, kept for a later open of it in this process)."""
+    of the written file, kept for a later open of it in this process):
+    the source's key-values (``general.file_type`` = ``file_type`` when not
+    None), then ``tool_kv``; every tensor as planned or byte for byte."""
     out = gguf_reader(path)
-    sk = [f for f in src.fields.values() if not f.name.startswith("GGUF.")]
+    sk = [f for f in src.fields.values() if not f.name.startswith(("GGUF.", TOOL_KEY_PREFIX))]
     ok = [f for f in out.fields.values() if not f.name.startswith("GGUF.")]
-    if [f.name for f in sk] != [f.name for f in ok]:
+    want_names = [f.name for f in sk]
+    if file_type is not None and "general.file_type" not in want_names:
+        want_names.append("general.file_type")
+    want_names += list(tool_kv)
+    if want_names != [f.name for f in ok]:
         raise GGUFExportError(f"{path}: key-values read back as {[f.name for f in ok][:5]}... "
-                              f"instead of the source's {[f.name for f in sk][:5]}...")
-    for a, b in zip(sk, ok):
+                              f"instead of the source's {want_names[:5]}...")
+    got = {f.name: f for f in ok}
+    for a in sk:
+        b = got[a.name]
+        if a.name == "general.file_type" and file_type is not None:
+            continue
         if a.raw != b.raw:
             raise GGUFExportError(f"{path}: key-value {a.name!r} differs from the source.")
+    if file_type is not None and int(got["general.file_type"].contents()) != int(file_type):
+        raise GGUFExportError(f"{path}: general.file_type reads back as "
+                              f"{got['general.file_type'].contents()!r}, not {file_type}.")
+    for k, v in tool_kv.items():
+        r = got[k].contents()
+        if (r != v) if not isinstance(v, float) else not (r == v or (r != r and v != v)):
+            raise GGUFExportError(f"{path}: key-value {k!r} reads back as {r!r}, not {v!r}.")
     st = list(src.tensors)
     ot = list(out.tensors)
     if [t.name for t in st] != [t.name for t in ot]:
         raise GGUFExportError(f"{path}: tensors read back in another order or number "
                               f"({len(ot)} vs {len(st)} in the source).")
-    planned_bytes = kept = 0
+    planned_bytes = kept = plan_bytes = plan_weights = 0
     types = {}
     for s, o in zip(st, ot):
         shape_s = [int(x) for x in s.shape]
@@ -419,8 +542,12 @@ def _verify(src, path, plan, want, digests) -> dict:
                                       f"copy of the source's.")
             kept += int(o.n_bytes)
         types[o.tensor_type.name] = types.get(o.tensor_type.name, 0) + 1
+        if o.name in plan:
+            plan_bytes += int(o.n_bytes)
+            plan_weights += int(o.n_elements)
     size = os.path.getsize(path)
     return {"tensors": len(ot), "planned": len(want),
             "planned_dense": sum(d.kind == "dense" for d in plan.values()),
             "planned_bytes": planned_bytes, "kept_bytes": kept, "file_bytes": size,
+            "plan_tensor_bytes": plan_bytes, "plan_weights": plan_weights,
             "header_bytes": size - planned_bytes - kept, "kv": len(ok), "types": types}

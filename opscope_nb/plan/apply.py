@@ -9,13 +9,20 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+
 from opscope_nb import io as tio
 from opscope_nb.runtime.checkpoint import CheckpointWriter
 from opscope_nb.profile.checkpoint import FingerprintError, check_fingerprints
 from opscope_nb.formats import Decomp, packed_bytes
 from opscope_nb.runtime._packed import PackedLinear
 
-__all__ = ["apply_plan", "read_plan", "PlanError", "FINGERPRINT", "check_made_from"]
+__all__ = ["apply_plan", "read_plan", "PlanError", "FINGERPRINT", "check_made_from",
+           "BYTES_RTOL", "plan_summary"]
+
+#: How far (relative) the bytes ``apply`` writes for the planned layers may be
+#: from the bytes the plan records for them.
+BYTES_RTOL = 1e-3
 
 #: What ``source_sha256`` in a compressed file hashes (files of before hashed
 #: the float32 values as loaded, and carry no ``source_fingerprint``).
@@ -98,8 +105,42 @@ def read_plan(plan_path, method=None) -> tuple:
     return method, out, doc
 
 
+def plan_summary(doc, method) -> dict:
+    """The plan's own totals for ``method`` from a ``plan.json`` document:
+    ``bytes`` (its layers' recorded bytes), ``weights``, ``bits_per_weight``,
+    ``budget_bytes`` / ``budget`` / ``budget_bpw`` (None when not recorded),
+    ``objective`` and ``requantize``."""
+    m = doc["methods"][method]
+    rows = m.get("layers") or []
+    nb = sum(int(r.get("bytes") or 0) for r in rows)
+    nw = m.get("n_weights")
+    return {"bytes": nb, "weights": None if nw is None else int(nw),
+            "bits_per_weight": (8.0 * nb / int(nw)) if nw else None,
+            "budget_bytes": m.get("budget_bytes"), "budget": m.get("budget_frac"),
+            "budget_bpw": m.get("budget_bpw"),
+            "objective": doc.get("objective_used") or doc.get("objective"),
+            "requantize": bool(doc.get("requantize", False))}
+
+
+def _tool_kv(summary, method) -> dict:
+    """The ``opscope.*`` key-values a GGUF export records its plan under."""
+    from opscope_nb import __version__
+    kv = {"opscope.version": str(__version__), "opscope.plan.method": str(method)}
+    for key, val in (("opscope.plan.budget", summary["budget"]),
+                     ("opscope.plan.budget_bpw", summary["budget_bpw"]),
+                     ("opscope.plan.budget_bytes", summary["budget_bytes"]),
+                     ("opscope.plan.bytes", summary["bytes"]),
+                     ("opscope.plan.bits_per_weight", summary["bits_per_weight"]),
+                     ("opscope.plan.objective", summary["objective"])):
+        if val is not None:
+            kv[key] = (int(val) if key.endswith("bytes") else
+                       str(val) if key.endswith("objective") else float(val))
+    kv["opscope.plan.requantize"] = bool(summary["requantize"])
+    return kv
+
+
 def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
-               grams=None, force=False) -> dict:
+               grams=None, force=False, requantize=None, over_budget=False) -> dict:
     """Compress ``source`` as ``plan.json`` says and write the checkpoint to ``out_path``.
 
     Parameters
@@ -126,25 +167,52 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
     force : bool
         Apply even when a planned tensor's stored bytes differ from the
         fingerprint the plan records (``PlanError`` otherwise).
+    requantize : bool or None
+        Re-quantise a tensor planned in the ggml type it is stored in (from
+        its dequantised values, as llama-quantize's ``--allow-requantize``)
+        instead of copying its stored blocks.  ``None``: as the plan records
+        (``profile --requantize``), else copy.
+    over_budget : bool
+        Write a plan whose layers take more bytes than its recorded budget
+        (``PlanError`` otherwise).
 
     Returns
     -------
     dict
         ``method``, ``layers`` (packed count), ``dense_layers`` (planned dense),
+        ``as_stored`` (planned in their stored ggml type, copied),
         ``tensors`` (copied byte for byte as the source stores them, GGUF
         block types and integer tensors included), ``skipped`` (always empty;
         kept for callers), ``source_bytes`` (as stored), ``out_bytes`` (arrays
-        written), ``path``.
+        written), ``plan_bytes`` (the plan's bytes for its layers),
+        ``written_plan_bytes`` (what was written for them), ``plan_weights``,
+        ``path``.
 
     Raises
     ------
     ValueError
         Bad plan; a planned layer missing from the source or of another shape
-        (the plan was made for another model).
+        (the plan was made for another model); a plan over its budget; bytes
+        written for the planned layers more than :data:`BYTES_RTOL` away from
+        the plan's.
     """
     method, plan, doc = read_plan(plan_path, method)
+    summary = plan_summary(doc, method)
+    if requantize is None:
+        requantize = summary["requantize"]
+    summary["requantize"] = bool(requantize)          # what the file records
+    budget = summary["budget_bytes"]
+    if budget is not None and summary["bytes"] > int(budget) and not over_budget:
+        nw = summary["weights"]
+        bpw = (f" ({8 * summary['bytes'] / nw:.3f} vs {8 * int(budget) / nw:.3f} bits per "
+               f"weight)" if nw else "")
+        raise PlanError(f"{plan_path}: the {method} plan's layers take {summary['bytes']} "
+                        f"bytes, over its budget of {int(budget)} bytes{bpw}; re-plan at a "
+                        f"budget it meets ('opscope-nb allocate PROFILE.json --budget ...'), "
+                        f"or pass --over-budget to write it anyway.")
     src = tio.open_source(source)
     by_name = {e.name: e for e in src.entries}
+    expect = 0          # bytes apply writes for the planned layers
     for name, (d, nbytes) in plan.items():
         e = by_name.get(name)
         if e is None:
@@ -153,10 +221,22 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
         if e.ndim != 2:
             raise PlanError(f"{plan_path}: planned layer {name!r} has shape {e.shape} in "
                              f"{src.path}, not a 2-D weight; the plan is for another model.")
-        if nbytes is not None and packed_bytes(e.shape[0], e.shape[1], d) != int(nbytes):
+        pb = packed_bytes(e.shape[0], e.shape[1], d)
+        copied = d.kind == "dense" or (_same_type(d, e) and not requantize)
+        stored = int(e.raw().size) if copied else None
+        # dense is priced as stored (plans of before priced it at float32 bytes)
+        ok = (pb,) if not copied else (stored, pb)
+        if nbytes is not None and int(nbytes) not in ok:
             raise PlanError(f"{plan_path}: planned layer {name!r} ({d.label}, {nbytes} "
                              f"bytes) does not match its shape {e.shape} in {src.path}; the "
                              f"plan was made for another model.")
+        expect += stored if copied else pb
+    if plan and all(b is not None for _, b in plan.values()) and not _close(
+            expect, summary["bytes"]):
+        raise PlanError(f"{plan_path}: the {method} plan records {summary['bytes']} bytes "
+                        f"for its layers, but they would be written in {expect} bytes (a "
+                        f"plan made before dense was priced as stored); re-plan it with "
+                        f"'opscope-nb allocate PROFILE.json' and apply that.")
     if os.fspath(out_path).lower().endswith(".gguf"):
         from opscope_nb.io.gguf_export import _check_ggml_plan   # what can go to GGUF, before anything else
         _check_ggml_plan({n: d for n, (d, _) in plan.items()}, f"writing {out_path}")
@@ -172,12 +252,16 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
         from opscope_nb.io.gguf_export import export_gguf
         r = export_gguf(source, {n: d for n, (d, _) in plan.items()}, out_path,
                         grams=grams, make_progress=make_progress,
-                        plan_bytes={n: b for n, (_, b) in plan.items() if b is not None})
-        r.update(method=method, format="gguf")
+                        plan_bytes={n: b for n, (_, b) in plan.items() if b is not None},
+                        requantize=bool(requantize), tool_kv=_tool_kv(summary, method))
+        r.update(method=method, format="gguf", plan_bytes=summary["bytes"],
+                 written_plan_bytes=r["plan_tensor_bytes"], requantize=bool(requantize))
+        _check_written(r, summary, plan_path, out_path)
         return r
     w = CheckpointWriter(out_path)
     sha = {}
-    skipped, dense_layers, stored_bytes = [], 0, 0
+    skipped, dense_layers, stored_bytes, kept_as_stored = [], 0, 0, 0
+    written = weights = 0
     total = float(sum(e.numel for e in src.entries)) or 1.0
     progress = None if make_progress is None else make_progress(len(src.entries), total)
     # grams streamed on demand (calib.StreamedGrams) come block by block: go in that order
@@ -190,14 +274,27 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
             sha[e.name] = e.sha256()       # the stored bytes, as profile.json keys them
             stored_bytes += int(e.raw().size)
             ent = plan.get(e.name)
-            if ent is not None and ent[0].kind != "dense":
+            if ent is not None:
+                weights += int(e.numel)
+            if ent is not None and _same_type(ent[0], e) and not requantize:
+                # planned in the ggml type it is stored in: its stored blocks, unchanged
+                raw = np.ascontiguousarray(e.raw()).view(np.uint8).reshape(e.shape[0], -1)
+                lin = PackedLinear(ent[0], {"blocks": raw}, e.shape)
+                w.add_layer(e.name, lin)
+                kept_as_stored += 1
+                written += int(raw.nbytes)
+            elif ent is not None and ent[0].kind != "dense":
                 g = None if grams is None or not ent[0].reads_gram else grams.get(e.name)
                 a = e.load()
-                w.add_layer(e.name, PackedLinear.pack(a, ent[0], gram=g))
+                lin = PackedLinear.pack(a, ent[0], gram=g)
+                w.add_layer(e.name, lin)
+                written += int(sum(x.nbytes for x in lin.arrays.values()))
                 del a
             else:
                 # unplanned (or planned dense): byte for byte as the source stores it
                 dense_layers += ent is not None
+                if ent is not None:
+                    written += int(e.raw().size)
                 w.add_stored(e)
             if progress is not None:
                 progress.advance(e.numel)
@@ -215,9 +312,32 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
     finally:
         if progress is not None:
             progress.close()
-    return {"method": method, "layers": n_layers, "dense_layers": dense_layers,
-            "tensors": n_tensors, "skipped": skipped, "source_bytes": int(stored_bytes),
-            "out_bytes": int(out_bytes), "path": os.fspath(out_path)}
+    r = {"method": method, "layers": n_layers, "dense_layers": dense_layers,
+         "as_stored": kept_as_stored, "tensors": n_tensors, "skipped": skipped,
+         "source_bytes": int(stored_bytes), "out_bytes": int(out_bytes),
+         "plan_bytes": summary["bytes"], "written_plan_bytes": written,
+         "plan_weights": weights, "requantize": bool(requantize),
+         "path": os.fspath(out_path)}
+    _check_written(r, summary, plan_path, out_path)
+    return r
+
+
+def _same_type(d, entry) -> bool:
+    """``d`` is the ggml block type ``entry`` is stored in."""
+    return d.kind == "ggml" and str(entry.dtype).upper() == d.qtype
+
+
+def _close(got, want) -> bool:
+    return abs(int(got) - int(want)) <= BYTES_RTOL * max(int(want), 1)
+
+
+def _check_written(r, summary, plan_path, out_path):
+    """The bytes written for the planned layers against the plan's (within
+    :data:`BYTES_RTOL`); PlanError naming both otherwise."""
+    if summary["bytes"] and not _close(r["written_plan_bytes"], summary["bytes"]):
+        raise PlanError(f"{out_path}: the planned layers were written in "
+                        f"{r['written_plan_bytes']} bytes, the plan {plan_path} says "
+                        f"{summary['bytes']} (more than {BYTES_RTOL:.1%} apart).")
 
 
 def check_made_from(source, record: dict) -> None:

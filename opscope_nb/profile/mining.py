@@ -139,7 +139,8 @@ class LayerProfile:
         fractions, ``compression`` and the plan tables.  The float32 figure
         is :attr:`f32_bytes`.
     options : list of DecompOption
-        ``options[0]`` is dense (float32).
+        ``options[0]`` is dense: the weight as stored, priced at
+        ``dense_bytes`` (what ``apply`` writes for it).
     timings : dict of str -> float
         Seconds spent per part of :func:`profile_layer` (``quant``,
         ``ternary``, ``sparse``, ``svd``, ``lowrank``, ``monarch``,
@@ -209,9 +210,19 @@ class LayerProfile:
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayerProfile":
+        """The profile of :meth:`to_dict`.  A profile written before dense was
+        priced as stored (its dense option at float32 bytes, ``dense_bytes``
+        smaller) gets its dense option re-priced at ``dense_bytes``: what
+        ``apply`` writes for it."""
         sens, sv = d.get("sensitivity"), d.get("sensitivity_val")
-        return cls(str(d["name"]), int(d["rows"]), int(d["cols"]), int(d["dense_bytes"]),
-                   [DecompOption.from_dict(o) for o in d["options"]],
+        opts = [DecompOption.from_dict(o) for o in d["options"]]
+        rows, cols, db = int(d["rows"]), int(d["cols"]), int(d["dense_bytes"])
+        if (opts and opts[0].decomp.kind == "dense" and opts[0].bytes == 4 * rows * cols
+                and db < opts[0].bytes):
+            import dataclasses
+            opts[0] = dataclasses.replace(opts[0], bytes=db)
+        return cls(str(d["name"]), rows, cols, db,
+                   opts,
                    {k: float(v) for k, v in d.get("timings", {}).items()},
                    None if sens is None else float(sens), str(d.get("stored_dtype", "F32")),
                    None if sv is None else float(sv),
@@ -284,11 +295,13 @@ def _int_seq(v, name, what, example):
 def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
                   latency=None, intn_bits=(6, 5, 3), int2_groups=(32,), gram=None,
                   gptq=True, sensitivity=None, stored_dtype="F32", menu="default",
-                  ggml_types=None, lr_ranks=LR_RANKS, prior_weight=1.0) -> LayerProfile:
+                  ggml_types=None, lr_ranks=LR_RANKS, prior_weight=1.0,
+                  requantize=False) -> LayerProfile:
     """Measure every applicable compression option of one weight.
 
-    Options, in order: dense; BF16, F16 and the stored ggml block type
-    (:func:`quant_menu`); then the quantisation ladder by decreasing bits
+    Options, in order: dense (the weight as the source stores it, at its
+    stored bytes: what ``apply`` writes for it); BF16, F16 and the stored ggml
+    block type (:func:`quant_menu`; *as stored*, see ``requantize``); then the quantisation ladder by decreasing bits
     -- int8/chan; int6/chan, int6/g{g}; int5/chan, int5/g{g}; int4/chan,
     int4/g{g}; int3/chan, int3/g{g}; int2/g{g2} -- where ``g`` runs over
     ``groups`` and ``g2`` over ``int2_groups`` in the given order, a group
@@ -351,9 +364,13 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         How the source stores ``w`` (``F32``, ``F16``, ``BF16`` or a GGUF
         block type): ``LayerProfile.dense_bytes`` is :func:`stored_bytes` of
         it, and structured options are offered only when they take fewer
-        bytes than that.  A GGUF block type (``Q4_1`` ...) is also offered
-        as an option of the default menu, after ``F16`` (keeping the layer
-        as stored; :func:`quant_menu`).
+        bytes than that.  The dense option is priced at these bytes (``apply``
+        copies a planned-dense tensor as stored), not at float32's.  A ggml
+        block type this package packs (``Q4_K``, ``Q4_1`` ...) whose block
+        divides ``cols`` is also offered in every menu under its own name
+        *as stored*: error exactly 0 (``out_err`` 0 with a gram) at the
+        stored bytes, and ``apply`` copies the stored blocks unchanged
+        (llama-quantize's rule for a tensor already in its target type).
     menu : {"default", "ggml", "mixed"}
         ``"default"``: the menu above.  ``"ggml"``: dense, then the ggml
         (llama.cpp / GGUF) block types of :func:`ggml_menu` (``ggml_types``);
@@ -372,6 +389,12 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         32; ``()``: none).  Ignored by ``menu="ggml"``.
     prior_weight : float
         Stored as ``LayerProfile.prior_weight`` (finite, ``> 0``; default 1).
+    requantize : bool
+        Measure the stored ggml block type as a re-quantisation of the
+        dequantised weight (its true error; ``apply`` then re-quantises, as
+        llama-quantize's ``--allow-requantize``) instead of offering it as
+        stored; it is then offered only when the menu holds the type.  The
+        dense option stays the as-stored copy.
 
     Returns
     -------
@@ -407,16 +430,30 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
     ref = stored_bytes(stored_dtype, rows, cols)
     if menu not in MENUS:
         raise ValueError(f"menu must be one of {MENUS}; got {menu!r}.")
+    if not isinstance(requantize, (bool, np.bool_)):
+        raise TypeError(f"requantize must be True or False (True: measure the stored ggml "
+                        f"type as a re-quantisation); got {requantize!r}.")
+    # the stored ggml block type, kept as stored unless re-quantisation is asked for
+    own = None if requantize else _stored_block_type(stored_dtype, cols)
 
     meas = _Measure(w, gram, lat_ms, seed)
     if menu == "ggml":
-        for d, part in ggml_menu(cols, ggml_types):
-            meas(d, part)
+        menu_list = ggml_menu(cols, ggml_types)
+        if own is not None and Decomp.ggml(own) not in [d for d, _ in menu_list]:
+            menu_list.insert(1, (Decomp.ggml(own), "ggml"))
+        for d, part in menu_list:
+            if own is not None and d == Decomp.ggml(own):
+                meas.as_stored(d, ref)
+            else:
+                meas(d, part, ref_dense=ref)
         return LayerProfile(name, rows, cols, ref, meas.options, meas.timings, sensitivity,
                             str(stored_dtype).upper(), prior_weight=prior_weight)
     for d, part in quant_menu(cols, groups=gs, intn_bits=nbits, int2_groups=g2s,
                               gptq=with_gptq, stored=stored_dtype):
-        got = meas(d, part)
+        if own is not None and d == Decomp.ggml(own):
+            meas.as_stored(d, ref)       # its residual is 0: no +lr composites
+            continue
+        got = meas(d, part, ref_dense=ref)
         if got is not None and lrs and d.kind in LR_KINDS:
             meas.corrections(d, *got, lrs, ref)
     svd, ranks = meas.spectrum(rank_cap, ref)
@@ -443,9 +480,9 @@ def quant_menu(cols, *, groups=(32, 128), intn_bits=(6, 5, 3), int2_groups=(32,)
 
     Dense; bf16 and f16 (ggml ``BF16`` / ``F16``: 2 bytes per weight); the
     source's own ggml block type when ``stored`` names one whose block
-    divides ``cols`` (``Q4_1`` for a Q4_1 GGUF tensor: re-quantising its
-    dequantised values gives back the stored blocks, so keeping the layer as
-    stored is an option of error 0 at its stored bytes); int8/chan;
+    divides ``cols`` (``Q4_K`` for a Q4_K GGUF tensor; :func:`profile_layer`
+    offers it as stored: error 0 at its stored bytes, copied by ``apply``);
+    int8/chan;
     then for 6, 5, 4, 3 bits (4 always, the others when in
     ``intn_bits``) per channel and per group of each ``groups`` length shorter
     than ``cols``; int2 per group of ``int2_groups``; ternary; 2:4.  With
@@ -610,9 +647,10 @@ class _Measure:
             self._den = output_energy(self.w, self.gram)
         return self._den
 
-    def __call__(self, d, part, svd=None):
+    def __call__(self, d, part, svd=None, ref_dense=None):
         """Measure ``d``; returns ``(packed, recon)``, or None when ``d`` cannot
-        represent the weight."""
+        represent the weight.  ``ref_dense``: the stored bytes the dense option
+        is priced at (what ``apply`` writes for it; default float32's)."""
         w = self.w
         t0 = time.perf_counter()
         packed = _pack(w, d, svd, self.gram)
@@ -634,18 +672,28 @@ class _Measure:
             else:
                 oerr = output_error(w, recon, self.gram, den=self.den())
             self._tick("out_err", t0)
-        self._record(d, packed, err, oerr)
+        self._record(d, packed, err, oerr,
+                     nb=ref_dense if d.kind == "dense" and ref_dense is not None else None)
         return packed, recon
 
-    def _record(self, d, packed, err, oerr):
+    def as_stored(self, d, nb):
+        """Record ``d`` (the source's own ggml block type) as the stored blocks
+        kept unchanged: error exactly 0 (``out_err`` 0 with a gram) at the
+        stored bytes ``nb``; the latency is timed on a re-pack (same layout)."""
+        t0 = time.perf_counter()
+        packed = _pack(self.w, d, None, None) if self.lat_ms is not None else None
+        self._tick("quant", t0)
+        self._record(d, packed, 0.0, None if self.gram is None else 0.0, nb=int(nb))
+
+    def _record(self, d, packed, err, oerr, nb=None):
         lat = {}
         if self.lat_ms is not None:
             t0 = time.perf_counter()
             lat = measure_latency(PackedLinear(d, packed, self.w.shape), self.lat_ms,
                                   seed=self.seed)
             self._tick("latency", t0)
-        self.options.append(DecompOption(d, err, nbytes(packed), flops(*self.w.shape, d), lat,
-                                         oerr))
+        self.options.append(DecompOption(d, err, nbytes(packed) if nb is None else int(nb),
+                                         flops(*self.w.shape, d), lat, oerr))
 
     def corrections(self, d, packed, recon, ranks, ref_bytes):
         """The ``+lr{r}`` options of the measured quantisation ``d`` for each
