@@ -39,7 +39,8 @@ import time
 from dataclasses import dataclass
 
 __all__ = ["GROUPS", "ITEMS", "items", "warm_item", "warm", "default_jobs", "warm_first",
-           "warm_bench", "startable", "is_warm", "mark_warm", "warmed", "can_autowarm"]
+           "warm_bench", "startable", "is_warm", "mark_warm", "warmed", "can_autowarm",
+           "profile_items"]
 
 #: Warm-up groups, in the order ``warm`` runs them.
 GROUPS = ("profile", "runtime", "bench")
@@ -79,6 +80,18 @@ def _profile_labels(labels):
         d = formats.Decomp.from_label(lab)
         packed = formats._pack(w, d)
         recon = formats.unpack(packed, d, w.shape)
+        float(rel_err(w, recon))
+
+
+def _profile_ggml(types):
+    """Quantise and decode ``types`` as ``profile --menu ggml`` does (rows of
+    256: every K-quant's super-block)."""
+    from . import formats
+    from .kernels._quant_probe import rel_err
+    w = _w(16, 256)
+    for t in types:
+        d = formats.Decomp.ggml(t)
+        recon = formats.unpack(formats._pack(w, d), d, w.shape)
         float(rel_err(w, recon))
 
 
@@ -200,6 +213,32 @@ def _bench_section(sec):
         runner.run(runner.QUICK, [sec] + ([7] if sec in runner.VERDICT_FROM else []))
 
 
+#: The warm-up item of the ggml block types (``--menu ggml`` / ``mixed``).
+_GGML_ITEM = "profile ggml types"
+#: The profile items a ``--menu ggml`` run calls (no SVD, Tucker, TT, intN ...).
+_GGML_MENU_ITEMS = ("profile allocators", _GGML_ITEM)
+
+
+def profile_items(menu="default", synthetic=True) -> list:
+    """The phase-0 ``profile`` items a ``profile --menu menu`` run calls, for
+    :func:`warm_first`: ``ggml`` the allocators and the ggml types only;
+    ``default`` every other item; ``mixed`` all of them.  ``synthetic``: the
+    run profiles the built-in model (its weight generators are an item)."""
+    if menu not in ("default", "ggml", "mixed"):
+        raise ValueError(f"menu must be 'default', 'ggml' or 'mixed'; got {menu!r}.")
+    synth = "profile built-in model weights"
+    out = []
+    for it in items("profile"):
+        if it.phase != 0 or (it.name == synth and not synthetic):
+            continue
+        if menu == "ggml" and it.name not in _GGML_MENU_ITEMS + (synth,):
+            continue
+        if menu == "default" and it.name == _GGML_ITEM:
+            continue
+        out.append(it.name)
+    return out
+
+
 def _build_items():
     out = []
 
@@ -221,6 +260,9 @@ def _build_items():
     add("profile int8 / int4", "profile", "_profile_labels",
         ("dense", "int8/chan", "int4/chan", "int4/g32"))
     add("profile built-in model weights", "profile", "_profile_synth")
+    add(_GGML_ITEM, "profile", "_profile_ggml",
+        ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_NL", "IQ4_XS",
+         "Q3_K", "Q2_K", "F16", "BF16"))
     add("profile command (built-in model)", "profile", "_profile_cli", phase=1)
     for label in ("int6/g128", "int5/g32", "int3/g128", "int2/g32", "int4/chan", "int4/g32",
                   "ternary", "int8/chan"):

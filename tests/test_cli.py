@@ -406,6 +406,28 @@ def test_progress_bar_format():
     assert quiet.getvalue() == ""
 
 
+def test_eta_starts_after_the_first_item_that_compiled_nothing(monkeypatch):
+    """Issue 58: items during which kernels compile (numba's signatures grow)
+    give no ETA; it starts after the first item that compiled nothing, from the
+    time and work at the end of the last compiling one."""
+    from opscope_nb.cli import _common
+    sigs = iter([0, 5, 9, 9, 9])                    # init, item 1, item 2 compile
+    monkeypatch.setattr(_common, "jit_signatures", lambda: next(sigs))
+    clock = iter([0.0, 0.0, 100.0, 100.0, 200.0, 200.0, 210.0, 210.0, 220.0])
+    monkeypatch.setattr(_common.time, "perf_counter", lambda: next(clock))
+    s = io.StringIO()
+    bar = cli.Progress(5, 500, "lines", stream=s)    # t0 = 0
+    bar.show(1, "a")                                 # 0: nothing done
+    bar.advance(100)                                 # 100 s, compiled
+    bar.show(2, "b")                                 # 100
+    bar.advance(100)                                 # 200 s, compiled again
+    bar.show(3, "c")                                 # 200
+    bar.advance(100)                                 # no compile: base 200 s / 200 work
+    bar.show(4, "d")                                 # 210: 10 s per 100 -> 200 left = 20 s
+    lines = s.getvalue().splitlines()
+    assert [ln.split("ETA")[1].strip() for ln in lines] == ["--", "--", "--", "20s"]
+
+
 # --------------------------------------------------------------------------- #
 # quant and plot
 # --------------------------------------------------------------------------- #

@@ -290,3 +290,36 @@ def test_first_run_notice_asks_the_warm_record(stamp_dir, monkeypatch, capsys):
     wu.mark_warm(["runtime dense"])
     first_run_notice(argparse.Namespace(quiet=False))
     assert capsys.readouterr().err == ""
+
+
+def test_profile_items_follow_the_menu():
+    """Issue 58: a --menu ggml run warms the allocators and the ggml types only
+    (no SVD, Tucker, TT, intN ...); default warms everything but the ggml types."""
+    phase0 = [it.name for it in wu.items("profile") if it.phase == 0]
+    assert wu.profile_items("mixed") == phase0
+    assert wu.profile_items("ggml", synthetic=False) == ["profile allocators",
+                                                         "profile ggml types"]
+    assert wu.profile_items("ggml") == ["profile allocators", "profile built-in model weights",
+                                        "profile ggml types"]
+    default = wu.profile_items("default", synthetic=False)
+    assert default == [n for n in phase0 if n not in ("profile ggml types",
+                                                      "profile built-in model weights")]
+    assert {"profile svd + lowrank", "profile tucker", "profile tt"} <= set(default)
+    with pytest.raises(ValueError, match="menu"):
+        wu.profile_items("nope")
+
+
+def test_cli_profile_warms_only_its_menu(monkeypatch, tmp_path):
+    """``profile --menu ggml`` hands warm_first the ggml items, not the default menu's."""
+    import numpy as np
+    from opscope_nb.cli import main
+    from test_io import write_st
+    calls = []
+    monkeypatch.setattr(wu, "warm_first", lambda group, log=None, names=None, jobs=None:
+                        calls.append((group, names)) or False)
+    p = tmp_path / "m.safetensors"
+    write_st(p, {"a.weight": np.random.default_rng(0).standard_normal((8, 256))
+                 .astype(np.float32)})
+    assert main(["profile", str(p), "--menu", "ggml", "--types", "Q8_0", "-q",
+                 "--method", "greedy"]) == 0
+    assert calls == [("profile", ["profile allocators", "profile ggml types"])]

@@ -228,7 +228,11 @@ class Progress:
     terminal; off a terminal (``| tee``, CI, ``nohup``) one flushed line per
     item, ``[i/n] name  12.3s, ETA 40s``.
 
-    ETA extrapolates elapsed time per element processed (layers differ in size).
+    ETA extrapolates elapsed time per element processed (layers differ in
+    size), from the end of the last item during which the package's kernels
+    compiled (or loaded from numba's cache: :func:`jit_signatures` grew) and
+    only once an item after it compiled nothing -- a first run's compile
+    minutes say nothing about the rest (``ETA --`` until then).
     ``enabled``: ``"bar"`` (or True), ``"lines"``, or False (``--quiet``); see
     :func:`progress_enabled`.
     """
@@ -241,14 +245,25 @@ class Progress:
         self.t0 = time.perf_counter()
         self.done_work = 0.0
         self.width = 0
+        # the ETA's base: time and work at the end of the last compiling item
+        self.t_base, self.work_base = self.t0, 0.0
+        self.eta_ok = False
+        self._sigs = jit_signatures() if enabled else 0
+
+    def eta(self):
+        """Seconds left, or None while no item since the last compile is done."""
+        if not self.eta_ok or self.done_work <= self.work_base:
+            return None
+        rate = (time.perf_counter() - self.t_base) / (self.done_work - self.work_base)
+        return rate * max(self.work - self.done_work, 0.0)
 
     def show(self, i: int, name: str) -> None:
         if not self.enabled:
             return
         frac = self.done_work / self.work
         el = time.perf_counter() - self.t0
-        eta = "ETA  --" if self.done_work <= 0 else \
-            f"ETA {el * (1 - frac) / max(frac, 1e-9):5.0f}s"
+        left = self.eta()
+        eta = "ETA  --" if left is None else f"ETA {left:5.0f}s"
         if self.enabled == "lines":
             self.stream.write(f"[{i}/{self.n}] {name}  {el:.1f}s, {eta.replace('  ', ' ')}\n")
             self.stream.flush()
@@ -263,11 +278,35 @@ class Progress:
 
     def advance(self, work: float) -> None:
         self.done_work += float(work)
+        if not self.enabled:
+            return
+        sigs = jit_signatures()
+        if sigs != self._sigs:        # this item compiled: the ETA starts after it
+            self._sigs = sigs
+            self.t_base, self.work_base = time.perf_counter(), self.done_work
+            self.eta_ok = False
+        else:
+            self.eta_ok = True
 
     def close(self) -> None:
         if self.enabled is not False and self.enabled != "lines" and self.width:
             self.stream.write("\r" + " " * self.width + "\r")
             self.stream.flush()
+
+
+def jit_signatures() -> int:
+    """Compiled signatures (numba's public ``Dispatcher.signatures``) of every
+    jitted function of the package's imported modules: grows whenever a
+    kernel compiles or loads from the cache."""
+    from numba.extending import is_jitted
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == "opscope_nb" or name.startswith("opscope_nb.")):
+            continue
+        for obj in list(vars(mod).values()):
+            if is_jitted(obj) and getattr(obj, "__module__", None) == name:
+                n += len(obj.signatures)
+    return n
 
 
 def progress_enabled(args):
@@ -306,14 +345,15 @@ def first_run_notice(args) -> None:
           f"'{PROG} warmup' precompiles)", file=sys.stderr, flush=True)
 
 
-def warm_first(args, group) -> bool:
+def warm_first(args, group, names=None) -> bool:
     """:func:`opscope_nb.warmup.warm_first` for a command: compile ``group``'s
-    kernels on every core before a cold first run, one stderr line per item
-    (none with ``--quiet``).  Returns whether it ran."""
+    kernels (or only the items ``names``) on every core before a cold first
+    run, one stderr line per item (none with ``--quiet``).  Returns whether it
+    ran."""
     from opscope_nb import warmup as wu
     log = None if getattr(args, "quiet", False) else (
         lambda line: print(f"{PROG}: {line}", file=sys.stderr, flush=True))
-    return wu.warm_first(group, log=log)
+    return wu.warm_first(group, log=log, names=names)
 
 
 # --------------------------------------------------------------------------- #

@@ -645,7 +645,10 @@ def _report(st, records, layers, reused, skipped, n_skip_load, t_start, args):
 
 def run(args) -> int:
     st = _setup(args)
-    if not (args.warmup and args.scheduler is None and warm_first(args, "profile")):
+    from opscope_nb.warmup import profile_items
+    # only the kernels this menu calls (a --menu ggml run needs no SVD / Tucker / TT)
+    names = profile_items(args.menu, synthetic=args.source is None)
+    if not (args.warmup and args.scheduler is None and warm_first(args, "profile", names)):
         first_run_notice(args)
     chosen, skipped = st["chosen"], st["skipped"]
     t_start = time.perf_counter()
