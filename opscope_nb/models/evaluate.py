@@ -173,7 +173,8 @@ def evaluate(source, compressed=None, *, text=None, act="f32", max_tokens=None,
         ``"numba"``: this package's forward (both models); ``"llama.cpp"``:
         decoders in GGUF files scored by llama.cpp's own forward
         (:mod:`opscope_nb.models.llamacpp`, needs llama-cpp-python) on the
-        same token ids; ``act`` / ``speed_act`` do not apply, the weight bytes
+        same token ids, for every architecture llama.cpp loads (this
+        package's architecture check does not apply); ``act`` / ``speed_act`` do not apply, the weight bytes
         are the files' tensor bytes as stored.
 
     Returns
@@ -312,19 +313,39 @@ def _score_windows(res, ids, window, models, run, bar) -> None:
 def _eval_llamacpp(res, source, compressed, passages, max_tokens, decode_steps,
                    prompt_tokens, window, mk) -> None:
     """:func:`evaluate` with ``runtime="llama.cpp"``: both GGUF files scored by
-    llama.cpp's own forward on this package's token ids."""
+    llama.cpp's own forward on this package's token ids -- or, for an
+    architecture or vocabulary this package does not read, on llama.cpp's own
+    (:func:`opscope_nb.models.llamacpp.tokenize`): any file llama.cpp loads."""
     from opscope_nb import io as tio
     from . import llamacpp
-    from .loader import detect, is_gguf
-    family, arch, cfg, tok = detect(source)
+    from .loader import _GGUF_ENCODERS, detect, gguf_metadata, is_gguf
     for nm, p in (("source", source), ("compressed", compressed)):
         if p is not None and not is_gguf(p):
             raise ModelError(f"--runtime llama.cpp runs GGUF files; the {nm} {p} is not "
                              f"one (write one with 'opscope-nb apply SOURCE.gguf PLAN -o "
                              f"OUT.gguf').")
+    # llama.cpp decides which architectures it runs: this package's loader only
+    # supplies the tokenizer when it knows the file (both runtimes then see the
+    # same ids); otherwise llama.cpp's own vocabulary tokenises
+    try:
+        family, arch, cfg, tok = detect(source)
+    except ModelError:           # unsupported architecture, RoPE scaling or vocabulary
+        md = gguf_metadata(source)
+        a = str(md.get("general.architecture"))
+        family = "encoder" if a in _GGUF_ENCODERS else "decoder"
+        arch, tok = f"gguf-{a}", None
+        cfg = {"context": int(md.get(f"{a}.context_length") or 2048)}
     if family != "decoder":
         raise ModelError(f"--runtime llama.cpp scores decoders; {source} is a {arch} {family}.")
-    ids = _decoder_ids(cfg, tok, passages, max_tokens)
+    if tok is not None:
+        ids = _decoder_ids(cfg, tok, passages, max_tokens)
+    else:
+        ids = llamacpp.tokenize(source, "\n".join(passages))
+        if max_tokens is not None:
+            ids = ids[:int(max_tokens)]
+        if len(ids) < 2:
+            raise ModelError("the text has fewer than 2 tokens; give a longer text.")
+        ids = np.asarray(ids, dtype=np.int64)
     window = int(min(window, cfg.get("context", window)))
     prompt = ids[:max(1, min(int(prompt_tokens), len(ids)))]
     n_ctx = max(window, len(prompt) + int(decode_steps) + 2)

@@ -1,18 +1,35 @@
-"""Llama-style decoder forward pass with a KV cache (numpy + PackedLinear).
+"""Decoder forward pass of the Llama family with a KV cache (numpy + PackedLinear).
 
-Activations are ``[T, hidden]`` float32 for the ``T`` new tokens of a call;
-weights ``[out, in]`` run through ``PackedLinear`` (``y = x @ Wᵀ``).  Per block::
+One block-step design covers every architecture :mod:`.loader` accepts (Llama
+2/3, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3); the normalised ``config``
+says which pieces a model has.  Activations are ``[T, hidden]`` float32 for
+the ``T`` new tokens of a call; weights ``[out, in]`` run through
+``PackedLinear`` (``y = x @ Wᵀ``).  Per block::
 
-    h = x + Wo·attn(rope(Wq rms(x)), rope(Wk rms(x)), Wv rms(x))      (causal, GQA)
-    x = h + Wdown·(silu(Wgate rms(h)) * Wup rms(h))
+    h = rms(x)                                  (weight w, or 1 + w: ``norm_offset``)
+    q, k, v = Wq h (+ bq), Wk h (+ bk), Wv h (+ bv)     or one fused Wqkv h (Phi-3)
+    q, k = rms_head(q), rms_head(k)             per head, Qwen3 / Gemma 3 (``qk_norm``)
+    q, k = rope(q), rope(k)
+    s = scale · q kᵀ ; s = cap · tanh(s / cap)  (Gemma 2 ``attn_softcap``)
+    a = Wo softmax(s + causal / sliding-window mask) v   (GQA)
+    x = x + post_rms(a)                         (post norm: Gemma 2/3 ``post_norms``)
+    g, u = Wgate rms(x), Wup rms(x)             or one fused Wgate_up (Phi-3: gate first)
+    x = x + post_rms(Wdown (act(g) * u))        act: silu (SwiGLU) or gelu-tanh (GeGLU)
 
-then ``logits = head(rms(x))`` with the untied ``lm_head`` / ``output.weight`` or
-the tied token embedding.  RoPE: ``inv_freq[i] = base^(-2i/d)``; Hugging Face
-weights rotate ``(i, i + d/2)`` (``rotate_half``), GGUF files store Q/K rows
-permuted so that adjacent pairs ``(2i, 2i+1)`` rotate (``rope_interleaved``).
-Grouped-query attention: query head ``h`` reads KV head ``h // (n_heads / n_kv)``.
-The cache holds ``K``/``V`` as ``[n_kv, capacity, head_dim]`` per block; a
-call appends its ``T`` tokens at positions ``cache.length ..``.
+``logits = cap · tanh(head(rms(x)) / cap)`` (``final_softcap``, Gemma 2) with
+the untied ``lm_head`` / ``output.weight`` or the tied token embedding; the
+embedding is multiplied by ``embed_scale`` (Gemma: ``sqrt(hidden)``).
+
+RoPE: ``inv_freq[i] = base^(-2i/d) / factor[i]`` (``rope_factors``: Llama 3's
+``rope_freqs``, Phi-3's short LongRoPE factors), positions times the linear
+``rope_scale``, cos/sin times ``rope_attn_factor``.  Layers flagged in
+``swa`` (sliding window of ``sliding_window`` keys, Gemma) use
+``rope_base_swa`` and no linear scaling.  Hugging Face weights rotate
+``(i, i + d/2)`` (``rotate_half``); llama-arch GGUF files store Q/K rows
+permuted so that adjacent pairs ``(2i, 2i+1)`` rotate (``rope_interleaved``);
+the other GGUF architectures keep Hugging Face's order.  The cache holds
+``K``/``V`` as ``[n_kv, capacity, head_dim]`` per block; a call appends its
+``T`` tokens at positions ``cache.length ..``.
 """
 from __future__ import annotations
 
@@ -20,7 +37,7 @@ import numpy as np
 from scipy.special import expit
 
 __all__ = ["KVCache", "forward", "head_linear", "embed_tokens", "rope_context", "block",
-           "final_norm"]
+           "final_norm", "logits"]
 
 
 class KVCache:
@@ -34,20 +51,28 @@ class KVCache:
         self.length = 0
 
 
-def _rms_norm(x, g, eps):
+def _rms_norm(x, g, eps, offset=0.0):
     ms = np.mean(x * x, axis=-1, keepdims=True)
+    if offset:
+        g = g + np.float32(offset)
     return (x / np.sqrt(ms + np.float32(eps)) * g).astype(np.float32, copy=False)
 
 
-def _rope_tables(config, pos):
+def _rope_tables(config, pos, swa=False):
     hd = config["head_dim"]
-    inv = config["rope_base"] ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
-    ang = pos[:, None].astype(np.float64) * inv[None, :]          # [T, hd/2]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    inv = config["rope_base_swa" if swa else "rope_base"] ** (
+        -np.arange(0, hd, 2, dtype=np.float64) / hd)
+    fac = config.get("rope_factors")
+    if fac is not None and not swa:
+        inv = inv / np.asarray(fac, dtype=np.float64)
+    scale = 1.0 if swa else float(config.get("rope_scale", 1.0))
+    ang = (pos[:, None].astype(np.float64) * scale) * inv[None, :]          # [T, hd/2]
+    m = float(config.get("rope_attn_factor", 1.0))
+    return (np.cos(ang) * m).astype(np.float32), (np.sin(ang) * m).astype(np.float32)
 
 
 def _rope(x, cos, sin, interleaved):
-    """Rotate ``x`` ``[T, heads, hd]`` in place semantics (returns a new array)."""
+    """Rotate ``x`` ``[T, heads, hd]`` (returns a new array)."""
     c, s = cos[:, None, :], sin[:, None, :]
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -74,26 +99,70 @@ def head_linear(model):
 
 
 def embed_tokens(model, ids) -> np.ndarray:
-    """The token embeddings ``[T, hidden]`` float32 of ``ids`` (the first block's input)."""
+    """The token embeddings ``[T, hidden]`` float32 of ``ids`` (the first block's
+    input), times ``embed_scale`` when the architecture scales them (Gemma)."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    return np.ascontiguousarray(model.tensors[model.config["names"]["embed"]][ids],
-                                dtype=np.float32)
+    x = np.ascontiguousarray(model.tensors[model.config["names"]["embed"]][ids],
+                             dtype=np.float32)
+    sc = model.config.get("embed_scale")
+    if sc:
+        x *= np.float32(sc)
+    return x
 
 
-def rope_context(config, p0, T) -> tuple:
-    """``(cos, sin, mask)`` for ``T`` new tokens at positions ``p0 ..``: the RoPE
-    tables ``[T, head_dim / 2]`` and the causal mask ``[T, p0 + T]`` (``None``
-    for one token).  Shared by every block of a call."""
-    cos, sin = _rope_tables(config, np.arange(p0, p0 + T))
-    S = p0 + T
-    if T > 1:
-        # query t (absolute p0+t) sees keys <= p0+t
-        kpos = np.arange(S)[None, :]
-        qpos = np.arange(p0, S)[:, None]
-        mask = np.where(kpos <= qpos, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
-    else:
-        mask = None
-    return cos, sin, mask
+class _Context:
+    """RoPE tables and masks of one call, shared by every block: global layers and
+    sliding-window layers (``config["swa"]``) each get theirs, made on first use."""
+
+    def __init__(self, config, p0, T):
+        self.config, self.p0, self.T = config, int(p0), int(T)
+        self._got = {}
+
+    def __iter__(self):            # (cos, sin, mask) of a global layer, as before
+        return iter(self.of(None))
+
+    def of(self, i):
+        """``(cos, sin, mask)`` of block ``i`` (``None``: a global-attention block)."""
+        swa = self.config.get("swa")
+        kind = bool(swa[i]) if (swa is not None and i is not None) else False
+        got = self._got.get(kind)
+        if got is None:
+            got = self._got[kind] = self._make(kind)
+        return got
+
+    def _make(self, sliding):
+        cfg, p0, T = self.config, self.p0, self.T
+        cos, sin = _rope_tables(cfg, np.arange(p0, p0 + T), sliding)
+        S = p0 + T
+        win = int(cfg.get("sliding_window") or 0) if sliding else 0
+        if T > 1 or (win and S > win):
+            # query t (absolute p0+t) sees keys k <= p0+t, and p0+t - k < window
+            kpos = np.arange(S)[None, :]
+            qpos = np.arange(p0, S)[:, None]
+            ok = kpos <= qpos
+            if win:
+                ok &= (qpos - kpos) < win
+            mask = np.where(ok, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+        else:
+            mask = None
+        return cos, sin, mask
+
+
+def rope_context(config, p0, T):
+    """The per-call context of ``T`` new tokens at positions ``p0 ..``: for each
+    kind of block (global, sliding-window) the RoPE tables ``[T, head_dim / 2]``
+    and the mask ``[T, p0 + T]`` (``None`` for one token that sees every key).
+    Shared by every block of a call; ``ctx.of(i)`` is block ``i``'s
+    ``(cos, sin, mask)``."""
+    return _Context(config, p0, T)
+
+
+def _act(cfg, g):
+    if cfg.get("act", "silu") == "gelu_tanh":
+        c = np.float32(np.sqrt(2.0 / np.pi))
+        return np.float32(0.5) * g * (np.float32(1.0) + np.tanh(
+            c * (g + np.float32(0.044715) * g * g * g)))
+    return g * expit(g)
 
 
 def block(model, i, x, kc, vc, p0, ctx, *, act="auto") -> np.ndarray:
@@ -112,23 +181,33 @@ def block(model, i, x, kc, vc, p0, ctx, *, act="auto") -> np.ndarray:
     S = p0 + T
     nh, nkv, hd = cfg["n_heads"], cfg["n_kv"], cfg["head_dim"]
     rep = nh // nkv
-    cos, sin, mask = ctx
-    scale = np.float32(1.0 / np.sqrt(hd))
+    cos, sin, mask = ctx.of(i) if isinstance(ctx, _Context) else ctx
+    scale = np.float32(cfg.get("attn_scale") or 1.0 / np.sqrt(hd))
     inter = cfg["rope_interleaved"]
+    eps, off = cfg["eps"], cfg.get("norm_offset", 0.0)
 
     def name(role):
         return nm[role].format(i=i)
 
-    h = _rms_norm(x, W[name("attn_norm")], cfg["eps"])
-    q = W[name("q")](h, act=act)
-    k = W[name("k")](h, act=act)
-    v = W[name("v")](h, act=act)
+    h = _rms_norm(x, W[name("attn_norm")], eps, off)
+    if cfg.get("fused_qkv"):
+        qkv = W[name("qkv")](h, act=act)
+        q, k, v = np.split(qkv, [nh * hd, (nh + nkv) * hd], axis=-1)
+    else:
+        q = W[name("q")](h, act=act)
+        k = W[name("k")](h, act=act)
+        v = W[name("v")](h, act=act)
     if cfg.get("qkv_bias"):
         q = q + W[name("q_bias")]
         k = k + W[name("k_bias")]
         v = v + W[name("v_bias")]
-    q = _rope(q.reshape(T, nh, hd), cos, sin, inter)
-    k = _rope(k.reshape(T, nkv, hd), cos, sin, inter)
+    q = q.reshape(T, nh, hd)
+    k = k.reshape(T, nkv, hd)
+    if cfg.get("qk_norm"):
+        q = _rms_norm(q, W[name("q_norm")], eps, off)
+        k = _rms_norm(k, W[name("k_norm")], eps, off)
+    q = _rope(q, cos, sin, inter)
+    k = _rope(k, cos, sin, inter)
     kc[:, p0:S] = k.transpose(1, 0, 2)
     vc[:, p0:S] = v.reshape(T, nkv, hd).transpose(1, 0, 2)
     K = kc[:, :S]                                                 # [nkv, S, hd]
@@ -136,6 +215,9 @@ def block(model, i, x, kc, vc, p0, ctx, *, act="auto") -> np.ndarray:
     # queries grouped by their KV head: [nkv, rep*T, hd] (head-major inside a group)
     qg = q.transpose(1, 0, 2).reshape(nkv, rep * T, hd)
     s = np.matmul(qg, K.transpose(0, 2, 1)) * scale               # [nkv, rep*T, S]
+    cap = cfg.get("attn_softcap")
+    if cap:
+        s = np.tanh(s / np.float32(cap)) * np.float32(cap)
     if mask is not None:
         s = s.reshape(nkv, rep, T, S)
         s += mask
@@ -144,18 +226,40 @@ def block(model, i, x, kc, vc, p0, ctx, *, act="auto") -> np.ndarray:
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
     o = np.matmul(s, V).reshape(nh, T, hd).transpose(1, 0, 2).reshape(T, nh * hd)
-    x = x + W[name("o")](np.ascontiguousarray(o), act=act)
-    h = _rms_norm(x, W[name("ffn_norm")], cfg["eps"])
-    g = W[name("gate")](h, act=act)
-    u = W[name("up")](h, act=act)
-    a = g * expit(g) * u
-    return x + W[name("down")](np.ascontiguousarray(a, dtype=np.float32), act=act)
+    a = W[name("o")](np.ascontiguousarray(o, dtype=np.float32), act=act)
+    if cfg.get("post_norms"):
+        a = _rms_norm(a, W[name("attn_post_norm")], eps, off)
+    x = x + a
+    h = _rms_norm(x, W[name("ffn_norm")], eps, off)
+    if cfg.get("fused_gate_up"):
+        gu = W[name("gate_up")](h, act=act)
+        g, u = gu[:, :cfg["ffn"]], gu[:, cfg["ffn"]:]
+    else:
+        g = W[name("gate")](h, act=act)
+        u = W[name("up")](h, act=act)
+    a = _act(cfg, g) * u
+    y = W[name("down")](np.ascontiguousarray(a, dtype=np.float32), act=act)
+    if cfg.get("post_norms"):
+        y = _rms_norm(y, W[name("ffn_post_norm")], eps, off)
+    return (x + y).astype(np.float32, copy=False)
 
 
 def final_norm(model, x) -> np.ndarray:
     """The output norm of the last block's output ``x`` (the head's input)."""
-    return np.ascontiguousarray(_rms_norm(x, model.tensors[model.config["names"]["out_norm"]],
-                                          model.config["eps"]))
+    cfg = model.config
+    return np.ascontiguousarray(_rms_norm(x, model.tensors[cfg["names"]["out_norm"]],
+                                          cfg["eps"], cfg.get("norm_offset", 0.0)))
+
+
+def logits(model, x, *, act="auto", head=None) -> np.ndarray:
+    """The logits ``[T, vocab]`` of the last block's output ``x``: the output
+    norm, the head (``head``, default :func:`head_linear`) and the final
+    soft-capping of architectures that have it (Gemma 2)."""
+    z = (head or head_linear(model))(final_norm(model, x), act=act)
+    cap = model.config.get("final_softcap")
+    if cap:
+        z = (np.tanh(z / np.float32(cap)) * np.float32(cap)).astype(np.float32)
+    return z
 
 
 def forward(model, ids, cache: KVCache, *, act="auto", logits="all") -> np.ndarray:
@@ -192,4 +296,7 @@ def forward(model, ids, cache: KVCache, *, act="auto", logits="all") -> np.ndarr
     cache.length = p0 + T
     if logits == "last":
         x = x[-1:]
-    return head_linear(model)(final_norm(model, x), act=act)
+    return _logits(model, x, act=act)
+
+
+_logits = logits

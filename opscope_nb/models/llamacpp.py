@@ -27,7 +27,7 @@ import numpy as np
 from .loader import ModelError
 
 __all__ = ["LlamaCppError", "available", "load", "logits", "speed", "quantize",
-           "FTYPES"]
+           "tokenize", "FTYPES"]
 
 #: llama-quantize's base types (``llama_ftype``) by their command-line names.
 FTYPES = {
@@ -86,6 +86,37 @@ def load(path, *, n_ctx: int, n_threads=None):
     except Exception as exc:
         raise LlamaCppError(f"{path}: llama.cpp cannot load it ({type(exc).__name__}: "
                             f"{exc}).") from None
+
+
+def tokenize(path, text) -> list:
+    """llama.cpp's own token ids of ``text`` for the GGUF file ``path`` (its
+    vocabulary only is loaded), with BOS first when the file's vocabulary adds
+    one.  For architectures or vocabularies this package's loader does not
+    read: ``eval --runtime llama.cpp`` runs whatever llama.cpp loads.
+
+    Parameters
+    ----------
+    path : str
+    text : str
+
+    Returns
+    -------
+    list of int
+    """
+    lib = _lib()
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise LlamaCppError(f"{path}: no such file.")
+    try:
+        voc = lib.Llama(model_path=path, vocab_only=True, verbose=False)
+    except Exception as exc:
+        raise LlamaCppError(f"{path}: llama.cpp cannot load it ({type(exc).__name__}: "
+                            f"{exc}).") from None
+    try:
+        return [int(t) for t in voc.tokenize(str(text).encode("utf-8"), add_bos=True,
+                                             special=False)]
+    finally:
+        voc.close()
 
 
 def logits(llm, ids) -> np.ndarray:

@@ -6,9 +6,18 @@ Families (anything else raises :class:`UnsupportedModelError`):
 * ``encoder`` - BERT-style (``BertModel`` / ``model_type`` ``bert``) safetensors
   with ``config.json``; sentence-transformers pooling from ``1_Pooling/config.json``
   and ``modules.json`` (``Normalize``) when present.
-* ``decoder`` - Llama-style: GGUF files with ``general.architecture = llama``,
-  and safetensors checkpoints whose ``config.json`` says ``llama``, ``qwen2`` or
-  ``mistral``.
+* ``decoder`` - the Llama family, in GGUF files and in Hugging Face safetensors
+  (``config.json``): Llama 2/3 (with Llama 3's RoPE scaling) and Mistral (GGUF
+  ``llama``; ``llama``, ``mistral``), Qwen2/2.5 (``qwen2``, Q/K/V biases), Qwen3
+  (``qwen3``, per-head Q/K RMS norms), Gemma 2/3 (``gemma2``, ``gemma3`` /
+  ``gemma3_text``: GeGLU, pre and post norms, scaled embeddings, soft-capping,
+  sliding-window layers, tied head), Phi-3 (``phi3``: fused QKV and gate/up).
+  :data:`SUPPORTED` names them per file format.
+
+Phi-3's fused ``qkv_proj`` / ``attn_qkv`` and ``gate_up_proj`` / ``ffn_up``
+weights stay one matrix each, as stored: one linear layer for the forward,
+the calibration grams and the planner (one option per fused weight; the
+written file keeps the fused tensor, as llama.cpp and Hugging Face load it).
 
 Every linear layer is held as a :class:`opscope_nb.runtime.PackedLinear`
 (``Decomp.dense()`` when it is not compressed), every other tensor as a float32
@@ -30,10 +39,11 @@ __all__ = ["Model", "ModelError", "UnsupportedModelError", "open_model", "detect
            "dense_linear", "gguf_metadata", "SUPPORTED", "block_tensors", "output_head",
            "HEAD_PRIOR_PER_BLOCK"]
 
-#: One line naming what :func:`detect` accepts.
-SUPPORTED = ("BERT-style encoders (config.json model_type 'bert') and Llama-style "
-             "decoders (GGUF 'llama', or config.json model_type 'llama', 'qwen2', "
-             "'mistral')")
+#: One line naming what :func:`detect` accepts, per file format.
+SUPPORTED = ("GGUF files of architecture 'llama' (Llama 2/3, Mistral), 'qwen2', 'qwen3', "
+             "'gemma2', 'gemma3' or 'phi3'; safetensors whose config.json model_type is "
+             "'bert' (encoders), 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', "
+             "'gemma3_text' or 'phi3'")
 
 
 class ModelError(ValueError):
@@ -75,7 +85,9 @@ class Model:
     family : str
         ``"encoder"`` or ``"decoder"``.
     arch : str
-        ``bert``, ``llama``, ``qwen2``, ``mistral`` or ``gguf-llama``.
+        ``bert``, a config.json ``model_type`` (``llama``, ``mistral``, ``qwen2``,
+        ``qwen3``, ``gemma2``, ``gemma3_text``, ``phi3``) or ``gguf-<architecture>``
+        (``gguf-llama``, ``gguf-qwen2`` ...).
     config : dict
         Normalised hyper-parameters (see :func:`detect`).
     tensors : dict of str -> PackedLinear or ndarray
@@ -181,7 +193,12 @@ def detect(path: str) -> tuple:
     max_pos, type_vocab, prefix, pooling, normalize, max_seq_len, act``;
     decoders ``n_layers, hidden, n_heads, n_kv, head_dim, ffn, eps, rope_base,
     rope_interleaved, vocab, tied, names`` (role -> tensor name pattern with
-    ``{i}`` for the block), ``bos, eos, add_bos``.
+    ``{i}`` for the block), ``bos, eos, add_bos, context, family`` and the
+    block's pieces (see :mod:`.llama`): ``qkv_bias, qk_norm, post_norms, act,
+    fused_qkv, fused_gate_up`` and, where the architecture has them,
+    ``rope_factors, rope_scale, rope_attn_factor, rope_base_swa, swa,
+    sliding_window, norm_offset, embed_scale, attn_scale, attn_softcap,
+    final_softcap``.
 
     Raises
     ------
@@ -205,9 +222,10 @@ def detect(path: str) -> tuple:
     archs = [str(a) for a in cfg.get("architectures") or []]
     if mt == "bert" or any(a.startswith("Bert") for a in archs):
         return _detect_bert(d, cfg)
-    if mt in ("llama", "qwen2", "mistral") or any(
-            a in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM") for a in archs):
-        return _detect_hf_llama(d, cfg, mt or "llama")
+    if mt not in _HF_TYPES:
+        mt = next((_HF_ARCH_CLASSES[a] for a in archs if a in _HF_ARCH_CLASSES), mt)
+    if mt in _HF_TYPES:
+        return _detect_hf_decoder(d, cfg, mt)
     raise UnsupportedModelError(f"{cfg_path}: model_type {mt or archs!r} is not supported; "
                                 f"eval supports {SUPPORTED}.")
 
@@ -267,17 +285,26 @@ _HF_NAMES = {
     "q": "model.layers.{i}.self_attn.q_proj.weight",
     "k": "model.layers.{i}.self_attn.k_proj.weight",
     "v": "model.layers.{i}.self_attn.v_proj.weight",
+    "qkv": "model.layers.{i}.self_attn.qkv_proj.weight",
     "q_bias": "model.layers.{i}.self_attn.q_proj.bias",
     "k_bias": "model.layers.{i}.self_attn.k_proj.bias",
     "v_bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
     "o": "model.layers.{i}.self_attn.o_proj.weight",
+    "attn_post_norm": "model.layers.{i}.post_attention_layernorm.weight",
     "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
     "gate": "model.layers.{i}.mlp.gate_proj.weight",
     "up": "model.layers.{i}.mlp.up_proj.weight",
+    "gate_up": "model.layers.{i}.mlp.gate_up_proj.weight",
     "down": "model.layers.{i}.mlp.down_proj.weight",
+    "ffn_post_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
     "out_norm": "model.norm.weight",
     "head": "lm_head.weight",
 }
+#: Gemma 2/3 have four norms per block: HF's post_attention_layernorm is the
+#: attention's post norm there, the FFN's input norm is pre_feedforward_layernorm.
+_HF_GEMMA_NAMES = dict(_HF_NAMES, ffn_norm="model.layers.{i}.pre_feedforward_layernorm.weight")
 
 _GGUF_NAMES = {
     "embed": "token_embd.weight",
@@ -285,51 +312,194 @@ _GGUF_NAMES = {
     "q": "blk.{i}.attn_q.weight",
     "k": "blk.{i}.attn_k.weight",
     "v": "blk.{i}.attn_v.weight",
+    "qkv": "blk.{i}.attn_qkv.weight",
     "q_bias": "blk.{i}.attn_q.bias",
     "k_bias": "blk.{i}.attn_k.bias",
     "v_bias": "blk.{i}.attn_v.bias",
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
     "o": "blk.{i}.attn_output.weight",
+    "attn_post_norm": "blk.{i}.post_attention_norm.weight",
     "ffn_norm": "blk.{i}.ffn_norm.weight",
     "gate": "blk.{i}.ffn_gate.weight",
     "up": "blk.{i}.ffn_up.weight",
+    "gate_up": "blk.{i}.ffn_up.weight",      # Phi-3 stores the fused gate/up as ffn_up
     "down": "blk.{i}.ffn_down.weight",
+    "ffn_post_norm": "blk.{i}.post_ffw_norm.weight",
     "out_norm": "output_norm.weight",
     "head": "output.weight",
 }
 
-#: Decoder roles that are linear layers (run through PackedLinear).
+#: Decoder roles that are linear layers (run through PackedLinear), unfused layout.
 DECODER_LINEAR = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-def _detect_hf_llama(d, cfg, mt):
+def decoder_linear_roles(conf) -> tuple:
+    """The linear roles of a decoder block: Phi-3 has one fused ``qkv`` and one
+    fused ``gate_up`` weight (each one matrix for the planner, as stored)."""
+    att = ("qkv",) if conf.get("fused_qkv") else ("q", "k", "v")
+    ffn = ("gate_up",) if conf.get("fused_gate_up") else ("gate", "up")
+    return att + ("o",) + ffn + ("down",)
+
+
+#: Per family: ``(GGUF general.architecture, config.json model_types)`` and the
+#: pieces of the block (see :mod:`.llama`).  ``rope_interleaved`` is the GGUF
+#: layout only: llama-arch files hold Q/K rows permuted for adjacent-pair RoPE
+#: (ggml's "normal" RoPE); the others use NeoX RoPE on Hugging Face's order.
+_FAMILIES = {
+    "llama": {"gguf": "llama", "hf": ("llama", "mistral"), "rope_interleaved": True},
+    "qwen2": {"gguf": "qwen2", "hf": ("qwen2",), "qkv_bias": True},
+    "qwen3": {"gguf": "qwen3", "hf": ("qwen3",), "qk_norm": True},
+    "gemma2": {"gguf": "gemma2", "hf": ("gemma2",), "post_norms": True, "act": "gelu_tanh",
+               "gemma": True},
+    "gemma3": {"gguf": "gemma3", "hf": ("gemma3_text",), "post_norms": True, "qk_norm": True,
+               "act": "gelu_tanh", "gemma": True},
+    "phi3": {"gguf": "phi3", "hf": ("phi3",), "fused_qkv": True, "fused_gate_up": True},
+}
+_GGUF_ARCHS = {f["gguf"]: k for k, f in _FAMILIES.items()}
+_HF_TYPES = {t: k for k, f in _FAMILIES.items() for t in f["hf"]}
+_HF_ARCH_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+                    "Phi3ForCausalLM": "phi3"}
+
+
+def _block_flags(family) -> dict:
+    f = _FAMILIES[family]
+    return {"qkv_bias": bool(f.get("qkv_bias")), "qk_norm": bool(f.get("qk_norm")),
+            "post_norms": bool(f.get("post_norms")), "act": f.get("act", "silu"),
+            "fused_qkv": bool(f.get("fused_qkv")),
+            "fused_gate_up": bool(f.get("fused_gate_up"))}
+
+
+def _swa_layers(n_layers, pattern=None, layer_types=None, even=False):
+    """Per block: True for a sliding-window layer.  ``layer_types`` (HF list of
+    ``"sliding_attention"`` / ``"full_attention"``, or GGUF bools) wins; else
+    ``pattern`` n: every n-th block (the last of each n) is global, as
+    llama.cpp's ``set_swa_pattern`` and HF's ``(i + 1) % n``; ``even``: Gemma 2's
+    even blocks slide."""
+    if layer_types is not None:
+        lt = list(layer_types)
+        if len(lt) != n_layers:
+            raise ModelError(f"{len(lt)} layer types for {n_layers} layers.")
+        return [bool(t) if isinstance(t, (bool, int)) else str(t) == "sliding_attention"
+                for t in lt]
+    if pattern is not None:
+        n = int(pattern)
+        return [n == 0 or (i % n) < n - 1 for i in range(n_layers)]
+    if even:
+        return [i % 2 == 0 for i in range(n_layers)]
+    return None
+
+
+def _llama3_factors(rs, base, hd) -> list:
+    """Llama 3's RoPE frequency divisors, as the GGUF converter writes
+    ``rope_freqs.weight`` from ``rope_scaling`` (``rope_type == "llama3"``)."""
+    import math
+    factor = float(rs.get("factor", 8.0))
+    lo = float(rs.get("low_freq_factor", 1.0))
+    hi = float(rs.get("high_freq_factor", 4.0))
+    old = float(rs.get("original_max_position_embeddings", 8192))
+    lo_wl, hi_wl = old / lo, old / hi
+    freqs = 1.0 / (base ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    out = []
+    for f in freqs.astype(np.float64):
+        wl = 2 * math.pi / f
+        if wl < hi_wl:
+            out.append(1.0)
+        elif wl > lo_wl:
+            out.append(factor)
+        else:
+            sm = (old / wl - lo) / (hi - lo)
+            out.append(1.0 / ((1 - sm) / factor + sm))
+    return [float(np.float32(x)) for x in out]
+
+
+def _hf_rope(d, cfg, family, conf) -> None:
+    """Fill ``conf``'s RoPE scaling from ``rope_scaling`` (none, ``linear``,
+    ``llama3``, Phi-3's ``longrope``)."""
+    import math
+    rs = cfg.get("rope_scaling") or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return
+    if kind == "linear":
+        conf["rope_scale"] = 1.0 / float(rs["factor"])
+    elif kind == "llama3":
+        conf["rope_factors"] = _llama3_factors(rs, conf["rope_base"], conf["head_dim"])
+    elif kind in ("longrope", "su"):
+        orig = int(cfg.get("original_max_position_embeddings") or conf["context"])
+        conf["rope_factors"] = [float(x) for x in rs["short_factor"]]
+        s = conf["context"] / orig
+        af = rs.get("attention_factor")
+        if af is None:
+            af = 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(orig))
+        conf["rope_attn_factor"] = float(af)
+        conf["context"] = orig          # the short factors hold up to here
+    else:
+        raise UnsupportedModelError(
+            f"{d}: rope_scaling {kind!r} is not implemented; eval supports plain RoPE, "
+            f"'linear', 'llama3' and Phi-3's 'longrope'.")
+
+
+def _detect_hf_decoder(d, cfg, mt):
     from .tokenize import from_dir
-    rs = cfg.get("rope_scaling")
-    if rs:
-        kind = rs.get("rope_type", rs.get("type"))
-        if kind not in (None, "default"):
-            raise UnsupportedModelError(f"{d}: rope_scaling {kind!r} is not implemented; "
-                                        f"eval supports plain RoPE.")
-    act = str(cfg.get("hidden_act", "silu"))
-    if act != "silu":
-        raise UnsupportedModelError(f"{d}: hidden_act {act!r}; only SwiGLU (silu) is "
-                                    f"implemented.")
+    family = _HF_TYPES[mt]
+    fam = _FAMILIES[family]
+    act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
+    want = "gelu_tanh" if fam.get("act") == "gelu_tanh" else "silu"
+    if act not in (("gelu_pytorch_tanh", "gelu_tanh") if want == "gelu_tanh" else ("silu",)):
+        raise UnsupportedModelError(f"{d}: hidden_act {act!r}; the {mt} forward implements "
+                                    f"{'GeGLU (gelu_pytorch_tanh)' if want != 'silu' else 'SwiGLU (silu)'}.")
     tok = from_dir(d)
     if tok is None:
         raise ModelError(f"{d}: no tokenizer.json next to the weights.")
-    hidden = int(cfg["hidden_size"])
-    nh = int(cfg["num_attention_heads"])
-    conf = {
-        "n_layers": int(cfg["num_hidden_layers"]), "hidden": hidden, "n_heads": nh,
-        "n_kv": int(cfg.get("num_key_value_heads") or nh),
-        "head_dim": int(cfg.get("head_dim") or hidden // nh),
-        "ffn": int(cfg["intermediate_size"]), "eps": float(cfg.get("rms_norm_eps", 1e-6)),
-        "rope_base": float(cfg.get("rope_theta", 10000.0)), "rope_interleaved": False,
-        "vocab": int(cfg["vocab_size"]), "tied": bool(cfg.get("tie_word_embeddings", False)),
-        "names": dict(_HF_NAMES), "bos": cfg.get("bos_token_id"),
-        "eos": cfg.get("eos_token_id"), "add_bos": mt == "llama",
-        "qkv_bias": mt == "qwen2",
-        "context": int(cfg.get("max_position_embeddings", 2048)),
-    }
+    try:
+        hidden = int(cfg["hidden_size"])
+        nh = int(cfg["num_attention_heads"])
+        n_layers = int(cfg["num_hidden_layers"])
+        gemma = bool(fam.get("gemma"))
+        conf = {
+            "n_layers": n_layers, "hidden": hidden, "n_heads": nh,
+            "n_kv": int(cfg.get("num_key_value_heads") or nh),
+            "head_dim": int(cfg.get("head_dim") or hidden // nh),
+            "ffn": int(cfg["intermediate_size"]), "eps": float(cfg.get("rms_norm_eps", 1e-6)),
+            "rope_base": float(cfg.get("rope_theta", 10000.0)), "rope_interleaved": False,
+            "vocab": int(cfg["vocab_size"]),
+            "tied": bool(cfg.get("tie_word_embeddings", gemma)),
+            "names": dict(_HF_GEMMA_NAMES if gemma else _HF_NAMES),
+            "bos": cfg.get("bos_token_id"), "eos": cfg.get("eos_token_id"),
+            "add_bos": mt in ("llama", "mistral") or gemma,
+            "context": int(cfg.get("max_position_embeddings", 2048)),
+            "family": family, **_block_flags(family),
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelError(f"{d}/config.json: incomplete {mt} config ({exc!r}).") from None
+    if mt == "qwen2" and cfg.get("attention_bias") is False:
+        conf["qkv_bias"] = False
+    if mt == "qwen3" and cfg.get("attention_bias"):
+        conf["qkv_bias"] = True
+    _hf_rope(d, cfg, family, conf)
+    if gemma:
+        conf["norm_offset"] = 1.0                 # Gemma's RMSNorm scales by (1 + w)
+        conf["embed_scale"] = float(np.sqrt(np.float32(hidden)))
+        qs = cfg.get("query_pre_attn_scalar")
+        if qs:
+            conf["attn_scale"] = float(qs) ** -0.5
+        conf["attn_softcap"] = cfg.get("attn_logit_softcapping") or None
+        conf["final_softcap"] = cfg.get("final_logit_softcapping") or None
+        win = cfg.get("sliding_window")
+        if win:
+            conf["sliding_window"] = int(win)
+            conf["swa"] = _swa_layers(n_layers, cfg.get("sliding_window_pattern"),
+                                      cfg.get("layer_types"), even=family == "gemma2")
+            conf["rope_base_swa"] = float(cfg.get("rope_local_base_freq",
+                                                  conf["rope_base"]))
+    elif mt == "mistral" and cfg.get("sliding_window"):
+        conf["sliding_window"] = int(cfg["sliding_window"])
+        conf["swa"] = [True] * n_layers
+        conf["rope_base_swa"] = conf["rope_base"]
+    # Phi-3's sliding_window is ignored, as llama.cpp does (it only binds beyond 2k tokens)
     tcp = os.path.join(d, "tokenizer_config.json")
     if os.path.isfile(tcp):
         tc = _read_json(tcp)
@@ -338,47 +508,106 @@ def _detect_hf_llama(d, cfg, mt):
     return "decoder", mt, conf, tok
 
 
+# kept for callers of the old name
+def _detect_hf_llama(d, cfg, mt):
+    return _detect_hf_decoder(d, cfg, mt)
+
+
+def _gguf_vector(path, name):
+    """A small F32 tensor of a GGUF file (RoPE factors) as a list, or None."""
+    for t in tio.gguf_reader(path).tensors:
+        if t.name == name:
+            return [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+    return None
+
+
 def _detect_gguf(path):
     from .tokenize import from_gguf_fields
     md = gguf_metadata(path)
     arch = md.get("general.architecture")
-    if arch != "llama":
+    family = _GGUF_ARCHS.get(arch)
+    if family is None:
         raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported; "
                                     f"eval supports {SUPPORTED}.")
 
     def g(key, default=None):
-        return md.get(f"llama.{key}", default)
+        return md.get(f"{arch}.{key}", default)
 
     try:
         hidden = int(g("embedding_length"))
         nh = int(g("attention.head_count"))
+        n_layers = int(g("block_count"))
+        hd = int(g("attention.key_length", hidden // nh))
         conf = {
-            "n_layers": int(g("block_count")), "hidden": hidden, "n_heads": nh,
-            "n_kv": int(g("attention.head_count_kv", nh)),
-            "head_dim": int(g("rope.dimension_count", hidden // nh)),
+            "n_layers": n_layers, "hidden": hidden, "n_heads": nh,
+            "n_kv": int(g("attention.head_count_kv", nh)), "head_dim": hd,
             "ffn": int(g("feed_forward_length")),
             "eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_base": float(g("rope.freq_base", 10000.0)), "rope_interleaved": True,
+            "rope_base": float(g("rope.freq_base", 10000.0)),
+            "rope_interleaved": bool(_FAMILIES[family].get("rope_interleaved")),
             "vocab": int(g("vocab_size", len(md.get("tokenizer.ggml.tokens", [])))),
             "tied": None, "names": dict(_GGUF_NAMES),
             "bos": md.get("tokenizer.ggml.bos_token_id"),
             "eos": md.get("tokenizer.ggml.eos_token_id"),
             "add_bos": bool(md.get("tokenizer.ggml.add_bos_token", True)),
-            "qkv_bias": False, "context": int(g("context_length", 2048)),
+            "context": int(g("context_length", 2048)),
+            "family": family, **_block_flags(family),
         }
+        n_rot = int(g("rope.dimension_count", hd))
     except (TypeError, ValueError) as exc:
-        raise ModelError(f"{path}: GGUF llama metadata incomplete ({exc}).") from None
-    if g("rope.scaling.type") not in (None, "none"):
-        raise UnsupportedModelError(f"{path}: RoPE scaling {g('rope.scaling.type')!r} is not "
-                                    f"implemented; eval supports plain RoPE.")
+        raise ModelError(f"{path}: GGUF {arch} metadata incomplete ({exc}).") from None
+    if n_rot != hd:
+        raise UnsupportedModelError(f"{path}: partial RoPE ({n_rot} of {hd} dimensions) is "
+                                    f"not implemented.")
+    # RoPE scaling as llama.cpp reads it: linear factor (default type), Llama 3's
+    # rope_freqs tensor, Phi-3's short LongRoPE factors and attention factor
+    kind = g("rope.scaling.type") or "linear"
+    if kind not in ("none", "linear"):
+        raise UnsupportedModelError(f"{path}: RoPE scaling {kind!r} is not implemented; eval "
+                                    f"supports plain, linear, Llama 3 and Phi-3 LongRoPE.")
+    factor = float(g("rope.scaling.factor", 0.0) or g("rope.scale_linear", 0.0) or 0.0)
+    if kind == "linear" and factor not in (0.0, 1.0):
+        conf["rope_scale"] = 1.0 / factor
+    fac = _gguf_vector(path, "rope_freqs.weight")
+    if fac is None and family == "phi3":
+        fac = _gguf_vector(path, "rope_factors_short.weight")
+        if fac is not None:
+            conf["rope_attn_factor"] = float(g("rope.scaling.attn_factor", 1.0))
+            conf["context"] = int(g("rope.scaling.original_context_length", conf["context"]))
+    if fac is not None:
+        conf["rope_factors"] = fac
+    if _FAMILIES[family].get("gemma"):
+        # GGUF stores Gemma's norm weights already + 1 (the converter adds it)
+        conf["embed_scale"] = float(np.sqrt(np.float32(hidden)))
+        big = n_layers == (46 if family == "gemma2" else 62)     # llama.cpp's 27B rule
+        conf["attn_scale"] = 1.0 / float(np.sqrt(np.float32(hidden // nh if big else hd)))
+        win = g("attention.sliding_window")
+        if family == "gemma2":
+            conf["attn_softcap"] = float(g("attn_logit_softcapping", 50.0))
+            conf["final_softcap"] = float(g("final_logit_softcapping", 30.0))
+            win = int(win or 4096)
+        else:
+            conf["final_softcap"] = float(g("final_logit_softcapping", 0.0)) or None
+        if win:
+            pat = g("attention.sliding_window_pattern")
+            lt = pat if isinstance(pat, (list, tuple)) else None
+            n = None if lt is not None else (pat if pat is not None else
+                                             (2 if family == "gemma2" else 6))
+            conf["sliding_window"] = int(win)
+            conf["swa"] = _swa_layers(n_layers, n, lt)
+            conf["rope_base_swa"] = float(g("rope.freq_base_swa", conf["rope_base"]
+                                            if family == "gemma2" else 10000.0))
     if "tokenizer.ggml.tokens" not in md:
         raise ModelError(f"{path}: no tokenizer.ggml.tokens in the GGUF metadata.")
-    tok = from_gguf_fields({"model": md.get("tokenizer.ggml.model"),
-                            "pre": md.get("tokenizer.ggml.pre"),
-                            "tokens": md["tokenizer.ggml.tokens"],
-                            "merges": md.get("tokenizer.ggml.merges", []),
-                            "token_type": md.get("tokenizer.ggml.token_type")})
-    return "decoder", "gguf-llama", conf, tok
+    try:
+        tok = from_gguf_fields({"model": md.get("tokenizer.ggml.model"),
+                                "pre": md.get("tokenizer.ggml.pre"),
+                                "tokens": md["tokenizer.ggml.tokens"],
+                                "merges": md.get("tokenizer.ggml.merges", []),
+                                "token_type": md.get("tokenizer.ggml.token_type")})
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{path}: {exc}") from None
+    return "decoder", f"gguf-{arch}", conf, tok
 
 
 #: Data-free weight of a decoder's output head in the ``output`` objective, per
@@ -480,11 +709,15 @@ def block_tensors(family, conf, i) -> tuple:
             other += [b + ln + ".weight", b + ln + ".bias"]
         return lin, other
     nm = conf["names"]
-    lin = [nm[r].format(i=i) for r in DECODER_LINEAR]
-    other = [nm["attn_norm"].format(i=i), nm["ffn_norm"].format(i=i)]
+    lin = [nm[r].format(i=i) for r in decoder_linear_roles(conf)]
+    roles = ["attn_norm", "ffn_norm"]
     if conf.get("qkv_bias"):
-        other += [nm[r].format(i=i) for r in ("q_bias", "k_bias", "v_bias")]
-    return lin, other
+        roles += ["q_bias", "k_bias", "v_bias"]
+    if conf.get("qk_norm"):
+        roles += ["q_norm", "k_norm"]
+    if conf.get("post_norms"):
+        roles += ["attn_post_norm", "ffn_post_norm"]
+    return lin, [nm[r].format(i=i) for r in roles]
 
 
 def required_tensors(family, conf, names) -> tuple:

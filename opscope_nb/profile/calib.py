@@ -499,7 +499,7 @@ class CalibrationStream:
         if self.family == "encoder":
             B, L = c["mask"].shape
             return bert.pool(m, x.reshape(B, L, m.config["hidden"]), c["mask"])
-        return llama.head_linear(m)(llama.final_norm(m, x), act=self.act)
+        return llama.logits(m, x, act=self.act)
 
     def _distance(self, clean, outs) -> float:
         from opscope_nb.models.evaluate import cosine, kl_stats
@@ -657,7 +657,7 @@ class CalibrationStream:
             dense_head = llama.head_linear(m)
 
             def logits(head, x):
-                return head(llama.final_norm(m, x), act=self.act)
+                return llama.logits(m, x, act=self.act, head=head)
         packed = {}
         for p, plan in self.plans.items():
             swaps = {}
