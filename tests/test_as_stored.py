@@ -329,3 +329,37 @@ def test_quant_reports_against_the_stored_bytes(q4km):
                  if rest and not n.startswith("token_embd") for c in rest)
     assert f"vs {fmt_bytes(stored)} as stored (Q4_K/Q6_K;" in line
     assert "no saving" in line          # int8/int4 per channel is larger than Q4_K_M
+
+
+def test_llama_cpp_reports_the_file_type_written(tmp_path):
+    """llama.cpp loads the written file and names the file type the export wrote:
+    one tensor re-typed -> the guess from the most tensors, "(guessed)"; nothing
+    re-typed -> the source's own label, unflagged."""
+    import ctypes
+    from naive_models import smollm2_gguf
+    from opscope_nb.formats import Decomp
+    from opscope_nb.io.gguf_export import export_gguf
+    from opscope_nb.models import llamacpp
+    src = smollm2_gguf()
+    if src is None or not llamacpp.available():
+        pytest.skip("needs the SmolLM2 wheel and llama-cpp-python (the [llama] extra)")
+    import llama_cpp
+
+    def desc(path):
+        llm = llamacpp.load(str(path), n_ctx=32)
+        try:
+            buf = ctypes.create_string_buffer(256)
+            llama_cpp.llama_model_desc(llm.model, buf, 256)
+            return buf.value.decode()
+        finally:
+            llm.close()
+
+    mixed = export_gguf(src, {"blk.0.attn_k.weight": Decomp.ggml("Q8_0")},
+                        str(tmp_path / "m.gguf"))
+    assert mixed["file_type"] == 3 | 1024 and not mixed["file_type_kept"]
+    d = desc(tmp_path / "m.gguf")
+    assert "Q4_1" in d and "guessed" in d, d
+    same = export_gguf(src, {"blk.0.attn_k.weight": Decomp.dense()}, str(tmp_path / "s.gguf"))
+    assert same["file_type"] == 3 and same["file_type_kept"]
+    d = desc(tmp_path / "s.gguf")
+    assert "Q4_1" in d and "guessed" not in d, d
