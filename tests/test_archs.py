@@ -265,3 +265,40 @@ def test_cli_eval(files, arch, fmt, tmp_path):
     r = json.loads(js.read_text())
     assert r["family"] == "decoder" and r["tokens"] == 40
     assert np.isfinite(r["ppl_dense"]) and r["ppl_dense"] > 1.0
+
+
+SPM_TEXTS = ["the and then, hand the band", "  two  spaces and\nnew lines\n",
+             "\u00fcn\u00ef code \u2581 mixed\ttabs", "hand"]
+
+
+def test_gguf_sentencepiece_vocabulary_tokenises_as_llama_cpp(tmp_path):
+    """A GGUF SentencePiece vocabulary (``tokenizer.ggml.model = llama``, as Llama 2,
+    Mistral, Gemma and Phi-3 files have) is rebuilt: llama.cpp's own token ids for
+    the same texts (golden file; fresh when llama-cpp-python is installed)."""
+    p = ta.write_gguf(tmp_path / "spm.gguf", "llama", spm=True)
+    m = open_model(p)
+    ours = [m.tokenizer.encode(t).ids for t in SPM_TEXTS]
+    fix = FIX / "spm_ids.json"
+    if llamacpp.available():
+        theirs = [llamacpp.tokenize(p, t) for t in SPM_TEXTS]
+        if os.environ.get("OPSCOPE_WRITE_GOLDEN"):
+            fix.write_text(json.dumps({"texts": SPM_TEXTS, "ids": theirs}) + "\n")
+    gold = json.loads(fix.read_text())
+    assert gold["texts"] == SPM_TEXTS
+    assert m.config["add_bos"] is False and m.config["bos"] == 1    # the file says so
+    for t, a, g in zip(SPM_TEXTS, ours, gold["ids"]):
+        assert a == g, t
+        if llamacpp.available():
+            assert g == llamacpp.tokenize(p, t)
+    assert m.tokenizer.decode(ours[0]) == SPM_TEXTS[0]
+    # merges follow the scores: "▁the" (not "▁t" + "he") and byte fallback for "ü"
+    assert ours[0][0] == ta.spm_vocab()[0].index("\u2581the")
+    assert [0xC3 + 3, 0xBC + 3] == ours[2][1:3]
+
+
+def test_cli_eval_sentencepiece_gguf(tmp_path):
+    p = ta.write_gguf(tmp_path / "spm.gguf", "llama", spm=True)
+    rc, out, err = _cli("eval", p, "--max-tokens", "40", "--window", "20", "--decode-steps",
+                        "2", "--prompt-tokens", "4", "-q")
+    assert rc == 0, err
+    assert out.startswith("gguf-llama decoder, 40 tokens")

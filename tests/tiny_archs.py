@@ -50,6 +50,20 @@ VOCAB = 256 + len(MERGES) + 2
 BOS, EOS = VOCAB - 2, VOCAB - 1
 
 
+#: a SentencePiece vocabulary of the same size (tokenizer.ggml.model = llama):
+#: <unk> <s> </s>, the 256 byte tokens, 13 pieces (score: longer is better)
+SPM_PIECES = ["\u2581", "t", "h", "e", "a", "n", "d", "he", "\u2581t", "an", "\u2581the",
+              "and", "\u2581and"]
+
+
+def spm_vocab():
+    """``(tokens, scores, types)`` of the SentencePiece twin vocabulary."""
+    toks = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    scores = [0.0] * 259 + [-100.0 + 10 * len(p) + 0.1 * i for i, p in enumerate(SPM_PIECES)]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES)
+    return toks, scores, types
+
+
 def head_dim(arch):
     return 32 if arch in ("qwen3", "gemma2", "gemma3") else HIDDEN // HEADS
 
@@ -233,7 +247,7 @@ def gguf_tensors(arch):
     return out
 
 
-def write_gguf(path, arch, *, gguf_arch=None):
+def write_gguf(path, arch, *, gguf_arch=None, spm=False):
     """The tiny ``arch`` model as a GGUF file (F32 tensors) at ``path``.
     ``gguf_arch="gemma"`` writes the Gemma 2 weights without their post norms as a
     Gemma (1) file: an architecture llama.cpp runs and this package does not."""
@@ -271,13 +285,24 @@ def write_gguf(path, arch, *, gguf_arch=None):
         w.add_rope_scaling_attn_factors(
             math.sqrt(1 + math.log(s) / math.log(cfg["original_max_position_embeddings"])))
         w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(vocab_tokens())
-    w.add_token_types([1] * (VOCAB - 2) + [3, 3])
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(BOS)
-    w.add_eos_token_id(EOS)
+    if spm:                      # SentencePiece vocabulary of the same size
+        toks, scores, types = spm_vocab()
+        assert len(toks) == VOCAB
+        w.add_tokenizer_model("llama")
+        w.add_token_list(toks)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(vocab_tokens())
+        w.add_token_types([1] * (VOCAB - 2) + [3, 3])
+        w.add_token_merges(MERGES)
+        w.add_bos_token_id(BOS)
+        w.add_eos_token_id(EOS)
     w.add_add_bos_token(False)
     for name, a in gguf_tensors(arch).items():
         if ga == "gemma" and "post_" in name:

@@ -604,7 +604,10 @@ def _detect_gguf(path):
                                 "pre": md.get("tokenizer.ggml.pre"),
                                 "tokens": md["tokenizer.ggml.tokens"],
                                 "merges": md.get("tokenizer.ggml.merges", []),
-                                "token_type": md.get("tokenizer.ggml.token_type")})
+                                "token_type": md.get("tokenizer.ggml.token_type"),
+                                "scores": md.get("tokenizer.ggml.scores"),
+                                "add_space_prefix": md.get("tokenizer.ggml.add_space_prefix"),
+                                "unk": md.get("tokenizer.ggml.unknown_token_id")})
     except ValueError as exc:
         raise UnsupportedModelError(f"{path}: {exc}") from None
     return "decoder", f"gguf-{arch}", conf, tok

@@ -10,6 +10,13 @@
   pre-tokeniser follows llama.cpp's ``tokenizer.ggml.pre``: ``smollm`` /
   ``starcoder``-style vocabularies split digits one by one before the GPT-2
   byte-level regex; anything else uses the plain GPT-2 regex.
+* A GGUF file whose ``tokenizer.ggml.model`` is ``llama`` (SentencePiece, as
+  Llama 2, Mistral, Gemma and Phi-3 files have) -> a BPE whose merges are every
+  split of a normal token into two tokens, ranked by the merged token's score
+  (``tokenizer.ggml.scores``), as llama.cpp's SPM tokenizer merges the
+  best-scoring adjacent pair first; spaces become ``▁``, one is prepended
+  unless ``tokenizer.ggml.add_space_prefix`` is false, and characters outside
+  the vocabulary fall back to the ``<0xXX>`` byte tokens.
 
 Every builder returns a ``tokenizers.Tokenizer``; :func:`encode_ids` turns a
 string into an ``int64`` id vector.
@@ -88,7 +95,9 @@ def from_gguf_fields(fields: dict):
     fields : dict
         ``{"model": str, "pre": str or None, "tokens": list[str],
         "merges": list[str], "token_type": list[int] or None}`` as read from
-        the GGUF header (see :func:`opscope_nb.models.loader.gguf_metadata`).
+        the GGUF header (see :func:`opscope_nb.models.loader.gguf_metadata`);
+        SentencePiece vocabularies also ``"scores": list[float]``,
+        ``"add_space_prefix": bool or None``, ``"unk": int or None``.
 
     Returns
     -------
@@ -97,13 +106,16 @@ def from_gguf_fields(fields: dict):
     Raises
     ------
     ValueError
-        The vocabulary is not a ``gpt2`` (byte-level BPE) one.
+        The vocabulary is neither ``gpt2`` (byte-level BPE) nor ``llama``
+        (SentencePiece).
     """
     from tokenizers import Tokenizer, AddedToken, decoders, models, pre_tokenizers
     model = fields.get("model")
+    if model == "llama":
+        return _spm_from_gguf_fields(fields)
     if model != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {model!r} is not supported; only byte-level "
-                         f"BPE ('gpt2') vocabularies can be rebuilt.")
+        raise ValueError(f"GGUF tokenizer model {model!r} is not supported; byte-level BPE "
+                         f"('gpt2') and SentencePiece ('llama') vocabularies can be rebuilt.")
     tokens = list(fields["tokens"])
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = []
@@ -126,6 +138,47 @@ def from_gguf_fields(fields: dict):
                    for i, t in enumerate(types) if int(t) == 3]
         if special:
             tok.add_special_tokens(special)
+    return tok
+
+
+def _spm_from_gguf_fields(fields):
+    """SentencePiece (``tokenizer.ggml.model = llama``) vocabulary as a BPE (see
+    the module docstring)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    tokens = [str(t) for t in fields["tokens"]]
+    n = len(tokens)
+    scores = list(fields.get("scores") or [0.0] * n)
+    types = list(fields.get("token_type") or [1] * n)
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    ranked = []
+    for i, piece in enumerate(tokens):
+        if int(types[i]) != 1 or len(piece) < 2 or vocab[piece] != i:
+            continue
+        for k in range(1, len(piece)):
+            a, b = piece[:k], piece[k:]
+            if a in vocab and b in vocab:
+                ranked.append((-float(scores[i]), vocab[a], vocab[b], a, b))
+    ranked.sort()
+    unk = fields.get("unk")
+    unk_tok = tokens[int(unk)] if unk is not None and 0 <= int(unk) < n else None
+    bpe = models.BPE(vocab, [(a, b) for *_, a, b in ranked], unk_token=unk_tok,
+                     fuse_unk=True, byte_fallback=True)
+    tok = Tokenizer(bpe)
+    norm = [normalizers.Replace(" ", "\u2581")]
+    if fields.get("add_space_prefix", True) is not False:
+        norm.insert(0, normalizers.Prepend("\u2581"))
+    tok.normalizer = normalizers.Sequence(norm)
+    dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if fields.get("add_space_prefix", True) is not False:
+        dec.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(dec)
+    added = [AddedToken(tokens[i], special=int(t) == 3, normalized=False)
+             for i, t in enumerate(types) if int(t) in (3, 4)]
+    if added:
+        tok.add_special_tokens([a for a in added if a.special])
+        tok.add_tokens([a for a in added if not a.special])
     return tok
 
 
