@@ -363,3 +363,33 @@ def test_llama_cpp_reports_the_file_type_written(tmp_path):
     assert same["file_type"] == 3 and same["file_type_kept"]
     d = desc(tmp_path / "s.gguf")
     assert "Q4_1" in d and "guessed" not in d, d
+
+
+def test_safetensors_output_keeps_the_stored_blocks(tmp_path, q4km):
+    """``apply -o OUT.safetensors`` of a tensor planned in its stored type packs
+    the stored blocks themselves (no re-quantisation), and they run as is."""
+    from test_stored_bytes import _raw_in
+    from opscope_nb.runtime.checkpoint import load
+    src, prof = q4km
+    labels = {"blk.0.attn_q.weight": "Q4_K", "blk.0.ffn_down.weight": "Q6_K",
+              "blk.0.attn_output.weight": "Q2_K"}
+    plan, rows = _hand_plan(prof, tmp_path / "h", labels)
+    out = tmp_path / "c.safetensors"
+    rc, o, e = run(["apply", src, plan, "-o", out, "-q"])
+    assert rc == 0, e
+    before = stored_blocks(src)
+    for name in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight"):
+        st, raw = _raw_in(out, f"{name}.blocks")
+        assert st == "U8" and raw == before[name][1].tobytes()
+    st, raw = _raw_in(out, "blk.0.attn_output.weight.blocks")
+    t, shape = before["blk.0.attn_output.weight"][::2]
+    w = ggml.dequantize(before["blk.0.attn_output.weight"][1].reshape(shape[0], -1), t,
+                        tuple(shape))
+    assert raw == ggml.quantize(w, "Q2_K").tobytes()
+    nw = sum(int(np.prod(before[r["name"]][2])) for r in rows)
+    assert f"{sum(r['bytes'] for r in rows)} B written = " \
+           f"{8 * sum(r['bytes'] for r in rows) / nw:.3f} bits/weight" in o
+    tensors, _ = load(str(out))
+    np.testing.assert_array_equal(
+        tensors["blk.0.attn_q.weight"].dense(),
+        ggml.dequantize(before["blk.0.attn_q.weight"][1].reshape(256, -1), "Q4_K", (256, 256)))
