@@ -12,9 +12,10 @@ Groups (:data:`GROUPS`)
 ``profile``
     What ``opscope-nb profile`` (without ``--latency``) calls: the packers
     and error probes of every option family, the truncated SVD, Monarch,
-    Tucker, TT, the allocators; then the command itself on the built-in model
-    (after the rest, so it mostly loads from the cache and compiles whatever
-    the items missed).
+    Tucker, TT, the ggml block types, the allocators; then the command itself
+    on the built-in model (after the rest, so it mostly loads from the cache
+    and compiles whatever the items missed).  A command warms only the items
+    its menu calls (:func:`profile_items`).
 ``runtime``
     One :class:`~opscope_nb.runtime.PackedLinear` call per compiled forward
     entry: each quantised kind with float (``act="f32"``) and int8
