@@ -178,6 +178,9 @@ def test_all_as_stored_plan_writes_the_source_again(kind, tmp_path, q4km):
     assert "the source's, no tensor changed type" in o
     nw = sum(int(np.prod(s)) for t, s, _ in a.values() if len(s) == 2)
     assert f"{8 * sum(r['bytes'] for r in rows) / nw:.3f} bits/weight" in o
+    allw = sum(int(np.prod(s)) for t, s, _ in a.values())
+    assert (f"({8 * os.path.getsize(out) / allw:.3f} bits/weight over all {allw} weights "
+            f"of the file)") in o
 
 
 def _hand_plan(prof_dir, out_dir, labels, budget_bytes=None):

@@ -172,8 +172,9 @@ def run(args) -> int:
               f"stored), {r['tensors']} tensors, {r['kv']} key-values ({types}); "
               f"general.file_type {_ftype_text(r)}")
         print(f"wrote {out}: {fmt_bytes(r['file_bytes'])} = planned {r['planned_bytes']} B "
-              f"+ kept {r['kept_bytes']} B + header/padding {r['header_bytes']} B; read "
-              f"back and checked")
+              f"+ kept {r['kept_bytes']} B + header/padding {r['header_bytes']} B "
+              f"({8 * r['file_bytes'] / max(r['weights'], 1):.3f} bits/weight over all "
+              f"{r['weights']} weights of the file); read back and checked")
         print(_plan_bytes_line(r))
         return 0
     print(f"{r['method']}: {r['layers']} layers packed, {r['dense_layers']} planned dense, "

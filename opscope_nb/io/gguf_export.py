@@ -333,7 +333,8 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
         (planned dense, kept), ``planned_bytes`` (bytes of the re-quantised
         tensors), ``kept_bytes`` (bytes of every other tensor as stored),
         ``plan_tensor_bytes`` (bytes of every planned tensor as written),
-        ``plan_weights`` (their weights), ``file_bytes``, ``header_bytes``
+        ``plan_weights`` (their weights), ``weights`` (of every tensor),
+        ``file_bytes``, ``header_bytes``
         (``file_bytes`` minus tensor bytes: header, key-values, tensor infos,
         alignment padding), ``kv`` (count), ``types`` ({ggml type: tensors}),
         ``file_type`` (the ``general.file_type`` written), ``file_type_kept``
@@ -550,4 +551,5 @@ def _verify(src, path, plan, want, digests, tool_kv, file_type) -> dict:
             "planned_dense": sum(d.kind == "dense" for d in plan.values()),
             "planned_bytes": planned_bytes, "kept_bytes": kept, "file_bytes": size,
             "plan_tensor_bytes": plan_bytes, "plan_weights": plan_weights,
+            "weights": int(sum(int(o.n_elements) for o in ot)),
             "header_bytes": size - planned_bytes - kept, "kv": len(ok), "types": types}
