@@ -302,3 +302,48 @@ def test_cli_eval_sentencepiece_gguf(tmp_path):
                         "2", "--prompt-tokens", "4", "-q")
     assert rc == 0, err
     assert out.startswith("gguf-llama decoder, 40 tokens")
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(files, tmp_path):
+    """Gemma 3 4B/12B/27B ship as ``Gemma3ForConditionalGeneration``: config.json
+    ``model_type gemma3`` with a sparse ``text_config`` (Gemma3TextConfig's
+    defaults fill the rest) and ``language_model.model.*`` tensors beside the
+    vision tower; the forward is the text model's."""
+    from safetensors.numpy import load_file, save_file
+    src = pathlib.Path(files["gemma3"][1])
+    d = tmp_path / "mm"
+    d.mkdir()
+    W = {"language_model." + k: v for k, v in load_file(src / "model.safetensors").items()}
+    W["vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.zeros((4, 3),
+                                                                              np.float32)
+    save_file(W, d / "model.safetensors")
+    text = {k: v for k, v in ta.config("gemma3").items()
+            if k not in ("architectures", "hidden_act", "hidden_activation",
+                         "tie_word_embeddings", "final_logit_softcapping",
+                         "attn_logit_softcapping", "rms_norm_eps", "rope_theta",
+                         "rope_local_base_freq", "bos_token_id", "eos_token_id")}
+    text["rms_norm_eps"] = 1e-6
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "text_config": text, "vision_config": {"model_type": "siglip_vision_model"},
+           "bos_token_id": ta.BOS, "eos_token_id": ta.EOS}
+    (d / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (d / f).write_bytes((src / f).read_bytes())
+    m, b = _ours(str(d))
+    assert m.arch == "gemma3_text" and m.config["tied"] is True
+    assert m.config["names"]["q"] == "language_model.model.layers.{i}.self_attn.q_proj.weight"
+    _, a = _ours(str(src))
+    assert np.abs(a - b).max() == 0.0
+
+
+def test_partial_rotary_refused(files, tmp_path):
+    d = tmp_path / "p4"
+    src = pathlib.Path(files["phi3"][1])
+    d.mkdir()
+    for f in ("model.safetensors", "tokenizer.json", "config.json"):
+        (d / f).write_bytes((src / f).read_bytes())
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["partial_rotary_factor"] = 0.75                    # Phi-4-mini
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="partial RoPE"):
+        detect(str(d))

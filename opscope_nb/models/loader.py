@@ -10,7 +10,8 @@ Families (anything else raises :class:`UnsupportedModelError`):
   (``config.json``): Llama 2/3 (with Llama 3's RoPE scaling) and Mistral (GGUF
   ``llama``; ``llama``, ``mistral``), Qwen2/2.5 (``qwen2``, Q/K/V biases), Qwen3
   (``qwen3``, per-head Q/K RMS norms), Gemma 2/3 (``gemma2``, ``gemma3`` /
-  ``gemma3_text``: GeGLU, pre and post norms, scaled embeddings, soft-capping,
+  ``gemma3_text``, and the language model of a multimodal ``gemma3``
+  checkpoint: GeGLU, pre and post norms, scaled embeddings, soft-capping,
   sliding-window layers, tied head), Phi-3 (``phi3``: fused QKV and gate/up).
   :data:`SUPPORTED` names them per file format.
 
@@ -43,7 +44,7 @@ __all__ = ["Model", "ModelError", "UnsupportedModelError", "open_model", "detect
 SUPPORTED = ("GGUF files of architecture 'llama' (Llama 2/3, Mistral), 'qwen2', 'qwen3', "
              "'gemma2', 'gemma3' or 'phi3'; safetensors whose config.json model_type is "
              "'bert' (encoders), 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', "
-             "'gemma3_text' or 'phi3'")
+             "'gemma3_text', 'gemma3' (its language model) or 'phi3'")
 
 
 class ModelError(ValueError):
@@ -222,6 +223,10 @@ def detect(path: str) -> tuple:
     archs = [str(a) for a in cfg.get("architectures") or []]
     if mt == "bert" or any(a.startswith("Bert") for a in archs):
         return _detect_bert(d, cfg)
+    if mt == "gemma3" and isinstance(cfg.get("text_config"), dict):
+        # Gemma 3 4B/12B/27B: the multimodal checkpoint; its language model only
+        return _detect_hf_decoder(d, _gemma3_text_config(cfg), "gemma3_text",
+                                  prefix=_gemma3_prefix(path))
     if mt not in _HF_TYPES:
         mt = next((_HF_ARCH_CLASSES[a] for a in archs if a in _HF_ARCH_CLASSES), mt)
     if mt in _HF_TYPES:
@@ -442,10 +447,46 @@ def _hf_rope(d, cfg, family, conf) -> None:
             f"'linear', 'llama3' and Phi-3's 'longrope'.")
 
 
-def _detect_hf_decoder(d, cfg, mt):
+#: Gemma3TextConfig's defaults: a multimodal Gemma 3 config.json states only
+#: what differs from them in its ``text_config``.
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_local_base_freq": 10000.0,
+    "sliding_window_pattern": 6, "final_logit_softcapping": None,
+    "attn_logit_softcapping": None, "rope_scaling": None, "tie_word_embeddings": True,
+}
+
+
+def _gemma3_text_config(cfg) -> dict:
+    tc = dict(_GEMMA3_TEXT_DEFAULTS)
+    tc.update({k: v for k, v in cfg["text_config"].items()})
+    for k in ("bos_token_id", "eos_token_id"):
+        if tc.get(k) is None and cfg.get(k) is not None:
+            tc[k] = cfg[k]
+    return tc
+
+
+def _gemma3_prefix(path) -> str:
+    """Where a multimodal Gemma 3 checkpoint keeps its language model's tensors:
+    ``language_model.`` before ``model.`` (the published files) or ``model.language_model.``
+    instead of ``model.`` (newer transformers)."""
+    names = {e.name for e in tio.open_source(path).entries}
+    for pre in ("language_model.model.", "model.language_model."):
+        if pre + "embed_tokens.weight" in names:
+            return pre
+    return "model."
+
+
+def _detect_hf_decoder(d, cfg, mt, prefix="model."):
     from .tokenize import from_dir
     family = _HF_TYPES[mt]
     fam = _FAMILIES[family]
+    if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise UnsupportedModelError(f"{d}: partial RoPE (partial_rotary_factor "
+                                    f"{cfg['partial_rotary_factor']}) is not implemented.")
     act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
     want = "gelu_tanh" if fam.get("act") == "gelu_tanh" else "silu"
     if act not in (("gelu_pytorch_tanh", "gelu_tanh") if want == "gelu_tanh" else ("silu",)):
@@ -479,6 +520,9 @@ def _detect_hf_decoder(d, cfg, mt):
         conf["qkv_bias"] = False
     if mt == "qwen3" and cfg.get("attention_bias"):
         conf["qkv_bias"] = True
+    if prefix != "model.":
+        conf["names"] = {r: (prefix + n[len("model."):] if n.startswith("model.") else n)
+                         for r, n in conf["names"].items()}
     _hf_rope(d, cfg, family, conf)
     if gemma:
         conf["norm_offset"] = 1.0                 # Gemma's RMSNorm scales by (1 + w)
