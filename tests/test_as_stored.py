@@ -396,3 +396,27 @@ def test_safetensors_output_keeps_the_stored_blocks(tmp_path, q4km):
     np.testing.assert_array_equal(
         tensors["blk.0.attn_q.weight"].dense(),
         ggml.dequantize(before["blk.0.attn_q.weight"][1].reshape(256, -1), "Q4_K", (256, 256)))
+
+
+def test_profiles_and_plans_of_before_dense_at_float32(tmp_path, q4km):
+    """A profile.json of before (dense at float32 bytes) is re-priced on load; a
+    plan of before, whose dense rows apply would write in fewer bytes than it
+    records, is refused with the fix."""
+    from opscope_nb.profile.mining import LayerProfile
+    src, prof = q4km
+    rec = json.load(open(prof / "profile.json"))["layers"][0]["profile"]
+    old = json.loads(json.dumps(rec))
+    old["options"][0]["bytes"] = 4 * old["rows"] * old["cols"]
+    lp = LayerProfile.from_dict(old)
+    assert lp.options[0].bytes == rec["dense_bytes"] == lp.dense_bytes
+    assert LayerProfile.from_dict(rec).options[0].bytes == rec["dense_bytes"]
+    plan, rows = _hand_plan(prof, tmp_path / "h", {})
+    doc = json.load(open(plan))
+    for r in doc["methods"]["exact"]["layers"]:
+        p = next(x["profile"] for x in json.load(open(prof / "profile.json"))["layers"]
+                 if x["name"] == r["name"])
+        r["bytes"] = 4 * p["rows"] * p["cols"]
+    doc["methods"]["exact"]["budget_bytes"] = 10 ** 9
+    json.dump(doc, open(plan, "w"))
+    rc, o, e = run(["apply", src, plan, "-o", tmp_path / "o.gguf", "-q"])
+    assert rc == 2 and e.count("\n") == 1 and "re-plan it with 'opscope-nb allocate" in e
