@@ -572,7 +572,8 @@ def _detect_gguf(path):
     family = _GGUF_ARCHS.get(arch)
     if family is None:
         raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported; "
-                                    f"eval supports {SUPPORTED}.")
+                                    f"eval supports {SUPPORTED} ('eval --runtime llama.cpp' "
+                                    f"scores any file llama.cpp loads).")
 
     def g(key, default=None):
         return md.get(f"{arch}.{key}", default)
