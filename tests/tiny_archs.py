@@ -17,6 +17,8 @@ import os
 
 import numpy as np
 
+from naive_models import permute_for_gguf
+
 #: architecture -> (HF model_type, GGUF general.architecture)
 ARCHS = {
     "llama": ("llama", "llama"),
@@ -195,12 +197,6 @@ def write_hf(path, arch):
     return path
 
 
-def _permute(w, n_head):
-    """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half pairs made adjacent."""
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
-
-
 _GGUF_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
@@ -236,7 +232,7 @@ def gguf_tensors(arch):
         else:
             g = _GGUF_BLOCK[rest]
         if ARCHS[arch][1] == "llama" and g in ("attn_q", "attn_k") and kind == "weight":
-            w = _permute(w, HEADS if g == "attn_q" else KV)
+            w = permute_for_gguf(w, HEADS if g == "attn_q" else KV)   # the converter's permute
         out[f"blk.{i}.{g}.{kind}"] = w
     rs = cfg.get("rope_scaling") or {}
     if rs.get("rope_type") == "llama3":
