@@ -347,3 +347,25 @@ def test_partial_rotary_refused(files, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="partial RoPE"):
         detect(str(d))
+
+
+def test_mistral_sliding_window_limits_what_a_token_sees(files, tmp_path):
+    """HF Mistral's ``sliding_window`` (every layer): with a window of 8 keys and 2
+    blocks, token 0 reaches no position past 14; without the window it does."""
+    d = tmp_path / "mw"
+    src = pathlib.Path(files["mistral"][1])
+    d.mkdir()
+    for f in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (d / f).write_bytes((src / f).read_bytes())
+    cfg = ta.config("mistral")
+    cfg["sliding_window"] = 8
+    (d / "config.json").write_text(json.dumps(cfg))
+    ids = ta.token_ids(32, seed=5)
+    ids2 = ids.copy()
+    ids2[0] = (ids[0] + 1) % 200
+    for path, far_equal in ((str(d), True), (str(src), False)):
+        m = open_model(path)
+        a = llama.forward(m, ids, llama.KVCache(m.config, 32), act="f32")
+        b = llama.forward(m, ids2, llama.KVCache(m.config, 32), act="f32")
+        assert np.array_equal(a[15:], b[15:]) is far_equal
+        assert not np.allclose(a[:8], b[:8])

@@ -60,12 +60,15 @@ def _rms_norm(x, g, eps, offset=0.0):
 
 def _rope_tables(config, pos, swa=False):
     hd = config["head_dim"]
-    inv = config["rope_base_swa" if swa else "rope_base"] ** (
+    # sliding-window layers with a RoPE of their own (Gemma: ``rope_base_swa``,
+    # no scaling); otherwise they share the global layers' RoPE (Mistral)
+    local = swa and config.get("rope_base_swa") is not None
+    inv = config["rope_base_swa" if local else "rope_base"] ** (
         -np.arange(0, hd, 2, dtype=np.float64) / hd)
     fac = config.get("rope_factors")
-    if fac is not None and not swa:
+    if fac is not None and not local:
         inv = inv / np.asarray(fac, dtype=np.float64)
-    scale = 1.0 if swa else float(config.get("rope_scale", 1.0))
+    scale = 1.0 if local else float(config.get("rope_scale", 1.0))
     ang = (pos[:, None].astype(np.float64) * scale) * inv[None, :]          # [T, hd/2]
     m = float(config.get("rope_attn_factor", 1.0))
     return (np.cos(ang) * m).astype(np.float32), (np.sin(ang) * m).astype(np.float32)

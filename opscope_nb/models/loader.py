@@ -542,7 +542,6 @@ def _detect_hf_decoder(d, cfg, mt, prefix="model."):
     elif mt == "mistral" and cfg.get("sliding_window"):
         conf["sliding_window"] = int(cfg["sliding_window"])
         conf["swa"] = [True] * n_layers
-        conf["rope_base_swa"] = conf["rope_base"]
     # Phi-3's sliding_window is ignored, as llama.cpp does (it only binds beyond 2k tokens)
     tcp = os.path.join(d, "tokenizer_config.json")
     if os.path.isfile(tcp):
