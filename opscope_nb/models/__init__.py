@@ -1,5 +1,6 @@
 """Model forward passes for ``opscope-nb eval``: BERT-style encoders and
-Llama-style decoders in numpy, every linear layer a
+the Llama family of decoders (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3, Phi-3;
+GGUF and Hugging Face safetensors) in numpy, every linear layer a
 :class:`opscope_nb.runtime.PackedLinear`.
 
 * :func:`open_model` (:mod:`.loader`) - recognise the architecture, read the

@@ -255,7 +255,8 @@ class CalibrationStream:
     ----------
     source : str
         A checkpoint :func:`opscope_nb.models.open_model` reads (BERT-style
-        encoder or Llama-style decoder).
+        encoder or a decoder of the Llama family, see
+        :data:`opscope_nb.models.SUPPORTED`).
     text : str, optional
         Text file, one passage per line; ``None`` = the built-in English
         sample (:func:`opscope_nb.models.evaluate.load_passages`): encoders use
