@@ -1,5 +1,5 @@
 """The decoder families users run (issue 58 item 1): Llama 2/3 (Llama 3 RoPE
-scaling), Mistral, Qwen2 (Q/K/V biases), Qwen3 (Q/K norms), Gemma 2/3 (GeGLU,
+scaling), Mistral, Qwen2 (Q/K/V biases), Qwen3 (Q/K norms; and YaRN), Gemma 2/3 (GeGLU,
 pre + post norms, scaled embeddings, soft-capping, sliding-window layers, tied
 head), Phi-3 (fused QKV and gate/up, LongRoPE).
 
@@ -95,6 +95,7 @@ FEATURES = {
     "gemma3": [{"qk_norm": False}, {"swa": None}, {"rope_scale": 1.0},
                {"rope_base_swa": 1e6}],
     "phi3": [{"rope_factors": None}, {"rope_attn_factor": 1.0}],
+    "qwen3_yarn": [{"rope_yarn": None}, {"rope_attn_factor": 1.0}],
 }
 
 

@@ -29,7 +29,10 @@ ARCHS = {
     "gemma2": ("gemma2", "gemma2"),
     "gemma3": ("gemma3_text", "gemma3"),
     "phi3": ("phi3", "phi3"),
+    "qwen3_yarn": ("qwen3", "qwen3"),
 }
+#: variants: the architecture whose weights and keys they otherwise have
+BASE = {"qwen3_yarn": "qwen3"}
 SEEDS = {a: 100 + i for i, a in enumerate(ARCHS)}
 HIDDEN, HEADS, KV, FFN, LAYERS = 64, 4, 2, 96, 2
 MERGES = ["Ġ t", "h e", "Ġ a", "i n", "Ġt he", "e r", "o n", "Ġ s", "e n", "a t",
@@ -67,6 +70,7 @@ def spm_vocab():
 
 
 def head_dim(arch):
+    arch = BASE.get(arch, arch)
     return 32 if arch in ("qwen3", "gemma2", "gemma3") else HIDDEN // HEADS
 
 
@@ -90,6 +94,7 @@ def llama3_rope_factors(rs, base, hd):
 
 def config(arch):
     """The config.json of the tiny ``arch`` model."""
+    variant, arch = arch, BASE.get(arch, arch)
     mt = ARCHS[arch][0]
     hd = head_dim(arch)
     cfg = {"architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -127,6 +132,9 @@ def config(arch):
                    rope_scaling={"type": "longrope",
                                  "short_factor": (1 + rng.random(hd // 2)).round(4).tolist(),
                                  "long_factor": (4 + rng.random(hd // 2)).round(4).tolist()})
+    if variant == "qwen3_yarn":       # YaRN over a 32-token original context
+        cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0,
+                               "original_max_position_embeddings": 32}
     return cfg
 
 
@@ -135,6 +143,7 @@ def hf_weights(arch):
     cfg = config(arch)
     rng = np.random.default_rng(SEEDS[arch])
     hd = head_dim(arch)
+    arch = BASE.get(arch, arch)
     gemma = arch.startswith("gemma")
 
     def r(*shape, s=0.25):
@@ -276,6 +285,10 @@ def write_gguf(path, arch, *, gguf_arch=None, spm=False):
         w.add_sliding_window_pattern(cfg["sliding_window_pattern"])
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg["rope_scaling"]["factor"])
+    if (cfg.get("rope_scaling") or {}).get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg["rope_scaling"]["factor"])
+        w.add_rope_scaling_orig_ctx_len(cfg["rope_scaling"]["original_max_position_embeddings"])
     if arch == "phi3":
         s = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
         w.add_rope_scaling_attn_factors(

@@ -21,8 +21,9 @@ the untied ``lm_head`` / ``output.weight`` or the tied token embedding; the
 embedding is multiplied by ``embed_scale`` (Gemma: ``sqrt(hidden)``).
 
 RoPE: ``inv_freq[i] = base^(-2i/d) / factor[i]`` (``rope_factors``: Llama 3's
-``rope_freqs``, Phi-3's short LongRoPE factors), positions times the linear
-``rope_scale``, cos/sin times ``rope_attn_factor``.  Layers flagged in
+``rope_freqs``, Phi-3's short LongRoPE factors), YaRN's ramp between
+interpolated and extrapolated frequencies (``rope_yarn``), positions times the
+linear ``rope_scale``, cos/sin times ``rope_attn_factor``.  Layers flagged in
 ``swa`` (sliding window of ``sliding_window`` keys, Gemma) use
 ``rope_base_swa`` and no linear scaling.  Hugging Face weights rotate
 ``(i, i + d/2)`` (``rotate_half``); llama-arch GGUF files store Q/K rows
@@ -68,6 +69,19 @@ def _rope_tables(config, pos, swa=False):
     fac = config.get("rope_factors")
     if fac is not None and not local:
         inv = inv / np.asarray(fac, dtype=np.float64)
+    yarn = config.get("rope_yarn")
+    if yarn and not local:
+        # YaRN (ggml's rope_yarn, HF's "yarn"): interpolated (inv / factor) where a
+        # dimension turns fewer than beta_slow times over the original context,
+        # extrapolated above beta_fast turns, a linear ramp between
+        factor, orig, fast, slow = (float(v) for v in yarn)
+        base = float(config["rope_base"])
+
+        def corr(turns):
+            return hd * np.log(orig / (turns * 2 * np.pi)) / (2 * np.log(base))
+        lo, hi = max(0.0, np.floor(corr(fast))), min(hd - 1.0, np.ceil(corr(slow)))
+        r = 1.0 - np.clip((np.arange(hd // 2) - lo) / max(0.001, hi - lo), 0.0, 1.0)
+        inv = inv / factor * (1.0 - r) + inv * r
     scale = 1.0 if local else float(config.get("rope_scale", 1.0))
     ang = (pos[:, None].astype(np.float64) * scale) * inv[None, :]          # [T, hd/2]
     m = float(config.get("rope_attn_factor", 1.0))

@@ -28,6 +28,7 @@ and :mod:`.llama` rotates adjacent pairs for them (``rope_interleaved``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -197,7 +198,7 @@ def detect(path: str) -> tuple:
     ``{i}`` for the block), ``bos, eos, add_bos, context, family`` and the
     block's pieces (see :mod:`.llama`): ``qkv_bias, qk_norm, post_norms, act,
     fused_qkv, fused_gate_up`` and, where the architecture has them,
-    ``rope_factors, rope_scale, rope_attn_factor, rope_base_swa, swa,
+    ``rope_factors, rope_scale, rope_yarn, rope_attn_factor, rope_base_swa, swa,
     sliding_window, norm_offset, embed_scale, attn_scale, attn_softcap,
     final_softcap``.
 
@@ -441,10 +442,21 @@ def _hf_rope(d, cfg, family, conf) -> None:
             af = 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(orig))
         conf["rope_attn_factor"] = float(af)
         conf["context"] = orig          # the short factors hold up to here
+    elif kind == "yarn":
+        factor = float(rs["factor"])
+        if rs.get("mscale") not in (None, 1, 1.0) or rs.get("mscale_all_dim") not in (None, 0):
+            raise UnsupportedModelError(f"{d}: YaRN with mscale / mscale_all_dim is not "
+                                        f"implemented.")
+        orig = int(rs.get("original_max_position_embeddings") or conf["context"])
+        conf["rope_yarn"] = [factor, orig, float(rs.get("beta_fast") or 32.0),
+                             float(rs.get("beta_slow") or 1.0)]
+        af = rs.get("attention_factor")
+        conf["rope_attn_factor"] = float(af) if af is not None else (
+            1.0 + 0.1 * math.log(factor) if factor > 1 else 1.0)
     else:
         raise UnsupportedModelError(
             f"{d}: rope_scaling {kind!r} is not implemented; eval supports plain RoPE, "
-            f"'linear', 'llama3' and Phi-3's 'longrope'.")
+            f"'linear', 'llama3', 'yarn' and Phi-3's 'longrope'.")
 
 
 #: Gemma3TextConfig's defaults: a multimodal Gemma 3 config.json states only
@@ -606,12 +618,21 @@ def _detect_gguf(path):
     # RoPE scaling as llama.cpp reads it: linear factor (default type), Llama 3's
     # rope_freqs tensor, Phi-3's short LongRoPE factors and attention factor
     kind = g("rope.scaling.type") or "linear"
-    if kind not in ("none", "linear"):
+    if kind not in ("none", "linear", "yarn") or float(
+            g("rope.scaling.yarn_log_multiplier", 0.0) or 0.0) != 0.0:
         raise UnsupportedModelError(f"{path}: RoPE scaling {kind!r} is not implemented; eval "
-                                    f"supports plain, linear, Llama 3 and Phi-3 LongRoPE.")
+                                    f"supports plain, linear, YaRN, Llama 3 and Phi-3 "
+                                    f"LongRoPE.")
     factor = float(g("rope.scaling.factor", 0.0) or g("rope.scale_linear", 0.0) or 0.0)
     if kind == "linear" and factor not in (0.0, 1.0):
         conf["rope_scale"] = 1.0 / factor
+    if kind == "yarn" and factor > 1.0:
+        # llama.cpp: beta 32 / 1 over the original context, attention factor
+        # 1 + 0.1 ln(factor) (times rope.scaling.attn_factor)
+        orig = int(g("rope.scaling.original_context_length", conf["context"]))
+        conf["rope_yarn"] = [factor, orig, 32.0, 1.0]
+        conf["rope_attn_factor"] = (1.0 + 0.1 * math.log(factor)) * float(
+            g("rope.scaling.attn_factor", 1.0))
     fac = _gguf_vector(path, "rope_freqs.weight")
     if fac is None and family == "phi3":
         fac = _gguf_vector(path, "rope_factors_short.weight")
