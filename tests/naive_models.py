@@ -133,3 +133,18 @@ def write_tiny_llama(path: str, *, seed: int = 0, vocab: int = 256, hidden: int 
     tok.decoder = decoders.ByteLevel()
     tok.save(os.path.join(path, "tokenizer.json"))
     return W
+
+
+def decode_vs_full(model, ids, n_first):
+    """``(prefill error, decode error)``: the model's logits from a prefill of
+    ``ids[:n_first]`` then one token at a time through the KV cache, against
+    one full forward of ``ids`` (max absolute differences)."""
+    from opscope_nb.models import llama
+    n = len(ids)
+    full = llama.forward(model, ids, llama.KVCache(model.config, n), act="f32")
+    cache = llama.KVCache(model.config, n)
+    first = llama.forward(model, ids[:n_first], cache, act="f32")
+    steps = [llama.forward(model, ids[t:t + 1], cache, act="f32", logits="last")[0]
+             for t in range(n_first, n)]
+    return (float(np.abs(first - full[:n_first]).max()),
+            float(np.abs(np.array(steps) - full[n_first:]).max()))
