@@ -5,13 +5,13 @@ import subprocess
 import sys
 
 
-def run_code(code: str, timeout: float = 900, env=None) -> str:
+def run_code(code: str, timeout: float = 900, env=None, cwd=None) -> str:
     """``python -c code`` in a new process (``env``: variables set on top of
-    this process's); its stdout (the test fails with the stderr tail if the
-    process does)."""
+    this process's; ``cwd``: its directory, first on its ``sys.path``); its
+    stdout (the test fails with the stderr tail if the process does)."""
     full = dict(os.environ, **(env or {}))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=timeout, env=full)
+                         timeout=timeout, env=full, cwd=None if cwd is None else str(cwd))
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 

@@ -6,15 +6,12 @@ state (numba's configuration, classes, thread count) and the user's own
 on-disk cache.
 """
 import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 import textwrap
 
-import numpy as np
 import pytest
+from subproc import run_code
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "opscope_nb"
@@ -33,13 +30,9 @@ _USER_MODULE = textwrap.dedent("""
 
 
 def _py(code, cwd, env=None, timeout=900):
-    full = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CACHE_DIR")}
-    full["PYTHONPATH"] = os.pathsep.join([str(cwd), str(ROOT)])
-    full.update(env or {})
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=str(cwd),
-                         env=full, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.strip().splitlines()[-1]
+    """The last stdout line of ``code`` run in a fresh interpreter in ``cwd``."""
+    return run_code(textwrap.dedent(code), timeout=timeout, env=env,
+                    cwd=cwd).strip().splitlines()[-1]
 
 
 def _user_dir(tmp_path):

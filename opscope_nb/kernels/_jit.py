@@ -38,7 +38,6 @@ import contextlib
 import hashlib
 import os
 import pathlib
-import re
 import tempfile
 import warnings
 
@@ -143,7 +142,7 @@ def sources_digest(root=None) -> str:
     return h.hexdigest()
 
 
-def _drop_stale_cache(root=None) -> None:
+def _drop_stale_cache(root=None, where=None) -> None:
     """Delete the package's numba cache files when any of its sources changed.
 
     numba keys a cached function on the content of *its own* file, but a
@@ -154,7 +153,8 @@ def _drop_stale_cache(root=None) -> None:
     in the package's own cache directories (:func:`cache_dirs`) is removed.
     Check and delete run under an exclusive lock, so processes starting
     together never delete each other's fresh files.  Best effort: a cache
-    that cannot be written is left alone.
+    that cannot be written is left alone.  ``where``: :func:`cache_dirs` of
+    ``root`` when the caller has it.
     """
     root = pathlib.Path(root or _ROOT)
     try:
@@ -162,7 +162,7 @@ def _drop_stale_cache(root=None) -> None:
         if root == _ROOT:
             global SOURCES_DIGEST
             SOURCES_DIGEST = digest
-        stamp_dir, dirs = cache_dirs(root)
+        stamp_dir, dirs = cache_dirs(root) if where is None else where
         if stamp_dir is None:
             return
         stamp = stamp_dir / "opscope_sources.sha256"
@@ -186,9 +186,10 @@ def _drop_stale_cache(root=None) -> None:
 #: ``None`` if the sources could not be read).
 SOURCES_DIGEST = None
 
-_drop_stale_cache()
+_CACHE_DIRS = cache_dirs()
+_drop_stale_cache(where=_CACHE_DIRS)
 
-_STAMP_DIR = cache_dirs()[0]
+_STAMP_DIR = _CACHE_DIRS[0]
 #: Directory of the package's own state next to the cache (source stamp, lock,
 #: warm-up record): the cache's stamp directory, or the per-user directory of
 #: a read-only install.
@@ -285,9 +286,7 @@ def intrinsic(fn=None, *, py=None, **options):
         name = getattr(f, "__name__", "intrinsic")
 
         def nojit(*args, **kwargs):
-            raise NotImplementedError(
-                f"opscope_nb: {name} is explicit SIMD code that runs only compiled, and "
-                f"NUMBA_DISABLE_JIT=1 is set; unset NUMBA_DISABLE_JIT to run this function")
+            raise NotImplementedError(f"{NO_JIT} ({name})")
         nojit.__name__ = name
         return nojit
 
