@@ -36,7 +36,9 @@ class PlanError(ValueError):
 def read_plan(plan_path, method=None) -> tuple:
     """``(method, {layer name: Decomp}, plan doc)`` from a ``plan.json``.
 
-    ``method`` None picks ``exact`` when present, else the first method.  Decomp
+    ``method`` None picks ``refined`` when present (``opscope-nb refine`` writes
+    it only when it beat the exact plan on held-out text), else ``exact``, else
+    the first method.  Decomp
     parameters come from the ``profile.json`` next to the plan when it lists the
     same layer and option (keeps low-rank provenance: SVD rank and seed), else
     from the option's label.
@@ -62,7 +64,7 @@ def read_plan(plan_path, method=None) -> tuple:
         raise PlanError(f"{plan_path}: not an opscope-nb plan.json (needs a 'methods' "
                          f"object from 'profile --out' or 'allocate --out').") from None
     if method is None:
-        method = "exact" if "exact" in methods else next(iter(methods))
+        method = next((m for m in ("refined", "exact") if m in methods), next(iter(methods)))
     if method not in methods:
         raise PlanError(f"{plan_path}: method {method!r} not in the plan; it has "
                          f"{sorted(methods)}.")
