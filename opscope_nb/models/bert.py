@@ -8,6 +8,8 @@ run through ``PackedLinear`` (``y = x @ Wᵀ + b``).  Blocks are post-LayerNorm:
     h = LN(h + W2·gelu(W1 h))
 
 with the exact erf GELU.  Attention uses numpy's batched matmul (BLAS).
+An MPNet checkpoint written in this layout (:func:`opscope_nb.models.mpnet.to_bert_dir`)
+adds its relative-position bias to the attention scores of every block.
 Pooling follows ``1_Pooling/config.json`` (mean over non-pad tokens by
 default) and the sentence embedding is L2-normalised when ``modules.json``
 lists ``Normalize``.
@@ -94,6 +96,10 @@ def block(model, i, h, bias, *, act="auto") -> np.ndarray:
     k = lin(b + "attention.self.key", h).reshape(B, L, nh, hd).transpose(0, 2, 3, 1)
     v = lin(b + "attention.self.value", h).reshape(B, L, nh, hd).transpose(0, 2, 1, 3)
     s = np.matmul(q, k) * scale + bias                           # [B, nh, L, L]
+    if cfg.get("rel_buckets"):             # MPNet's relative-position bias (models.mpnet)
+        from .mpnet import position_bias
+        s += position_bias(T[cfg["prefix"] + "encoder.relative_attention_bias.weight"], L,
+                           cfg["rel_buckets"], cfg["rel_max_distance"])[None]
     s -= s.max(axis=-1, keepdims=True)
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)

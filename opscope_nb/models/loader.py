@@ -282,6 +282,9 @@ def _detect_bert(d, cfg):
         "pooling": mode, "normalize": normalize, "max_seq_len": max_seq,
         "pad_id": int(cfg.get("pad_token_id", 0) or 0), "prefix": "",
     }
+    if cfg.get("relative_attention_num_buckets"):      # MPNet in BERT layout (models.mpnet)
+        conf["rel_buckets"] = int(cfg["relative_attention_num_buckets"])
+        conf["rel_max_distance"] = int(cfg.get("relative_attention_max_distance", 128))
     return "encoder", "bert", conf, tok
 
 
@@ -775,6 +778,8 @@ def block_tensors(family, conf, i) -> tuple:
         other = [b + part + ".bias" for part in _BERT_LINEAR]
         for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
             other += [b + ln + ".weight", b + ln + ".bias"]
+        if conf.get("rel_buckets"):                    # shared by every block (MPNet)
+            other.append(f"{conf['prefix']}encoder.relative_attention_bias.weight")
         return lin, other
     nm = conf["names"]
     lin = [nm[r].format(i=i) for r in decoder_linear_roles(conf)]
