@@ -42,7 +42,7 @@ import numpy as np
 from opscope_nb._validation import as_matrix
 
 __all__ = ["check_gram", "output_error", "output_energy", "output_ratio", "gptq_quantize",
-           "hessian_factor", "DAMP"]
+           "hessian_factor", "gram_factor", "row_output_energy", "DAMP"]
 
 #: Default relative dampening of the Hessian diagonal.
 DAMP = 0.1
@@ -185,10 +185,13 @@ def hessian_factor(gram, damp=DAMP) -> np.ndarray:
     return np.ascontiguousarray(linv[::-1, ::-1])
 
 
-_LAST_FACTOR = [None]   # [(private copy of the gram, damp, (order, u))] or [None]
+_CACHE = []   # [(private copy of the gram, key, value)], most recent last
+_CACHE_SIZE = 3
 
 #: Clipping candidates of the static GPTQ scales beyond the unclipped one.
 CLIP_STEPS = 20
+#: Rows per block of :func:`gptq_validated` (fixed: codes do not depend on threads).
+GPTQ_ROWS = 128
 
 
 def sweep_order(gram) -> np.ndarray:
@@ -198,30 +201,127 @@ def sweep_order(gram) -> np.ndarray:
     return np.argsort(-d, kind="stable").astype(np.int64)
 
 
-def _cached_factor(g, damp, act_order=True):
-    """``(order, u)``: :func:`sweep_order` (natural order without
-    ``act_order``) and :func:`hessian_factor` of the gram permuted to it,
-    reused while a gram with the same *content* (and
-    damp) comes back (a layer's menu quantises one weight many times with one
-    gram).
+def _by_content(g, key, make):
+    """``make()`` cached by the gram's *content* and ``key``: the last
+    :data:`_CACHE_SIZE` grams are kept, so the layers that read one input (q, k,
+    v; gate, up) share one factor even when another layer comes between them
+    in the checkpoint's order.
 
     The key is a private copy of the gram compared in full (no identity
     shortcut): a caller that updates its gram in place (``H += x.T @ x``)
-    between two calls gets the factor of the new content.  The comparison is
+    between two calls gets the value of the new content.  The comparison is
     O(cols**2) against the factor's O(cols**3).
     """
-    entry = _LAST_FACTOR[0]
-    if entry is not None:
-        g0, d0, ou = entry
-        if (d0 == (damp, act_order) and g0.shape == g.shape
-                and np.array_equal(g0, g)):
-            return ou
-    order = sweep_order(g) if act_order else np.arange(g.shape[0], dtype=np.int64)
-    gp = g[order] if g.ndim == 1 else g[np.ix_(order, order)]
-    ou = (order, hessian_factor(gp, damp))
-    _LAST_FACTOR[0] = (np.array(g, dtype=np.float64, copy=True), (damp, act_order),
-                       ou)  # one atomic store
-    return ou
+    for i, (g0, k0, val) in enumerate(_CACHE):
+        if k0 == key and g0.shape == g.shape and np.array_equal(g0, g):
+            _CACHE.append(_CACHE.pop(i))
+            return val
+    val = make()
+    _CACHE.append((np.array(g, dtype=np.float64, copy=True), key, val))
+    del _CACHE[:-_CACHE_SIZE]
+    return val
+
+
+def _cached_factor(g, damp, act_order=True):
+    """``(order, u)``: :func:`sweep_order` (natural order without
+    ``act_order``) and :func:`hessian_factor` of the gram permuted to it,
+    cached by the gram's content (:func:`_by_content`)."""
+    def make():
+        order = sweep_order(g) if act_order else np.arange(g.shape[0], dtype=np.int64)
+        gp = g[order] if g.ndim == 1 else g[np.ix_(order, order)]
+        return order, hessian_factor(gp, damp)
+    return _by_content(g, ("gptq", damp, act_order), make)
+
+
+def gram_factor(gram, max_rank=None, *, tol=1e-12):
+    """A low-rank factor ``F`` of a square gram, ``H = F Fᵀ`` to ``tol``, or None.
+
+    Pivoted Cholesky (largest remaining diagonal first) in float64, stopped
+    when every remaining diagonal entry is at most ``tol * max(diag H)``.  A
+    gram of ``t`` calibration rows has rank ``<= t``, so for ``t < cols`` the
+    factor has ``k <= t`` columns and ``tr(E H Eᵀ) = ||E F||²`` costs ``rows x
+    cols x k`` instead of ``rows x cols²``.  The dropped remainder ``R = H -
+    F Fᵀ`` is PSD with trace ``<= cols * tol * max(diag H)``, so each energy
+    is low by at most ``||E||² tr(R)``.  Cost ``cols x k²``; cached by the
+    gram's content (:func:`_by_content`).
+
+    Parameters
+    ----------
+    gram : ndarray of float64, shape (cols, cols)
+        Validated (:func:`check_gram`).
+    max_rank : int, optional
+        Give up (return None) when the factor would need more columns
+        (default ``cols // 2``: beyond it ``H`` itself is as cheap).
+    tol : float
+        Relative stopping threshold on the remaining diagonal.
+
+    Returns
+    -------
+    ndarray of float32, shape (cols, k), C-contiguous, or None
+    """
+    g = gram
+    cols = g.shape[0]
+    kmax = cols // 2 if max_rank is None else int(max_rank)
+
+    def make():
+        d = np.array(np.diag(g), dtype=np.float64)
+        top = float(d.max()) if cols else 0.0
+        ft = np.zeros((max(kmax, 0), cols), dtype=np.float64)   # rows are F's columns
+        if top <= 0.0:
+            return np.zeros((cols, 0), np.float32)
+        for j in range(kmax + 1):
+            p = int(np.argmax(d))
+            if d[p] <= tol * top:
+                return np.ascontiguousarray(ft[:j].T, dtype=np.float32)
+            if j == kmax:
+                return None
+            col = g[:, p] - ft[:j].T @ ft[:j, p]
+            col /= np.sqrt(d[p])
+            ft[j] = col
+            d -= col * col
+            d[p] = 0.0
+        return None
+    return _by_content(g, ("factor", kmax, tol), make)
+
+
+def row_output_energy(e, gram, factor=None) -> np.ndarray:
+    """Per-row output energies ``e_r H e_rᵀ`` of a residual ``e``.
+
+    Parameters
+    ----------
+    e : ndarray of shape (rows, cols)
+        Residual ``W - Ŵ`` (any float dtype).
+    gram : ndarray of float64, shape (cols, cols) or (cols,)
+        Validated (:func:`check_gram`); 1-D is a diagonal.
+    factor : ndarray of float32, shape (cols, k), optional
+        :func:`gram_factor` of ``gram``: ``||e_r F||²`` from float32 GEMMs
+        (``rows x cols x k``) summed in float64; without it ``e H`` in float64
+        (``rows x cols²``).
+
+    Returns
+    -------
+    ndarray of float64, shape (rows,)
+        Rows in fixed blocks over :func:`opscope_nb._threads.map_row_blocks`
+        (every core, one BLAS thread each): the same bits for any thread count.
+    """
+    from opscope_nb._threads import map_row_blocks
+    rows = e.shape[0]
+    if gram.ndim == 1:
+        e64 = np.asarray(e, dtype=np.float64)
+        return (e64 * e64) @ gram
+    if factor is not None:
+        e32 = np.ascontiguousarray(e, dtype=np.float32)
+
+        def blk(a, b):
+            p = (e32[a:b] @ factor).astype(np.float64)
+            return np.einsum("ij,ij->i", p, p)
+    else:
+        e64 = np.ascontiguousarray(e, dtype=np.float64)
+
+        def blk(a, b):
+            return np.einsum("ij,ij->i", e64[a:b] @ gram, e64[a:b])
+    parts = map_row_blocks(blk, rows, block=256)
+    return np.concatenate(parts) if parts else np.zeros(0)
 
 
 def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128, act_order=True,
@@ -269,9 +369,19 @@ def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128, act_order=
     return gptq_validated(w, g, int(bits), grp, damp, block, bool(act_order), bool(clip))
 
 
-def gptq_validated(w, g, bits, grp, damp=DAMP, block=128, act_order=True, clip=True):
+def gptq_validated(w, g, bits, grp, damp=DAMP, block=128, act_order=True, clip=True,
+                   factor=None):
     """:func:`gptq_quantize` on already-validated input (``w`` float32 2-D finite,
-    ``g`` from :func:`check_gram`, ``grp >= 1``); no checks."""
+    ``g`` from :func:`check_gram`, ``grp >= 1``); no checks.
+
+    Rows are independent given ``H``: they run in fixed blocks of
+    :data:`GPTQ_ROWS` on every core (:func:`opscope_nb._threads.map_row_blocks`),
+    the same codes for any thread count.  The choice between unclipped and
+    clipped scales is made for the whole ``w`` (the lower total output energy;
+    ties and no clipping anywhere: unclipped), from :func:`row_output_energy`
+    (``factor``: the low-rank :func:`gram_factor`, else ``H``).
+    """
+    from opscope_nb._threads import map_row_blocks
     from opscope_nb.kernels._gptq_round import gptq_core, gptq_group_scales
     rows, cols = w.shape
     grp = min(grp, max(cols, 1))
@@ -280,17 +390,27 @@ def gptq_validated(w, g, bits, grp, damp=DAMP, block=128, act_order=True, clip=T
         return (np.zeros((rows, cols), np.int8),
                 np.ones((rows, (cols + grp - 1) // grp if cols else 0), np.float32))
     order, u = _cached_factor(g, damp, act_order)
-    w64 = np.array(w, dtype=np.float64)
     imp = np.ascontiguousarray(g if g.ndim == 1 else np.diag(g), dtype=np.float64)
-    wp = np.ascontiguousarray(w64[:, order])
-    best = None
-    for steps in ((0, CLIP_STEPS) if clip else (0,)):
-        scales = gptq_group_scales(w64, imp, int(bits), grp, steps)
-        if best is not None and np.array_equal(scales, best[1]):
-            break                      # no group clips: same codes
-        codes = gptq_core(wp.copy(), u, order, scales, int(bits), grp, blk)
-        deq = codes.astype(np.float32) * np.repeat(scales, grp, axis=1)[:, :cols]
-        err = output_energy(w64 - deq, g)
-        if best is None or err < best[2]:
-            best = (codes, scales, err)
-    return best[0], best[1]
+    steps_all = (0, CLIP_STEPS) if clip else (0,)
+
+    def run(a, b):
+        w64 = np.array(w[a:b], dtype=np.float64)
+        wp = np.ascontiguousarray(w64[:, order])
+        out = []                        # [(codes, scales, energy)] per candidate
+        for steps in steps_all:
+            scales = gptq_group_scales(w64, imp, int(bits), grp, steps)
+            if out and np.array_equal(scales, out[0][1]):
+                out.append(out[0])     # no group of these rows clips: same codes
+                continue
+            codes = gptq_core(wp.copy(), u, order, scales, int(bits), grp, blk)
+            deq = codes.astype(np.float32) * np.repeat(scales, grp, axis=1)[:, :cols]
+            out.append((codes, scales, row_output_energy(w64 - deq, g, factor).sum()))
+        return out
+
+    parts = map_row_blocks(run, rows, block=GPTQ_ROWS)
+    pick = 0
+    if len(steps_all) > 1 and any(p[1] is not p[0] for p in parts):
+        tot = [sum(p[k][2] for p in parts) for k in range(2)]
+        pick = 1 if tot[1] < tot[0] else 0
+    return (np.concatenate([p[pick][0] for p in parts]),
+            np.concatenate([p[pick][1] for p in parts]))

@@ -27,7 +27,7 @@ from ._quant_probe import ZERO_AMAX, div_f32, round_half_away
 __all__ = ["gptq_core", "gptq_group_scales"]
 
 
-@njit
+@njit(nogil=True)
 def gptq_group_scales(w, imp, bits, group, steps):
     """Static group scales for GPTQ: per row and group, the scale among
     ``steps + 1`` clipping candidates with the least importance-weighted
@@ -96,7 +96,7 @@ def gptq_group_scales(w, imp, bits, group, steps):
     return scales
 
 
-@njit
+@njit(nogil=True)
 def gptq_core(w, u, perm, scales, bits, group, block):
     """Quantise ``w``'s columns in the order ``perm``, pushing each column's
     rounding error onto the columns not yet quantised (GPTQ, Frantar et al.

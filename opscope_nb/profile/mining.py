@@ -79,6 +79,9 @@ __all__ = [
 
 #: Ranks of the ``+lr`` corrections :func:`profile_layer` offers by default.
 LR_RANKS = (8, 16, 32)
+#: Most columns of the gram factor a sampled profile computes ``out_err`` with
+#: (a gram of more calibration rows than this uses ``H`` itself).
+FACTOR_MAX_RANK = 1024
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,11 @@ class DecompOption:
     ``sqrt(tr(dW H dWᵀ) / tr(W H Wᵀ))`` (:func:`opscope_nb.formats.gptq.output_error`);
     ``None`` when the layer was profiled without a gram.  Not part of
     equality or hash.
+
+    ``rel_err_se`` / ``out_err_se`` are the standard errors of ``rel_err`` /
+    ``out_err`` when they are estimates from a row sample
+    (:mod:`opscope_nb.profile.sampling`, ``LayerProfile.sample``); ``None``
+    when every row was measured.  Not part of equality or hash.
     """
 
     decomp: Decomp
@@ -103,6 +111,8 @@ class DecompOption:
     flops: int
     latency_us: dict = field(default_factory=dict, compare=False)
     out_err: float | None = field(default=None, compare=False)
+    rel_err_se: float | None = field(default=None, compare=False)
+    out_err_se: float | None = field(default=None, compare=False)
 
     @property
     def label(self) -> str:
@@ -114,14 +124,17 @@ class DecompOption:
                 "flops": int(self.flops),
                 "latency_us": {str(int(k)): float(v) for k, v in
                                sorted(self.latency_us.items())},
-                "out_err": None if self.out_err is None else float(self.out_err)}
+                "out_err": None if self.out_err is None else float(self.out_err),
+                **({} if self.rel_err_se is None else {"rel_err_se": float(self.rel_err_se)}),
+                **({} if self.out_err_se is None else {"out_err_se": float(self.out_err_se)})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "DecompOption":
         lat = {int(k): float(v) for k, v in (d.get("latency_us") or {}).items()}
-        oe = d.get("out_err")
+        oe, se, ose = d.get("out_err"), d.get("rel_err_se"), d.get("out_err_se")
         return cls(Decomp.from_dict(d["decomp"]), float(d["rel_err"]), int(d["bytes"]),
-                   int(d["flops"]), lat, None if oe is None else float(oe))
+                   int(d["flops"]), lat, None if oe is None else float(oe),
+                   None if se is None else float(se), None if ose is None else float(ose))
 
 
 @dataclass
@@ -165,6 +178,10 @@ class LayerProfile:
         projection, or the token embedding when the head is tied to it):
         :func:`opscope_nb.models.loader.output_head`.  A measured
         :attr:`sensitivity` replaces it.
+    sample : dict or None
+        The row sample the row-wise options' errors were estimated from
+        (``{"rows": n, "of": rows, "seed": s, "design": "stratified"}``;
+        :mod:`opscope_nb.profile.sampling`), None when every row was measured.
     """
 
     name: str
@@ -177,6 +194,7 @@ class LayerProfile:
     stored_dtype: str = "F32"
     sensitivity_val: float | None = None
     prior_weight: float = 1.0
+    sample: dict | None = None
 
     @property
     def f32_bytes(self) -> int:
@@ -206,7 +224,8 @@ class LayerProfile:
                 **({} if self.sensitivity_val is None
                    else {"sensitivity_val": float(self.sensitivity_val)}),
                 **({} if self.prior_weight == 1.0
-                   else {"prior_weight": float(self.prior_weight)})}
+                   else {"prior_weight": float(self.prior_weight)}),
+                **({} if self.sample is None else {"sample": dict(self.sample)})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayerProfile":
@@ -226,7 +245,8 @@ class LayerProfile:
                    {k: float(v) for k, v in d.get("timings", {}).items()},
                    None if sens is None else float(sens), str(d.get("stored_dtype", "F32")),
                    None if sv is None else float(sv),
-                   check_prior_weight(d.get("prior_weight", 1.0)))
+                   check_prior_weight(d.get("prior_weight", 1.0)),
+                   dict(d["sample"]) if d.get("sample") else None)
 
 
 def check_prior_weight(value) -> float:
@@ -296,7 +316,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
                   latency=None, intn_bits=(6, 5, 3), int2_groups=(32,), gram=None,
                   gptq=True, sensitivity=None, stored_dtype="F32", menu="default",
                   ggml_types=None, lr_ranks=LR_RANKS, prior_weight=1.0,
-                  requantize=False) -> LayerProfile:
+                  requantize=False, sample_rows="all") -> LayerProfile:
     """Measure every applicable compression option of one weight.
 
     Options, in order: dense (the weight as the source stores it, at its
@@ -395,6 +415,23 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         llama-quantize's ``--allow-requantize``) instead of offering it as
         stored; it is then offered only when the menu holds the type.  The
         dense option stays the as-stored copy.
+    sample_rows : {"all", "auto"} or int
+        ``"all"`` (default): every option measured on every row.  ``"auto"``
+        or a number of rows ``n``: the options that quantise each row on its
+        own (dense, BF16/F16, int8 .. int2 with their ``+gptq`` twins, the
+        ggml types, 2:4) get ``rel_err`` and ``out_err`` estimated from a
+        stratified row sample (:mod:`opscope_nb.profile.sampling`; ``"auto"``:
+        at least 256 rows, enough for a 95 % interval within ±1 % of each
+        error, every row for tensors under 1 M weights), with their standard
+        errors in ``rel_err_se`` / ``out_err_se`` and the sample in
+        ``LayerProfile.sample``; ``out_err`` then comes from a low-rank factor
+        of the gram when it has one (:func:`opscope_nb.formats.gptq.gram_factor`:
+        ``rows x cols x t`` float32 GEMMs instead of ``rows x cols²``).  The
+        other options (ternary's one scale, low-rank, Monarch, Tucker, TT) are
+        measured on every row; the ``+lr`` composites are not offered on a
+        sampled tensor (their correction is fitted to every row of the
+        residual).  Bytes and flops are exact either way.  ``latency`` still
+        packs every row of each option to time it.
 
     Returns
     -------
@@ -436,20 +473,35 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
     # the stored ggml block type, kept as stored unless re-quantisation is asked for
     own = None if requantize else _stored_block_type(stored_dtype, cols)
 
+    from . import sampling
+    spec = sampling.check_sample_rows(sample_rows)
+    n0 = sampling.sample_size(spec, rows, cols)
     meas = _Measure(w, gram, lat_ms, seed)
     if menu == "ggml":
         menu_list = ggml_menu(cols, ggml_types)
         if own is not None and Decomp.ggml(own) not in [d for d, _ in menu_list]:
             menu_list.insert(1, (Decomp.ggml(own), "ggml"))
+        if n0 is not None:
+            meas.sample(name, [it for it in menu_list if own is None or it[0] != Decomp.ggml(own)],
+                        n0, spec == "auto")
         for d, part in menu_list:
             if own is not None and d == Decomp.ggml(own):
                 meas.as_stored(d, ref)
             else:
                 meas(d, part, ref_dense=ref)
         return LayerProfile(name, rows, cols, ref, meas.options, meas.timings, sensitivity,
-                            str(stored_dtype).upper(), prior_weight=prior_weight)
-    for d, part in quant_menu(cols, groups=gs, intn_bits=nbits, int2_groups=g2s,
-                              gptq=with_gptq, stored=stored_dtype):
+                            str(stored_dtype).upper(), prior_weight=prior_weight,
+                            sample=meas.sample_info)
+    qmenu = quant_menu(cols, groups=gs, intn_bits=nbits, int2_groups=g2s, gptq=with_gptq,
+                       stored=stored_dtype)
+    if n0 is not None:
+        lrs = []                      # a correction is fitted to every row of the residual
+        extra = structured_menu(rows, cols, ref)
+        if menu == "mixed":
+            extra = extra + ggml_menu(cols, ggml_types)[1:]
+        meas.sample(name, [it for it in qmenu + extra
+                           if own is None or it[0] != Decomp.ggml(own)], n0, spec == "auto")
+    for d, part in qmenu:
         if own is not None and d == Decomp.ggml(own):
             meas.as_stored(d, ref)       # its residual is 0: no +lr composites
             continue
@@ -467,8 +519,13 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
             if d.label not in have:
                 meas(d, part)
     return LayerProfile(name, rows, cols, ref, meas.options, meas.timings, sensitivity,
-                        str(stored_dtype).upper(), prior_weight=prior_weight)
+                        str(stored_dtype).upper(), prior_weight=prior_weight,
+                        sample=meas.sample_info)
 
+
+#: Options measured row by row (a row's codes depend on that row only, and on
+#: the gram): the kinds a row sample estimates (:meth:`_Measure.sample`).
+ROW_KINDS = frozenset({"dense", "int8", "int4", "int4g", "intn", "sparse24", "ggml"})
 
 #: Parts of :attr:`LayerProfile.timings` that every profile reports.
 _PARTS = ("quant", "ternary", "sparse", "svd", "lowrank", "monarch", "tucker", "tt", "lr")
@@ -637,6 +694,9 @@ class _Measure:
         self._den = None
         self._metric = False
         self._eh = None
+        self.est = None              # label -> (rel, se, out, out_se) from a row sample
+        self._factor = None          # low-rank factor of a 2-D gram (sampled tensors)
+        self.sample_info = None
 
     def _tick(self, part, t0):
         self.timings[part] = self.timings.get(part, 0.0) + time.perf_counter() - t0
@@ -652,6 +712,18 @@ class _Measure:
         represent the weight.  ``ref_dense``: the stored bytes the dense option
         is priced at (what ``apply`` writes for it; default float32's)."""
         w = self.w
+        if self.est is not None and d.label in self.est:
+            st = self.est[d.label]
+            if st is None:
+                return None           # not representable
+            t0 = time.perf_counter()
+            packed = _pack(w, d, svd, self.gram) if self.lat_ms is not None else None
+            if part and packed is not None:
+                self._tick(part, t0)
+            self._record(d, packed, st[0], st[2],
+                         nb=ref_dense if d.kind == "dense" and ref_dense is not None else None,
+                         se=(st[1], st[3]))
+            return None
         t0 = time.perf_counter()
         packed = _pack(w, d, svd, self.gram)
         recon = unpack(packed, d, w.shape)
@@ -664,7 +736,12 @@ class _Measure:
         self._eh = None
         if self.gram is not None:
             t0 = time.perf_counter()
-            if self.gram.ndim == 2:
+            if self._factor is not None:
+                from opscope_nb.formats.gptq import row_output_energy
+                num = float(row_output_energy(w.astype(np.float64) - recon, self.gram,
+                                              self._factor).sum())
+                oerr = output_ratio(num, self.den())
+            elif self.gram.ndim == 2:
                 # keep E H for the +lr composites of this option (same product)
                 e = w.astype(np.float64) - recon
                 self._eh = e @ self.gram
@@ -685,15 +762,120 @@ class _Measure:
         self._tick("quant", t0)
         self._record(d, packed, 0.0, None if self.gram is None else 0.0, nb=int(nb))
 
-    def _record(self, d, packed, err, oerr, nb=None):
+    def _record(self, d, packed, err, oerr, nb=None, se=(None, None)):
         lat = {}
-        if self.lat_ms is not None:
+        if self.lat_ms is not None and packed is not None:
             t0 = time.perf_counter()
             lat = measure_latency(PackedLinear(d, packed, self.w.shape), self.lat_ms,
                                   seed=self.seed)
             self._tick("latency", t0)
-        self.options.append(DecompOption(d, err, nbytes(packed) if nb is None else int(nb),
-                                         flops(*self.w.shape, d), lat, oerr))
+        if nb is None:
+            nb = nbytes(packed) if packed is not None else packed_bytes(*self.w.shape, d)
+        self.options.append(DecompOption(d, err, int(nb), flops(*self.w.shape, d), lat, oerr,
+                                         se[0], se[1]))
+
+    def _rows(self, items, idx, per):
+        """Per-row squared errors of each row-wise option on rows ``idx``:
+        ``per[label]`` gets ``(weight, output)`` float64 ``[len(idx)]`` arrays
+        appended (output None without a gram; None for the option when it
+        cannot represent these rows)."""
+        from opscope_nb.formats.gptq import row_output_energy
+        ws = np.ascontiguousarray(self.w[idx])
+        ws64 = ws.astype(np.float64)
+        g = self.gram
+        for d, part in items:
+            if per.get(d.label, 0) is None:
+                continue
+            t0 = time.perf_counter()
+            e = ws64 - unpack(_pack(ws, d, None, g, self._factor), d, ws.shape)
+            y = np.einsum("ij,ij->i", e, e)
+            self._tick(part or "quant", t0)
+            if not np.isfinite(y).all():
+                per[d.label] = None
+                continue
+            oy = None
+            if g is not None:
+                t0 = time.perf_counter()
+                oy = row_output_energy(e, g, self._factor)
+                self._tick("out_err", t0)
+            per.setdefault(d.label, []).append((y, oy))
+
+    def sample(self, name, items, n0, auto):
+        """Estimate every row-wise option among ``items`` (``[(Decomp, part)]``)
+        from a stratified sample of ``n0`` rows (``auto``: grown by nested
+        halving of the strata until every 95 % interval is within ±1 %;
+        :mod:`opscope_nb.profile.sampling`); later calls of the options use
+        the estimates."""
+        from opscope_nb.formats.gptq import gram_factor, row_output_energy
+        from . import sampling as smp
+        w, g = self.w, self.gram
+        rows, cols = w.shape
+        seen, todo = set(), []
+        for d, part in items:
+            if d.kind in ROW_KINDS and d.lr is None and d.label not in seen:
+                seen.add(d.label)
+                todo.append((d, part))
+        self._factor = None
+        if g is not None and g.ndim == 2:
+            t0 = time.perf_counter()
+            self._factor = gram_factor(g, max_rank=min(cols // 2, FACTOR_MAX_RANK))
+            self._tick("out_err", t0)
+        w64 = w.astype(np.float64)
+        xw = np.einsum("ij,ij->i", w64, w64)        # each row's energy: the ratio's x
+        den_w = float(xw.sum())
+        del w64
+        den_o = xo = None
+        if g is not None:
+            t0 = time.perf_counter()
+            xo = row_output_energy(w, g, self._factor)
+            den_o = float(xo.sum())
+            self._den = den_o
+            self._tick("out_err", t0)
+        idx, sizes = smp.draw(rows, n0, self.seed, name)
+        per = {}
+        self._rows(todo, idx, per)
+
+        def stats(pairs, sizes, order):
+            y = np.concatenate([p[0] for p in pairs])[order]
+            out = smp.relative(*smp.estimate(y, sizes, xw[idx], den_w), den_w)
+            if pairs[0][1] is None:
+                return out + (None, None)
+            oy = np.concatenate([p[1] for p in pairs])[order]
+            return out + smp.relative(*smp.estimate(oy, sizes, xo[idx], den_o), den_o)
+
+        order = np.arange(n0)
+        n = n0
+        if auto:
+            need = n0
+            for lab, pairs in per.items():
+                if pairs is None:
+                    continue
+                st = stats(pairs, sizes, order)
+                need = max(need, smp.rows_for_target(st[0], st[1], n0, rows))
+                if st[2] is not None:
+                    need = max(need, smp.rows_for_target(st[2], st[3], n0, rows))
+            if need > n0:
+                n = n0 * 2 ** int(math.ceil(math.log2(need / n0)))
+                if 2 * n > rows:          # as dear as every row: measure them all
+                    rest = np.setdiff1d(np.arange(rows, dtype=np.int64), idx)
+                    self._rows(todo, rest, per)
+                    allidx = np.concatenate([idx, rest])
+                    order = np.argsort(allidx, kind="stable")
+                    idx, sizes, n = allidx[order], np.ones(rows, np.int64), rows
+                else:
+                    idx_n, sizes, home = smp.refine(rows, idx, n, self.seed, name)
+                    fresh = np.ones(n, dtype=bool)
+                    fresh[home] = False
+                    self._rows(todo, idx_n[fresh], per)
+                    # measured order: old rows (stratum `home`), then the fresh strata
+                    pos = np.concatenate([home, np.flatnonzero(fresh)])
+                    order = np.empty(n, np.int64)
+                    order[pos] = np.arange(n)
+                    idx = idx_n
+        self.est = {lab: (None if pairs is None else stats(pairs, sizes, order))
+                    for lab, pairs in per.items()}
+        self.sample_info = {"rows": int(n), "of": int(rows), "seed": int(self.seed),
+                            "design": "stratified" if n < rows else "every row"}
 
     def corrections(self, d, packed, recon, ranks, ref_bytes):
         """The ``+lr{r}`` options of the measured quantisation ``d`` for each

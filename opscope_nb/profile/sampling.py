@@ -1,0 +1,191 @@
+"""Row-sampled error estimates: every error a profile measures is a sum over
+output rows, so a stratified sample of rows estimates it.
+
+For a weight ``W`` ``[rows, cols]`` and an option that quantises each row on
+its own (round to nearest, GPTQ given ``H``, the ggml block types, 2:4
+pruning), the squared errors ``||W - Ŵ||²``, ``sum_j h_j (W - Ŵ)²_rj`` and
+``tr((W - Ŵ) H (W - Ŵ)ᵀ)`` are sums of one term ``y_r`` per row.
+
+Design (stratified, one row per stratum): the rows are cut into ``n``
+contiguous strata of sizes ``N_h`` (``bounds = floor(h * rows / n)``, so
+attention heads and other row groups are covered evenly) and one row is
+drawn uniformly in each, seeded by the profile's seed and the tensor's name.
+The total is estimated by the ratio estimator ``T = X sum_h N_h y_h / sum_h
+N_h x_h`` with ``x_r`` the row's own energy (``||w_r||²``, or ``w_r H
+w_rᵀ`` for the output error; ``X`` their exact sum over all rows): a row's
+relative error varies much less than its error.  Its variance comes from the
+residuals ``y - R x`` by collapsing neighbouring strata in pairs (a final
+triple when ``n`` is odd), ``V = sum_g m/(m-1) sum_(h in g) (z_h -
+mean_g)²`` with ``z_h = N_h (y_h - R x_h)`` (conservative).  A
+relative error ``sqrt(T / D)`` (``D`` exact) gets the standard error
+``sqrt(V) / (2 sqrt(T D))`` (delta method).
+
+``"auto"`` sizing: a pilot of :data:`AUTO_MIN_ROWS` strata, then the
+smallest ``n = pilot * 2**L`` at which every option's 95 % interval is
+within ±1 % of its error (:data:`TARGET`), from the pilot's variances;
+strata are nested (each splits in two), so the pilot's rows stay in the
+sample and only the new rows are measured.  When that ``n`` reaches half the
+rows, every row is measured instead (exact, standard error 0).  Tensors
+under :data:`AUTO_MIN_WEIGHTS` weights or :data:`AUTO_MIN_ROWS` x 2 rows
+always use every row.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+
+__all__ = ["AUTO_MIN_ROWS", "AUTO_MIN_WEIGHTS", "TARGET", "check_sample_rows", "sample_size",
+           "strata_bounds", "draw", "refine", "estimate", "relative", "rows_for_target"]
+
+#: Rows of the pilot sample, and the least sample ``"auto"`` uses.
+AUTO_MIN_ROWS = 256
+#: Tensors with fewer weights are measured on every row under ``"auto"``.
+AUTO_MIN_WEIGHTS = 1 << 20
+#: ``"auto"``'s target: 95 % interval half-width / error.
+TARGET = 0.01
+_Z95 = 1.959963984540054
+
+
+def check_sample_rows(value):
+    """``"all"``, ``"auto"`` or a positive int; ``ValueError`` / ``TypeError`` otherwise."""
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("all", "auto"):
+            return v
+        try:
+            value = int(v)
+        except ValueError:
+            raise ValueError(f"sample_rows must be 'auto', 'all' or a number of rows >= 2; got "
+                             f"{value!r}. Pass e.g. sample_rows='auto'.") from None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"sample_rows must be 'auto', 'all' or an int >= 2; got "
+                        f"{type(value).__name__} {value!r}.")
+    if int(value) < 2:
+        raise ValueError(f"sample_rows must be >= 2 rows (a variance needs two strata); got "
+                         f"{value}. Pass 'all' to measure every row.")
+    return int(value)
+
+
+def sample_size(spec, rows: int, cols: int):
+    """Strata of the first sample for ``spec`` (:func:`check_sample_rows`), or
+    None for every row."""
+    if spec == "all":
+        return None
+    if spec == "auto":
+        if rows * cols < AUTO_MIN_WEIGHTS or rows < 2 * AUTO_MIN_ROWS:
+            return None
+        return AUTO_MIN_ROWS
+    return None if spec * 2 > rows else int(spec)
+
+
+def strata_bounds(rows: int, n: int) -> np.ndarray:
+    """``floor(h * rows / n)`` for ``h = 0..n`` (int64 ``[n + 1]``)."""
+    return (np.arange(n + 1, dtype=np.int64) * rows) // n
+
+
+def _rng(seed: int, name: str, n: int):
+    return np.random.default_rng([int(seed), zlib.crc32(name.encode("utf-8")), int(n)])
+
+
+def draw(rows: int, n: int, seed: int, name: str) -> tuple:
+    """One row per stratum: ``(idx, sizes)`` int64 ``[n]`` each (``2 n <= rows``)."""
+    b = strata_bounds(rows, n)
+    sizes = np.diff(b)
+    idx = b[:-1] + np.floor(_rng(seed, name, n).random(n) * sizes).astype(np.int64)
+    return idx, sizes
+
+
+def refine(rows: int, idx: np.ndarray, n: int, seed: int, name: str) -> tuple:
+    """Nested refinement of a sample drawn with ``len(idx)`` strata to ``n``
+    (a power-of-two multiple): ``(idx_n, sizes_n, home)`` where ``home[i]`` is
+    the new stratum of the old row ``idx[i]`` (the other strata hold fresh rows)."""
+    b = strata_bounds(rows, n)
+    sizes = np.diff(b)
+    fresh = b[:-1] + np.floor(_rng(seed, name, n).random(n) * sizes).astype(np.int64)
+    home = np.searchsorted(b, idx, side="right") - 1          # each old row's new stratum
+    out = fresh.copy()
+    out[home] = idx
+    return out, sizes, home
+
+
+def _collapsed_var(z: np.ndarray) -> float:
+    """Collapsed-strata variance of ``sum z`` (one draw per stratum): pairs of
+    neighbouring strata, a final triple when their number is odd."""
+    n = z.size
+    if n < 2:
+        return 0.0
+    starts = list(range(0, n, 2))
+    if n % 2:
+        starts = starts[:-1]                 # the last stratum joins the last pair
+    var = 0.0
+    for g in [z[s:s + 2] for s in starts[:-1]] + [z[starts[-1]:]]:
+        m = g.size
+        var += m / (m - 1) * float(((g - g.mean()) ** 2).sum())
+    return var
+
+
+def estimate(y: np.ndarray, sizes: np.ndarray, x: np.ndarray | None = None,
+             x_total: float | None = None) -> tuple:
+    """``(total, variance)`` of ``sum_r y_r`` from one row per stratum.
+
+    Parameters
+    ----------
+    y : ndarray of float64, shape (n,)
+        The sampled rows' terms, in stratum order.
+    sizes : ndarray of int, shape (n,)
+        Stratum sizes ``N_h``.
+    x, x_total : optional
+        An auxiliary term known on every row (``x`` on the sampled rows,
+        ``x_total`` its exact sum over all rows), roughly proportional to
+        ``y``: the **ratio estimator** ``x_total * sum N_h y_h / sum N_h x_h``
+        is used, whose variance comes from the residuals ``y - R x``.  For a
+        quantisation error ``x`` is the row's own energy ``||w_r||²`` (or
+        ``w_r H w_rᵀ``): a row's *relative* error varies far less across rows
+        than its error, so fewer rows give the same interval.
+
+    Returns
+    -------
+    (float, float)
+        The estimated total and its estimated variance (0 when every row is
+        in the sample).
+    """
+    nh = np.asarray(sizes, np.float64)
+    y = np.asarray(y, np.float64)
+    full = bool(np.all(nh == 1))
+    if x is None:
+        z = nh * y
+        return float(z.sum()), (0.0 if full else _collapsed_var(z))
+    x = np.asarray(x, np.float64)
+    sx = float((nh * x).sum())
+    if sx <= 0.0:
+        return estimate(y, sizes)
+    ratio = float((nh * y).sum()) / sx
+    total = ratio * float(x_total)
+    if full:
+        return total, 0.0
+    return total, _collapsed_var(nh * (y - ratio * x)) * (float(x_total) / sx) ** 2
+
+
+def relative(total: float, var: float, den: float) -> tuple:
+    """``(sqrt(total / den), standard error)``: the relative error and its
+    delta-method standard error (0 when ``total`` or ``den`` is not positive)."""
+    total = max(total, 0.0)
+    if den <= 0.0:
+        return (0.0 if total == 0.0 else math.inf), 0.0
+    rel = math.sqrt(total / den)
+    se = math.sqrt(max(var, 0.0)) / (2.0 * math.sqrt(total * den)) if total > 0 else 0.0
+    return rel, se
+
+
+def rows_for_target(rel: float, se: float, n: int, rows: int) -> int:
+    """Strata needed for a 95 % half-width of :data:`TARGET` x ``rel`` given a
+    sample of ``n`` strata with standard error ``se`` (variance ∝ ``1/n - 1/rows``)."""
+    if rel <= 0.0 or se <= 0.0:
+        return n
+    hw = _Z95 * se / rel
+    if hw <= TARGET:
+        return n
+    inv = 1.0 / rows + (TARGET / hw) ** 2 * (1.0 / n - 1.0 / rows)
+    return int(math.ceil(1.0 / inv)) if inv > 0 else rows
