@@ -10,6 +10,10 @@ Sub-commands
     ``profile.json``, ``plan.json`` and ``options.csv``.
 ``allocate PROFILE.json``
     Re-solve a saved profile at another budget without touching the weights.
+``refine PROFILE.json --out DIR``
+    Start from the exact plan at a budget and search for a plan of the same
+    bytes whose measured KL (decoders) or cosine (encoders) is lower; kept
+    only when it also wins on a held-out split (``allocate --refine`` too).
 ``quant [SOURCE]``
     The upstream ``--quant`` sweep: int8/int4/int3 errors per layer, the
     depth trend, a by-kind table, outlier hotspots and a mixed int4/int8 recipe.
@@ -62,16 +66,17 @@ PROG = "opscope-nb"
 
 #: Command modules of this package, in ``--help`` order.  A module that does not
 #: exist yet is skipped (so a command can land in its own commit).
-COMMANDS = ("profile", "allocate", "quant", "plot", "apply", "eval", "warmup")
+COMMANDS = ("profile", "allocate", "refine", "quant", "plot", "apply", "eval", "warmup")
 #: What an interrupt leaves behind, per command (Ctrl-C's message).
 _INTERRUPTED = {
     "profile": " (with --out, profile.json keeps the layers done; rerun with --resume)",
     "apply": " (no output written: the target file is untouched)",
     "allocate": " (no output written)",
+    "refine": " (refine_state.json keeps the search; rerun to continue)",
     "plot": " (no output written)",
 }
 #: Commands that pin OpenBLAS to one thread (see :func:`main`).
-_PIN_BLAS = ("profile", "quant", "eval")
+_PIN_BLAS = ("profile", "quant", "eval", "refine")
 
 # Re-exported from the helper modules on first access (keeps `import` cheap).
 _LAZY = {

@@ -3,7 +3,8 @@
 touching the weights; ``--out DIR`` writes ``plan.json``.  A profile made with
 ``--calib --validate FRAC`` has its plans measured on the held-out text again
 (one streamed pass over the source, which must still be where the profile
-read it; ``--no-validate`` skips it)."""
+read it; ``--no-validate`` skips it).  ``--refine`` then searches for a plan
+of the same budget that measures better (``opscope-nb refine``, needs ``--out``)."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,7 @@ import os
 
 from ._tensor_types import add_tensor_type_arg, write_type_file
 from ._common import (
+    CliError,
     ensure_outdir,
     json_text,
     layers_from_doc,
@@ -43,10 +45,18 @@ def add_parser(sub) -> None:
                    help="measure the plans on the profile's held-out calibration text "
                         "(default when the profile has one; re-reads the source model)")
     add_tensor_type_arg(p)
+    p.add_argument("--refine", action="store_true",
+                   help="then refine the exact plan by measuring candidates, as "
+                        "'opscope-nb refine' (needs --out; the flags below)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
+    from .refine import add_refine_args
+    add_refine_args(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.refine and not args.out:
+        raise CliError("--refine needs --out DIR (plan.json and the search's state go there).")
     spec = budget_spec(args)
     doc = load_profile_doc(args.profile)
     layers = layers_from_doc(doc, args.profile)
@@ -64,15 +74,22 @@ def run(args) -> int:
                  f"(--no-validate silences this).")
         else:
             validation = validate_plans(src, cal, layers, allocs, progress_enabled(args))
+    res = None
+    if args.refine:
+        from .refine import refine_allocation
+        allocs, res = refine_allocation(args, doc, layers, spec, allocs,
+                                        ensure_outdir(args.out))
     if args.out:
         out = ensure_outdir(args.out)
         p = os.path.join(out, "plan.json")
-        write(p, json_text(plan_dict(layers, allocs, spec, doc.get("source"), cal,
-                                     validation, requantize=bool(
-                                         (doc.get("settings") or {}).get("requantize")))))
+        d = plan_dict(layers, allocs, spec, doc.get("source"), cal, validation,
+                      requantize=bool((doc.get("settings") or {}).get("requantize")))
+        if res is not None:
+            d["refine"] = res.to_dict()
+        write(p, json_text(d))
         print(f"wrote {p}")
     if args.tensor_type_file:
-        m = "exact" if "exact" in allocs else next(iter(allocs))
+        m = next((k for k in ("refined", "exact") if k in allocs), next(iter(allocs)))
         a = allocs[m][0]
         plan = {lp.name: lp.options[a.choice[i]].decomp for i, lp in enumerate(layers)}
         write_type_file(args.tensor_type_file, plan, doc)

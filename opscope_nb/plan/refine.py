@@ -1,0 +1,880 @@
+"""Refine a plan by measuring it: a search over plans scored by the model's own output.
+
+The allocators (:mod:`.allocate`) are exact for an additive model of the
+error -- the sum over layers of a per-layer term (``sensitivity x
+out_err**2`` with calibration).  That sum does not predict the end-to-end
+error exactly (EvoPress, ICML 2025).  :func:`refine` starts from a plan (the
+exact one), proposes plans that keep the bytes within the budget and keeps
+the one whose **measured** score is lowest:
+
+* decoders: mean next-token ``KL(dense || plan)`` over the search tokens
+  (float64 log-softmax; the dense log-probabilities computed once);
+* encoders: mean ``1 - cos`` of the pooled sentence embeddings.
+
+Moves (each keeps ``bytes <= budget``): one layer up one step of its
+*ladder* (its options that no cheaper option beats in the predicted error),
+paid for by layers moved down (picked by predicted cost per byte freed,
+among a few random ones), optionally a slack-filling move up; or a swap
+inside one block (one layer up, another down).  Seeds (the exact plans of
+nearby budgets, of other objectives) are scored first.  ``search="local"``
+is a first-improvement hill climb (one candidate per step);
+``search="evo"`` is a (1 + lambda) evolutionary step in EvoPress's manner
+(``offspring`` candidates of one to three mutations each, the best kept
+when it beats its parent).
+
+Candidates are scored without re-quantising: each (layer, option) is packed
+once (:class:`PlanScorer` keeps the ``PackedLinear``), and a candidate runs
+only from the first block whose tensors differ from its parent's, starting
+from the parent's cached input of that block (a changed head runs the head
+alone).  The result is never worse than the start on a held-out split:
+:func:`refine` scores both plans there and returns the refined one only if
+it measures lower (``kept``).
+
+Layer 4 (imports :mod:`opscope_nb.models`, :mod:`opscope_nb.runtime`,
+:mod:`opscope_nb.formats`, :mod:`.allocate`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .allocate import predicted_damage
+
+__all__ = ["PlanScorer", "RefineResult", "refine", "split_passages", "ladders",
+           "plan_bytes", "propose", "STATE_VERSION", "load_state", "save_state",
+           "choice_key"]
+
+#: Version of the state file layout (:func:`save_state`).
+STATE_VERSION = 1
+#: Rows of logits turned into float64 log-probabilities at once.
+_ROWS = 64
+
+
+# --------------------------------------------------------------------------- #
+# text
+# --------------------------------------------------------------------------- #
+def split_passages(items, frac, seed) -> tuple:
+    """``(search, held_out)``: a seeded choice of ``ceil(frac * n)`` items held
+    out (at least one, leaving at least one), both in text order -- the rule
+    of :class:`opscope_nb.profile.calib.CalibrationStream` (same ``frac`` and
+    seed: the same held-out passages as ``profile --calib --validate``)."""
+    items = list(items)
+    n = len(items)
+    if not (isinstance(frac, (int, float)) and 0.0 < float(frac) < 1.0):
+        raise ValueError(f"frac must be a fraction in (0, 1); got {frac!r}.")
+    if n < 2:
+        raise ValueError(f"need at least 2 passages to hold one out; got {n}. Give a "
+                         f"longer text or a separate held-out text.")
+    k = min(n - 1, max(1, int(np.ceil(float(frac) * n))))
+    held = set(np.random.default_rng(int(seed)).choice(n, k, replace=False).tolist())
+    return ([x for i, x in enumerate(items) if i not in held],
+            [x for i, x in enumerate(items) if i in held])
+
+
+def _decoder_chunks(model, passages, max_tokens, window):
+    from opscope_nb.models.evaluate import _decoder_ids
+    cfg = model.config
+    ids = _decoder_ids(cfg, model.tokenizer, passages, max_tokens)
+    window = int(min(window, cfg.get("context", window)))
+    return [ids[s:s + window] for s in range(0, len(ids) - 1, window)
+            if len(ids[s:s + window]) >= 2]
+
+
+def _encoder_chunks(model, texts, max_tokens, batch=32):
+    from opscope_nb.models import bert
+    keep, tot = [], 0
+    for t in texts:
+        n = min(len(model.tokenizer.encode(t).ids), model.config["max_seq_len"])
+        if max_tokens is not None and keep and tot + n > max_tokens:
+            break
+        keep.append(t)
+        tot += n
+    if not keep:
+        raise ValueError("the text has no sentence to embed; give a longer text.")
+    return [bert.tokenize_batch(model, keep[s:s + batch]) for s in range(0, len(keep), batch)]
+
+
+# --------------------------------------------------------------------------- #
+# plans
+# --------------------------------------------------------------------------- #
+def plan_bytes(layers, choice) -> int:
+    """Bytes of ``choice`` (one option index per layer)."""
+    return int(sum(int(lp.options[int(c)].bytes) for lp, c in zip(layers, choice)))
+
+
+def choice_key(choice) -> str:
+    """A short stable key of a plan (sha1 of its option indices)."""
+    return hashlib.sha1(",".join(str(int(c)) for c in choice).encode()).hexdigest()[:16]
+
+
+def _terms(layers, objective):
+    """Per layer, per option: the predicted objective term."""
+    return [[predicted_damage([lp], [j], objective) for j in range(len(lp.options))]
+            for lp in layers]
+
+
+def ladders(layers, objective, keep=()) -> list:
+    """Per layer, the option indices a move walks, fewest bytes first: the
+    options no option of fewer (or equal) bytes beats in the predicted term,
+    plus every index of each plan in ``keep`` (so a seed's options can move)."""
+    terms = _terms(layers, objective)
+    out = []
+    for i, lp in enumerate(layers):
+        order = sorted(range(len(lp.options)), key=lambda j: (int(lp.options[j].bytes),
+                                                              terms[i][j], j))
+        lad, best = [], math.inf
+        for j in order:
+            if terms[i][j] < best:
+                lad.append(j)
+                best = terms[i][j]
+        extra = {int(p[i]) for p in keep} - set(lad)
+        lad = sorted(set(lad) | extra, key=lambda j: (int(lp.options[j].bytes), terms[i][j], j))
+        out.append(lad)
+    return out
+
+
+def _step(lad, cur, d):
+    """The option ``d`` (+1 / -1) steps from ``cur`` along ``lad``, or None."""
+    try:
+        k = lad.index(cur)
+    except ValueError:
+        # not on the ladder: the nearest rung in bytes order
+        k = None
+    if k is None:
+        return None
+    k += d
+    return lad[k] if 0 <= k < len(lad) else None
+
+
+def propose(layers, choice, budget, lads, terms, stage_of, rng, *, mutations=1,
+            p_swap=0.3, p_fill=0.5, sample=4):
+    """A plan near ``choice`` with bytes ``<= budget``, or None when no move fits.
+
+    ``mutations`` moves up (each one layer one rung up its ladder, or a swap
+    inside a block with ``p_swap``), then layers move down (the least
+    predicted cost per byte freed among ``sample`` random ones, never a
+    layer just moved up) until the bytes fit; with ``p_fill`` one more layer
+    moves up when the slack allows.
+    """
+    c = [int(x) for x in choice]
+    n = len(layers)
+    nb = plan_bytes(layers, c)
+    ob = [[int(o.bytes) for o in lp.options] for lp in layers]
+    raised = set()
+    for _ in range(int(mutations)):
+        ups = [i for i in range(n) if _step(lads[i], c[i], +1) is not None]
+        if not ups:
+            return None
+        if rng.random() < p_swap:
+            i = int(rng.choice(ups))
+            mates = [j for j in range(n) if j != i and stage_of[j] == stage_of[i]
+                     and _step(lads[j], c[j], -1) is not None]
+            if mates:
+                j = int(rng.choice(mates))
+                u, d = _step(lads[i], c[i], +1), _step(lads[j], c[j], -1)
+                nb += ob[i][u] - ob[i][c[i]] + ob[j][d] - ob[j][c[j]]
+                c[i], c[j] = u, d
+                raised.add(i)
+                continue
+        i = int(rng.choice(ups))
+        u = _step(lads[i], c[i], +1)
+        nb += ob[i][u] - ob[i][c[i]]
+        c[i] = u
+        raised.add(i)
+    while nb > budget:
+        downs = [j for j in range(n) if j not in raised
+                 and _step(lads[j], c[j], -1) is not None]
+        if not downs:
+            return None
+        pick = rng.choice(downs, size=min(int(sample), len(downs)), replace=False)
+
+        def cost(j):
+            d = _step(lads[j], c[j], -1)
+            freed = ob[j][c[j]] - ob[j][d]
+            return (terms[j][d] - terms[j][c[j]]) / max(freed, 1)
+        j = int(min(pick, key=cost))
+        d = _step(lads[j], c[j], -1)
+        nb += ob[j][d] - ob[j][c[j]]
+        c[j] = d
+    if rng.random() < p_fill:
+        fits = [i for i in range(n) if _step(lads[i], c[i], +1) is not None
+                and nb + ob[i][_step(lads[i], c[i], +1)] - ob[i][c[i]] <= budget]
+        if fits:
+            pick = rng.choice(fits, size=min(int(sample), len(fits)), replace=False)
+
+            def gain(i):
+                u = _step(lads[i], c[i], +1)
+                return (terms[i][c[i]] - terms[i][u]) / max(ob[i][u] - ob[i][c[i]], 1)
+            i = int(max(pick, key=gain))
+            u = _step(lads[i], c[i], +1)
+            nb += ob[i][u] - ob[i][c[i]]
+            c[i] = u
+    if c == [int(x) for x in choice]:
+        return None
+    return c
+
+
+# --------------------------------------------------------------------------- #
+# the scorer
+# --------------------------------------------------------------------------- #
+class _Split:
+    """The chunks of one text split, the dense reference outputs, and the
+    parent plan's cached block inputs."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+        self.ref = None          # decoder: [(logp f32, p f32)] per chunk; encoder: [n, d]
+        self.cache = None        # per stage 0..n_blocks: per chunk, the stage's input
+        self.cache_key = None    # the plan (tuple of option indices) the cache belongs to
+        self.cache_score = None
+        self.tokens = 0
+        self.ppl_dense = None
+
+
+class PlanScorer:
+    """The measured score of plans of ``layers`` on a model held in memory.
+
+    Parameters
+    ----------
+    model : opscope_nb.models.Model
+        The dense model (:func:`opscope_nb.models.open_model`, not lazy).
+        Its linear layers are swapped in place while a plan runs and put
+        back afterwards.
+    layers : sequence of LayerProfile
+        The planned layers (names must be linear layers of ``model``, or the
+        token embedding of a decoder whose head is tied to it).
+    search, held_out : list
+        Chunks: decoders, 1-D int64 token windows; encoders, ``(ids, mask)``
+        batches (:func:`opscope_nb.models.bert.tokenize_batch`).  Build them
+        with :meth:`from_text`.
+    grams : mapping of str -> ndarray, optional
+        Calibration grams; a planned option that reads one (``+gptq``, ggml
+        importance) is packed with the layer's gram, as ``apply`` does.
+    stored : mapping of str -> source entry, optional
+        The source's entries: an option in the ggml type a tensor is stored in
+        runs from the stored blocks (``apply`` copies them), unless
+        ``requantize``.
+    requantize : bool
+    act : {"f32", "auto", "int8"}
+        Activation mode of every linear call (default ``"f32"``: the score is
+        the plan's weight error alone, as ``eval`` measures it).
+
+    Attributes
+    ----------
+    metric : str
+        ``"kl"`` (decoders) or ``"1-cos"`` (encoders).
+    seconds : dict of str -> float
+        ``pack``, ``forward`` (blocks), ``head`` (head, log-softmax, KL or
+        pooling), ``reference`` (the dense outputs).
+    block_runs : int
+        Block forwards run (one per block per split pass; the head counts as one).
+    """
+
+    def __init__(self, model, layers, search, held_out, *, grams=None, stored=None,
+                 requantize=False, act="f32"):
+        from opscope_nb.models.loader import is_linear
+        if getattr(model, "entries", None) and not model.tensors:
+            raise ValueError("PlanScorer needs a loaded model (open_model(..., lazy=False)).")
+        if act not in ("f32", "auto", "int8"):
+            raise ValueError(f"act must be 'f32', 'auto' or 'int8'; got {act!r}.")
+        if not search or not held_out:
+            raise ValueError("PlanScorer needs chunks in both the search and the held-out "
+                             "split; give a longer text.")
+        self.model, self.layers, self.act = model, list(layers), act
+        self.family = model.family
+        self.metric = "kl" if self.family == "decoder" else "1-cos"
+        self.grams = grams or {}
+        self.stored = stored or {}
+        self.requantize = bool(requantize)
+        cfg = model.config
+        self.n_blocks = int(cfg["n_layers"])
+        nm = cfg.get("names", {})
+        self._embed = nm.get("embed") if self.family == "decoder" else None
+        self._tied = bool(cfg.get("tied")) if self.family == "decoder" else False
+        head = (self._embed if self._tied else nm.get("head")) if self.family == "decoder" \
+            else None
+        stage = {}
+        for b in range(self.n_blocks):
+            for n in model.block_tensors(b)[0]:
+                stage[n] = b
+        if head is not None:
+            stage[head] = self.n_blocks
+        if self._embed is not None:
+            stage[self._embed] = 0      # a planned embedding table: everything re-runs
+        self.stage_of = []
+        for lp in self.layers:
+            if lp.name not in stage:
+                raise ValueError(f"layer {lp.name!r} is not a linear layer of the "
+                                 f"{model.arch} forward; the profile was made for another "
+                                 f"model or includes a tensor the forward does not plan.")
+            t = model.tensors.get(lp.name)
+            if t is None or (lp.name != self._embed and not is_linear(t)):
+                raise ValueError(f"layer {lp.name!r} is not held by the model.")
+            if tuple(np.shape(t)) != (int(lp.rows), int(lp.cols)):
+                raise ValueError(f"layer {lp.name!r} has shape {tuple(np.shape(t))} in the "
+                                 f"model but {lp.rows}x{lp.cols} in the profile.")
+            self.stage_of.append(stage[lp.name])
+        self._orig = {lp.name: model.tensors[lp.name] for lp in self.layers}
+        self._orig_head = model.extras.get("head")
+        self._opts = {}
+        self.seconds = {"pack": 0.0, "forward": 0.0, "head": 0.0, "reference": 0.0}
+        self.block_runs = 0
+        self.splits = {"search": _Split(search), "held_out": _Split(held_out)}
+        for s in self.splits.values():
+            self._reference(s)
+
+    # ---- construction from text ------------------------------------------ #
+    @classmethod
+    def from_text(cls, model, layers, *, text=None, held_out_text=None, split=0.25,
+                  split_seed=0, tokens=512, held_out_tokens=512, window=256, **kw):
+        """A scorer whose search and held-out chunks come from text.
+
+        ``text`` (a path, ``"sample"``, ``"builtin"`` or None = the sample,
+        :func:`opscope_nb.models.evaluate.load_passages`) is split with
+        :func:`split_passages` (``split``, ``split_seed``) unless
+        ``held_out_text`` is given (then all of ``text`` is searched on and
+        ``held_out_text`` held out).  Encoders take the sentences of the
+        built-in texts; decoders the passages joined by newlines, cut at
+        ``tokens`` / ``held_out_tokens`` and windowed by ``window``.
+        """
+        from opscope_nb.data import TEXT_KEYWORDS
+        from opscope_nb.models.evaluate import _sentences, load_passages
+        for nm, v in (("tokens", tokens), ("held_out_tokens", held_out_tokens),
+                      ("window", window)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 2:
+                raise ValueError(f"{nm} must be an integer >= 2; got {v!r}.")
+
+        def items(t):
+            ps = load_passages(t)
+            if model.family == "encoder" and (t is None or t in TEXT_KEYWORDS):
+                return _sentences(ps)
+            return ps
+        if held_out_text is None:
+            fit, held = split_passages(items(text), split, split_seed)
+        else:
+            fit, held = items(text), items(held_out_text)
+        if model.family == "encoder":
+            ch = (_encoder_chunks(model, fit, tokens), _encoder_chunks(model, held,
+                                                                       held_out_tokens))
+        else:
+            ch = (_decoder_chunks(model, fit, tokens, window),
+                  _decoder_chunks(model, held, held_out_tokens, window))
+        return cls(model, layers, ch[0], ch[1], **kw)
+
+    # ---- options ---------------------------------------------------------- #
+    def option(self, i, j):
+        """The tensor layer ``i`` holds under its option ``j`` (packed once, cached):
+        a ``PackedLinear``, or for a tied embedding the float32 table."""
+        key = (i, int(j))
+        got = self._opts.get(key)
+        if got is not None:
+            return got
+        from opscope_nb.runtime._packed import PackedLinear
+        t0 = time.perf_counter()
+        lp = self.layers[i]
+        d = lp.options[int(j)].decomp
+        orig = self._orig[lp.name]
+        e = self.stored.get(lp.name)
+        if d.kind == "dense":
+            got = orig
+        elif (e is not None and d.kind == "ggml" and str(e.dtype).upper() == d.qtype
+              and not self.requantize):
+            raw = np.ascontiguousarray(e.raw()).view(np.uint8).reshape(e.shape[0], -1)
+            got = PackedLinear(d, {"blocks": np.array(raw)}, tuple(e.shape))
+        else:
+            w = orig if isinstance(orig, np.ndarray) else orig.dense()
+            g = self.grams.get(lp.name) if d.reads_gram else None
+            got = PackedLinear.pack(np.asarray(w, dtype=np.float32), d, gram=g)
+        if lp.name == self._embed and not isinstance(got, np.ndarray):
+            got = got.dense()           # the loader holds an embedding table as floats
+        self._opts[key] = got
+        self.seconds["pack"] += time.perf_counter() - t0
+        return got
+
+    def _install(self, choice):
+        m = self.model
+        for i, (lp, c) in enumerate(zip(self.layers, choice)):
+            m.tensors[lp.name] = self.option(i, c)
+        if self._tied:
+            m.extras.pop("head", None)      # rebuilt from the (planned) table
+
+    def _restore(self):
+        m = self.model
+        m.tensors.update(self._orig)
+        if self._tied:
+            if self._orig_head is not None:
+                m.extras["head"] = self._orig_head
+            else:
+                m.extras.pop("head", None)
+
+    # ---- forwards --------------------------------------------------------- #
+    def _embed_chunk(self, c):
+        from opscope_nb.models import bert, llama
+        if self.family == "encoder":
+            ids, _mask = c
+            return bert.embed_tokens(self.model, ids)
+        return llama.embed_tokens(self.model, c)
+
+    def _block(self, b, c, x):
+        from opscope_nb.models import bert, llama
+        m = self.model
+        if self.family == "encoder":
+            return bert.block(m, b, x, bert.attention_bias(c[1]), act=self.act)
+        cfg = m.config
+        T = x.shape[0]
+        kc = np.zeros((cfg["n_kv"], T, cfg["head_dim"]), dtype=np.float32)
+        return llama.block(m, b, x, kc, np.zeros_like(kc), 0, llama.rope_context(cfg, 0, T),
+                           act=self.act)
+
+    def _outputs(self, split, start, xs, keep):
+        """Blocks ``start ..`` on the stage inputs ``xs`` (per chunk); returns
+        ``(final hidden per chunk, stage inputs per stage or None)``."""
+        new = None
+        if keep:
+            new = list(split.cache) if split.cache is not None else [None] * (self.n_blocks + 1)
+        t0 = time.perf_counter()
+        for b in range(start, self.n_blocks):
+            if keep:
+                new[b] = xs
+            xs = [self._block(b, c, x) for c, x in zip(split.chunks, xs)]
+            self.block_runs += 1
+        if keep:
+            new[self.n_blocks] = xs
+        self.seconds["forward"] += time.perf_counter() - t0
+        return xs, new
+
+    def _final(self, split, xs, ids_for_nll=False):
+        """The score of final hidden states ``xs`` against the dense reference
+        (and the negative log-likelihoods of decoders' next tokens)."""
+        from opscope_nb.models import bert, llama
+        from opscope_nb.models.evaluate import cosine
+        t0 = time.perf_counter()
+        m = self.model
+        self.block_runs += 1
+        nll = []
+        if self.family == "encoder":
+            embs = []
+            for (ids, mask), x in zip(split.chunks, xs):
+                B, L = mask.shape
+                embs.append(bert.pool(m, x.reshape(B, L, m.config["hidden"]), mask))
+            e = np.concatenate(embs)
+            if split.ref is None:
+                out = (e, None)
+            else:
+                cos = cosine(split.ref, e)
+                out = (float(np.mean(1.0 - cos)), None)
+        else:
+            kls, refs = [], []
+            for k, (c, x) in enumerate(zip(split.chunks, xs)):
+                z = llama.logits(m, x, act=self.act)
+                if split.ref is None:
+                    lp = np.empty(z.shape, dtype=np.float32)
+                    for r in range(0, z.shape[0], _ROWS):
+                        lp[r:r + _ROWS] = _log_softmax64(z[r:r + _ROWS])
+                    refs.append((lp, np.exp(lp)))
+                    if ids_for_nll:
+                        nll.append(-lp[np.arange(len(c) - 1), c[1:]].astype(np.float64))
+                    continue
+                lp_ref, p_ref = split.ref[k]
+                for r in range(0, z.shape[0], _ROWS):
+                    lq = _log_softmax64(z[r:r + _ROWS])
+                    kls.append((p_ref[r:r + _ROWS] * (lp_ref[r:r + _ROWS] - lq)).sum(axis=1))
+                    if ids_for_nll:
+                        rows = np.arange(r, min(r + _ROWS, len(c) - 1))
+                        nll.append(-lq[rows - r, c[rows + 1]])
+                del z
+            out = (refs, None) if split.ref is None else (
+                float(np.maximum(np.concatenate(kls), 0.0).mean()), None)
+        if ids_for_nll and nll:
+            out = (out[0], float(np.exp(np.concatenate(nll).mean())))
+        self.seconds["head"] += time.perf_counter() - t0
+        return out
+
+    def _reference(self, split):
+        t0 = time.perf_counter()
+        sec = dict(self.seconds)
+        runs = self.block_runs
+        xs = [self._embed_chunk(c) for c in split.chunks]
+        xs, _ = self._outputs(split, 0, xs, False)
+        ref, ppl = self._final(split, xs, ids_for_nll=True)
+        split.ref, split.ppl_dense = ref, ppl
+        split.tokens = int(sum(len(c) for c in split.chunks)) if self.family == "decoder" \
+            else int(sum(float(c[1].sum()) for c in split.chunks))
+        self.seconds = sec
+        self.block_runs = runs
+        self.seconds["reference"] += time.perf_counter() - t0
+
+    def score(self, choice, split="search", *, adopt=None, ppl=False):
+        """The measured score of ``choice`` on ``split`` (``"search"`` or
+        ``"held_out"``).
+
+        Runs from the first stage whose tensors differ from the plan the
+        split's cache holds (everything when there is none), from that
+        stage's cached input.  ``adopt``: keep this plan's stage inputs as
+        the split's cache (default: when the split has no cache yet).
+        ``ppl=True`` returns ``(score, perplexity)`` (decoders; encoders give
+        ``None``) and always runs the whole model.
+
+        Returns
+        -------
+        float or tuple
+            Mean ``KL(dense || plan)`` per next-token position (decoders) or
+            mean ``1 - cos`` of the pooled embeddings (encoders).
+        """
+        if split not in self.splits:
+            raise ValueError(f"split must be 'search' or 'held_out'; got {split!r}.")
+        c = tuple(int(x) for x in choice)
+        if len(c) != len(self.layers):
+            raise ValueError(f"choice has {len(c)} entries; the plan has {len(self.layers)} "
+                             f"layers.")
+        for i, (lp, j) in enumerate(zip(self.layers, c)):
+            if not 0 <= j < len(lp.options):
+                raise ValueError(f"choice[{i}] = {j} is not an option index of layer "
+                                 f"{lp.name!r} (0..{len(lp.options) - 1}).")
+        s = self.splits[split]
+        if adopt is None:
+            adopt = s.cache is None
+        start = 0
+        if s.cache is not None and not ppl:
+            diff = [self.stage_of[i] for i, (a, b) in enumerate(zip(c, s.cache_key)) if a != b]
+            start = min(diff) if diff else None
+        if start is None:
+            return s.cache_score
+        self._install(c)
+        try:
+            if start == 0 or s.cache is None:
+                xs = [self._embed_chunk(ch) for ch in s.chunks]
+                start = 0
+            else:
+                xs = s.cache[start]
+            xs, new = self._outputs(s, start, xs, adopt)
+            val, p = self._final(s, xs, ids_for_nll=ppl)
+        finally:
+            self._restore()
+        if adopt:
+            s.cache, s.cache_key, s.cache_score = new, c, val
+        return (val, p) if ppl else val
+
+    def adopt(self, choice, split="search"):
+        """Make ``choice`` the plan the split's cache holds (scores it)."""
+        return self.score(choice, split, adopt=True)
+
+    def full_score(self, choice, split="search") -> float:
+        """``choice`` run from the embeddings with every tensor swapped in (no
+        cache read or written): what :meth:`score` must equal."""
+        s = self.splits[split]
+        self._install(tuple(int(x) for x in choice))
+        try:
+            xs = [self._embed_chunk(ch) for ch in s.chunks]
+            xs, _ = self._outputs(s, 0, xs, False)
+            return self._final(s, xs)[0]
+        finally:
+            self._restore()
+
+
+def _log_softmax64(z):
+    z = np.asarray(z, np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+# --------------------------------------------------------------------------- #
+# the search
+# --------------------------------------------------------------------------- #
+@dataclass
+class RefineResult:
+    """What :func:`refine` found.
+
+    Attributes
+    ----------
+    choice : list of int
+        The plan returned: the refined one when ``kept``, else the start.
+    start, best : list of int
+        The start plan and the best plan of the search (by the search score).
+    kept : bool
+        The best plan measured lower than the start on the held-out split.
+    scores : dict
+        ``start`` / ``best`` -> ``{"search", "held_out", "predicted", "bytes",
+        "ppl"}`` (``ppl``: held-out perplexity, decoders; ``ppl_dense`` too).
+    evals : int
+        Candidates scored in all runs (the resumed ones included).
+    accepted : int
+        Moves kept.
+    history : list of (int, float)
+        ``(evals, best search score)`` at each improvement.
+    seconds : dict of str -> float
+        This run's time per part: ``pack``, ``forward``, ``head``,
+        ``reference``, ``propose``, ``held_out`` and ``total``.
+    block_runs : int
+        Stage runs of this run's search (a full forward is ``n_blocks + 1``).
+    stopped : str
+        ``"evals"``, ``"minutes"``, ``"no move"`` or ``"done"``.
+    """
+
+    choice: list
+    start: list
+    best: list
+    kept: bool
+    scores: dict
+    evals: int
+    accepted: int
+    history: list = field(default_factory=list)
+    seconds: dict = field(default_factory=dict)
+    block_runs: int = 0
+    stopped: str = "evals"
+    metric: str = "kl"
+    run_evals: int = 0
+
+    def forwards_per_second(self, n_blocks) -> float:
+        """Full-forward equivalents per second of this run's search."""
+        t = self.seconds.get("search", 0.0)
+        return (self.block_runs / (int(n_blocks) + 1)) / t if t > 0 else math.nan
+
+    def to_dict(self) -> dict:
+        return {"choice": [int(c) for c in self.choice], "start": [int(c) for c in self.start],
+                "best": [int(c) for c in self.best], "kept": bool(self.kept),
+                "scores": self.scores, "evals": int(self.evals),
+                "run_evals": int(self.run_evals), "accepted": int(self.accepted),
+                "history": [[int(a), float(b)] for a, b in self.history],
+                "seconds": {k: float(v) for k, v in self.seconds.items()},
+                "block_runs": int(self.block_runs), "stopped": self.stopped,
+                "metric": self.metric}
+
+
+def save_state(path, state: dict) -> None:
+    """Write the search state (JSON) to ``path`` atomically."""
+    from opscope_nb.io._fs import atomic_write
+    atomic_write(path, json.dumps(state, indent=None, sort_keys=True))
+
+
+def load_state(path, key: str):
+    """The state saved at ``path`` when its ``key`` is ``key`` (the same
+    profile, budget and settings), else None."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            st = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(st, dict) or st.get("version") != STATE_VERSION or st.get("key") != key:
+        return None
+    return st
+
+
+def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search="local",
+           offspring=8, seed=0, seeds=(), state=None, on_state=None, log=None,
+           clock=time.perf_counter) -> RefineResult:
+    """Search for a plan of ``scorer.layers`` with bytes ``<= budget`` whose
+    measured score beats ``start``'s; never return one worse on the held-out split.
+
+    Parameters
+    ----------
+    scorer : PlanScorer
+    start : sequence of int
+        The start plan (option index per layer), e.g. the exact allocator's;
+        its bytes must be within ``budget``.
+    budget : int
+        Byte budget (the allocators' ``B``).
+    objective : str
+        The predicted objective the moves are guided by and that is reported
+        (:func:`opscope_nb.plan.allocate.predicted_damage`).
+    evals : int
+        Candidates to score in all (resumed runs included; >= 0).
+    minutes : float, optional
+        Wall-time limit of this run's search.
+    search : {"local", "evo"}
+        First-improvement hill climb, or (1 + ``offspring``) evolution.
+    offspring : int
+        Candidates per generation of ``"evo"``.
+    seed : int
+        Moves come from ``numpy.random.default_rng([seed, evals so far])``:
+        the same run resumed proposes the same moves.
+    seeds : sequence of sequences of int
+        Plans scored first (the exact plans of nearby budgets, of other
+        objectives); those over ``budget`` are skipped.
+    state : dict, optional
+        A state from an earlier run (:func:`load_state`): the search continues.
+    on_state : callable, optional
+        ``on_state(state)`` with the JSON-ready state after each improvement
+        and every 10 candidates (write it with :func:`save_state`).
+    log : callable, optional
+        ``log(evals, total, best, start, elapsed, eta)`` after each candidate.
+
+    Returns
+    -------
+    RefineResult
+    """
+    t_all = clock()
+    layers = scorer.layers
+    start = [int(c) for c in start]
+    budget = int(budget)
+    if isinstance(evals, bool) or not isinstance(evals, (int, np.integer)) or evals < 0:
+        raise ValueError(f"evals must be an integer >= 0; got {evals!r}.")
+    if minutes is not None and not (isinstance(minutes, (int, float)) and minutes > 0):
+        raise ValueError(f"minutes must be a number > 0; got {minutes!r}.")
+    if search not in ("local", "evo"):
+        raise ValueError(f"search must be 'local' or 'evo'; got {search!r}.")
+    if isinstance(offspring, bool) or int(offspring) < 1:
+        raise ValueError(f"offspring must be an integer >= 1; got {offspring!r}.")
+    sb = plan_bytes(layers, start)
+    if sb > budget:
+        raise ValueError(f"the start plan takes {sb} bytes, over the budget of {budget}; "
+                         f"start from a plan that fits.")
+    seeds = [[int(x) for x in s] for s in seeds]
+    lads = ladders(layers, objective, keep=[start] + seeds)
+    terms = _terms(layers, objective)
+    if state:
+        best, best_score = [int(c) for c in state["best"]], float(state["best_score"])
+        n_eval, accepted = int(state["evals"]), int(state["accepted"])
+        history = [tuple(h) for h in state.get("history", [])]
+        seen = set(state.get("seen", []))
+        seeds_done = bool(state.get("seeds_done"))
+        start_score = float(state["start_score"])
+        prior_sec = float(state.get("seconds", 0.0))
+    else:
+        best, n_eval, accepted, history = list(start), 0, 0, []
+        seen, seeds_done, prior_sec = {choice_key(start)}, False, 0.0
+        start_score = best_score = None
+    runs0, sec0 = scorer.block_runs, dict(scorer.seconds)
+    t_prop = 0.0
+    t0 = clock()
+    cur = scorer.adopt(best)
+    if start_score is None:
+        start_score = best_score = cur
+        history.append((0, cur))
+    elif not math.isclose(cur, best_score, rel_tol=1e-6, abs_tol=1e-12):
+        raise ValueError(f"the saved state's best plan now scores {cur:.6g}, not the "
+                         f"{best_score:.6g} it recorded: the model, text or options changed; "
+                         f"delete the state file to start over.")
+    best_score = cur
+    run_evals = 0
+    stopped = "evals"
+
+    def snapshot():
+        return {"version": STATE_VERSION, "best": [int(c) for c in best],
+                "best_score": float(best_score), "start": [int(c) for c in start],
+                "start_score": float(start_score), "evals": int(n_eval),
+                "accepted": int(accepted), "history": [[int(a), float(b)] for a, b in history],
+                "seen": sorted(seen), "seeds_done": bool(seeds_done),
+                "seconds": prior_sec + clock() - t0}
+
+    def report():
+        if log is None:
+            return
+        el = clock() - t0
+        left = []
+        if run_evals:
+            left.append((evals - n_eval) * el / run_evals)
+        if minutes is not None:
+            left.append(max(minutes * 60.0 - el, 0.0))
+        log(n_eval, evals, best_score, start_score, el, min(left) if left else None)
+
+    def try_plan(c):
+        nonlocal n_eval, run_evals
+        seen.add(choice_key(c))
+        v = scorer.score(c)
+        n_eval += 1
+        run_evals += 1
+        return v
+
+    def out_of_time():
+        return minutes is not None and clock() - t0 >= minutes * 60.0
+
+    # seeds first
+    if not seeds_done:
+        for s in seeds:
+            if n_eval >= evals or out_of_time():
+                break
+            if choice_key(s) in seen or plan_bytes(layers, s) > budget:
+                continue
+            v = try_plan(s)
+            if v < best_score:
+                best, best_score = list(s), scorer.adopt(s)
+                accepted += 1
+                history.append((n_eval, best_score))
+                if on_state:
+                    on_state(snapshot())
+            report()
+        seeds_done = n_eval < evals and not out_of_time()
+    misses = 0
+    while n_eval < evals:
+        if out_of_time():
+            stopped = "minutes"
+            break
+        tp = clock()
+        rng = np.random.default_rng([int(seed), int(n_eval), misses])
+        lam = 1 if search == "local" else int(min(offspring, evals - n_eval))
+        kids = []
+        for _ in range(lam):
+            for _try in range(20):
+                mut = 1 if search == "local" else int(min(3, rng.geometric(0.5)))
+                c = propose(layers, best, budget, lads, terms, scorer.stage_of, rng,
+                            mutations=mut)
+                if c is not None and choice_key(c) not in seen and \
+                        all(c != k for k in kids):
+                    kids.append(c)
+                    break
+        t_prop += clock() - tp
+        if not kids:
+            misses += 1
+            if misses > 5:
+                stopped = "no move"
+                break
+            continue
+        misses = 0
+        scored = []
+        for c in kids:
+            if n_eval >= evals or out_of_time():
+                break
+            scored.append((try_plan(c), c))
+            report()
+        if not scored:
+            continue
+        v, c = min(scored, key=lambda t: t[0])
+        if v < best_score:
+            best = c
+            best_score = scorer.adopt(c)
+            accepted += 1
+            history.append((n_eval, best_score))
+            if on_state:
+                on_state(snapshot())
+        elif on_state and n_eval % 10 < len(scored):
+            on_state(snapshot())
+    else:
+        stopped = "evals"
+    if on_state:
+        on_state(snapshot())
+    t_search = clock() - t0
+    search_runs = scorer.block_runs - runs0
+    # never worse: both plans on the held-out split
+    th = clock()
+    h_start, ppl_start = scorer.score(start, "held_out", adopt=False, ppl=True)
+    if best == start:
+        h_best, ppl_best = h_start, ppl_start
+    else:
+        h_best, ppl_best = scorer.score(best, "held_out", adopt=False, ppl=True)
+    t_held = clock() - th
+    kept = best != start and h_best < h_start
+    sec = {k: scorer.seconds[k] - sec0.get(k, 0.0) for k in scorer.seconds}
+    sec.update(propose=t_prop, search=t_search, held_out=t_held, total=clock() - t_all)
+    ppl_dense = getattr(scorer.splits["held_out"], "ppl_dense", None)
+    scores = {
+        "start": {"search": float(start_score), "held_out": float(h_start),
+                  "predicted": predicted_damage(layers, start, objective),
+                  "bytes": plan_bytes(layers, start), "ppl": ppl_start},
+        "best": {"search": float(best_score), "held_out": float(h_best),
+                 "predicted": predicted_damage(layers, best, objective),
+                 "bytes": plan_bytes(layers, best), "ppl": ppl_best},
+        "ppl_dense": ppl_dense, "budget": budget, "objective": objective,
+        "search_tokens": scorer.splits["search"].tokens,
+        "held_out_tokens": scorer.splits["held_out"].tokens}
+    return RefineResult(list(best) if kept else list(start), list(start), list(best), kept,
+                        scores, n_eval, accepted, history, sec, search_runs, stopped,
+                        scorer.metric, run_evals)

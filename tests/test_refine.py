@@ -1,0 +1,212 @@
+"""`opscope-nb refine` / :mod:`opscope_nb.plan.refine` (issue 59) on a tiny random
+Llama: every move keeps the bytes within the budget, the cached candidate
+forward (from the first changed block) equals a full forward of the applied
+plan, and the refined plan is never returned when it is worse on the held-out
+split than the plan it started from."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+
+from naive_models import write_tiny_llama
+
+from opscope_nb.cli import main
+from opscope_nb.formats import Decomp, packed_bytes
+from opscope_nb.models import open_model
+from opscope_nb.models import llama
+from opscope_nb.models.evaluate import _decoder_ids, kl_stats, load_passages
+from opscope_nb.plan import refine as rf
+from opscope_nb.plan.allocate import exact_allocate
+from opscope_nb.plan.apply import apply_plan
+from opscope_nb.profile.mining import DecompOption, LayerProfile
+from opscope_nb.runtime import PackedLinear
+
+LABELS = ("dense", "int8/chan", "int4/g16", "int3/chan")
+OBJ = "output"
+
+
+def _layers(W):
+    out = []
+    for n, w in W.items():
+        if w.ndim != 2 or "embed" in n:
+            continue
+        opts = []
+        for lab in LABELS:
+            d = Decomp.from_label(lab)
+            b = 4 * w.size if lab == "dense" else packed_bytes(w.shape[0], w.shape[1], d)
+            err = 0.0 if lab == "dense" else float(
+                np.linalg.norm(PackedLinear.pack(w, d).dense() - w) / np.linalg.norm(w))
+            opts.append(DecompOption(d, err, int(b), 0))
+        out.append(LayerProfile(n, w.shape[0], w.shape[1], 4 * w.size, opts))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny_refine"))
+    W = write_tiny_llama(d, seed=3, n_layers=2)
+    layers = _layers(W)
+    model = open_model(d)
+    sc = rf.PlanScorer.from_text(model, layers, text="sample", tokens=96, held_out_tokens=64,
+                                 window=48)
+    a = exact_allocate(layers, 0.2, objective=OBJ)
+    assert a.feasible
+    return d, W, layers, sc, a
+
+
+def test_cached_candidate_forward_equals_full_forward(tiny):
+    _, _, layers, sc, a = tiny
+    sc.adopt(a.choice)
+    lads = rf.ladders(layers, OBJ, keep=[a.choice])
+    terms = rf._terms(layers, OBJ)
+    rng = np.random.default_rng(0)
+    starts = set()
+    for _ in range(8):
+        c = rf.propose(layers, a.choice, a.budget_bytes, lads, terms, sc.stage_of, rng,
+                       mutations=2)
+        assert c is not None and c != list(a.choice)
+        starts.add(min(sc.stage_of[i] for i, (x, y) in enumerate(zip(c, a.choice)) if x != y))
+        got = sc.score(c)              # from the parent's cached input of the first change
+        assert got == sc.full_score(c)
+        assert got > 0
+    assert 1 in starts                  # some candidates really ran from block 1 only
+    assert sc.score(a.choice) == sc.full_score(a.choice)
+
+
+def test_scorer_kl_is_evals_kl_of_the_applied_plan(tiny, tmp_path):
+    """The score of a plan is the mean KL of the checkpoint ``apply`` writes
+    for it, loaded as ``eval`` loads it (same tokens and windows)."""
+    d, W, layers, sc, a = tiny
+    model = sc.model
+    ids = _decoder_ids(model.config, model.tokenizer, load_passages("sample"), 96)
+    chunks = [ids[s:s + 48] for s in range(0, len(ids) - 1, 48)]
+    s2 = rf.PlanScorer(model, layers, chunks, chunks[:1])
+    rows = [{"name": lp.name, "option": int(c), "label": lp.options[c].decomp.label,
+             "bytes": int(lp.options[c].bytes)} for lp, c in zip(layers, a.choice)]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"tool": "opscope-nb", "methods": {"exact": {"layers": rows}}}))
+    out = str(tmp_path / "c.safetensors")
+    apply_plan(d, str(plan), out, force=True)
+    comp = open_model(d, out)                         # as 'eval' loads it
+    kl = [kl_stats(llama.forward(model, c, llama.KVCache(model.config, len(c)), act="f32"),
+                   llama.forward(comp, c, llama.KVCache(comp.config, len(c)), act="f32"))[0]
+          for c in chunks]
+    assert s2.full_score(a.choice) == pytest.approx(np.concatenate(kl).mean(), rel=1e-5)
+
+
+def test_every_move_keeps_bytes_within_budget(tiny):
+    _, _, layers, sc, a = tiny
+    B = a.budget_bytes
+    lads = rf.ladders(layers, OBJ, keep=[a.choice])
+    terms = rf._terms(layers, OBJ)
+    rng = np.random.default_rng(1)
+    n = 0
+    for k in range(300):
+        c = rf.propose(layers, a.choice, B, lads, terms, sc.stage_of, rng, mutations=1 + k % 3)
+        if c is not None:
+            n += 1
+            assert rf.plan_bytes(layers, c) <= B
+    assert n > 250
+    states = []
+    r = rf.refine(sc, a.choice, B, objective=OBJ, evals=12, seed=2,
+                  on_state=lambda st: states.append(st))
+    assert states and all(rf.plan_bytes(layers, st["best"]) <= B for st in states)
+    assert rf.plan_bytes(layers, r.best) <= B and rf.plan_bytes(layers, r.choice) <= B
+    scores = [s for _, s in r.history]
+    assert scores == sorted(scores, reverse=True)          # each kept move is better
+    assert r.evals == 12 and r.scores["best"]["search"] <= r.scores["start"]["search"]
+
+
+def test_refine_never_returns_a_plan_worse_on_held_out(tiny):
+    _, _, layers, sc, a = tiny
+
+    class Rigged(rf.PlanScorer):
+        """Held-out scores that punish every plan but the start."""
+
+        def score(self, choice, split="search", **kw):
+            v = super().score(choice, split, **kw)
+            if split == "held_out" and list(choice) != list(a.choice):
+                return (10.0, None) if kw.get("ppl") else 10.0
+            return v
+    rigged = Rigged.__new__(Rigged)
+    rigged.__dict__.update(sc.__dict__)
+    r = rf.refine(rigged, a.choice, a.budget_bytes, objective=OBJ, evals=12, seed=2)
+    assert r.best != r.start                        # the search found a better plan ...
+    assert r.scores["best"]["search"] < r.scores["start"]["search"]
+    assert not r.kept and r.choice == list(a.choice)   # ... which is not returned
+    r2 = rf.refine(sc, a.choice, a.budget_bytes, objective=OBJ, evals=12, seed=2)
+    assert r2.best == r.best
+    assert r2.kept == (r2.scores["best"]["held_out"] < r2.scores["start"]["held_out"])
+    assert r2.choice == (r2.best if r2.kept else list(a.choice))
+
+
+def test_resumed_search_equals_one_run(tiny, tmp_path):
+    _, _, layers, sc, a = tiny
+    path = str(tmp_path / "state.json")
+    kw = dict(objective=OBJ, seed=5, on_state=lambda st: rf.save_state(
+        path, dict(st, key="k")))
+    rf.refine(sc, a.choice, a.budget_bytes, evals=6, **kw)
+    st = rf.load_state(path, "k")
+    assert st is not None and st["evals"] == 6 and rf.load_state(path, "other") is None
+    r = rf.refine(sc, a.choice, a.budget_bytes, evals=14, state=st, **kw)
+    one = rf.refine(sc, a.choice, a.budget_bytes, evals=14, objective=OBJ, seed=5)
+    assert r.evals == 14 and r.run_evals == 8
+    assert r.best == one.best and r.scores["best"]["search"] == one.scores["best"]["search"]
+
+
+def test_bad_inputs_name_the_rule(tiny):
+    _, _, layers, sc, a = tiny
+    over = [0] * len(layers)                        # all dense: over any budget < 1
+    with pytest.raises(ValueError, match="over the budget"):
+        rf.refine(sc, over, a.budget_bytes, objective=OBJ, evals=1)
+    with pytest.raises(ValueError, match="search must be"):
+        rf.refine(sc, a.choice, a.budget_bytes, objective=OBJ, search="tabu")
+    with pytest.raises(ValueError, match="evals must be"):
+        rf.refine(sc, a.choice, a.budget_bytes, objective=OBJ, evals=-1)
+    with pytest.raises(ValueError, match="option index"):
+        sc.score([99] * len(layers))
+    with pytest.raises(ValueError, match="frac"):
+        rf.split_passages(["a", "b"], 1.5, 0)
+
+
+def _cli(*args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in args])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_cli_refine_writes_plan_resumes_and_refuses_llamacpp(tiny, tmp_path):
+    d, _, layers, _, _ = tiny
+    prof = tmp_path / "p" / "profile.json"
+    prof.parent.mkdir()
+    prof.write_text(json.dumps({"tool": "opscope-nb", "source": {"path": d},
+                                "settings": {}, "layers": [
+                                    {"name": lp.name, "profile": lp.to_dict()}
+                                    for lp in layers]}))
+    out = tmp_path / "o"
+    common = ["--budget", "0.2", "--objective", OBJ, "--tokens", "64", "--held-out-tokens",
+              "48", "--window", "32", "--text", "sample", "-q"]
+    rc, so, se = _cli("refine", prof, "--out", out, "--evals", "4", *common)
+    assert rc == 0, se
+    doc = json.load(open(out / "plan.json"))
+    assert "exact" in doc["methods"] and doc["refine"]["evals"] == 4
+    assert ("refined" in doc["methods"]) == doc["refine"]["kept"]
+    assert "full-forward equivalents/s" in so and "held-out" in so
+    assert os.path.exists(out / "refine_state.json")
+    rc, so, se = _cli("refine", prof, "--out", out, "--evals", "6", *common)
+    assert rc == 0, se
+    assert "continuing" in so and json.load(open(out / "plan.json"))["refine"]["evals"] == 6
+    rc, so, se = _cli("refine", prof, "--out", out, "--runtime", "llama.cpp", *common)
+    assert rc == 2 and "not supported yet" in se
+    rc, so, se = _cli("allocate", prof, "--refine", "--out", tmp_path / "a", "--evals", "2",
+                      "--method", "exact", *common)
+    assert rc == 0, se
+    assert json.load(open(tmp_path / "a" / "plan.json"))["refine"]["evals"] == 2
+    rc, so, se = _cli("allocate", prof, "--refine", "--budget", "0.2")
+    assert rc == 2 and "--out" in se
