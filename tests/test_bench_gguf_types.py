@@ -113,3 +113,42 @@ def test_real_quantize_fallbacks_match_the_file(tmp_path):
     assert "output.weight" not in t and "token_embd.weight" not in warned
     assert bench_gguf.silent_fallbacks(t, warned, "Q4_K_M") == {
         "token_embd.weight": ("Q6_K", "Q8_0")}
+
+
+def test_bert_gguf_preset_model_of_a_tiny_mpnet(tmp_path):
+    """The MPNet path: a tiny MPNet's BERT layout written as a ``bert`` GGUF,
+    llama-quantize's Q8_0 of it read back into our model: every planned tensor
+    holds llama.cpp's blocks (equal to our own Q8_0 quantiser's), and the
+    sentence embeddings stay close to the float model's."""
+    from opscope_nb.models import llamacpp
+    if not llamacpp.available():
+        pytest.skip("llama-cpp-python not installed (the [llama] extra)")
+    import gguf
+    from opscope_nb.formats import ggml
+    from opscope_nb.models import bert, mpnet
+    from opscope_nb.models.evaluate import cosine
+    from opscope_nb.models.loader import is_linear, open_model
+    from test_mpnet import TEXTS, _write_tiny_mpnet
+    _write_tiny_mpnet(str(tmp_path / "mp"), hidden=64, n_heads=4, ffn=128)
+    bdir = mpnet.to_bert_dir(str(tmp_path / "mp"), str(tmp_path / "bert"))
+    g32 = str(tmp_path / "f32.gguf")
+    names = bench_gguf._write_bert_gguf(bdir, g32)
+    assert names["encoder.layer.1.attention.self.query.weight"] == "blk.1.attn_q.weight"
+    assert "encoder.relative_attention_bias.weight" not in names
+    q = str(tmp_path / "q8.gguf")
+    bench_gguf._quantize_logged(g32, q, "Q8_0")
+    dense = open_model(bdir)
+    planned = [n for n, v in dense.tensors.items() if is_linear(v)]
+    t = bench_gguf._tensors(q)
+    assert all(t[names[n]][0] == "Q8_0" for n in planned)
+    m = bench_gguf._preset_model(dense, q, names, planned)
+    by = {x.name: x for x in gguf.GGUFReader(q).tensors}
+    for n in planned:
+        w = dense.tensors[n].dense()
+        assert m.tensors[n].dense().shape == w.shape
+        theirs = np.array(by[names[n]].data, dtype=np.uint8).tobytes()
+        assert theirs == ggml.quantize(w, "Q8_0").tobytes(), n
+        np.testing.assert_allclose(m.tensors[n].dense(), w, atol=np.abs(w).max() / 100)
+    ref = bert.embed(dense, TEXTS, act="f32")
+    c = cosine(ref, bert.embed(m, TEXTS, act="f32"))
+    assert c.min() > 0.999
