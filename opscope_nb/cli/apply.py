@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
-from ._common import CliError, Progress, first_run_notice, fmt_bytes, progress_enabled
+from ._common import (CliError, Progress, first_run_notice, fmt_bytes, progress_enabled,
+                      tabulate_rows)
 from ._tensor_types import add_tensor_type_arg, imatrix_of, profile_doc_near, write_type_file
 
 NAME = "apply"
@@ -155,11 +156,12 @@ def run(args) -> int:
         except PlanError as exc:
             raise CliError(str(exc)) from None
         grams = _imatrix_grams(args.plan, names)
+    estimates = _sampled_estimates(args.plan, plan)
     try:
         r = apply_plan(args.source, args.plan, out, method=args.method,
                        make_progress=lambda n, w: Progress(n, w, show), grams=grams,
                        force=args.force, requantize=args.requantize,
-                       over_budget=args.over_budget)
+                       over_budget=args.over_budget, measure=set(estimates))
     except (PlanError, GGUFExportError) as exc:
         raise CliError(str(exc)) from None
     except GramRequiredError as exc:
@@ -176,6 +178,7 @@ def run(args) -> int:
               f"({8 * r['file_bytes'] / max(r['weights'], 1):.3f} bits/weight over all "
               f"{r['weights']} weights of the file); read back and checked")
         print(_plan_bytes_line(r))
+        _print_estimates(estimates, r.get("full_errors") or {})
         return 0
     print(f"{r['method']}: {r['layers']} layers packed, {r['dense_layers']} planned dense, "
           f"{r['tensors']} tensors stored plain"
@@ -184,7 +187,54 @@ def run(args) -> int:
     print(f"wrote {out}: {fmt_bytes(r['out_bytes'])} of arrays "
           f"(source {fmt_bytes(r['source_bytes'])} as stored)")
     print(_plan_bytes_line(r))
+    _print_estimates(estimates, r.get("full_errors") or {})
     return 0
+
+
+def _sampled_estimates(plan_path, plan) -> dict:
+    """``{name: option record}`` of the planned tensors whose errors the profile
+    next to ``plan_path`` estimated from a row sample (``profile --sample-rows``)."""
+    out = {}
+    for rec in profile_doc_near(plan_path).get("layers") or []:
+        prof = rec.get("profile") if isinstance(rec, dict) else None
+        if not isinstance(prof, dict):
+            continue
+        smp, name = prof.get("sample") or {}, prof.get("name")
+        if name not in plan or not smp or smp.get("rows", 0) >= smp.get("of", 0):
+            continue
+        label = plan[name][0].label
+        for o in prof.get("options") or []:
+            if o.get("label") == label and o.get("rel_err_se") is not None:
+                out[name] = o
+    return out
+
+
+def _print_estimates(estimates, full) -> None:
+    """The row-sample estimates of the written tensors beside their full errors."""
+    rows, worst = [], 0.0
+    for name, o in estimates.items():
+        f = full.get(name)
+        if f is None:
+            continue
+        cells = [name, o["label"]]
+        for key in ("rel_err", "out_err"):
+            est, se, got = o.get(key), o.get(key + "_se"), f.get(key)
+            if est is None or got is None:
+                cells += ["-", "-"]
+                continue
+            cells += [f"{est:.5f} +-{1.96 * (se or 0.0):.5f}", f"{got:.5f}"]
+            if got > 0:
+                worst = max(worst, abs(est / got - 1.0))
+        rows.append(cells)
+    if not rows:
+        return
+    print(f"\nrow-sampled estimates of {len(rows)} tensor(s) against their full errors "
+          f"(largest difference {worst:.2%}):")
+    shown = sorted(rows, key=lambda c: c[0])
+    print(tabulate_rows(shown[:12], ["tensor", "option", "rel_err est (95%)", "rel_err full",
+                                     "out_err est (95%)", "out_err full"]))
+    if len(shown) > 12:
+        print(f"... {len(shown) - 12} more")
 
 
 def _plan_bytes_line(r) -> str:

@@ -42,7 +42,7 @@ import numpy as np
 from opscope_nb._validation import as_matrix
 
 __all__ = ["check_gram", "output_error", "output_energy", "output_ratio", "gptq_quantize",
-           "hessian_factor", "gram_factor", "row_output_energy", "DAMP"]
+           "hessian_factor", "gram_factor", "row_output_energy", "option_errors", "DAMP"]
 
 #: Default relative dampening of the Hessian diagonal.
 DAMP = 0.1
@@ -153,6 +153,28 @@ def output_error(w, w_hat, gram, *, den=None) -> float:
     w = np.asarray(w, dtype=np.float64)
     num = output_energy(w - np.asarray(w_hat, dtype=np.float64), gram)
     return output_ratio(num, output_energy(w, gram) if den is None else float(den))
+
+
+def option_errors(w, w_hat, gram=None) -> dict:
+    """``{"rel_err", "out_err"}`` of a reconstruction on every row: the
+    relative weight error and (with a gram, else None) the relative output
+    error, float64 sums.
+
+    Parameters
+    ----------
+    w, w_hat : ndarray of shape (rows, cols)
+    gram : ndarray of float64, shape (cols, cols) or (cols,), optional
+        Validated (:func:`check_gram`).
+    """
+    w = np.asarray(w, dtype=np.float64)
+    e = w - np.asarray(w_hat, dtype=np.float64)
+    rel = output_ratio(float(np.einsum("ij,ij->", e, e)), float(np.einsum("ij,ij->", w, w)))
+    out = None
+    if gram is not None:
+        g = np.asarray(gram, dtype=np.float64)
+        out = output_ratio(float(row_output_energy(e, g).sum()),
+                           float(row_output_energy(w, g).sum()))
+    return {"rel_err": rel, "out_err": out}
 
 
 def hessian_factor(gram, damp=DAMP) -> np.ndarray:

@@ -27,7 +27,8 @@ import numpy as np
 
 from opscope_nb.formats import ggml
 from ._fs import atomic_path, atomic_write
-from opscope_nb.formats import Decomp, pack, packed_bytes
+from opscope_nb.formats import Decomp, pack, packed_bytes, unpack
+from opscope_nb.formats.gptq import option_errors
 from . import gguf_dequantize, gguf_reader
 
 __all__ = ["GGUFExportError", "export_gguf", "gguf_name", "ggml_type_name",
@@ -284,7 +285,7 @@ def _import_gguf():
 
 
 def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
-                plan_bytes=None, requantize=False, tool_kv=None) -> dict:
+                plan_bytes=None, requantize=False, tool_kv=None, measure=()) -> dict:
     """Write ``source`` (a ``.gguf``) with the planned tensors re-quantised to
     ``out_path`` (a ``.gguf``).
 
@@ -455,7 +456,7 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
             writer.write_ti_data_to_file()
             total = float(sum(int(t.n_elements) for t in tensors)) or 1.0
             progress = None if make_progress is None else make_progress(len(tensors), total)
-            digests = {}
+            digests, full_errors = {}, {}
             for i, t in enumerate(tensors):
                 if progress is not None:
                     progress.show(i, t.name)
@@ -465,6 +466,9 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
                     w = gguf_dequantize(t.data, t.tensor_type, (rows, cols))
                     g = None if grams is None else grams.get(t.name)
                     blocks = pack(w, d, gram=g)["blocks"]
+                    if t.name in measure:
+                        full_errors[t.name] = option_errors(
+                            w, unpack({"blocks": blocks}, d, w.shape), g)
                     del w
                     digests[t.name] = hashlib.sha256(blocks.data).hexdigest()
                     writer.write_tensor_data(blocks)
@@ -479,8 +483,9 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
         if progress is not None:
             progress.close()
     report.update(path=out_path, as_stored=len(as_stored), file_type=int(file_type),
-                  file_type_kept=ft_kept)
+                  file_type_kept=ft_kept, full_errors=full_errors)
     return report
+
 
 
 def _verify(src, path, plan, want, digests, tool_kv, file_type) -> dict:

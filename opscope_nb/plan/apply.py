@@ -14,7 +14,8 @@ import numpy as np
 from opscope_nb import io as tio
 from opscope_nb.runtime.checkpoint import CheckpointWriter
 from opscope_nb.profile.checkpoint import FingerprintError, check_fingerprints
-from opscope_nb.formats import Decomp, packed_bytes
+from opscope_nb.formats import Decomp, packed_bytes, unpack
+from opscope_nb.formats.gptq import option_errors
 from opscope_nb.runtime._packed import PackedLinear
 
 __all__ = ["apply_plan", "read_plan", "PlanError", "FINGERPRINT", "check_made_from",
@@ -142,7 +143,8 @@ def _tool_kv(summary, method) -> dict:
 
 
 def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
-               grams=None, force=False, requantize=None, over_budget=False) -> dict:
+               grams=None, force=False, requantize=None, over_budget=False,
+               measure=()) -> dict:
     """Compress ``source`` as ``plan.json`` says and write the checkpoint to ``out_path``.
 
     Parameters
@@ -177,6 +179,11 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
     over_budget : bool
         Write a plan whose layers take more bytes than its recorded budget
         (``PlanError`` otherwise).
+    measure : collection of str
+        Planned tensors whose packed option's error is measured on every row
+        as it is written (``full_errors`` of the result: ``{name: {"rel_err",
+        "out_err"}}``, ``out_err`` with a gram): the tensors a row-sampled
+        profile gave estimates for.
 
     Returns
     -------
@@ -255,7 +262,8 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
         r = export_gguf(source, {n: d for n, (d, _) in plan.items()}, out_path,
                         grams=grams, make_progress=make_progress,
                         plan_bytes={n: b for n, (_, b) in plan.items() if b is not None},
-                        requantize=bool(requantize), tool_kv=_tool_kv(summary, method))
+                        requantize=bool(requantize), tool_kv=_tool_kv(summary, method),
+                        measure=frozenset(measure))
         r.update(method=method, format="gguf", plan_bytes=summary["bytes"],
                  written_plan_bytes=r["plan_tensor_bytes"], requantize=bool(requantize))
         _check_written(r, summary, plan_path, out_path)
@@ -263,6 +271,7 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
     w = CheckpointWriter(out_path)
     sha = {}
     skipped, dense_layers, stored_bytes, kept_as_stored = [], 0, 0, 0
+    full_errors = {}
     written = weights = 0
     total = float(sum(e.numel for e in src.entries)) or 1.0
     progress = None if make_progress is None else make_progress(len(src.entries), total)
@@ -289,6 +298,9 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
                 g = None if grams is None or not ent[0].reads_gram else grams.get(e.name)
                 a = e.load()
                 lin = PackedLinear.pack(a, ent[0], gram=g)
+                if e.name in measure:
+                    full_errors[e.name] = option_errors(a, unpack(lin.arrays, ent[0], a.shape),
+                                                        g)
                 w.add_layer(e.name, lin)
                 written += int(sum(x.nbytes for x in lin.arrays.values()))
                 del a
@@ -319,7 +331,7 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
          "source_bytes": int(stored_bytes), "out_bytes": int(out_bytes),
          "plan_bytes": summary["bytes"], "written_plan_bytes": written,
          "plan_weights": weights, "requantize": bool(requantize),
-         "path": os.fspath(out_path)}
+         "path": os.fspath(out_path), "full_errors": full_errors}
     _check_written(r, summary, plan_path, out_path)
     return r
 
