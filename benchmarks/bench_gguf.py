@@ -368,7 +368,8 @@ def _allocate_apply(source, prof, bpw, tag, root, grams, ext):
 def _preset_model(dense, qfile, names, planned):
     """``dense`` with every planned tensor replaced by what llama-quantize wrote
     for it in ``qfile`` (its blocks run by our ggml decode for linear layers,
-    dequantised for the embedding); ``names`` maps our names to the file's."""
+    dequantised for the embeddings); ``names`` maps our names to the file's
+    (a planned tensor without one keeps the source's values)."""
     import dataclasses
     import gguf
     from opscope_nb.formats import Decomp
@@ -378,6 +379,8 @@ def _preset_model(dense, qfile, names, planned):
     by = {t.name: t for t in gguf.GGUFReader(qfile).tensors}
     tensors = dict(dense.tensors)
     for n in planned:
+        if n not in names:                     # not in the GGUF: kept as the source
+            continue
         t = by[names[n]]
         cols, rows = (int(x) for x in t.shape)
         qt = t.tensor_type.name
@@ -434,11 +437,15 @@ def _encoder_bench(args, src, root, variants):
             planned = {r["name"]: r["profile"]["rows"] * r["profile"]["cols"]
                        for r in doc["layers"]}
             pt = _tensors(pq)
+            # what the preset holds of each planned tensor; one llama.cpp's bert has
+            # no name for (MPNet's 32 x 12 relative-position table) stays float32
+            held = {n: pt[names[n]][:2] if n in names else ("F32", 4 * k)
+                    for n, k in planned.items()}
             warned = parse_fallbacks(log)
             fb = {**warned, **silent_fallbacks(pt, warned, preset)}
             inv = {g: n for n, g in names.items()}
             fb = {inv[g]: f for g, f in fb.items() if inv.get(g) in planned}
-            budget = sum(pt[names[n]][1] for n in planned)
+            budget = sum(b for _t, b in held.values())
             bpw = 8.0 * budget / sum(planned.values())
             plan, ours = _allocate_apply(bdir, profs[v], bpw, tag, root,
                                          calib if v == "yes" else None, "safetensors")
@@ -449,7 +456,7 @@ def _encoder_bench(args, src, root, variants):
             so = {"cos": float(co.mean()), "cos_min": float(co.min())}
             row = {"name": preset, "imatrix": v, "bpw": bpw, "preset_bytes": budget,
                    "ours_bytes": int(plan["total_bytes"]), "preset": sp, "ours": so,
-                   "preset_types": type_counts({n: pt[names[n]][:2] for n in planned}, fb),
+                   "preset_types": type_counts(held, fb),
                    "ours_types": type_counts({r["name"]: (r["label"], r["bytes"])
                                               for r in plan["layers"]}),
                    "fallbacks": {n: list(f) for n, f in sorted(fb.items())}}
