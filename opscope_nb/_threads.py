@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["worker_count", "map_row_blocks", "ROW_BLOCK"]
+__all__ = ["worker_count", "map_row_blocks", "blas_threads", "ROW_BLOCK"]
 
 #: Rows per block (fixed: the blocks do not depend on the thread count).
 ROW_BLOCK = 64
@@ -36,9 +36,8 @@ def worker_count() -> int:
     return max(1, int(numba.get_num_threads()))
 
 
-def _one_blas_thread():
-    """A context manager limiting every loaded BLAS to one thread (no-op
-    without threadpoolctl)."""
+def _controller():
+    """The process's threadpoolctl controller, or None without threadpoolctl."""
     with _LOCK:
         if not _CONTROLLER:
             try:
@@ -46,11 +45,29 @@ def _one_blas_thread():
                 _CONTROLLER.append(ThreadpoolController())
             except ImportError:          # an optional speed-up, not a correctness need
                 _CONTROLLER.append(None)
-    ctl = _CONTROLLER[0]
+    return _CONTROLLER[0]
+
+
+def _blas_limit(n):
+    ctl = _controller()
     if ctl is None:
         import contextlib
         return contextlib.nullcontext()
-    return ctl.limit(limits=1, user_api="blas")
+    return ctl.limit(limits=int(n), user_api="blas")
+
+
+def _one_blas_thread():
+    """A context manager limiting every loaded BLAS to one thread (no-op
+    without threadpoolctl)."""
+    return _blas_limit(1)
+
+
+def blas_threads(n: int | None = None):
+    """A context manager letting every loaded BLAS use ``n`` threads (default
+    :func:`worker_count`) for one large LAPACK/BLAS call, whatever
+    ``OPENBLAS_NUM_THREADS`` the command line pinned; the previous limits come
+    back on exit."""
+    return _blas_limit(worker_count() if n is None else max(1, int(n)))
 
 
 def map_row_blocks(fn, rows: int, block: int = ROW_BLOCK, threads: int | None = None) -> list:
