@@ -159,6 +159,19 @@ def test_resumed_search_equals_one_run(tiny, tmp_path):
     assert r.best == one.best and r.scores["best"]["search"] == one.scores["best"]["search"]
 
 
+def test_a_layer_the_forward_never_reads_is_inert(tiny):
+    d, W, layers, sc, a = tiny
+    extra = _layers({"pooler.dense.weight": W["model.layers.0.mlp.up_proj.weight"]})
+    s2 = rf.PlanScorer(sc.model, layers + extra, sc.splits["search"].chunks,
+                       sc.splits["held_out"].chunks)
+    assert s2.inert == {len(layers)}
+    base = list(a.choice) + [0]
+    v = s2.adopt(base)
+    assert s2.score(list(a.choice) + [3]) == v == s2.full_score(list(a.choice) + [3])
+    with pytest.raises(ValueError, match="none of the planned layers"):
+        rf.PlanScorer(sc.model, extra, sc.splits["search"].chunks, sc.splits["held_out"].chunks)
+
+
 def test_bad_inputs_name_the_rule(tiny):
     _, _, layers, sc, a = tiny
     over = [0] * len(layers)                        # all dense: over any budget < 1

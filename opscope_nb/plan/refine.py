@@ -247,8 +247,9 @@ class PlanScorer:
         Its linear layers are swapped in place while a plan runs and put
         back afterwards.
     layers : sequence of LayerProfile
-        The planned layers (names must be linear layers of ``model``, or the
-        token embedding of a decoder whose head is tied to it).
+        The planned layers: linear layers of ``model`` or a decoder's token
+        embedding; a layer the forward never reads (a BERT pooler under mean
+        pooling) is *inert* -- its option changes the bytes, never the score.
     search, held_out : list
         Chunks: decoders, 1-D int64 token windows; encoders, ``(ids, mask)``
         batches (:func:`opscope_nb.models.bert.tokenize_batch`).  Build them
@@ -308,11 +309,14 @@ class PlanScorer:
         if self._embed is not None:
             stage[self._embed] = 0      # a planned embedding table: everything re-runs
         self.stage_of = []
-        for lp in self.layers:
+        #: planned layers the forward never reads (a BERT pooler under mean
+        #: pooling): their option changes the bytes, never the score
+        self.inert = set()
+        for i, lp in enumerate(self.layers):
             if lp.name not in stage:
-                raise ValueError(f"layer {lp.name!r} is not a linear layer of the "
-                                 f"{model.arch} forward; the profile was made for another "
-                                 f"model or includes a tensor the forward does not plan.")
+                self.inert.add(i)
+                self.stage_of.append(self.n_blocks + 1)
+                continue
             t = model.tensors.get(lp.name)
             if t is None or (lp.name != self._embed and not is_linear(t)):
                 raise ValueError(f"layer {lp.name!r} is not held by the model.")
@@ -320,7 +324,12 @@ class PlanScorer:
                 raise ValueError(f"layer {lp.name!r} has shape {tuple(np.shape(t))} in the "
                                  f"model but {lp.rows}x{lp.cols} in the profile.")
             self.stage_of.append(stage[lp.name])
-        self._orig = {lp.name: model.tensors[lp.name] for lp in self.layers}
+        if len(self.inert) == len(self.layers):
+            raise ValueError(f"none of the planned layers (e.g. {self.layers[0].name!r}) is "
+                             f"read by the {model.arch} forward; the profile was made for "
+                             f"another model.")
+        self._orig = {lp.name: model.tensors[lp.name] for i, lp in enumerate(self.layers)
+                      if i not in self.inert}
         self._orig_head = model.extras.get("head")
         self._opts = {}
         self.seconds = {"pack": 0.0, "forward": 0.0, "head": 0.0, "reference": 0.0}
@@ -400,7 +409,8 @@ class PlanScorer:
     def _install(self, choice):
         m = self.model
         for i, (lp, c) in enumerate(zip(self.layers, choice)):
-            m.tensors[lp.name] = self.option(i, c)
+            if i not in self.inert:
+                m.tensors[lp.name] = self.option(i, c)
         if self._tied:
             m.extras.pop("head", None)      # rebuilt from the (planned) table
 
@@ -544,7 +554,9 @@ class PlanScorer:
         if s.cache is not None and not ppl:
             diff = [self.stage_of[i] for i, (a, b) in enumerate(zip(c, s.cache_key)) if a != b]
             start = min(diff) if diff else None
-        if start is None:
+        if start is None or start > self.n_blocks:      # nothing the forward reads changed
+            if adopt:
+                s.cache_key = c
             return s.cache_score
         self._install(c)
         try:
