@@ -1,31 +1,38 @@
 #!/usr/bin/env python
-"""Real layer shapes, streamed calibration: peak memory and seconds per block.
+"""Whole-model figures at real 7B shapes on this machine (issue 55, item 4).
 
-Writes a synthetic Llama-architecture checkpoint with **Llama-7B layer
-shapes** (hidden 4096, FFN 11008, 32 heads, vocab 32000; random weights,
-bfloat16 safetensors, one shard per block plus the HF index) and the
-tokenizer of a shipped model (all-MiniLM-L6-v2's ``tokenizer.json``), then
-runs ``opscope-nb profile DIR --calib`` in a fresh process on the first 2
-and on all 4 blocks (hard links: the same shards) and reports, per run:
+Writes a synthetic Llama-architecture checkpoint with real **block shapes**
+-- Llama-7B (hidden 4096, FFN 11008, 32 heads) or Qwen2-7B (3584 / 18944, 28
+heads, 4 KV heads; Llama architecture, no q/k/v biases: the shapes are what
+costs) -- random weights (Gaussian, std 0.02), bfloat16 safetensors, one shard
+per block plus the HF index, with the tokenizer of a shipped model
+(all-MiniLM-L6-v2's ``tokenizer.json``).  Then, in fresh processes, on the
+first 2 and on all 4 blocks (hard links: the same shards):
 
-* peak RSS of the process (the command's own figure);
-* calibration seconds: weights read (bf16 -> f32), block forwards + grams,
-  sensitivity (perturbed forwards from each block's cached input);
-* profile seconds per profiled layer;
-* the extrapolation to Llama-7B (32 blocks) and to a 70B-class model (80
-  blocks of 8192 / 28672, GQA 8 KV heads; per-block work scaled by the
-  weights and by ``cols^2`` for the grams) on one machine and on N workers
-  (the per-layer profile is what Dask spreads; calibration stays in one
-  process).
+* ``ggml``: ``opscope-nb profile DIR --menu ggml`` (every linear layer,
+  ``--sample-rows auto``, the exact plan at the default budget);
+* ``imatrix``: the same with ``--imatrix FILE`` (a legacy ``.dat`` imatrix of
+  random importances for every block tensor, GGUF names);
+* ``calib``: ``opscope-nb profile DIR --calib --calib-tokens 512`` (default
+  menu: out_err of every option, the sensitivity of every layer, GPTQ twins);
+* ``apply``: ``opscope-nb apply DIR ggml/plan.json -o OUT.safetensors`` (one
+  quantisation pass) against libggml's ``ggml_quantize_chunk`` (the
+  ``llama_cpp`` wheel's ``libggml-base``) for the same tensors and types on as
+  many threads;
+* ``workers``: the ``ggml`` run with ``--workers 2`` (a local Dask cluster).
 
-The checkpoint is ~1.9 GB on disk (``--workdir``, default a temporary
-directory, removed unless ``--keep``).  Profiling every layer of these
-shapes with the whole menu takes hours on 2 cores, so ``--include`` (a
-``profile --include`` regex) picks the layers to profile; calibration always
-streams every block.
+Each command's wall time and peak RSS (``/usr/bin/time``) are printed, and the
+whole-model extrapolation: per block = (T(4) - T(2)) / 2, fixed = T(2) - 2 x
+per block, model = fixed + blocks x per block (32 blocks for Llama-7B, 28 for
+Qwen2-7B; a 70B-class model: 80 blocks of 8192 / 28672, the per-block time
+scaled by the weights, on 1 machine and on N).  Random Gaussian rows are alike,
+so ``--sample-rows auto`` stops at its 256-row pilot here; real weights can
+need more rows (the profile prints how many).
 
-Usage: ``python benchmarks/bench_scale.py [--blocks 2,4] [--tokens 512]
-[--include REGEX] [--workdir DIR] [--keep] [--workers N]``.
+Usage: ``python benchmarks/bench_scale.py [--model llama7b|qwen2-7b]
+[--blocks 2,4] [--runs ggml,imatrix,calib,apply,workers] [--tokens 512]
+[--workdir DIR] [--keep]``; ``--calib-only`` times the streamed calibration
+alone.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ import os
 import platform
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -45,7 +53,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_distributed import _st_write  # noqa: E402  (bf16 shards, one writer)
 
-HIDDEN, FFN, HEADS, VOCAB = 4096, 11008, 32, 32000
+HIDDEN, FFN, HEADS, KV, VOCAB = 4096, 11008, 32, 32, 32000
+MODELS = {"llama7b": (4096, 11008, 32, 32, 32, 32000),       # H, F, heads, kv, blocks, vocab
+          "qwen2-7b": (3584, 18944, 28, 4, 28, 152064)}
 
 
 def _tokenizer_json() -> str:
@@ -73,8 +83,8 @@ def write_checkpoint(root: str, blocks: int, seed: int = 0) -> dict:
         t = {p + "input_layernorm.weight": np.ones(HIDDEN, np.float32),
              p + "post_attention_layernorm.weight": np.ones(HIDDEN, np.float32),
              p + "self_attn.q_proj.weight": r(HIDDEN, HIDDEN),
-             p + "self_attn.k_proj.weight": r(HIDDEN, HIDDEN),
-             p + "self_attn.v_proj.weight": r(HIDDEN, HIDDEN),
+             p + "self_attn.k_proj.weight": r(HIDDEN // HEADS * KV, HIDDEN),
+             p + "self_attn.v_proj.weight": r(HIDDEN // HEADS * KV, HIDDEN),
              p + "self_attn.o_proj.weight": r(HIDDEN, HIDDEN),
              p + "mlp.gate_proj.weight": r(FFN, HIDDEN),
              p + "mlp.up_proj.weight": r(FFN, HIDDEN),
@@ -100,7 +110,7 @@ def model_dir(root: str, shards: dict, blocks: int) -> str:
     with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": wmap}, f)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-           "hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": HEADS,
+           "hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": KV,
            "intermediate_size": FFN, "num_hidden_layers": blocks, "rms_norm_eps": 1e-5,
            "rope_theta": 10000.0, "vocab_size": VOCAB, "tie_word_embeddings": False,
            "hidden_act": "silu", "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
@@ -111,24 +121,122 @@ def model_dir(root: str, shards: dict, blocks: int) -> str:
     return d
 
 
-def run_profile(src, out, tokens, include):
-    cmd = [shutil.which("opscope-nb") or "opscope-nb", "profile", src, "--calib",
-           "--calib-tokens", str(tokens), "--out", out, "--include", include,
-           "--rank-cap", "8", "--method", "greedy", "--budget", "0.3"]
+GGUF_ROLE = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_imatrix(path, blocks, seed=1):
+    """A legacy llama.cpp ``.dat`` imatrix: random positive importances for every
+    block tensor (GGUF names), 100 calls each."""
+    rng = np.random.default_rng(seed)
+    ents = []
+    for i in range(blocks):
+        for role, g in GGUF_ROLE.items():
+            cols = FFN if role == "mlp.down_proj" else HIDDEN
+            ents.append((f"blk.{i}.{g}.weight", (rng.gamma(2.0, 1.0, cols) * 100).astype("<f4")))
+    with open(path, "wb") as f:
+        f.write(struct.pack("<i", len(ents)))
+        for name, v in ents:
+            b = name.encode()
+            f.write(struct.pack("<i", len(b)) + b + struct.pack("<ii", 100, v.size))
+            f.write(v.tobytes())
+        f.write(struct.pack("<i", 100))
+
+
+def timed(cmd, env=None) -> dict:
+    """Run ``cmd``; wall seconds, peak RSS (MiB) and output (exits on failure)."""
+    fd, tf = tempfile.mkstemp(suffix=".time")
+    os.close(fd)
     t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(["/usr/bin/time", "-f", "%M %U %S", "-o", tf] + cmd, capture_output=True,
+                       text=True, env=dict(os.environ, **(env or {})))
     wall = time.perf_counter() - t
+    rss_kb, user, sys_ = open(tf).read().split()[-3:]
+    os.remove(tf)
     if r.returncode != 0:
-        sys.exit(f"profile failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    m = re.search(r"peak RSS (\d+) MiB", r.stdout)
-    doc = json.load(open(os.path.join(out, "profile.json")))
-    cal = doc["settings"]["calib"]
-    layers = doc["layers"]
-    return {"wall": wall, "rss_mib": int(m.group(1)) if m else None,
-            "calib": cal.get("seconds", {}), "layers": len(layers),
-            "layer_seconds": [rec["seconds"] + rec.get("load_seconds", 0.0) for rec in layers],
-            "sens_layers": sum(rec["profile"].get("sensitivity") is not None for rec in layers),
-            "stdout_calib": [ln for ln in r.stdout.splitlines() if ln.startswith("calibration")]}
+        sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return {"wall": wall, "rss_mib": int(rss_kb) / 1024, "cpu": float(user) + float(sys_),
+            "stdout": r.stdout, "stderr": r.stderr}
+
+
+def _cli():
+    return shutil.which("opscope-nb") or "opscope-nb"
+
+
+_LIBGGML = r"""
+import ctypes, json, os, sys, threading, time
+import numpy as np
+from opscope_nb.formats import ggml as G
+from opscope_nb.io import open_source
+import llama_cpp
+src, plan_path, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+from opscope_nb.plan.apply import read_plan
+_, plan, _ = read_plan(plan_path)
+by = {e.name: e for e in open_source(src).entries}
+spent = 0.0
+for name, (d, _) in plan.items():
+    if d.kind != "ggml":
+        continue
+    w = np.ascontiguousarray(by[name].load(), dtype=np.float32)
+    rows, cols = w.shape
+    info = G.GGML_TYPES[d.qtype]
+    lib.ggml_quantize_init(info.id)
+    out = np.empty(rows * G.row_bytes(d.qtype, cols), np.uint8)
+    rb = G.row_bytes(d.qtype, cols)
+    cuts = [rows * i // threads for i in range(threads + 1)]
+    def part(a, b):    # ggml offsets dst by start's rows itself
+        lib.ggml_quantize_chunk(info.id, w.ctypes.data, out.ctypes.data, a * cols, b - a,
+                                cols, None)
+    t = time.perf_counter()
+    ts = [threading.Thread(target=part, args=(cuts[i], cuts[i + 1])) for i in range(threads)]
+    [x.start() for x in ts]
+    [x.join() for x in ts]
+    spent += time.perf_counter() - t
+print(json.dumps({"seconds": spent}))
+"""
+
+
+def libggml_seconds(src, plan_path, threads):
+    """libggml's quantisation time for the plan's ggml tensors (reading excluded)."""
+    r = subprocess.run([sys.executable, "-c", _LIBGGML, src, plan_path, str(threads)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return None, r.stderr.strip().splitlines()[-1:] or ["failed"]
+    return json.loads(r.stdout.strip().splitlines()[-1])["seconds"], None
+
+
+def run_all(root, shards, n, runs, tokens, workers) -> dict:
+    """Every asked-for run on the first ``n`` blocks: ``{run: timed dict}``."""
+    src = model_dir(root, shards, n)
+    out = {}
+    o = lambda k: os.path.join(root, f"{k}-{n}")             # noqa: E731
+    if {"ggml", "apply", "workers"} & set(runs):
+        out["ggml"] = timed([_cli(), "profile", src, "--menu", "ggml", "--out", o("ggml"), "-q"])
+    if "imatrix" in runs:
+        im = os.path.join(root, f"imatrix-{n}.dat")
+        write_imatrix(im, n)
+        out["imatrix"] = timed([_cli(), "profile", src, "--menu", "ggml", "--imatrix", im,
+                                "--out", o("imatrix"), "-q"])
+    if "calib" in runs:
+        out["calib"] = timed([_cli(), "profile", src, "--calib", "--calib-tokens", str(tokens),
+                              "--out", o("calib"), "-q"])
+    if "apply" in runs:
+        plan = os.path.join(o("ggml"), "plan.json")
+        out["apply"] = timed([_cli(), "apply", src, plan, "-o",
+                              os.path.join(root, f"applied-{n}.safetensors"), "-q"])
+        os.remove(os.path.join(root, f"applied-{n}.safetensors"))
+        out["apply"]["libggml"], out["apply"]["libggml_error"] = libggml_seconds(
+            src, plan, os.cpu_count() or 1)
+    if "workers" in runs:
+        out["workers"] = timed([_cli(), "profile", src, "--menu", "ggml", "--workers",
+                                str(workers), "--out", o("workers"), "-q"])
+    return out
 
 
 _CALIB_ONLY = r"""
@@ -156,107 +264,102 @@ def run_calib_only(src, tokens):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama7b")
     ap.add_argument("--blocks", default="2,4")
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--include", default=r"layers\.0\.self_attn\.k_proj",
-                    help="profile --include regex (default: block 0's 4096x4096 k_proj; "
-                         "its sensitivity still streams every block)")
+    ap.add_argument("--runs", default="ggml,imatrix,calib,apply,workers")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--calib-only", action="store_true",
                     help="time the streamed calibration alone (calib.calibrate: every "
                          "layer's gram, block 0's k_proj sensitivity), no profile")
-    ap.add_argument("--shapes", default=None, metavar="H,F,HEADS",
-                    help="other hidden/FFN/head sizes (a smoke run; default Llama-7B's)")
-    ap.add_argument("--workers", type=int, default=None,
-                    help="N for the extrapolation to a Dask cluster (default: cores)")
+    ap.add_argument("--shapes", default=None, metavar="H,F,HEADS,KV",
+                    help="other hidden/FFN/head sizes (a smoke run)")
+    ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args(argv)
     counts = sorted(int(b) for b in args.blocks.split(","))
-    global HIDDEN, FFN, HEADS
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    global HIDDEN, FFN, HEADS, KV, VOCAB
+    HIDDEN, FFN, HEADS, KV, full_blocks, VOCAB = MODELS[args.model]
     if args.shapes:
-        HIDDEN, FFN, HEADS = (int(v) for v in args.shapes.split(","))
+        HIDDEN, FFN, HEADS, KV = (int(v) for v in args.shapes.split(","))
     root = args.workdir or tempfile.mkdtemp(prefix="opscope-scale-")
     try:
         t = time.perf_counter()
         shards_dir = os.path.join(root, "shards")
         shards = write_checkpoint(shards_dir, max(counts))
         size = sum(os.path.getsize(os.path.join(shards_dir, s)) for s in shards)
-        print(f"# bench_scale on {platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} cores; checkpoint {size / 1e9:.2f} GB bf16 "
-              f"({max(counts)} blocks of {HIDDEN}/{FFN}/{HEADS} heads) written in "
-              f"{time.perf_counter() - t:.0f}s")
+        cpu = platform.processor() or platform.machine()
+        try:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                       if ln.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+        print(f"# bench_scale --model {args.model} on {cpu}, {os.cpu_count()} cores; "
+              f"checkpoint {size / 1e9:.2f} GB bf16 ({max(counts)} blocks of "
+              f"{HIDDEN}/{FFN}, {HEADS} heads, {KV} KV heads, vocab {VOCAB}) written in "
+              f"{time.perf_counter() - t:.0f}s", flush=True)
         if args.calib_only:
             print(f"\n{'blocks':>6} {'peak RSS MiB':>12} {'load s':>7} {'grams s':>8} "
                   f"{'sens s':>7} {'grams':>6} {'wall s':>7}")
-            rows = {}
             for n in counts:
-                r = rows[n] = run_calib_only(model_dir(root, shards, n), args.tokens)
+                r = run_calib_only(model_dir(root, shards, n), args.tokens)
                 c = r["seconds"]
                 print(f"{n:>6} {r['rss_mib']:>12.0f} {c['load']:>7.1f} {c['grams']:>8.1f} "
                       f"{c['sensitivity']:>7.1f} {r['layers']:>6} {r['wall']:>7.1f}",
                       flush=True)
-            lo, hi = rows[counts[0]], rows[counts[-1]]
-            dn = max(1, counts[-1] - counts[0])
-            print(f"peak RSS {counts[-1]} vs {counts[0]} blocks: "
-                  f"{hi['rss_mib'] / lo['rss_mib']:.3f}x; per block: load "
-                  f"{(hi['seconds']['load'] - lo['seconds']['load']) / dn:.1f}s, grams "
-                  f"{(hi['seconds']['grams'] - lo['seconds']['grams']) / dn:.1f}s")
             return 0
-        # fill the kernel cache first (a 1-block model of small shapes, same
-        # command), so no figure below includes numba compile time
-        keep = HIDDEN, FFN, HEADS
-        HIDDEN, FFN, HEADS = 128, 352, 4
+        # fill the kernel cache first (small shapes, the same commands): no
+        # figure below includes numba compile time
+        keep = HIDDEN, FFN, HEADS, KV
+        HIDDEN, FFN, HEADS, KV = 256, 512, 4, 4
         wroot = os.path.join(root, "warm")
-        wshards = write_checkpoint(os.path.join(wroot, "shards"), 1)
+        wsh = write_checkpoint(os.path.join(wroot, "shards"), 1)
         t = time.perf_counter()
-        run_profile(model_dir(wroot, wshards, 1), os.path.join(wroot, "out"), 64, args.include)
-        print(f"# warm-up (compiles into the cache): {time.perf_counter() - t:.0f}s")
-        HIDDEN, FFN, HEADS = keep
+        run_all(wroot, wsh, 1, [r for r in runs if r != "workers"], 64, args.workers)
+        print(f"# warm-up (compiles into the cache): {time.perf_counter() - t:.0f}s", flush=True)
+        HIDDEN, FFN, HEADS, KV = keep
         res = {}
         for n in counts:
-            src = model_dir(root, shards, n)
-            res[n] = run_profile(src, os.path.join(root, f"out-{n}"), args.tokens, args.include)
-        print(f"\n{'blocks':>6} {'peak RSS MiB':>12} {'load s':>7} {'grams s':>8} "
-              f"{'sens s':>7} {'layers':>6} {'profile s/layer':>15} {'wall s':>7}")
-        for n, r in res.items():
-            c = r["calib"]
-            per = np.mean(r["layer_seconds"]) if r["layer_seconds"] else float("nan")
-            print(f"{n:>6} {r['rss_mib']:>12} {c.get('load', 0):>7.1f} {c.get('grams', 0):>8.1f} "
-                  f"{c.get('sensitivity', 0):>7.1f} {r['layers']:>6} {per:>15.1f} "
-                  f"{r['wall']:>7.1f}")
-        lo, hi = res[counts[0]], res[counts[-1]]
-        if lo["rss_mib"] and hi["rss_mib"]:
-            print(f"\npeak RSS {counts[-1]} vs {counts[0]} blocks: "
-                  f"{hi['rss_mib'] / lo['rss_mib']:.3f}x (target: within 10 %, <= 3 GB)")
-        # per block: the difference between the two runs removes the fixed costs
-        dn = counts[-1] - counts[0]
-        per_block = {k: (hi["calib"].get(k, 0) - lo["calib"].get(k, 0)) / dn
-                     for k in ("load", "grams")}
-        per_layer = np.mean(hi["layer_seconds"]) if hi["layer_seconds"] else 0.0
-        sens_per = hi["calib"].get("sensitivity", 0.0) / max(1, hi["sens_layers"])
-        avg_stages = (counts[-1] + 1) / 2 + 1
-        per_stage = sens_per / avg_stages if avg_stages else 0.0
-        workers = args.workers or os.cpu_count() or 1
-        print(f"per block: load {per_block['load']:.1f}s, grams {per_block['grams']:.1f}s; "
-              f"profile {per_layer:.1f}s per {args.include!r} layer; sensitivity "
-              f"{per_stage:.1f}s per perturbed block forward ({args.tokens} tokens cap)")
-        for name, nb, scale, gscale in (("Llama-7B", 32, 1.0, 1.0),
-                                        ("70B-class", 80, 855.6 / 202.4, (28672 / 11008) ** 2)):
-            load = nb * per_block["load"] * scale
-            grams = nb * per_block["grams"] * gscale
-            layers = nb * 7
-            prof = layers * per_layer * scale
-            sens = per_stage * scale * layers * (nb + 1) / 2
-            print(f"{name}: {nb} blocks, calibration ~{(load + grams) / 60:.0f} min "
-                  f"(load {load / 60:.0f} + grams {grams / 60:.0f}), sensitivity of all "
-                  f"{layers} layers ~{sens / 3600:.1f} h, profile of every layer at this "
-                  f"layer's rate ~{prof / 3600:.1f} h on 1 process, "
-                  f"~{prof / 3600 / workers:.1f} h on {workers} Dask workers of the same "
-                  f"speed (calibration stays in one process)")
-        for n, r in res.items():
-            print()
-            for ln in r["stdout_calib"]:
-                print(f"[{n} blocks] {ln}")
+            res[n] = run_all(root, shards, n, runs, args.tokens, args.workers)
+            print(f"# {n} blocks: " + ", ".join(f"{k} {v['wall']:.0f}s / {v['rss_mib']:.0f} MiB"
+                                               for k, v in res[n].items()), flush=True)
+        lo, hi = counts[0], counts[-1]
+        dn = max(1, hi - lo)
+        w_block = 2 * HIDDEN * HIDDEN + 2 * HIDDEN // HEADS * KV * HIDDEN + 3 * HIDDEN * FFN
+        wscale = (2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 8192 * 28672) / w_block
+        print(f"\n{'run':>9} " + " ".join(f"{f'{n} blk s':>9}" for n in counts)
+              + f" {'s/block':>8} {'cpu s/blk':>9} {args.model + ' min':>13} {'70B min (1 / N=8)':>18} "
+              + " ".join(f"{f'RSS {n} MiB':>11}" for n in counts))
+        for k in [r for r in ("ggml", "imatrix", "calib", "apply", "workers") if r in res[lo]]:
+            a, b = res[lo][k], res[hi][k]
+            per = (b["wall"] - a["wall"]) / dn
+            cper = (b["cpu"] - a["cpu"]) / dn
+            fixed = a["wall"] - lo * per
+            model = fixed + full_blocks * per
+            big = fixed + wscale * 80 * per
+            print(f"{k:>9} " + " ".join(f"{res[n][k]['wall']:>9.1f}" for n in counts)
+                  + f" {per:>8.1f} {cper:>9.1f} {model / 60:>13.1f} "
+                  f"{f'{big / 60:.0f} / {big / 60 / 8:.0f}':>18} "
+                  + " ".join(f"{res[n][k]['rss_mib']:>11.0f}" for n in counts))
+        if "apply" in res[hi]:
+            for n in counts:
+                r = res[n]["apply"]
+                lg = r.get("libggml")
+                print(f"apply {n} blocks: {r['wall']:.1f}s wall (reading, packing, writing); "
+                      f"libggml ggml_quantize_chunk on {os.cpu_count()} threads for the same "
+                      f"tensors and types: "
+                      + (f"{lg:.1f}s -> {r['wall'] / lg:.2f}x" if lg else
+                         f"not measured ({r.get('libggml_error')})"))
+        if "workers" in res[hi]:
+            for n in counts:
+                print(f"--workers {args.workers} vs 1 on {n} blocks (whole command): "
+                      f"{res[n]['ggml']['wall'] / res[n]['workers']['wall']:.2f}x")
+        for n in counts:
+            for k, r in res[n].items():
+                for ln in r["stdout"].splitlines():
+                    if ln.startswith(("row samples", "profile time split")) or "layers (" in ln:
+                        print(f"[{n} blocks, {k}] {ln}")
     finally:
         if not args.keep and args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
