@@ -85,7 +85,8 @@ def test_scorer_kl_is_evals_kl_of_the_applied_plan(tiny, tmp_path):
     model = sc.model
     ids = _decoder_ids(model.config, model.tokenizer, load_passages("sample"), 96)
     chunks = [ids[s:s + 48] for s in range(0, len(ids) - 1, 48)]
-    s2 = rf.PlanScorer(model, layers, chunks, chunks[:1])
+    s2 = rf.PlanScorer(model, layers, chunks, chunks[:1], dequantise=False)   # packed kernels
+    s3 = rf.PlanScorer(model, layers, chunks, chunks[:1])         # dequantised options
     rows = [{"name": lp.name, "option": int(c), "label": lp.options[c].decomp.label,
              "bytes": int(lp.options[c].bytes)} for lp, c in zip(layers, a.choice)]
     plan = tmp_path / "plan.json"
@@ -96,7 +97,13 @@ def test_scorer_kl_is_evals_kl_of_the_applied_plan(tiny, tmp_path):
     kl = [kl_stats(llama.forward(model, c, llama.KVCache(model.config, len(c)), act="f32"),
                    llama.forward(comp, c, llama.KVCache(comp.config, len(c)), act="f32"))[0]
           for c in chunks]
-    assert s2.full_score(a.choice) == pytest.approx(np.concatenate(kl).mean(), rel=1e-5)
+    want = np.concatenate(kl).mean()
+    assert s2.full_score(a.choice) == pytest.approx(want, rel=1e-6)
+    assert s3.full_score(a.choice) == pytest.approx(want, rel=1e-4)
+    s2.adopt([0] * len(layers))
+    c = list(a.choice)
+    c[-1] = 0                                    # only the last block's layer differs
+    assert s2.score(c) == s2.full_score(c)
 
 
 def test_every_move_keeps_bytes_within_budget(tiny):

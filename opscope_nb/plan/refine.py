@@ -265,6 +265,11 @@ class PlanScorer:
     act : {"f32", "auto", "int8"}
         Activation mode of every linear call (default ``"f32"``: the score is
         the plan's weight error alone, as ``eval`` measures it).
+    dequantise : bool
+        Hold each packed option as its float32 reconstruction (default): the
+        forward runs dense matmuls instead of the packed kernels (no kernel to
+        compile per format, BLAS speed), at the packed kernels' values up to
+        float32 rounding; ``False`` runs the ``PackedLinear`` itself.
 
     Attributes
     ----------
@@ -278,7 +283,7 @@ class PlanScorer:
     """
 
     def __init__(self, model, layers, search, held_out, *, grams=None, stored=None,
-                 requantize=False, act="f32"):
+                 requantize=False, act="f32", dequantise=True):
         from opscope_nb.models.loader import is_linear
         if getattr(model, "entries", None) and not model.tensors:
             raise ValueError("PlanScorer needs a loaded model (open_model(..., lazy=False)).")
@@ -293,6 +298,7 @@ class PlanScorer:
         self.grams = grams or {}
         self.stored = stored or {}
         self.requantize = bool(requantize)
+        self.dequantise = bool(dequantise)
         cfg = model.config
         self.n_blocks = int(cfg["n_layers"])
         nm = cfg.get("names", {})
@@ -402,6 +408,9 @@ class PlanScorer:
             got = PackedLinear.pack(np.asarray(w, dtype=np.float32), d, gram=g)
         if lp.name == self._embed and not isinstance(got, np.ndarray):
             got = got.dense()           # the loader holds an embedding table as floats
+        elif self.dequantise and d.kind != "dense":
+            from opscope_nb.models.loader import dense_linear
+            got = dense_linear(got.dense())
         self._opts[key] = got
         self.seconds["pack"] += time.perf_counter() - t0
         return got
@@ -621,8 +630,9 @@ class RefineResult:
     history : list of (int, float)
         ``(evals, best search score)`` at each improvement.
     seconds : dict of str -> float
-        This run's time per part: ``pack``, ``forward``, ``head``,
-        ``reference``, ``propose``, ``held_out`` and ``total``.
+        This run's search time per part: ``pack``, ``forward``, ``head``,
+        ``reference``, ``propose``, in all ``search``; then ``held_out``
+        (the never-worse check) and ``total``.
     block_runs : int
         Stage runs of this run's search (a full forward is ``n_blocks + 1``).
     stopped : str
@@ -865,6 +875,7 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         on_state(snapshot())
     t_search = clock() - t0
     search_runs = scorer.block_runs - runs0
+    sec = {k: scorer.seconds[k] - sec0.get(k, 0.0) for k in scorer.seconds}
     # never worse: both plans on the held-out split
     th = clock()
     h_start, ppl_start = scorer.score(start, "held_out", adopt=False, ppl=True)
@@ -874,7 +885,6 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         h_best, ppl_best = scorer.score(best, "held_out", adopt=False, ppl=True)
     t_held = clock() - th
     kept = best != start and h_best < h_start
-    sec = {k: scorer.seconds[k] - sec0.get(k, 0.0) for k in scorer.seconds}
     sec.update(propose=t_prop, search=t_search, held_out=t_held, total=clock() - t_all)
     ppl_dense = getattr(scorer.splits["held_out"], "ppl_dense", None)
     scores = {
