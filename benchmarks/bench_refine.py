@@ -25,7 +25,7 @@ held-out cosine of both plans.
 
 Usage: ``python benchmarks/bench_refine.py [--model smollm2|gemma3-270m|minilm]
 [--presets Q4_K_M] [--imatrix yes|no|both] [--evals 300] [--minutes 15]
-[--search local|evo] [--tokens 512] [--workdir DIR]``.
+[--search local|evo] [--tokens 512] [--held-out-tokens 512] [--workdir DIR]``.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from bench_gguf import (  # noqa: E402  (the preset machinery, shared)
 
 def _refine(prof, budget_flag, out, args, extra=()):
     cmd = ["refine", prof, *budget_flag, "--out", out, "--evals", args.evals, "--search",
-           args.search, "--tokens", args.tokens, "--held-out-tokens", args.tokens, "-q",
+           args.search, "--tokens", args.tokens, "--held-out-tokens", args.held_out_tokens, "-q",
            *extra]
     if args.minutes:
         cmd += ["--minutes", args.minutes]
@@ -157,7 +157,9 @@ def main(argv=None) -> int:
     ap.add_argument("--evals", type=int, default=300)
     ap.add_argument("--minutes", type=float, default=15.0)
     ap.add_argument("--search", choices=("local", "evo"), default="local")
-    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=512, help="search tokens")
+    ap.add_argument("--held-out-tokens", type=int, default=512,
+                    help="held-out tokens of refine's never-worse check")
     ap.add_argument("--eval-text", default="sample")
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--workdir", default=None)
