@@ -42,6 +42,14 @@ from ._budget import (
 )
 
 NAME = "refine"
+DESCRIPTION = (
+    "Start from the exact plan at a budget (--method picks another allocator; all = "
+    "exact) and search for a plan of at most the same bytes whose measured score is "
+    "lower: decoders, the next-token KL against the dense model; encoders, 1 - cosine "
+    "of the embeddings; on held-in calibration tokens. The refined plan is kept only "
+    "when it also measures lower on a held-out split. DIR/plan.json gets the start "
+    "plan and, when kept, a 'refined' method (what 'apply' uses by default); "
+    "DIR/refine_state.json lets a rerun with the same settings continue the search.")
 #: The state file written next to ``plan.json`` (a rerun continues from it).
 STATE_FILE = "refine_state.json"
 #: Nearby budgets whose exact plans seed the search (fractions of the budget).
@@ -89,9 +97,7 @@ def add_refine_args(p, flag_prefix="") -> None:
 
 def add_parser(sub) -> None:
     p = sub.add_parser(NAME, help="refine a plan by measuring candidates (KL / cosine)",
-                       description=" ".join(__doc__.replace("``", "'").split())
-                       + " The start plan is the exact allocator's (--method picks "
-                         "another; all = exact).")
+                       description=DESCRIPTION)
     p.add_argument("profile", metavar="PROFILE.json")
     add_budget_args(p)
     p.add_argument("--source", metavar="SRC", default=None,
