@@ -22,7 +22,8 @@ relative error ``sqrt(T / D)`` (``D`` exact) gets the standard error
 
 ``"auto"`` sizing: a pilot of :data:`AUTO_MIN_ROWS` strata, then the
 smallest ``n = pilot * 2**L`` at which every option's 95 % interval is
-within ±1 % of its error (:data:`TARGET`), from the pilot's variances;
+within ±1 % of its error (:data:`TARGET`; errors under :data:`NEGLIGIBLE`
+excepted), from the pilot's variances;
 strata are nested (each splits in two), so the pilot's rows stay in the
 sample and only the new rows are measured.  When that ``n`` reaches half the
 rows, every row is measured instead (exact, standard error 0).  Tensors
@@ -36,7 +37,7 @@ import zlib
 
 import numpy as np
 
-__all__ = ["AUTO_MIN_ROWS", "AUTO_MIN_WEIGHTS", "TARGET", "check_sample_rows", "sample_size",
+__all__ = ["AUTO_MIN_ROWS", "AUTO_MIN_WEIGHTS", "TARGET", "NEGLIGIBLE", "check_sample_rows", "sample_size",
            "strata_bounds", "draw", "refine", "estimate", "relative", "rows_for_target"]
 
 #: Rows of the pilot sample, and the least sample ``"auto"`` uses.
@@ -45,6 +46,9 @@ AUTO_MIN_ROWS = 256
 AUTO_MIN_WEIGHTS = 1 << 20
 #: ``"auto"``'s target: 95 % interval half-width / error.
 TARGET = 0.01
+#: Relative errors below this do not size ``"auto"``'s sample (their interval is
+#: far below any difference between options that matters to a plan).
+NEGLIGIBLE = 1e-3
 _Z95 = 1.959963984540054
 
 
@@ -181,8 +185,12 @@ def relative(total: float, var: float, den: float) -> tuple:
 
 def rows_for_target(rel: float, se: float, n: int, rows: int) -> int:
     """Strata needed for a 95 % half-width of :data:`TARGET` x ``rel`` given a
-    sample of ``n`` strata with standard error ``se`` (variance ∝ ``1/n - 1/rows``)."""
-    if rel <= 0.0 or se <= 0.0:
+    sample of ``n`` strata with standard error ``se`` (variance ∝ ``1/n - 1/rows``).
+
+    Errors below :data:`NEGLIGIBLE` do not size the sample (e.g. F16 of a BF16
+    weight: a few subnormal rounding errors, wildly uneven across rows, at
+    1e-5): they are still estimated, with their standard error."""
+    if rel < NEGLIGIBLE or se <= 0.0:
         return n
     hw = _Z95 * se / rel
     if hw <= TARGET:
