@@ -231,3 +231,48 @@ def test_cli_rejects_a_bad_sample_rows(tmp_path):
     from test_cli import run
     rc, so, se = run(["profile", "--sample-rows", "1"])
     assert rc == 2 and "--sample-rows" in se and "auto, all" in se
+
+
+# ─────────────────────── sensitivity tokens, auto ───────────────────────
+
+def test_auto_sens_tokens_fit_the_work_budget(tmp_path, monkeypatch):
+    """``sens_tokens="auto"``: 256 tokens and the held-out probe while the
+    perturbed forwards' work fits :data:`SENS_WORK`; past it, no held-out probe
+    and the tokens cut to fit (multiple of 32, at least 32) -- the work computed
+    from its definition."""
+    from naive_models import write_tiny_llama
+    from opscope_nb.profile import calib
+    from opscope_nb.models import open_model
+    write_tiny_llama(str(tmp_path), seed=6, n_layers=3)
+    m = open_model(str(tmp_path), lazy=True)
+    st = calib.CalibrationStream(str(tmp_path), sens_tokens="auto", validate=0.25)
+    assert st.sens_tokens == min(256, st.tokens) and st.sens_val_tokens > 0
+    assert not st.sens_val_dropped
+    # the work per token, from the definition: every layer's perturbed run goes
+    # through the blocks from its own to the last, then the head
+    blocks = [m.block_tensors(i) for i in range(3)]
+    numel = {n: int(np.prod(m.entries[n].shape)) for lin, _ in blocks for n in lin}
+    head = m.config["names"]["embed"] if m.config.get("tied") else m.config["names"]["head"]
+    hw = 2 * int(np.prod(m.entries[head].shape))
+    per_tok = 0
+    for b, (lin, _) in enumerate(blocks):
+        rest = sum(2 * numel[n] for lin2, _ in blocks[b:] for n in lin2) + hw
+        per_tok += len(lin) * rest
+    per_tok += hw                                           # the head's own probe
+    monkeypatch.setattr(calib, "SENS_WORK", per_tok * 100.0)
+    st = calib.CalibrationStream(str(tmp_path), sens_tokens="auto", validate=0.25)
+    assert st.sens_val_dropped and st.sens_val_tokens == 0
+    assert st.sens_tokens == 96 and st.sens_block_forwards == sum(
+        3 + 1 - st.stage_of(n) for n in st.sens_layers)
+    monkeypatch.setattr(calib, "SENS_WORK", 1.0)
+    assert calib.CalibrationStream(str(tmp_path), sens_tokens="auto").sens_tokens == 32
+    with pytest.raises(ValueError, match="sens_tokens"):
+        calib.CalibrationStream(str(tmp_path), sens_tokens="many")
+
+
+def test_cli_rejects_bad_sens_tokens(tmp_path):
+    from test_cli import run
+    rc, so, se = run(["profile", "--calib", "--sens-tokens", "1"])
+    assert rc == 2 and "--sens-tokens" in se and "auto" in se
+    rc, so, se = run(["profile", "--sens-tokens", "64"])
+    assert rc == 2 and "need --calib" in se

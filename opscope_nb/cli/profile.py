@@ -117,6 +117,10 @@ def add_parser(sub) -> None:
                    help="with --calib: measure each profiled layer's sensitivity (one "
                         "perturbed forward from its block on; default: on for --objective "
                         "sensitivity/auto, off for output/weight)")
+    c.add_argument("--sens-tokens", type=_sens_tokens, default="auto", metavar="N|auto",
+                   help="with --calib: tokens each layer's sensitivity probe runs on (default "
+                        "auto: 256, fewer -- down to 32, without the held-out probe -- when "
+                        "the perturbed forwards of a large model would take longer)")
     c.add_argument("--validate", type=float, default=None, metavar="FRAC",
                    help="with --calib: hold out FRAC of the calibration text (sentences / "
                         "passages, seeded by --seed; default 0.25, 0 = none); grams and "
@@ -210,6 +214,20 @@ def _sample_line(layers) -> str:
             f"full errors of the plan; --sample-rows all measures every row)")
 
 
+def _sens_tokens(text):
+    """``--sens-tokens``: ``auto`` or a number of tokens >= 2."""
+    import argparse
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of tokens >= 2; got {text!r}")
+    return v
+
+
 def _sample_rows(text):
     """``--sample-rows``: ``auto``, ``all`` or a number of rows >= 2."""
     import argparse
@@ -252,10 +270,11 @@ def _calibration(args, src, chosen, kw, dist):
     memory.  Sensitivities come at the end (:func:`_finish_calibration`)."""
     if not args.calib and not args.imatrix:
         if args.calib_text or args.calib_tokens or args.sensitivity is not None \
+                or args.sens_tokens != "auto" \
                 or args.calib_diag_above is not None or args.keep_grams is not None \
                 or args.validate is not None:
-            raise CliError("--calib-text/--calib-tokens/--sensitivity/--calib-diag-above/"
-                           "--keep-grams/--validate need --calib.")
+            raise CliError("--calib-text/--calib-tokens/--sensitivity/--sens-tokens/"
+                           "--calib-diag-above/--keep-grams/--validate need --calib.")
         if getattr(args, "objective", "auto") not in ("weight", "auto"):
             warn(f"--objective {args.objective} without --calib/--imatrix: no layer has "
                  f"out_err, every layer uses its squared weight error (sum of rel_err^2).")
@@ -288,7 +307,7 @@ def _calibration(args, src, chosen, kw, dist):
                 args.source, text=args.calib_text, max_tokens=args.calib_tokens,
                 full_max_cols=args.calib_diag_above, validate=args.validate,
                 split_seed=args.seed, sensitivity=sorted(names) if sens_on else False,
-                grams_for=names,
+                grams_for=names, sens_tokens=args.sens_tokens,
                 log=(lambda m: print(m, file=sys.stderr, flush=True)) if show
                 else (lambda m: None))
         except (ModelError, UnsupportedModelError, ValueError) as exc:
@@ -296,8 +315,12 @@ def _calibration(args, src, chosen, kw, dist):
         ns = len(stream.sens_layers)
         held = (f" + {stream.sens_val_tokens} held-out tokens"
                 if getattr(stream, "sens_val_tokens", 0) else "")
+        cut = (f" (--sens-tokens auto: fewer tokens{', no held-out probe' if stream.sens_val_dropped else ''} "
+               f"to keep the perturbed forwards within budget; --sens-tokens 256 for more)"
+               if ns and args.sens_tokens == "auto" and stream.sens_tokens < 256
+               and stream.sens_tokens < stream.tokens else "")
         sens_text = (f"sensitivity of {ns} layer(s): {stream.sens_block_forwards} perturbed "
-                     f"block forwards on {stream.sens_tokens} tokens{held}" if ns else
+                     f"block forwards on {stream.sens_tokens} tokens{held}{cut}" if ns else
                      "no sensitivity")
         print(f"calibration: {stream.n_blocks} blocks streamed one at a time, "
               f"{stream.tokens} tokens; {sens_text}", flush=True)

@@ -46,6 +46,15 @@ import numpy as np
 __all__ = ["Calibration", "CalibrationStream", "StreamedGrams", "calibrate", "FULL_MAX_COLS", "save_grams",
            "load_grams", "GramsError", "GramsWriter"]
 
+#: Sensitivity tokens of ``sens_tokens="auto"`` when the work allows.
+SENS_TOKENS = 256
+#: Fewest sensitivity tokens ``"auto"`` goes down to.
+SENS_MIN_TOKENS = 32
+#: ``"auto"``'s budget for the perturbed forwards, in multiply-add flops of the
+#: linear layers (about 10 min on 2 cores; a 1 B model stays at 256 tokens, a
+#: Llama-7B goes to 32 without the held-out probe).
+SENS_WORK = 30e12
+
 #: Default ``full_max_cols``: ``None`` keeps the full gram at every width (the
 #: diagonal-only fallback is an explicit choice, never silent).
 FULL_MAX_COLS = None
@@ -316,8 +325,10 @@ class CalibrationStream:
             raise ValueError(f"full_max_cols must be >= 1 or None; got {full_max_cols!r}.")
         if max_tokens is not None and int(max_tokens) < 2:
             raise ValueError(f"max_tokens must be >= 2; got {max_tokens!r}.")
-        if int(sens_tokens) < 2:
-            raise ValueError(f"sens_tokens must be >= 2; got {sens_tokens!r}.")
+        auto_sens = isinstance(sens_tokens, str) and sens_tokens == "auto"
+        if not auto_sens and (isinstance(sens_tokens, (bool, str)) or int(sens_tokens) < 2):
+            raise ValueError(f"sens_tokens must be an int >= 2 or 'auto'; got "
+                             f"{sens_tokens!r}.")
         if not (isinstance(validate, (int, float)) and 0.0 <= float(validate) < 1.0):
             raise ValueError(f"validate must be a fraction in [0, 1); got {validate!r}.")
         self.validate, self.split_seed = float(validate), int(split_seed)
@@ -354,6 +365,11 @@ class CalibrationStream:
             want = set(sensitivity)
             sens = [n for n in all_lin if n in want]
         self._sens_index = {n: all_lin.index(n) for n in sens}
+        #: the held-out sensitivity probe was left out to keep the work in budget
+        self.sens_val_dropped = False
+        if auto_sens:
+            sens_tokens, drop = self._auto_sens_tokens(m, blocks, sens, validate)
+            self.sens_val_dropped = drop
         #: the layers whose sensitivity the sweep measures, in block order
         self.sens_layers = list(sens)
         #: ``on_stage(stage, grams)`` after each stage (e.g. a :class:`GramsWriter`)
@@ -367,6 +383,9 @@ class CalibrationStream:
                                 sens_tokens, batch)
         else:
             self._setup_decoder(passages, max_tokens, sens_tokens, window)
+        if self.sens_val_dropped:
+            self._sens_val_chunks = []
+            self.sens_val_tokens = 0
         # every chunk is embedded: the embedding tables leave memory (a tied
         # head reads the table again at the last stage); the norms stay
         tables = [n for n in stem if m.tensors[n].ndim == 2]
@@ -394,6 +413,28 @@ class CalibrationStream:
         self.seconds = {"load": time.perf_counter() - t0, "grams": 0.0, "sensitivity": 0.0}
         self.n_layers = 0
         self.n_full = 0
+
+    def _auto_sens_tokens(self, m, blocks, sens, validate) -> tuple:
+        """``(tokens, drop_heldout)`` for ``sens_tokens="auto"``: 256 tokens (and
+        the held-out probe) while the perturbed forwards' work stays within
+        :data:`SENS_WORK`; else the held-out probe is dropped (it is reported,
+        never used by the objective) and the tokens cut to fit (a multiple of
+        32, at least :data:`SENS_MIN_TOKENS`)."""
+        def numel(n):
+            e = m.entries.get(n)
+            return int(np.prod(e.shape)) if e is not None else 0
+        order = {n: k for k, (lin, _) in enumerate(blocks) for n in lin}
+        nb = len(blocks)
+        per_block = [2.0 * sum(numel(n) for n in lin) for lin, _ in blocks]
+        head = 2.0 * (numel(self._head) if self._head else 0)
+        per_tok = sum(sum(per_block[order.get(n, nb):]) + head for n in sens)
+        if per_tok <= 0:
+            return SENS_TOKENS, False
+        runs = 2 if validate else 1
+        if per_tok * SENS_TOKENS * runs <= SENS_WORK:
+            return SENS_TOKENS, False
+        t = int(SENS_WORK / per_tok) // 32 * 32
+        return max(SENS_MIN_TOKENS, min(SENS_TOKENS, t)), bool(validate)
 
     # ---- per family ------------------------------------------------------ #
     def _split(self, items):
@@ -796,8 +837,13 @@ def calibrate(source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS
     seed : int
         Seed of the probe (one generator per layer: ``[seed, index]``, the
         layer's index in block order).
-    sens_tokens : int
+    sens_tokens : int or "auto"
         Token cap for the sensitivity forwards (also capped by ``max_tokens``).
+        ``"auto"``: 256 while the perturbed forwards' work (``2 x`` the weights
+        of every block from a layer's own to the head, per layer and token) stays
+        within :data:`SENS_WORK`; beyond it the held-out probe is left out and the
+        tokens are cut to fit, down to :data:`SENS_MIN_TOKENS`
+        (:attr:`CalibrationStream.sens_val_dropped`).
     act : {"f32", "auto", "int8"}
         Activation mode of the dense ``PackedLinear`` calls.
     batch : int
