@@ -202,15 +202,17 @@ def _sample_line(layers) -> str:
     hit = [lp for lp in layers if lp.sample and lp.sample.get("rows", 0) < lp.sample.get("of", 0)]
     if not hit:
         return ""
+    from opscope_nb.profile.sampling import NEGLIGIBLE
     hw = 0.0
     for lp in hit:
         for o in lp.options:
             for v, se in ((o.rel_err, o.rel_err_se), (o.out_err, o.out_err_se)):
-                if se is not None and v:
+                if se is not None and v and v >= NEGLIGIBLE:
                     hw = max(hw, 1.96 * se / v)
     fr = [lp.sample["rows"] / lp.sample["of"] for lp in hit]
     return (f"row samples: {len(hit)} tensor(s) estimated from {min(fr):.0%}-{max(fr):.0%} of "
-            f"their rows (widest 95% interval +-{hw:.1%} of an error; 'apply' prints the "
+            f"their rows (widest 95% interval +-{hw:.1%} of an error >= {NEGLIGIBLE:g}; "
+            f"'apply' prints the "
             f"full errors of the plan; --sample-rows all measures every row)")
 
 

@@ -166,14 +166,23 @@ def option_errors(w, w_hat, gram=None) -> dict:
     gram : ndarray of float64, shape (cols, cols) or (cols,), optional
         Validated (:func:`check_gram`).
     """
-    w = np.asarray(w, dtype=np.float64)
-    e = w - np.asarray(w_hat, dtype=np.float64)
-    rel = output_ratio(float(np.einsum("ij,ij->", e, e)), float(np.einsum("ij,ij->", w, w)))
-    out = None
-    if gram is not None:
-        g = np.asarray(gram, dtype=np.float64)
-        out = output_ratio(float(row_output_energy(e, g).sum()),
-                           float(row_output_energy(w, g).sum()))
+    from opscope_nb._threads import map_row_blocks
+    g = None if gram is None else np.asarray(gram, dtype=np.float64)
+
+    def blk(a, b):              # float64 a block of rows at a time (no full copies)
+        x = np.asarray(w[a:b], dtype=np.float64)
+        e = x - np.asarray(w_hat[a:b], dtype=np.float64)
+        sums = [np.einsum("ij,ij->", e, e), np.einsum("ij,ij->", x, x)]
+        if g is not None:
+            if g.ndim == 1:
+                sums += [float(((e * e) @ g).sum()), float(((x * x) @ g).sum())]
+            else:
+                sums += [np.einsum("ij,ij->", e @ g, e), np.einsum("ij,ij->", x @ g, x)]
+        return sums
+    tot = np.sum(np.asarray(map_row_blocks(blk, np.shape(w)[0], block=256), dtype=np.float64)
+                 .reshape(-1, 2 if g is None else 4), axis=0)
+    rel = output_ratio(float(tot[0]), float(tot[1]))
+    out = None if g is None else output_ratio(float(tot[2]), float(tot[3]))
     return {"rel_err": rel, "out_err": out}
 
 
@@ -319,8 +328,9 @@ def row_output_energy(e, gram, factor=None) -> np.ndarray:
     ----------
     e : ndarray of shape (rows, cols)
         Residual ``W - Ŵ`` (any float dtype).
-    gram : ndarray of float64, shape (cols, cols) or (cols,)
-        Validated (:func:`check_gram`); 1-D is a diagonal.
+    gram : ndarray of float64, shape (cols, cols) or (cols,), or None
+        Validated (:func:`check_gram`); 1-D is a diagonal; None is the identity
+        (each row's squared norm).
     factor : ndarray of float32, shape (cols, k), optional
         :func:`gram_factor` of ``gram``: ``||e_r F||²`` from float32 GEMMs
         (``rows x cols x k``) summed in float64; without it ``e H`` in float64
@@ -334,10 +344,13 @@ def row_output_energy(e, gram, factor=None) -> np.ndarray:
     """
     from opscope_nb._threads import map_row_blocks
     rows = e.shape[0]
-    if gram.ndim == 1:
-        e64 = np.asarray(e, dtype=np.float64)
-        return (e64 * e64) @ gram
-    if factor is not None:
+    if gram is None or gram.ndim == 1:
+        g = None if gram is None else np.asarray(gram, dtype=np.float64)
+
+        def blk(a, b):          # float64 a block at a time: in cache, no full copy
+            x = np.asarray(e[a:b], dtype=np.float64)
+            return np.einsum("ij,ij->i", x, x) if g is None else (x * x) @ g
+    elif factor is not None:
         e32 = np.ascontiguousarray(e, dtype=np.float32)
 
         def blk(a, b):

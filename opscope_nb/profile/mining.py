@@ -820,10 +820,8 @@ class _Measure:
             t0 = time.perf_counter()
             self._factor = gram_factor(g, max_rank=min(cols // 2, FACTOR_MAX_RANK))
             self._tick("out_err", t0)
-        w64 = w.astype(np.float64)
-        xw = np.einsum("ij,ij->i", w64, w64)        # each row's energy: the ratio's x
+        xw = row_output_energy(w, None)              # each row's energy: the ratio's x
         den_w = float(xw.sum())
-        del w64
         den_o = xo = None
         if g is not None:
             t0 = time.perf_counter()
