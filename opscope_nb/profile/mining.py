@@ -829,17 +829,34 @@ class _Measure:
             den_o = float(xo.sum())
             self._den = den_o
             self._tick("out_err", t0)
+        # A GPTQ twin's error tracks its round-to-nearest twin's row by row: the
+        # twin is measured on every row (exact; rounding is cheap) and is the
+        # GPTQ estimate's auxiliary, so the GPTQ sweeps need few rows.
+        twin = {d.label: d.with_rounding(None).label for d, _ in todo
+                if d.rounding is not None}
+        known = {d.label for d, _ in todo}
+        twin = {k: v for k, v in twin.items() if v in known}
+        exact = {}
+        if twin:
+            self._rows([it for it in todo if it[0].label in set(twin.values())],
+                       np.arange(rows, dtype=np.int64), exact)
+            exact = {k: v[0] for k, v in exact.items() if v is not None}
+            twin = {k: v for k, v in twin.items() if v in exact}
+        todo = [it for it in todo if it[0].label not in exact]
         idx, sizes = smp.draw(rows, n0, self.seed, name)
         per = {}
         self._rows(todo, idx, per)
 
-        def stats(pairs, sizes, order):
+        def stats(lab, pairs, sizes, order):
+            t = exact.get(twin.get(lab))
+            xa, xb = (xw, xo) if t is None else t          # the ratio's x, on every row
             y = np.concatenate([p[0] for p in pairs])[order]
-            out = smp.relative(*smp.estimate(y, sizes, xw[idx], den_w), den_w)
+            out = smp.relative(*smp.estimate(y, sizes, xa[idx], float(xa.sum())), den_w)
             if pairs[0][1] is None:
                 return out + (None, None)
             oy = np.concatenate([p[1] for p in pairs])[order]
-            return out + smp.relative(*smp.estimate(oy, sizes, xo[idx], den_o), den_o)
+            return out + smp.relative(*smp.estimate(oy, sizes, xb[idx], float(xb.sum())),
+                                      den_o)
 
         order = np.arange(n0)
         n = n0
@@ -848,7 +865,7 @@ class _Measure:
             for lab, pairs in per.items():
                 if pairs is None:
                     continue
-                st = stats(pairs, sizes, order)
+                st = stats(lab, pairs, sizes, order)
                 need = max(need, smp.rows_for_target(st[0], st[1], n0, rows))
                 if st[2] is not None:
                     need = max(need, smp.rows_for_target(st[2], st[3], n0, rows))
@@ -870,8 +887,12 @@ class _Measure:
                     order = np.empty(n, np.int64)
                     order[pos] = np.arange(n)
                     idx = idx_n
-        self.est = {lab: (None if pairs is None else stats(pairs, sizes, order))
+        self.est = {lab: (None if pairs is None else stats(lab, pairs, sizes, order))
                     for lab, pairs in per.items()}
+        for lab, (y, oy) in exact.items():
+            self.est[lab] = (smp.relative(float(y.sum()), 0.0, den_w)
+                             + (smp.relative(float(oy.sum()), 0.0, den_o) if oy is not None
+                                else (None, None)))
         self.sample_info = {"rows": int(n), "of": int(rows), "seed": int(self.seed),
                             "design": "stratified" if n < rows else "every row"}
 
