@@ -92,7 +92,7 @@ def _layers(out):
 
 
 def compare(name, src, extra, workdir, budgets):
-    from opscope_nb.plan.allocate import exact_allocate, predicted_damage
+    from opscope_nb.plan.allocate import exact_allocate, output_objective, predicted_damage
     a, b = os.path.join(workdir, f"{name}-all"), os.path.join(workdir, f"{name}-auto")
     ta = _profile(src, extra, a, "all")
     tb = _profile(src, extra, b, "auto")
@@ -120,8 +120,9 @@ def compare(name, src, extra, workdir, budgets):
         # `way` of the way from the smallest plan to the stored size (as the CLI's default)
         bud = float(np.ceil((lo + way * (hi - lo)) / hi * 1e4) / 1e4)
         try:
-            pf = exact_allocate(full, bud)
-            pe = exact_allocate(est, bud)
+            obj = output_objective(full)            # what the CLI plans for by default
+            pf = exact_allocate(full, bud, objective=obj)
+            pe = exact_allocate(est, bud, objective=obj)
         except ValueError as exc:
             print(f"budget {bud}: {exc}")
             continue
