@@ -196,12 +196,14 @@ def test_sampled_profile_round_trips_through_json():
 
 def test_calibrated_path_identical_for_any_thread_count():
     import numba
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one numba thread: nothing to compare")
     w, g = _layer(700, 160, 50, seed=9)
     f = gram_factor(check_gram(g, 160))
     before = numba.get_num_threads()
     got = []
     try:
-        for n in (1, before):
+        for n in (1, 2):
             numba.set_num_threads(n)
             codes, scales = gptq_validated(w, g, 4, 32)
             e = w - codes * np.repeat(scales, 32, axis=1)

@@ -424,7 +424,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         at least 256 rows, enough for a 95 % interval within ±1 % of each
         error, every row for tensors under 1 M weights), with their standard
         errors in ``rel_err_se`` / ``out_err_se`` and the sample in
-        ``LayerProfile.sample``; ``out_err`` then comes from a low-rank factor
+        ``LayerProfile.sample`` (``n`` of at least half the rows: every row); ``out_err`` then comes from a low-rank factor
         of the gram when it has one (:func:`opscope_nb.formats.gptq.gram_factor`:
         ``rows x cols x t`` float32 GEMMs instead of ``rows x cols²``).  The
         other options (ternary's one scale, low-rank, Monarch, Tucker, TT) are
