@@ -855,26 +855,110 @@ def _q5_K_row(x, qw, out):
 
 
 @njit_exact
+def _make_qx_quants_x16(xs, ws, nmax, xt, wt, wxt, mxs, its, slx, sl2, best, scale, bt, L,
+                        scales):
+    """``make_qx_quants(16, nmax, x, L, 1, w)`` of the 16 sub-blocks of a
+    256-value super-block at once, bit for bit: sub-block ``sb`` is SIMD lane
+    ``sb`` (``xt``/``wt``/``wxt`` are the ``[16, 16]`` transposes), each lane
+    sums its 16 values in ggml's order, and the 19 scale trials run in ggml's
+    order with per-lane decisions.  In the trials ``|iscale * x| <= nmax + 0.9``,
+    so ``nearest_int`` is ``(v + 1.5*2**23) - 1.5*2**23`` in float32 (the same
+    integer; no int round trip).  Writes ``L[256]`` (``l + nmax``) and
+    ``scales[16]``; a sub-block with ``max |x| < GROUP_MAX_EPS`` gets ``L = 0``
+    and scale 0, as in ggml."""
+    fnmax = F(nmax)
+    lo = F(-nmax)
+    hi = F(nmax - 1)
+    for sb in range(16):
+        amax = F(0.0)
+        mx = F(0.0)
+        for i in range(16):
+            v = xs[16 * sb + i]
+            wv = ws[16 * sb + i]
+            xt[i, sb] = v
+            wt[i, sb] = wv
+            wxt[i, sb] = wv * v
+            ax = abs(v)
+            if ax > amax:
+                amax = ax
+                mx = v
+        mxs[sb] = mx
+        bt[sb] = -1 if amax < _EPS else 9
+    # trial k = 0 is ggml's first pass (is = 0), then is = -9..-1, 1..9
+    for k in range(19):
+        t = 9 if k == 0 else (k - 1 if k <= 9 else k)
+        fis = F(t - 9)
+        for sb in range(16):
+            its[sb] = -(fnmax + F(0.1) * fis) / mxs[sb]
+            slx[sb] = F(0.0)
+            sl2[sb] = F(0.0)
+        for i in range(16):
+            for sb in range(16):
+                r = F(F(its[sb] * xt[i, sb]) + _MAGIC) - _MAGIC
+                r = hi if r > hi else r
+                r = lo if r < lo else r
+                slx[sb] += wxt[i, sb] * r
+                sl2[sb] += wt[i, sb] * r * r
+        if k == 0:
+            for sb in range(16):
+                s = slx[sb] / sl2[sb] if sl2[sb] != F(0.0) else F(0.0)
+                scale[sb] = s
+                best[sb] = s * slx[sb]
+        else:
+            for sb in range(16):
+                a = slx[sb]
+                b = sl2[sb]
+                if b > F(0.0) and a * a > best[sb] * b:
+                    s = a / b
+                    scale[sb] = s
+                    best[sb] = s * a
+                    if bt[sb] >= 0:
+                        bt[sb] = t
+    for sb in range(16):
+        if bt[sb] < 0:
+            scales[sb] = F(0.0)
+            for i in range(16):
+                L[16 * sb + i] = 0
+            continue
+        scales[sb] = scale[sb]
+        it = -(fnmax + F(0.1) * F(bt[sb] - 9)) / mxs[sb]
+        for i in range(16):
+            l = _nearest_int(it * xs[16 * sb + i])
+            L[16 * sb + i] = nmax + max(-nmax, min(nmax - 1, l))
+
+
+@njit_exact
 def _q6_K_row(x, qw, out):
     L = np.zeros(256, np.int64)
-    w = np.empty(16, np.float32)
+    ws = np.empty(256, np.float32)
+    xt = np.empty((16, 16), np.float32)
+    wt = np.empty((16, 16), np.float32)
+    wxt = np.empty((16, 16), np.float32)
+    mxs = np.empty(16, np.float32)
+    its = np.empty(16, np.float32)
+    slx = np.empty(16, np.float32)
+    sl2 = np.empty(16, np.float32)
+    best = np.empty(16, np.float32)
+    scale = np.empty(16, np.float32)
+    bt = np.empty(16, np.int64)
     scales = np.empty(16, np.float32)
     has = qw.shape[0] > 0
     for i in range(x.shape[0] // 256):
         xs = x[256 * i:256 * i + 256]
         o = 210 * i
+        # ggml: make_qx_quants(16, 32, x, L, 1, qw) -- weights qw, or x*x without
+        if has:
+            for j in range(256):
+                ws[j] = qw[256 * i + j]
+        else:
+            for j in range(256):
+                ws[j] = xs[j] * xs[j]
+        _make_qx_quants_x16(xs, ws, 32, xt, wt, wxt, mxs, its, slx, sl2, best, scale, bt, L,
+                            scales)
         max_scale = F(0.0)
         max_abs_scale = F(0.0)
         for ib in range(16):
-            xb = xs[16 * ib:16 * ib + 16]
-            if has:
-                c = 256 * i + 16 * ib
-                s = _make_qx_quants(16, 32, xb, L[16 * ib:16 * ib + 16], qw[c:c + 16])
-            else:
-                for j in range(16):
-                    w[j] = xb[j] * xb[j]
-                s = _make_qx_quants(16, 32, xb, L[16 * ib:16 * ib + 16], w)
-            scales[ib] = s
+            s = scales[ib]
             a = abs(s)
             if a > max_abs_scale:
                 max_abs_scale = a

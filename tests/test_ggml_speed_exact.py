@@ -1,0 +1,157 @@
+"""The fast ggml quantiser paths stay bit for bit ggml's (issue 55, item 4).
+
+* The lane-parallel scale searches (one sub-block per SIMD lane) equal the
+  scalar ``make_*_quants`` ports they replace, on adversarial super-blocks
+  (zeros, one outlier, denormals, ties, half steps, huge values, zero
+  weights) -- no libggml needed.
+* Every type's bytes equal libggml's ``ggml_quantize_chunk`` (the
+  ``llama_cpp`` wheel's ``libggml-base``, skipped without it) on Gaussian
+  rows at bf16 precision and on odd rows, with and without importance.
+* Output is the same for 1 and 2 numba threads.
+* ``apply``'s fused pass (bf16 read, quantise, error sums) writes the bytes
+  of the unfused path and reports the same errors.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numba
+import numpy as np
+import pytest
+
+from opscope_nb.formats import ggml
+from opscope_nb.kernels import _ggml_quant as K
+
+F = np.float32
+TYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_NL", "IQ4_XS",
+         "Q3_K", "Q2_K", "TQ2_0", "TQ1_0"]
+
+
+def _odd_rows(cols, rng):
+    """Rows that take ggml's corner branches."""
+    rows = []
+    z = np.zeros(cols, F)
+    rows.append(z.copy())                                   # all zero
+    r = z.copy(); r[17] = 3.0; rows.append(r)                # one outlier in zeros
+    r = rng.standard_normal(cols).astype(F); r[5] = -40; rows.append(r)
+    rows.append(np.full(cols, 1e-39, F))                     # denormals
+    rows.append(np.full(cols, 0.75, F))                      # all equal
+    rows.append(np.full(cols, -0.75, F))
+    rows.append((rng.standard_normal(cols) * 1e-6).astype(F))
+    rows.append((rng.standard_normal(cols) * 3e3).astype(F))
+    rows.append(-np.abs(rng.standard_normal(cols)).astype(F))
+    rows.append((np.abs(rng.standard_normal(cols)) + 2).astype(F))
+    r = rng.standard_normal(cols).astype(F); r[256:512] = 0; rows.append(r)
+    rows.append((np.round(rng.standard_normal(cols) * 8) / 2).astype(F))   # half steps
+    r = rng.standard_normal(cols).astype(F); r[::16] = 0; r[1::16] *= 1e-12; rows.append(r)
+    r = (rng.integers(-3, 4, cols) * 0.125).astype(F); rows.append(r)      # many ties
+    return np.stack(rows)
+
+
+def _weights(cols, rng):
+    imp = (rng.gamma(2.0, 1.0, cols) * 100).astype(F)
+    imp[rng.random(cols) < 0.15] = 0
+    imp[:16] = 0                                             # a sub-block of zero weight
+    return imp
+
+
+@numba.njit(cache=False)
+def _scalar_qx16(xs, ws, nmax, L, scales):
+    for sb in range(16):
+        scales[sb] = K._make_qx_quants(16, nmax, xs[16 * sb:16 * sb + 16],
+                                       L[16 * sb:16 * sb + 16], ws[16 * sb:16 * sb + 16])
+
+
+@numba.njit(cache=False)
+def _lanes_qx16(xs, ws, nmax, L, scales):
+    xt = np.empty((16, 16), np.float32)
+    wt = np.empty((16, 16), np.float32)
+    wxt = np.empty((16, 16), np.float32)
+    v = np.empty((6, 16), np.float32)
+    bt = np.empty(16, np.int64)
+    K._make_qx_quants_x16(xs, ws, nmax, xt, wt, wxt, v[0], v[1], v[2], v[3], v[4], v[5], bt,
+                          L, scales)
+
+
+@pytest.mark.parametrize("nmax", [32, 4])
+def test_lane_search_equals_scalar_make_qx_quants(nmax):
+    rng = np.random.default_rng(55)
+    x = np.concatenate([_odd_rows(256, rng),
+                        (rng.standard_normal((200, 256)) * 0.02).astype(F)])
+    x = (x.view(np.uint32) & np.uint32(0xFFFFFFFF)).view(F)
+    imp = _weights(256, rng)
+    n_diff_weights = 0
+    for row in x:
+        for ws in (row * row, imp, np.ones(256, F)):
+            ws = np.ascontiguousarray(ws, F)
+            L0, s0 = np.zeros(256, np.int64), np.zeros(16, F)
+            L1, s1 = np.full(256, -7, np.int64), np.full(16, F(np.nan))
+            _scalar_qx16(row, ws, nmax, L0, s0)
+            _lanes_qx16(row, ws, nmax, L1, s1)
+            assert np.array_equal(L0, L1), (nmax, row[:4])
+            assert np.array_equal(s0.view(np.uint32), s1.view(np.uint32)), (nmax, s0, s1)
+            n_diff_weights += 1
+    assert n_diff_weights == 3 * len(x)
+
+
+def _libggml():
+    try:
+        import llama_cpp
+    except Exception:          # pragma: no cover - the wheel is optional
+        return None
+    path = os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so")
+    if not os.path.exists(path):
+        return None
+    lib = ctypes.CDLL(path)
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_void_p]
+    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+    return lib
+
+
+@pytest.fixture(scope="module")
+def rows():
+    rng = np.random.default_rng(20261206)
+    cols = 1024
+    g = (rng.standard_normal((48, cols), dtype=np.float32) * F(0.02))
+    g = (g.view(np.uint32) & np.uint32(0xFFFF0000)).view(F)        # bf16 values
+    g[3, rng.choice(cols, 8, replace=False)] *= 20
+    x = np.ascontiguousarray(np.concatenate([g, _odd_rows(cols, rng)]))
+    return x, _weights(cols, rng)
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_bytes_equal_libggml_on_many_rows(rows, t):
+    lib = _libggml()
+    if lib is None:
+        pytest.skip("no llama_cpp wheel (libggml-base) here")
+    x, imp = rows
+    n, cols = x.shape
+    info = ggml.GGML_TYPES[t]
+    lib.ggml_quantize_init(info.id)
+    for qw in (None, imp):
+        ref = np.zeros((n, ggml.row_bytes(t, cols)), np.uint8)
+        lib.ggml_quantize_chunk(info.id, x.ctypes.data, ref.ctypes.data, 0, n, cols,
+                                None if qw is None else qw.ctypes.data)
+        ours = ggml.quantize(x, t, qw)
+        bad = np.argwhere(ours != ref)
+        assert bad.size == 0, (f"{t} {'imp' if qw is not None else 'ref'}: {len(bad)} bytes "
+                               f"differ, first (row, byte) {bad[:3].tolist()}")
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="numba has one thread here")
+@pytest.mark.parametrize("t", ["Q6_K", "Q8_0", "Q4_K", "IQ4_XS"])
+def test_same_bytes_for_one_and_two_threads(rows, t):
+    x, imp = rows
+    keep = numba.get_num_threads()
+    try:
+        out = []
+        for n in (1, 2):
+            numba.set_num_threads(n)
+            out.append((ggml.quantize(x, t), ggml.quantize(x, t, imp)))
+    finally:
+        numba.set_num_threads(keep)
+    assert np.array_equal(out[0][0], out[1][0]) and np.array_equal(out[0][1], out[1][1])
