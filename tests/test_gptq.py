@@ -231,3 +231,50 @@ def test_gptq_same_gram_content_in_new_array_reuses_nothing_stale():
     b = gptq_quantize(w, h2, 4, 32)
     np.testing.assert_array_equal(b[0], ng.gptq(w, h2, 4, 32)[0])
     np.testing.assert_array_equal(gptq_quantize(w, h.copy(), 4, 32)[0], a[0])
+
+
+@pytest.mark.parametrize("bits,group,act", [(4, 32, True), (3, None, True), (2, 32, False),
+                                            (8, None, True), (4, 128, False)])
+def test_gptq_lowrank_path_equals_numpy_twin(bits, group, act, monkeypatch):
+    """A gram of t < cols / 4 rows takes the low-rank sweep (the dense core is
+    never called), and its codes are the dense GPTQ's (numpy twin)."""
+    from opscope_nb.formats import gptq as G
+    rng = np.random.default_rng(bits * 7 + int(act))
+    cols, t = 256, 40
+    w = rng.standard_normal((48, cols)).astype(np.float32)
+    x = rng.standard_normal((t, cols)) @ (rng.standard_normal((cols, cols)) * 0.2 + np.eye(cols))
+    x[:, :3] *= 4.0
+    x[:, 7] = 0.0                       # a dead input: H[7, 7] = 0
+    h = x.T @ x
+    assert G._lowrank_prep(G.check_gram(h, cols), G.DAMP, act, 64) is not None
+
+    def dense_core(*a):
+        raise AssertionError("the dense GPTQ core ran on a low-rank gram")
+    monkeypatch.setattr("opscope_nb.kernels._gptq_round.gptq_core", dense_core)
+    codes, scales = gptq_quantize(w, h, bits, group, block=64, act_order=act)
+    monkeypatch.undo()
+    if act:
+        c2, s2 = ng.gptq(w, h, bits, group or cols)
+    else:
+        s2 = ng.clip_scales(w, np.diag(h), bits, group or cols, 20)
+        c2 = ng.gptq_sweep(w, h, bits, group or cols, s2, act=False)
+        s0 = ng.clip_scales(w, np.diag(h), bits, group or cols, 0)
+        c0 = ng.gptq_sweep(w, h, bits, group or cols, s0, act=False)
+        g = group or cols
+        e = [float(np.einsum("ij,jk,ik->", w - c * np.repeat(s, g, axis=1)[:, :cols], h,
+                             w - c * np.repeat(s, g, axis=1)[:, :cols]))
+             for c, s in ((c0, s0), (c2, s2))]
+        if not e[1] < e[0]:
+            c2, s2 = c0, s0
+    np.testing.assert_array_equal(scales.reshape(48, -1), s2)
+    assert np.mean(codes == c2) >= 0.999        # float64 summation order only
+    # and the same codes through the dense path of this package
+    monkeypatch.setattr(G, "LOWRANK_FRACTION", 10 ** 9)
+    c3, _ = gptq_quantize(w, h, bits, group, block=64, act_order=act)
+    assert np.mean(codes == c3) >= 0.999
+
+
+def test_gptq_full_rank_gram_takes_dense_path():
+    from opscope_nb.formats import gptq as G
+    w, _, h = _data(8, 96, seed=5)          # 300 rows: full rank
+    assert G._lowrank_prep(G.check_gram(h, 96), G.DAMP, True, 128) is None

@@ -222,7 +222,7 @@ def hessian_factor(gram, damp=DAMP) -> np.ndarray:
     return np.ascontiguousarray(np.tril(linv)[::-1, ::-1])
 
 
-_CACHE = []   # [(private copy of the gram, key, value)], most recent last
+_CACHE = []   # [(private copy of the gram, {key: value})], most recent last
 _CACHE_SIZE = 3
 
 #: Clipping candidates of the static GPTQ scales beyond the unclipped one.
@@ -239,24 +239,33 @@ def sweep_order(gram) -> np.ndarray:
 
 
 def _by_content(g, key, make):
-    """``make()`` cached by the gram's *content* and ``key``: the last
-    :data:`_CACHE_SIZE` grams are kept, so the layers that read one input (q, k,
-    v; gate, up) share one factor even when another layer comes between them
-    in the checkpoint's order.
+    """``make()`` cached by the gram's *content* and ``key``: everything derived
+    from the last :data:`_CACHE_SIZE` grams is kept, so the layers that read one
+    input (q, k, v; gate, up) share one factor even when another layer comes
+    between them in the checkpoint's order.
 
     The key is a private copy of the gram compared in full (no identity
     shortcut): a caller that updates its gram in place (``H += x.T @ x``)
     between two calls gets the value of the new content.  The comparison is
     O(cols**2) against the factor's O(cols**3).
     """
-    for i, (g0, k0, val) in enumerate(_CACHE):
-        if k0 == key and g0.shape == g.shape and np.array_equal(g0, g):
+    vals = _entry(g)
+    if key not in vals:
+        vals[key] = make()
+    return vals[key]
+
+
+def _entry(g):
+    """The cache's ``{key: value}`` of the gram ``g`` (a new one, evicting the
+    least recent gram, when it has none); marks it most recent."""
+    for i, (g0, vals) in enumerate(_CACHE):
+        if g0.shape == g.shape and np.array_equal(g0, g):
             _CACHE.append(_CACHE.pop(i))
-            return val
-    val = make()
-    _CACHE.append((np.array(g, dtype=np.float64, copy=True), key, val))
+            return vals
+    vals = {}
+    _CACHE.append((np.array(g, dtype=np.float64, copy=True), vals))
     del _CACHE[:-_CACHE_SIZE]
-    return val
+    return vals
 
 
 def _cached_factor(g, damp, act_order=True):
@@ -268,6 +277,92 @@ def _cached_factor(g, damp, act_order=True):
         gp = g[order] if g.ndim == 1 else g[np.ix_(order, order)]
         return order, hessian_factor(gp, damp)
     return _by_content(g, ("gptq", damp, act_order), make)
+
+
+#: Largest gram rank the low-rank GPTQ path takes, as a fraction of ``cols``
+#: (``k <= cols // 4``; per row it costs ``4 cols k`` flops against the dense
+#: path's ``2 cols²``) and absolutely.
+LOWRANK_FRACTION = 4
+LOWRANK_MAX_RANK = 1024
+
+
+def _lowrank_prep(g, damp, act_order, block):
+    """The low-rank GPTQ path's per-gram arrays, or None when the gram's rank
+    is above ``min(cols // LOWRANK_FRACTION, LOWRANK_MAX_RANK)``.
+
+    With ``H = F Fᵀ`` (:func:`_factor64`, ``k`` columns) the dampened Hessian
+    of :func:`hessian_factor` is ``D + F Fᵀ``, ``D`` diagonal (the ridge, plus
+    1 on dead columns).  Quantising sweep position ``i`` with error ``e`` moves
+    the later positions ``R`` by ``e H_RR⁻¹ H_Ri`` (GPTQ's update), and
+    ``H_RR⁻¹ H_Ri = D_R⁻¹ F_R v_i`` with ``v_i = (I + F_Rᵀ D_R⁻¹ F_R)⁻¹ F_iᵀ``
+    (Woodbury): every update lies in the span of ``D⁻¹F``, so a row carries a
+    ``k``-vector ``a = sum e_i v_i`` instead of updating its ``cols`` weights.
+    The ``v_i`` come from one backward pass over the blocks (per block a
+    ``block x block`` Cholesky and GEMMs with ``k x k`` matrices: ``2 cols k²``
+    flops, no ``cols³`` factor of ``H⁻¹``).
+
+    Returns
+    -------
+    tuple or None
+        ``(order, fs, v, c)``: the sweep order (int64 ``[cols]``), ``D⁻¹F``
+        and ``V`` in sweep order (float64 ``[cols, k]``) and the in-block
+        coefficients ``c[i, j] = v_i · fs_j`` (float64 ``[cols, block]``,
+        ``j`` relative to ``i``'s block).
+    """
+    cols = g.shape[0]
+    if g.ndim != 2:
+        return None
+    kmax = min(cols // LOWRANK_FRACTION, LOWRANK_MAX_RANK)
+    f = _factor64(g, kmax)
+    if f is None:
+        return None
+
+    def make():
+        from scipy.linalg import solve_triangular
+        d = np.diag(g).copy()
+        dead = d <= 0
+        d[dead] = 1.0
+        dd = float(damp) * float(d.mean()) + dead.astype(np.float64)
+        order = sweep_order(g) if act_order else np.arange(cols, dtype=np.int64)
+        fp = np.ascontiguousarray(f[order])
+        dp = dd[order]
+        k = fp.shape[1]
+        gm = np.eye(k)
+        v = np.empty((cols, k))
+        c = np.zeros((cols, block))
+        fs = fp / dp[:, None]
+        for b0 in reversed(range(0, cols, block)):
+            b1 = min(b0 + block, cols)
+            fb = fp[b0:b1]
+            p = gm @ fb.T                                   # [k, nb]
+            m = fb @ p
+            m[np.diag_indices_from(m)] += dp[b0:b1]
+            # upper u with m = u uᵀ: the Cholesky of m in reversed order
+            u = np.linalg.cholesky(m[::-1, ::-1])[::-1, ::-1]
+            qt = solve_triangular(u, p.T, lower=False)      # [nb, k]
+            v[b0:b1] = qt * np.diag(u)[:, None]
+            gm -= qt.T @ qt
+            c[b0:b1, :b1 - b0] = v[b0:b1] @ fs[b0:b1].T
+        return order, fs, v, c
+    return _by_content(g, ("lowrank", float(damp), bool(act_order), int(block)), make)
+
+
+def _lowrank_sweep(wp, prep, scales, bits, grp, block):
+    """GPTQ codes of the rows ``wp`` (float64, columns in sweep order) through
+    :func:`_lowrank_prep`'s arrays: per block of columns two GEMMs with the
+    rows' ``k``-vectors and :func:`~opscope_nb.kernels.gptq_block_sweep`."""
+    from opscope_nb.kernels._gptq_round import gptq_block_sweep
+    order, fs, v, c = prep
+    rows, cols = wp.shape
+    a = np.zeros((rows, fs.shape[1]))
+    codes = np.empty((rows, cols), np.int8)
+    for b0 in range(0, cols, block):
+        b1 = min(b0 + block, cols)
+        wb = wp[:, b0:b1] + a @ fs[b0:b1].T
+        err = np.empty((rows, b1 - b0))
+        gptq_block_sweep(wb, c[b0:b1], order, b0, scales, bits, grp, codes, err)
+        a += err @ v[b0:b1]
+    return codes
 
 
 def gram_factor(gram, max_rank=None, *, tol=1e-12):
@@ -296,21 +391,33 @@ def gram_factor(gram, max_rank=None, *, tol=1e-12):
     -------
     ndarray of float32, shape (cols, k), C-contiguous, or None
     """
-    g = gram
-    cols = g.shape[0]
+    cols = gram.shape[0]
     kmax = cols // 2 if max_rank is None else int(max_rank)
+    f = _factor64(gram, kmax, tol)
+    if f is None:
+        return None
+    return _by_content(gram, ("factor32", tol),
+                       lambda: np.ascontiguousarray(f, dtype=np.float32))
 
-    def make():
+
+def _factor64(g, kmax, tol=1e-12):
+    """:func:`gram_factor` in float64 (``[cols, k]``), or None when ``k`` would
+    exceed ``kmax``.  The pivoted Cholesky does not depend on ``kmax`` (only
+    where it gives up), so one run serves every caller: cached with the rank
+    it was allowed."""
+    cols = g.shape[0]
+
+    def run(limit):
         d = np.array(np.diag(g), dtype=np.float64)
         top = float(d.max()) if cols else 0.0
-        ft = np.zeros((max(kmax, 0), cols), dtype=np.float64)   # rows are F's columns
+        ft = np.zeros((max(limit, 0), cols), dtype=np.float64)   # rows are F's columns
         if top <= 0.0:
-            return np.zeros((cols, 0), np.float32)
-        for j in range(kmax + 1):
+            return np.zeros((cols, 0))
+        for j in range(limit + 1):
             p = int(np.argmax(d))
             if d[p] <= tol * top:
-                return np.ascontiguousarray(ft[:j].T, dtype=np.float32)
-            if j == kmax:
+                return np.ascontiguousarray(ft[:j].T)
+            if j == limit:
                 return None
             col = g[:, p] - ft[:j].T @ ft[:j, p]
             col /= np.sqrt(d[p])
@@ -318,7 +425,19 @@ def gram_factor(gram, max_rank=None, *, tol=1e-12):
             d -= col * col
             d[p] = 0.0
         return None
-    return _by_content(g, ("factor", kmax, tol), make)
+
+    vals = _entry(g)
+    key = ("factor64", tol)
+    got = vals.get(key)
+    if got is not None:
+        f, tried = got
+        if f is not None:
+            return f if f.shape[1] <= kmax else None
+        if tried >= kmax:
+            return None
+    f = run(kmax)
+    vals[key] = (f, kmax)
+    return f
 
 
 def row_output_energy(e, gram, factor=None) -> np.ndarray:
@@ -430,7 +549,8 @@ def gptq_validated(w, g, bits, grp, damp=DAMP, block=128, act_order=True, clip=T
     if rows == 0 or cols == 0:
         return (np.zeros((rows, cols), np.int8),
                 np.ones((rows, (cols + grp - 1) // grp if cols else 0), np.float32))
-    order, u = _cached_factor(g, damp, act_order)
+    low = _lowrank_prep(g, damp, act_order, blk)
+    order, u = (low[0], None) if low is not None else _cached_factor(g, damp, act_order)
     imp = np.ascontiguousarray(g if g.ndim == 1 else np.diag(g), dtype=np.float64)
     steps_all = (0, CLIP_STEPS) if clip else (0,)
 
@@ -443,7 +563,10 @@ def gptq_validated(w, g, bits, grp, damp=DAMP, block=128, act_order=True, clip=T
             if out and np.array_equal(scales, out[0][1]):
                 out.append(out[0])     # no group of these rows clips: same codes
                 continue
-            codes = gptq_core(wp.copy(), u, order, scales, int(bits), grp, blk)
+            if low is not None:
+                codes = _lowrank_sweep(wp, low, scales, int(bits), grp, blk)
+            else:
+                codes = gptq_core(wp.copy(), u, order, scales, int(bits), grp, blk)
             deq = codes.astype(np.float32) * np.repeat(scales, grp, axis=1)[:, :cols]
             out.append((codes, scales, row_output_energy(w64 - deq, g, factor).sum()))
         return out
