@@ -124,7 +124,7 @@ def test_every_move_keeps_bytes_within_budget(tiny):
                   on_state=lambda st: states.append(st))
     assert states and all(rf.plan_bytes(layers, st["best"]) <= B for st in states)
     assert rf.plan_bytes(layers, r.best) <= B and rf.plan_bytes(layers, r.choice) <= B
-    scores = [s for _, s in r.history]
+    scores = [h[1] for h in r.history]
     assert scores == sorted(scores, reverse=True)          # each kept move is better
     assert r.evals == 12 and r.scores["best"]["search"] <= r.scores["start"]["search"]
 
@@ -142,11 +142,13 @@ def test_refine_never_returns_a_plan_worse_on_held_out(tiny):
             return v
     rigged = Rigged.__new__(Rigged)
     rigged.__dict__.update(sc.__dict__)
-    r = rf.refine(rigged, a.choice, a.budget_bytes, objective=OBJ, evals=12, seed=2)
+    r = rf.refine(rigged, a.choice, a.budget_bytes, objective=OBJ, evals=12, seed=2,
+                  search="local")
     assert r.best != r.start                        # the search found a better plan ...
     assert r.scores["best"]["search"] < r.scores["start"]["search"]
     assert not r.kept and r.choice == list(a.choice)   # ... which is not returned
-    r2 = rf.refine(sc, a.choice, a.budget_bytes, objective=OBJ, evals=12, seed=2)
+    r2 = rf.refine(sc, a.choice, a.budget_bytes, objective=OBJ, evals=12, seed=2,
+                   search="local")
     assert r2.best == r.best
     assert r2.kept == (r2.scores["best"]["held_out"] < r2.scores["start"]["held_out"])
     assert r2.choice == (r2.best if r2.kept else list(a.choice))

@@ -26,6 +26,7 @@ from ._common import (
     positive_float,
     positive_int,
     progress_enabled,
+    nonneg_int,
     tabulate_rows,
     warn,
     write,
@@ -67,8 +68,15 @@ def add_refine_args(p, flag_prefix="") -> None:
                    help="local: first-improvement hill climb, one candidate per step "
                         "(default); evo: (1 + lambda) evolution in EvoPress's manner, "
                         "--offspring candidates of 1-3 mutations per generation")
-    g.add_argument("--offspring", type=positive_int, default=8, metavar="N",
-                   help="candidates per generation of --search evo (default 8)")
+    g.add_argument("--offspring", type=positive_int, default=16, metavar="N",
+                   help="candidates per generation of --search evo (default 16)")
+    g.add_argument("--survivors", type=positive_int, default=2, metavar="K",
+                   help="candidates per generation that pass the screen to the search "
+                        "tokens (default 2)")
+    g.add_argument("--screen-tokens", type=nonneg_int, default=128, metavar="N",
+                   help="score every candidate on the first N search tokens first and only "
+                        "the best (--survivors) on all --tokens (multi-stage selection; "
+                        "default 128; 0: every candidate on all search tokens)")
     g.add_argument("--refine-seed", type=int, default=0, metavar="S",
                    help="seed of the moves (default 0)")
     g.add_argument("--text", metavar="FILE|sample|builtin", default=None,
@@ -155,7 +163,8 @@ def _state_key(args, doc_path, budget, start, spec) -> str:
     with open(doc_path, "rb") as f:
         h = hashlib.sha256(f.read()).hexdigest()
     parts = [h, str(budget), ",".join(map(str, start)), str(spec.get("objective")),
-             args.search, str(args.offspring), str(args.refine_seed), str(args.text),
+             args.search, str(args.offspring), str(args.survivors), str(args.screen_tokens),
+             str(args.refine_seed), str(args.text),
              str(args.held_out_text), str(args.split), str(args.tokens),
              str(args.held_out_tokens), str(args.window)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
@@ -221,7 +230,7 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
             model, layers, text=text, held_out_text=args.held_out_text, split=split,
             split_seed=int(cal.get("split_seed") or 0) if isinstance(cal, dict) else 0,
             tokens=args.tokens, held_out_tokens=args.held_out_tokens, window=args.window,
-            grams=grams, stored=stored,
+            grams=grams, stored=stored, screen_tokens=args.screen_tokens or None,
             requantize=bool((doc.get("settings") or {}).get("requantize")))
     except (ModelError, UnsupportedModelError, ValueError) as exc:
         raise CliError(f"refine: cannot score plans on {src} ({exc}).") from None
@@ -263,6 +272,7 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
     try:
         res = rf.refine(scorer, a0.choice, B, objective=objective, evals=args.evals,
                         minutes=args.minutes, search=args.search, offspring=args.offspring,
+                        survivors=args.survivors,
                         seed=args.refine_seed, seeds=seeds, state=state, on_state=on_state,
                         log=log)
     except ValueError as exc:
@@ -315,13 +325,15 @@ def _print_report(res, scorer, m0, objective):
           f"{verdict}")
     sec = res.seconds
     tot = max(sec.get("search", 0.0), 1e-9)
-    fps = res.forwards_per_second(scorer.n_blocks)
+    fps = res.forwards_per_second()
     parts = ", ".join(f"{k} {sec.get(k, 0.0) / tot:.0%}" for k in
-                      ("forward", "head", "pack", "propose"))
+                      ("forward", "head", "kl", "pack", "propose"))
+    scr = sc.get("screen_tokens")
     print(f"search {sec.get('search', 0.0):.1f}s: {res.run_evals / tot:.2f} candidates/s, "
-          f"{fps:.2f} full-forward equivalents/s ({res.block_runs} stage runs of "
-          f"{scorer.n_blocks + 1}); time: {parts}; setup {sec.get('setup', 0.0):.1f}s, "
-          f"held-out check {sec.get('held_out', 0.0):.1f}s")
+          f"{fps:.2f} full-forward equivalents/s ({res.forwards:.1f} forwards of "
+          f"{sc['search_tokens']} tokens x {scorer.n_blocks + 1} stages"
+          f"{f'; screen {scr} tokens' if scr else ''}); time: {parts}; setup "
+          f"{sec.get('setup', 0.0):.1f}s, held-out check {sec.get('held_out', 0.0):.1f}s")
 
 
 def run(args) -> int:

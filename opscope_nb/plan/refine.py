@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from opscope_nb._threads import _one_blas_thread
+
 from .allocate import predicted_damage
 
 __all__ = ["PlanScorer", "RefineResult", "refine", "split_passages", "ladders",
@@ -52,8 +54,42 @@ __all__ = ["PlanScorer", "RefineResult", "refine", "split_passages", "ladders",
 
 #: Version of the state file layout (:func:`save_state`).
 STATE_VERSION = 1
-#: Rows of logits turned into float64 log-probabilities at once.
+#: Rows of logits turned into float64 log-probabilities at once (the reference).
 _ROWS = 64
+
+
+def _kl_kernel():
+    """The compiled per-row KL / log-sum-exp of a candidate's logits (made once)."""
+    got = _KERNEL.get("kl")
+    if got is None:
+        from numba import prange
+        from opscope_nb.kernels._jit import njit_parallel
+
+        @njit_parallel
+        def kl_rows(z, p, c, s, kl, lse):
+            # per row r: lse = log sum exp z (float64), and
+            # KL(ref || q) = sum p (lp_ref - lq) = c - p.z + s * lse,
+            # c = sum p lp_ref, s = sum p (the reference's float32 p, lp_ref)
+            n, v = z.shape
+            for r in prange(n):
+                m = -np.inf
+                for k in range(v):
+                    if z[r, k] > m:
+                        m = z[r, k]
+                m64 = np.float64(m)
+                acc = 0.0
+                dot = 0.0
+                for k in range(v):
+                    zk = np.float64(z[r, k])
+                    acc += np.exp(zk - m64)
+                    dot += np.float64(p[r, k]) * zk
+                lse[r] = m64 + np.log(acc)
+                kl[r] = c[r] - dot + s[r] * lse[r]
+        got = _KERNEL["kl"] = kl_rows
+    return got
+
+
+_KERNEL = {}
 
 
 # --------------------------------------------------------------------------- #
@@ -84,6 +120,25 @@ def _decoder_chunks(model, passages, max_tokens, window):
     window = int(min(window, cfg.get("context", window)))
     return [ids[s:s + window] for s in range(0, len(ids) - 1, window)
             if len(ids[s:s + window]) >= 2]
+
+
+def _screen_chunks(chunks, tokens, family):
+    """The screen split's chunks: a prefix of the search chunks (see
+    :class:`PlanScorer`'s ``screen_tokens``)."""
+    if family == "decoder":
+        k = max(2, -(-int(tokens) // max(len(chunks), 1)))
+        return [np.asarray(c[:k]) for c in chunks]
+    out, tot = [], 0
+    for ids, mask in chunks:
+        n = np.asarray(mask).sum(axis=1)
+        keep = 0
+        while keep < len(n) and (keep == 0 or tot + n[keep] <= tokens):
+            tot += int(n[keep])
+            keep += 1
+        out.append((ids[:keep], mask[:keep]))
+        if tot >= tokens or keep < len(n):
+            break
+    return out
 
 
 def _encoder_chunks(model, texts, max_tokens, batch=32):
@@ -270,20 +325,29 @@ class PlanScorer:
         forward runs dense matmuls instead of the packed kernels (no kernel to
         compile per format, BLAS speed), at the packed kernels' values up to
         float32 rounding; ``False`` runs the ``PackedLinear`` itself.
+    screen_tokens : int, optional
+        Also keep a *screen* split (``score(..., "screen")``): the first
+        ``ceil(screen_tokens / n)`` tokens of each of the ``n`` search chunks
+        (decoders) or the first search sentences up to ``screen_tokens``
+        tokens (encoders).  :func:`refine` scores every candidate there first
+        and only the best on the whole search split (multi-stage selection).
 
     Attributes
     ----------
     metric : str
         ``"kl"`` (decoders) or ``"1-cos"`` (encoders).
     seconds : dict of str -> float
-        ``pack``, ``forward`` (blocks), ``head`` (head, log-softmax, KL or
-        pooling), ``reference`` (the dense outputs).
+        ``pack``, ``forward`` (blocks), ``head`` (output norm and head matmul,
+        or pooling), ``kl`` (log-sum-exp and KL, or cosine), ``reference``
+        (the dense outputs).
     block_runs : int
         Block forwards run (one per block per split pass; the head counts as one).
+    token_runs : int
+        Tokens run through a stage, summed over stage runs (:attr:`forwards`).
     """
 
     def __init__(self, model, layers, search, held_out, *, grams=None, stored=None,
-                 requantize=False, act="f32", dequantise=True):
+                 requantize=False, act="f32", dequantise=True, screen_tokens=None):
         from opscope_nb.models.loader import is_linear
         if getattr(model, "entries", None) and not model.tensors:
             raise ValueError("PlanScorer needs a loaded model (open_model(..., lazy=False)).")
@@ -338,9 +402,18 @@ class PlanScorer:
                       if i not in self.inert}
         self._orig_head = model.extras.get("head")
         self._opts = {}
-        self.seconds = {"pack": 0.0, "forward": 0.0, "head": 0.0, "reference": 0.0}
+        self.seconds = {"pack": 0.0, "forward": 0.0, "head": 0.0, "kl": 0.0,
+                        "reference": 0.0}
         self.block_runs = 0
+        self.token_runs = 0
         self.splits = {"search": _Split(search), "held_out": _Split(held_out)}
+        if screen_tokens is not None:
+            if isinstance(screen_tokens, bool) or not isinstance(
+                    screen_tokens, (int, np.integer)) or int(screen_tokens) < 2:
+                raise ValueError(f"screen_tokens must be an integer >= 2 or None; got "
+                                 f"{screen_tokens!r}.")
+            self.splits["screen"] = _Split(_screen_chunks(search, int(screen_tokens),
+                                                          self.family))
         for s in self.splits.values():
             self._reference(s)
 
@@ -463,6 +536,7 @@ class PlanScorer:
                 new[b] = xs
             xs = [self._block(b, c, x) for c, x in zip(split.chunks, xs)]
             self.block_runs += 1
+            self.token_runs += split.tokens
         if keep:
             new[self.n_blocks] = xs
         self.seconds["forward"] += time.perf_counter() - t0
@@ -470,12 +544,19 @@ class PlanScorer:
 
     def _final(self, split, xs, ids_for_nll=False):
         """The score of final hidden states ``xs`` against the dense reference
-        (and the negative log-likelihoods of decoders' next tokens)."""
+        (and the negative log-likelihoods of decoders' next tokens).
+
+        Decoders: ``KL(dense || plan)`` per position is ``sum p (lp_ref - lq)``
+        with ``lq = z - logsumexp(z)`` in float64; it is computed as ``c - p.z
+        + s * logsumexp(z)`` with the reference's ``c = sum p lp_ref`` and ``s =
+        sum p`` (per row, float64, made once), so a candidate takes one pass
+        over its logits (a compiled kernel) instead of a float64 log-softmax."""
         from opscope_nb.models import bert, llama
         from opscope_nb.models.evaluate import cosine
         t0 = time.perf_counter()
         m = self.model
         self.block_runs += 1
+        self.token_runs += split.tokens
         nll = []
         if self.family == "encoder":
             embs = []
@@ -483,6 +564,7 @@ class PlanScorer:
                 B, L = mask.shape
                 embs.append(bert.pool(m, x.reshape(B, L, m.config["hidden"]), mask))
             e = np.concatenate(embs)
+            t1 = time.perf_counter()
             if split.ref is None:
                 out = (e, None)
             else:
@@ -490,44 +572,65 @@ class PlanScorer:
                 out = (float(np.mean(1.0 - cos)), None)
         else:
             kls, refs = [], []
+            t1 = t0
             for k, (c, x) in enumerate(zip(split.chunks, xs)):
+                th = time.perf_counter()
                 z = llama.logits(m, x, act=self.act)
+                t1 += time.perf_counter() - th
                 if split.ref is None:
-                    lp = np.empty(z.shape, dtype=np.float32)
+                    p = np.empty(z.shape, dtype=np.float32)
+                    cc = np.empty(z.shape[0], dtype=np.float64)
+                    ss = np.empty(z.shape[0], dtype=np.float64)
                     for r in range(0, z.shape[0], _ROWS):
-                        lp[r:r + _ROWS] = _log_softmax64(z[r:r + _ROWS])
-                    refs.append((lp, np.exp(lp)))
-                    if ids_for_nll:
-                        nll.append(-lp[np.arange(len(c) - 1), c[1:]].astype(np.float64))
+                        lp = _log_softmax64(z[r:r + _ROWS]).astype(np.float32)
+                        pr = np.exp(lp)
+                        p[r:r + _ROWS] = pr
+                        cc[r:r + _ROWS] = (pr.astype(np.float64) * lp).sum(axis=1)
+                        ss[r:r + _ROWS] = pr.sum(axis=1, dtype=np.float64)
+                        if ids_for_nll:
+                            rows = np.arange(r, min(r + _ROWS, len(c) - 1))
+                            nll.append(-lp[rows - r, c[rows + 1]].astype(np.float64))
+                    refs.append((p, cc, ss))
                     continue
-                lp_ref, p_ref = split.ref[k]
-                for r in range(0, z.shape[0], _ROWS):
-                    lq = _log_softmax64(z[r:r + _ROWS])
-                    kls.append((p_ref[r:r + _ROWS] * (lp_ref[r:r + _ROWS] - lq)).sum(axis=1))
-                    if ids_for_nll:
-                        rows = np.arange(r, min(r + _ROWS, len(c) - 1))
-                        nll.append(-lq[rows - r, c[rows + 1]])
+                p, cc, ss = split.ref[k]
+                kl = np.empty(z.shape[0], dtype=np.float64)
+                lse = np.empty(z.shape[0], dtype=np.float64)
+                _kl_kernel()(z, p, cc, ss, kl, lse)
+                kls.append(kl)
+                if ids_for_nll:
+                    rows = np.arange(len(c) - 1)
+                    nll.append(lse[rows] - z[rows, c[rows + 1]].astype(np.float64))
                 del z
             out = (refs, None) if split.ref is None else (
                 float(np.maximum(np.concatenate(kls), 0.0).mean()), None)
         if ids_for_nll and nll:
             out = (out[0], float(np.exp(np.concatenate(nll).mean())))
-        self.seconds["head"] += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        self.seconds["head"] += t1 - t0
+        self.seconds["kl"] += t2 - t1
         return out
 
     def _reference(self, split):
         t0 = time.perf_counter()
         sec = dict(self.seconds)
-        runs = self.block_runs
-        xs = [self._embed_chunk(c) for c in split.chunks]
-        xs, _ = self._outputs(split, 0, xs, False)
-        ref, ppl = self._final(split, xs, ids_for_nll=True)
-        split.ref, split.ppl_dense = ref, ppl
+        runs, toks = self.block_runs, self.token_runs
         split.tokens = int(sum(len(c) for c in split.chunks)) if self.family == "decoder" \
             else int(sum(float(c[1].sum()) for c in split.chunks))
+        with _one_blas_thread():
+            xs = [self._embed_chunk(c) for c in split.chunks]
+            xs, _ = self._outputs(split, 0, xs, False)
+            ref, ppl = self._final(split, xs, ids_for_nll=True)
+        split.ref, split.ppl_dense = ref, ppl
         self.seconds = sec
-        self.block_runs = runs
+        self.block_runs, self.token_runs = runs, toks
         self.seconds["reference"] += time.perf_counter() - t0
+
+    @property
+    def forwards(self) -> float:
+        """Work done so far in full forwards of the search split: the tokens
+        run through each stage (blocks and head), over the search split's
+        ``tokens x (n_blocks + 1)``."""
+        return self.token_runs / max(self.splits["search"].tokens * (self.n_blocks + 1), 1)
 
     def score(self, choice, split="search", *, adopt=None, ppl=False):
         """The measured score of ``choice`` on ``split`` (``"search"`` or
@@ -547,7 +650,7 @@ class PlanScorer:
             mean ``1 - cos`` of the pooled embeddings (encoders).
         """
         if split not in self.splits:
-            raise ValueError(f"split must be 'search' or 'held_out'; got {split!r}.")
+            raise ValueError(f"split must be one of {sorted(self.splits)}; got {split!r}.")
         c = tuple(int(x) for x in choice)
         if len(c) != len(self.layers):
             raise ValueError(f"choice has {len(c)} entries; the plan has {len(self.layers)} "
@@ -567,17 +670,18 @@ class PlanScorer:
             if adopt:
                 s.cache_key = c
             return s.cache_score
-        self._install(c)
-        try:
-            if start == 0 or s.cache is None:
-                xs = [self._embed_chunk(ch) for ch in s.chunks]
-                start = 0
-            else:
-                xs = s.cache[start]
-            xs, new = self._outputs(s, start, xs, adopt)
-            val, p = self._final(s, xs, ids_for_nll=ppl)
-        finally:
-            self._restore()
+        with _one_blas_thread():
+            self._install(c)
+            try:
+                if start == 0 or s.cache is None:
+                    xs = [self._embed_chunk(ch) for ch in s.chunks]
+                    start = 0
+                else:
+                    xs = s.cache[start]
+                xs, new = self._outputs(s, start, xs, adopt)
+                val, p = self._final(s, xs, ids_for_nll=ppl)
+            finally:
+                self._restore()
         if adopt:
             s.cache, s.cache_key, s.cache_score = new, c, val
         return (val, p) if ppl else val
@@ -590,13 +694,14 @@ class PlanScorer:
         """``choice`` run from the embeddings with every tensor swapped in (no
         cache read or written): what :meth:`score` must equal."""
         s = self.splits[split]
-        self._install(tuple(int(x) for x in choice))
-        try:
-            xs = [self._embed_chunk(ch) for ch in s.chunks]
-            xs, _ = self._outputs(s, 0, xs, False)
-            return self._final(s, xs)[0]
-        finally:
-            self._restore()
+        with _one_blas_thread():
+            self._install(tuple(int(x) for x in choice))
+            try:
+                xs = [self._embed_chunk(ch) for ch in s.chunks]
+                xs, _ = self._outputs(s, 0, xs, False)
+                return self._final(s, xs)[0]
+            finally:
+                self._restore()
 
 
 def _log_softmax64(z):
@@ -627,14 +732,19 @@ class RefineResult:
         Candidates scored in all runs (the resumed ones included).
     accepted : int
         Moves kept.
-    history : list of (int, float)
-        ``(evals, best search score)`` at each improvement.
+    history : list of tuple
+        ``(evals, best search score, forwards spent)`` at each improvement
+        (forwards: full forwards of the search split, resumed runs included).
     seconds : dict of str -> float
-        This run's search time per part: ``pack``, ``forward``, ``head``,
+        This run's search time per part: ``pack``, ``forward``, ``head``, ``kl``,
         ``reference``, ``propose``, in all ``search``; then ``held_out``
         (the never-worse check) and ``total``.
     block_runs : int
         Stage runs of this run's search (a full forward is ``n_blocks + 1``).
+    forwards : float
+        This run's search work in full forwards of the search split
+        (:attr:`PlanScorer.forwards`): screen runs and partial forwards count
+        by their tokens and stages.
     stopped : str
         ``"evals"``, ``"minutes"``, ``"no move"`` or ``"done"``.
     """
@@ -652,20 +762,24 @@ class RefineResult:
     stopped: str = "evals"
     metric: str = "kl"
     run_evals: int = 0
+    forwards: float = 0.0
 
-    def forwards_per_second(self, n_blocks) -> float:
-        """Full-forward equivalents per second of this run's search."""
+    def forwards_per_second(self, n_blocks=None) -> float:
+        """Full-forward equivalents (of the search split) per second of this
+        run's search: :attr:`forwards` over the search seconds."""
         t = self.seconds.get("search", 0.0)
-        return (self.block_runs / (int(n_blocks) + 1)) / t if t > 0 else math.nan
+        return self.forwards / t if t > 0 else math.nan
 
     def to_dict(self) -> dict:
         return {"choice": [int(c) for c in self.choice], "start": [int(c) for c in self.start],
                 "best": [int(c) for c in self.best], "kept": bool(self.kept),
                 "scores": self.scores, "evals": int(self.evals),
                 "run_evals": int(self.run_evals), "accepted": int(self.accepted),
-                "history": [[int(a), float(b)] for a, b in self.history],
+                "history": [[int(h[0]), float(h[1])] + [float(x) for x in h[2:]]
+                            for h in self.history],
                 "seconds": {k: float(v) for k, v in self.seconds.items()},
-                "block_runs": int(self.block_runs), "stopped": self.stopped,
+                "block_runs": int(self.block_runs), "forwards": float(self.forwards),
+                "stopped": self.stopped,
                 "metric": self.metric}
 
 
@@ -690,11 +804,18 @@ def load_state(path, key: str):
     return st
 
 
-def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search="local",
-           offspring=8, seed=0, seeds=(), state=None, on_state=None, log=None,
+def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search="evo",
+           offspring=16, survivors=2, seed=0, seeds=(), state=None, on_state=None, log=None,
            clock=time.perf_counter) -> RefineResult:
     """Search for a plan of ``scorer.layers`` with bytes ``<= budget`` whose
     measured score beats ``start``'s; never return one worse on the held-out split.
+
+    Each step proposes candidates near the best plan so far (:func:`propose`);
+    with a screen split (``PlanScorer(screen_tokens=...)``) every candidate is
+    scored there first and only those that beat the best plan there -- at
+    most ``survivors`` of them, best first -- are scored on the search split
+    (EvoPress's multi-stage selection); the best of those replaces the best
+    plan when it scores lower on the search split.
 
     Parameters
     ----------
@@ -708,19 +829,25 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         The predicted objective the moves are guided by and that is reported
         (:func:`opscope_nb.plan.allocate.predicted_damage`).
     evals : int
-        Candidates to score in all (resumed runs included; >= 0).
+        Candidates to score in all (resumed runs included; >= 0); a candidate
+        screened out counts as one.
     minutes : float, optional
         Wall-time limit of this run's search.
-    search : {"local", "evo"}
-        First-improvement hill climb, or (1 + ``offspring``) evolution.
+    search : {"evo", "local"}
+        ``"evo"`` (default): (1 + ``offspring``) evolution in EvoPress's
+        manner, each candidate one to three mutations of the best plan;
+        ``"local"``: a first-improvement hill climb, one candidate of one
+        mutation per step.
     offspring : int
-        Candidates per generation of ``"evo"``.
+        Candidates per generation of ``"evo"`` (>= 1).
+    survivors : int
+        Candidates per generation that pass the screen to the search split (>= 1).
     seed : int
-        Moves come from ``numpy.random.default_rng([seed, evals so far])``:
+        Moves come from ``numpy.random.default_rng([seed, evals so far, misses])``:
         the same run resumed proposes the same moves.
     seeds : sequence of sequences of int
-        Plans scored first (the exact plans of nearby budgets, of other
-        objectives); those over ``budget`` are skipped.
+        Plans scored first on the search split (the exact plans of nearby
+        budgets, of other objectives); those over ``budget`` are skipped.
     state : dict, optional
         A state from an earlier run (:func:`load_state`): the search continues.
     on_state : callable, optional
@@ -743,8 +870,11 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         raise ValueError(f"minutes must be a number > 0; got {minutes!r}.")
     if search not in ("local", "evo"):
         raise ValueError(f"search must be 'local' or 'evo'; got {search!r}.")
-    if isinstance(offspring, bool) or int(offspring) < 1:
-        raise ValueError(f"offspring must be an integer >= 1; got {offspring!r}.")
+    for nm, v in (("offspring", offspring), ("survivors", survivors)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 1:
+            raise ValueError(f"{nm} must be an integer >= 1; got {v!r}.")
+    if len(start) != len(layers):
+        raise ValueError(f"start has {len(start)} entries; the plan has {len(layers)} layers.")
     sb = plan_bytes(layers, start)
     if sb > budget:
         raise ValueError(f"the start plan takes {sb} bytes, over the budget of {budget}; "
@@ -752,6 +882,7 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
     seeds = [[int(x) for x in s] for s in seeds]
     lads = ladders(layers, objective, keep=[start] + seeds)
     terms = _terms(layers, objective)
+    screen = "screen" in scorer.splits
     if state:
         best, best_score = [int(c) for c in state["best"]], float(state["best_score"])
         n_eval, accepted = int(state["evals"]), int(state["accepted"])
@@ -760,22 +891,30 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         seeds_done = bool(state.get("seeds_done"))
         start_score = float(state["start_score"])
         prior_sec = float(state.get("seconds", 0.0))
+        prior_fw = float(state.get("forwards", 0.0))
+        pending = state.get("pending")
     else:
+        pending = None
         best, n_eval, accepted, history = list(start), 0, 0, []
-        seen, seeds_done, prior_sec = {choice_key(start)}, False, 0.0
+        seen, seeds_done, prior_sec, prior_fw = {choice_key(start)}, False, 0.0, 0.0
         start_score = best_score = None
-    runs0, sec0 = scorer.block_runs, dict(scorer.seconds)
+    runs0, sec0, fw0 = scorer.block_runs, dict(scorer.seconds), scorer.forwards
     t_prop = 0.0
     t0 = clock()
+
+    def spent():
+        return prior_fw + scorer.forwards - fw0
+
     cur = scorer.adopt(best)
     if start_score is None:
         start_score = best_score = cur
-        history.append((0, cur))
+        history.append((0, cur, spent()))
     elif not math.isclose(cur, best_score, rel_tol=1e-6, abs_tol=1e-12):
         raise ValueError(f"the saved state's best plan now scores {cur:.6g}, not the "
                          f"{best_score:.6g} it recorded: the model, text or options changed; "
                          f"delete the state file to start over.")
     best_score = cur
+    best_screen = scorer.adopt(best, "screen") if screen else None
     run_evals = 0
     stopped = "evals"
 
@@ -783,9 +922,15 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         return {"version": STATE_VERSION, "best": [int(c) for c in best],
                 "best_score": float(best_score), "start": [int(c) for c in start],
                 "start_score": float(start_score), "evals": int(n_eval),
-                "accepted": int(accepted), "history": [[int(a), float(b)] for a, b in history],
+                "accepted": int(accepted),
+                "history": [[int(h[0]), float(h[1])] + [float(x) for x in h[2:]]
+                            for h in history],
                 "seen": sorted(seen), "seeds_done": bool(seeds_done),
-                "seconds": prior_sec + clock() - t0}
+                "seconds": prior_sec + clock() - t0, "forwards": spent(),
+                "pending": None if pending is None else {
+                    "kids": [[int(x) for x in k] for k in pending["kids"]],
+                    "scored": [[float(v), [int(x) for x in k]]
+                               for v, k in pending["scored"]]}}
 
     def report():
         if log is None:
@@ -798,83 +943,101 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
             left.append(max(minutes * 60.0 - el, 0.0))
         log(n_eval, evals, best_score, start_score, el, min(left) if left else None)
 
-    def try_plan(c):
-        nonlocal n_eval, run_evals
-        seen.add(choice_key(c))
-        v = scorer.score(c)
-        n_eval += 1
-        run_evals += 1
-        return v
-
     def out_of_time():
         return minutes is not None and clock() - t0 >= minutes * 60.0
 
-    # seeds first
+    def take(c):
+        nonlocal best, best_score, best_screen, accepted
+        best = list(c)
+        best_score = scorer.adopt(c)
+        if screen:
+            best_screen = scorer.adopt(c, "screen")
+        accepted += 1
+        history.append((n_eval, best_score, spent()))
+        if on_state:
+            on_state(snapshot())
+
+    # seeds first, on the search split
     if not seeds_done:
-        for s in seeds:
+        for sd in seeds:
             if n_eval >= evals or out_of_time():
                 break
-            if choice_key(s) in seen or plan_bytes(layers, s) > budget:
+            if choice_key(sd) in seen or plan_bytes(layers, sd) > budget:
                 continue
-            v = try_plan(s)
+            seen.add(choice_key(sd))
+            v = scorer.score(sd)
+            n_eval += 1
+            run_evals += 1
             if v < best_score:
-                best, best_score = list(s), scorer.adopt(s)
-                accepted += 1
-                history.append((n_eval, best_score))
-                if on_state:
-                    on_state(snapshot())
+                take(sd)
             report()
         seeds_done = n_eval < evals and not out_of_time()
     misses = 0
-    while n_eval < evals:
-        if out_of_time():
-            stopped = "minutes"
-            break
-        tp = clock()
-        rng = np.random.default_rng([int(seed), int(n_eval), misses])
-        lam = 1 if search == "local" else int(min(offspring, evals - n_eval))
-        kids = []
-        for _ in range(lam):
-            for _try in range(20):
-                mut = 1 if search == "local" else int(min(3, rng.geometric(0.5)))
-                c = propose(layers, best, budget, lads, terms, scorer.stage_of, rng,
-                            mutations=mut)
-                if c is not None and choice_key(c) not in seen and \
-                        all(c != k for k in kids):
-                    kids.append(c)
-                    break
-        t_prop += clock() - tp
-        if not kids:
-            misses += 1
-            if misses > 5:
-                stopped = "no move"
+    local = search == "local"
+    lam = 1 if local else int(offspring)
+    while True:
+        if pending is not None:         # a generation an earlier run left unfinished
+            kids = [[int(x) for x in k] for k in pending["kids"]]
+            scored = [(float(v), [int(x) for x in k]) for v, k in pending["scored"]]
+            pending = None
+        else:
+            if n_eval >= evals:
+                stopped = "evals"
                 break
-            continue
-        misses = 0
-        scored = []
-        for c in kids:
+            if out_of_time():
+                stopped = "minutes"
+                break
+            tp = clock()
+            rng = np.random.default_rng([int(seed), int(n_eval), misses])
+            kids = []
+            for _ in range(lam):
+                for _try in range(20):
+                    mut = 1 if local else int(min(3, rng.geometric(0.5)))
+                    c = propose(layers, best, budget, lads, terms, scorer.stage_of, rng,
+                                mutations=mut)
+                    if c is not None and choice_key(c) not in seen and \
+                            all(c != k for k in kids):
+                        kids.append(c)
+                        break
+            t_prop += clock() - tp
+            if not kids:
+                misses += 1
+                if misses > 5:
+                    stopped = "no move"
+                    break
+                continue
+            misses = 0
+            scored = []
+        # stage 1: every candidate on the screen split (or the search split)
+        for c in kids[len(scored):]:
             if n_eval >= evals or out_of_time():
                 break
-            scored.append((try_plan(c), c))
+            seen.add(choice_key(c))
+            scored.append((scorer.score(c, "screen") if screen else scorer.score(c), c))
+            n_eval += 1
+            run_evals += 1
             report()
-        if not scored:
-            continue
-        v, c = min(scored, key=lambda t: t[0])
-        if v < best_score:
-            best = c
-            best_score = scorer.adopt(c)
-            accepted += 1
-            history.append((n_eval, best_score))
-            if on_state:
-                on_state(snapshot())
-        elif on_state and n_eval % 10 < len(scored):
+        if len(scored) < len(kids):     # stopped inside a generation: finish it on resume
+            pending = {"kids": kids, "scored": scored}
+            stopped = "evals" if n_eval >= evals else "minutes"
+            break
+        if screen:
+            # stage 2: the best few that beat the best plan on the screen
+            order = sorted(range(len(scored)), key=lambda k: (scored[k][0], k))
+            pool = [scored[k][1] for k in order if scored[k][0] < best_screen]
+            scored = [(scorer.score(c), c) for c in pool[:int(survivors)]]
+        if scored:
+            v, c = min(scored, key=lambda t: t[0])
+            if v < best_score:
+                take(c)
+                continue
+        if on_state and n_eval % 10 < len(kids):
             on_state(snapshot())
-    else:
-        stopped = "evals"
     if on_state:
         on_state(snapshot())
     t_search = clock() - t0
     search_runs = scorer.block_runs - runs0
+    forwards = scorer.forwards - fw0
     sec = {k: scorer.seconds[k] - sec0.get(k, 0.0) for k in scorer.seconds}
     # never worse: both plans on the held-out split
     th = clock()
@@ -896,7 +1059,8 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
                  "bytes": plan_bytes(layers, best), "ppl": ppl_best},
         "ppl_dense": ppl_dense, "budget": budget, "objective": objective,
         "search_tokens": scorer.splits["search"].tokens,
+        "screen_tokens": scorer.splits["screen"].tokens if screen else None,
         "held_out_tokens": scorer.splits["held_out"].tokens}
     return RefineResult(list(best) if kept else list(start), list(start), list(best), kept,
                         scores, n_eval, accepted, history, sec, search_runs, stopped,
-                        scorer.metric, run_evals)
+                        scorer.metric, run_evals, forwards)
