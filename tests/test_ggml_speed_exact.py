@@ -155,3 +155,82 @@ def test_same_bytes_for_one_and_two_threads(rows, t):
     finally:
         numba.set_num_threads(keep)
     assert np.array_equal(out[0][0], out[1][0]) and np.array_equal(out[0][1], out[1][1])
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_error_sums_equal_decoded_float64_sums(rows, t):
+    """The fused decode-and-sum kernel decodes each type as ``dequantize``
+    does (a wrong type code or block offset would not match)."""
+    x, imp = rows
+    q = ggml.quantize(x, t, imp)
+    e2, x2 = K.ggml_error_sums(x, q, K.GGML_CODES[ggml._name_key(ggml.GGML_TYPES[t])])
+    d = x.astype(np.float64) - ggml.dequantize(q, t, x.shape).astype(np.float64)
+    np.testing.assert_allclose(e2, (d * d).sum(axis=1), rtol=1e-12, atol=0)
+    np.testing.assert_allclose(x2, (x.astype(np.float64) ** 2).sum(axis=1), rtol=1e-12, atol=0)
+
+
+def _st_source(path, tensors, bf16):
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_io import write_st
+    write_st(path, tensors, bf16=bf16)
+
+
+@pytest.mark.parametrize("stored", ["BF16", "F16", "F32"])
+def test_apply_one_pass_writes_packs_bytes_and_option_errors(tmp_path, stored):
+    """``apply``'s one pass over a safetensors source (stored bytes widened in
+    a reused buffer, quantised, errors summed from each decoded row) writes
+    the bytes of :func:`opscope_nb.formats.pack` on the loaded tensor and
+    reports :func:`option_errors`' figures."""
+    import json
+    from opscope_nb.formats import Decomp, pack, packed_bytes, unpack
+    from opscope_nb.formats.gptq import option_errors
+    from opscope_nb.io import open_source
+    from opscope_nb.plan.apply import apply_plan
+    from opscope_nb.runtime import checkpoint
+    rng = np.random.default_rng(3)
+    labels = {"a.weight": "Q6_K", "b.weight": "Q8_0", "c.weight": "IQ4_XS", "d.weight": "Q4_K"}
+    ten = {n: (rng.standard_normal((40 + 8 * i, 512)) * 0.03).astype(
+        np.float16 if stored == "F16" else np.float32) for i, n in enumerate(labels)}
+    ten["norm.weight"] = np.ones(512, ten["a.weight"].dtype)
+    src = str(tmp_path / "m.safetensors")
+    _st_source(src, ten, bf16=tuple(ten) if stored == "BF16" else ())
+    layers = [{"name": n, "option": 0, "label": lab,
+               "bytes": packed_bytes(ten[n].shape[0], 512, Decomp.from_label(lab))}
+              for n, lab in labels.items()]
+    doc = {"tool": "opscope-nb", "budget": 0.5, "methods": {"exact": {"layers": layers}},
+           "source": {"sha256": {e.name: e.sha256() for e in open_source(src).entries}}}
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(doc))
+    out = str(tmp_path / "c.safetensors")
+    r = apply_plan(src, str(plan), out, measure=set(labels))
+    got, _ = checkpoint.load(out)[:2]
+    by = {e.name: e for e in open_source(src).entries}
+    for n, lab in labels.items():
+        d = Decomp.from_label(lab)
+        a = by[n].load()
+        want = pack(a, d)["blocks"]
+        assert np.array_equal(got[n].arrays["blocks"], want), n
+        ref = option_errors(a, unpack({"blocks": want}, d, a.shape))
+        assert r["full_errors"][n]["out_err"] is None
+        assert abs(r["full_errors"][n]["rel_err"] / ref["rel_err"] - 1) < 1e-12, n
+
+
+def test_apply_one_pass_still_rejects_non_finite(tmp_path):
+    import json
+    from opscope_nb.formats import Decomp, packed_bytes
+    from opscope_nb.io import open_source
+    from opscope_nb.plan.apply import apply_plan
+    w = np.ones((8, 256), np.float32)
+    w[3, 7] = np.inf
+    src = str(tmp_path / "m.safetensors")
+    _st_source(src, {"a.weight": w}, bf16=("a.weight",))
+    doc = {"methods": {"exact": {"layers": [
+        {"name": "a.weight", "option": 0, "label": "Q6_K",
+         "bytes": packed_bytes(8, 256, Decomp.from_label("Q6_K"))}]}},
+        "source": {"sha256": {e.name: e.sha256() for e in open_source(src).entries}}}
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="finite"):
+        apply_plan(src, str(plan), str(tmp_path / "c.safetensors"))
+    assert not os.path.exists(tmp_path / "c.safetensors")

@@ -128,7 +128,7 @@ def _bf16_bits(w: np.ndarray) -> np.ndarray:
     return r.astype(np.uint16)
 
 
-def _check_weights(w) -> np.ndarray:
+def _check_weights(w, check_finite=True) -> np.ndarray:
     if not isinstance(w, np.ndarray):
         raise TypeError(f"w must be a numpy array, got {type(w).__name__}; "
                         "use np.asarray(w, dtype=np.float32)")
@@ -140,7 +140,7 @@ def _check_weights(w) -> np.ndarray:
                          "reshape to (-1, cols)")
     if w.shape[0] == 0 or w.shape[1] == 0:
         raise ValueError(f"w must not be empty, got shape {w.shape}")
-    if not np.isfinite(w).all():
+    if check_finite and not np.isfinite(w).all():
         bad = np.argwhere(~np.isfinite(w))[0]
         raise ValueError(f"w must be finite (ggml's quantisers are undefined on NaN/Inf), got "
                          f"{w[tuple(bad)]} at {tuple(int(i) for i in bad)}; clean the weights first")
@@ -167,7 +167,7 @@ def _check_importance(importance, cols) -> np.ndarray:
     return imp
 
 
-def quantize(w, qtype, importance=None) -> np.ndarray:
+def quantize(w, qtype, importance=None, *, checked_finite=False) -> np.ndarray:
     """Quantise ``w`` to ggml ``qtype``: the bytes ``ggml_quantize_chunk`` writes.
 
     Parameters
@@ -179,13 +179,17 @@ def quantize(w, qtype, importance=None) -> np.ndarray:
     importance : ndarray of shape (cols,), optional
         Non-negative importance (imatrix) per column; ``None`` selects ggml's
         reference quantiser.  Ignored by Q8_0, TQ1_0, TQ2_0, F16 and BF16.
+    checked_finite : bool
+        The caller has already checked that every value of ``w`` is finite
+        (skips that scan of ``w``; non-finite values then give unspecified
+        bytes, as in ggml).
 
     Returns
     -------
     ndarray of shape (rows, row_bytes(qtype, cols)), uint8
     """
     t = _type(qtype)
-    w = _check_weights(w)
+    w = _check_weights(w, not checked_finite)
     rows, cols = w.shape
     row_bytes(t, cols)
     imp = _check_importance(importance, cols)

@@ -35,7 +35,7 @@ import math
 import numpy as np
 from numba import prange
 
-from ._jit import njit_exact, njit_parallel_exact
+from ._jit import njit, njit_exact, njit_parallel, njit_parallel_exact
 
 F = np.float32
 _EPS = np.float32(1e-15)          # GROUP_MAX_EPS
@@ -1747,6 +1747,124 @@ def dequantize_tq2_0(data, cols):
     return out
 
 
+# ====================================================== apply's one-pass helpers
+@njit_parallel_exact
+def widen_bf16_rows(raw, out):
+    """bfloat16 words ``raw`` (uint16 ``[rows, cols]``) widened into ``out``
+    (uint32 ``[rows, cols]``, read as float32: exact, bf16 is float32's top
+    half); returns how many values are NaN/Inf (ggml's quantisers are
+    undefined on them).  One pass, no temporaries."""
+    rows, cols = raw.shape
+    bad = np.zeros(rows, np.int64)
+    for r in prange(rows):
+        n = 0
+        for j in range(cols):
+            v = np.uint32(raw[r, j]) << np.uint32(16)
+            out[r, j] = v
+            if (v & np.uint32(0x7F800000)) == np.uint32(0x7F800000):
+                n += 1
+        bad[r] = n
+    return bad.sum()
+
+
+@njit_parallel
+def count_nonfinite(w):
+    """NaN/Inf values of a float32 ``[rows, cols]`` (rows in parallel)."""
+    rows, cols = w.shape
+    bad = np.zeros(rows, np.int64)
+    for r in prange(rows):
+        n = 0
+        for j in range(cols):
+            if not np.isfinite(w[r, j]):
+                n += 1
+        bad[r] = n
+    return bad.sum()
+
+
+@njit
+def _sq_err_sums(x, y):
+    """``(sum (x - y)**2, sum x**2)`` of two float32 rows in float64."""
+    se = 0.0
+    sx = 0.0
+    for j in range(x.shape[0]):
+        a = np.float64(x[j])
+        d = a - np.float64(y[j])
+        se += d * d
+        sx += a * a
+    return se, sx
+
+
+@njit_exact
+def _dq_row(code, b, y):
+    """Decode one row's blocks ``b`` (int64 bytes) of ggml type ``code``
+    (:data:`GGML_CODES`) into ``y``."""
+    cols = y.shape[0]
+    if code == 0:
+        for ib in range(cols // 32):
+            _dq_q8_0(b, ib * 34, y[ib * 32:(ib + 1) * 32])
+    elif code == 1:
+        for ib in range(cols // 32):
+            _dq_q4_0(b, ib * 18, y[ib * 32:(ib + 1) * 32])
+    elif code == 2:
+        for ib in range(cols // 32):
+            _dq_q4_1(b, ib * 20, y[ib * 32:(ib + 1) * 32])
+    elif code == 3:
+        for ib in range(cols // 32):
+            _dq_q5_0(b, ib * 22, y[ib * 32:(ib + 1) * 32])
+    elif code == 4:
+        for ib in range(cols // 32):
+            _dq_q5_1(b, ib * 24, y[ib * 32:(ib + 1) * 32])
+    elif code == 5:
+        for ib in range(cols // 32):
+            _dq_iq4_nl(b, ib * 18, y[ib * 32:(ib + 1) * 32])
+    elif code == 6:
+        for ib in range(cols // 256):
+            _dq_iq4_xs(b, ib * 136, y[ib * 256:(ib + 1) * 256])
+    elif code == 7:
+        for ib in range(cols // 256):
+            _dq_q2_K(b, ib * 84, y[ib * 256:(ib + 1) * 256])
+    elif code == 8:
+        for ib in range(cols // 256):
+            _dq_q3_K(b, ib * 110, y[ib * 256:(ib + 1) * 256])
+    elif code == 9:
+        for ib in range(cols // 256):
+            _dq_q4_K(b, ib * 144, y[ib * 256:(ib + 1) * 256])
+    elif code == 10:
+        for ib in range(cols // 256):
+            _dq_q5_K(b, ib * 176, y[ib * 256:(ib + 1) * 256])
+    elif code == 11:
+        for ib in range(cols // 256):
+            _dq_q6_K(b, ib * 210, y[ib * 256:(ib + 1) * 256])
+    elif code == 12:
+        for ib in range(cols // 256):
+            _dq_tq1_0(b, ib * 54, y[ib * 256:(ib + 1) * 256])
+    else:
+        for ib in range(cols // 256):
+            _dq_tq2_0(b, ib * 66, y[ib * 256:(ib + 1) * 256])
+
+
+@njit_parallel_exact
+def ggml_error_sums(w, data, code):
+    """Per row of ``w`` (float32 ``[rows, cols]``) and its ggml blocks ``data``
+    (uint8 ``[rows, row bytes]`` of type ``code``, :data:`GGML_CODES`), in
+    float64: ``(e2, x2)`` with ``e2[r] = sum (w - decoded)**2`` and
+    ``x2[r] = sum w**2`` -- the sums of
+    :func:`opscope_nb.formats.gptq.option_errors` without a gram, each row
+    decoded into a row buffer (no decoded matrix), rows in parallel (each
+    row's sums the same for any thread count)."""
+    rows, cols = w.shape
+    e2 = np.empty(rows, np.float64)
+    x2 = np.empty(rows, np.float64)
+    for r in prange(rows):
+        b = data[r].astype(np.int64)
+        y = np.empty(cols, np.float32)
+        _dq_row(code, b, y)
+        se, sx = _sq_err_sums(w[r], y)
+        e2[r] = se
+        x2[r] = sx
+    return e2, x2
+
+
 #: name -> (quantize entry, dequantize entry, block size, bytes per block)
 GGML_KERNELS = {
     "q8_0": (quantize_q8_0, dequantize_q8_0, 32, 34),
@@ -1764,5 +1882,8 @@ GGML_KERNELS = {
     "tq1_0": (quantize_tq1_0, dequantize_tq1_0, 256, 54),
     "tq2_0": (quantize_tq2_0, dequantize_tq2_0, 256, 66),
 }
+
+#: ggml type name (``GGML_KERNELS``' keys) -> the ``code`` of :func:`ggml_error_sums`.
+GGML_CODES = {k: i for i, k in enumerate(GGML_KERNELS)}
 
 __all__ = [n for k in GGML_KERNELS for n in (f"quantize_{k}", f"dequantize_{k}")]

@@ -6,8 +6,10 @@ Layer 3 (imports :mod:`opscope_nb.runtime.checkpoint`, :mod:`opscope_nb.runtime`
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -250,9 +252,12 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
         from opscope_nb.io.gguf_export import _check_ggml_plan   # what can go to GGUF, before anything else
         _check_ggml_plan({n: d for n, (d, _) in plan.items()}, f"writing {out_path}")
     recorded = (doc.get("source") or {}).get("sha256")
+    # every tensor's stored bytes hashed once, tensors in parallel (hashlib
+    # releases the GIL): the fingerprint check and the written record share them
+    hashes = _source_hashes(src.entries)
     if not force:
         try:
-            check_fingerprints([by_name[n] for n in plan], recorded, plan_path)
+            check_fingerprints([_Hashed(n, hashes[n]) for n in plan], recorded, plan_path)
         except FingerprintError as exc:
             raise PlanError(f"{exc}; apply it to the source it was made from, or pass "
                             f"--force.") from None
@@ -278,11 +283,15 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
     # grams streamed on demand (calib.StreamedGrams) come block by block: go in that order
     entries = sorted(src.entries, key=lambda e: grams.order_key(e.name)) \
         if hasattr(grams, "order_key") else src.entries
+    # the writer (file writes, its SHA-256 of every array) runs on one thread
+    # behind the packing, in order; at most two tensors wait for it
+    wq = _WriteQueue()
+    scratch = _Scratch()
     try:
         for i, e in enumerate(entries):
             if progress is not None:
                 progress.show(i, e.name)
-            sha[e.name] = e.sha256()       # the stored bytes, as profile.json keys them
+            sha[e.name] = hashes[e.name]   # the stored bytes, as profile.json keys them
             stored_bytes += int(e.raw().size)
             ent = plan.get(e.name)
             if ent is not None:
@@ -291,27 +300,27 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
                 # planned in the ggml type it is stored in: its stored blocks, unchanged
                 raw = np.ascontiguousarray(e.raw()).view(np.uint8).reshape(e.shape[0], -1)
                 lin = PackedLinear(ent[0], {"blocks": raw}, e.shape)
-                w.add_layer(e.name, lin)
+                wq.put(w.add_layer, e.name, lin)
                 kept_as_stored += 1
                 written += int(raw.nbytes)
             elif ent is not None and ent[0].kind != "dense":
                 g = None if grams is None or not ent[0].reads_gram else grams.get(e.name)
-                a = e.load()
-                lin = PackedLinear.pack(a, ent[0], gram=g)
-                if e.name in measure:
-                    full_errors[e.name] = option_errors(a, unpack(lin.arrays, ent[0], a.shape),
-                                                        g)
-                w.add_layer(e.name, lin)
+                lin, err = _pack_one(e, ent[0], g, scratch, src.kind, e.name in measure)
+                if err is not None:
+                    full_errors[e.name] = err
+                wq.put(w.add_layer, e.name, lin)
                 written += int(sum(x.nbytes for x in lin.arrays.values()))
-                del a
+                del lin
             else:
                 # unplanned (or planned dense): byte for byte as the source stores it
                 dense_layers += ent is not None
                 if ent is not None:
                     written += int(e.raw().size)
-                w.add_stored(e)
+                wq.put(w.add_stored, e)
             if progress is not None:
                 progress.advance(e.numel)
+        wq.drain()
+        scratch = None
         meta = {"source": {"file": os.path.basename(os.fspath(source)),
                            "kind": src.kind, "n_tensors": len(src.entries)},
                 "source_sha256": sha, "source_fingerprint": FINGERPRINT,
@@ -321,6 +330,7 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
         out_bytes = w._offset
         w.finish(meta)
     except BaseException:
+        wq.close()                 # let a write in flight end before the file goes
         w.abort()
         raise
     finally:
@@ -335,6 +345,140 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
     _check_written(r, summary, plan_path, out_path)
     return r
 
+
+class _Hashed:
+    """A tensor's name and its already computed fingerprint, as
+    :func:`check_fingerprints` reads an entry."""
+
+    __slots__ = ("name", "_sha")
+
+    def __init__(self, name, sha):
+        self.name, self._sha = name, sha
+
+    def sha256(self) -> str:
+        return self._sha
+
+
+def _source_hashes(entries) -> dict:
+    """``{name: sha256 of the stored bytes}`` of every entry, on as many
+    threads as numba has (hashlib hashes without the GIL)."""
+    from opscope_nb._threads import worker_count
+    entries = list(entries)
+    k = min(worker_count(), len(entries))
+    if k <= 1:
+        return {e.name: e.sha256() for e in entries}
+    with ThreadPoolExecutor(max_workers=k, thread_name_prefix="opscope-sha") as ex:
+        return dict(zip((e.name for e in entries), ex.map(lambda e: e.sha256(), entries)))
+
+
+class _WriteQueue:
+    """Calls run in order on one background thread (file writes and hashing
+    release the GIL, so they overlap the next tensor's packing); at most
+    ``depth`` calls wait.  A call's exception comes back from the next
+    :meth:`put` or :meth:`drain`."""
+
+    def __init__(self, depth=2):
+        self._ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opscope-write")
+        self._q = collections.deque()
+        self._depth = depth
+
+    def put(self, fn, *args):
+        self._q.append(self._ex.submit(fn, *args))
+        while len(self._q) > self._depth:
+            self._q.popleft().result()
+
+    def drain(self):
+        while self._q:
+            self._q.popleft().result()
+        self._ex.shutdown(wait=True)
+
+    def close(self):
+        for f in self._q:
+            f.cancel()
+        self._ex.shutdown(wait=True)
+        self._q.clear()
+
+
+class _Scratch:
+    """One reusable buffer for the float32 values of the tensor being packed
+    (a fresh array per tensor costs its page faults every time)."""
+
+    def __init__(self):
+        self._buf = np.empty(0, np.uint32)
+
+    def get(self, shape) -> np.ndarray:
+        n = int(np.prod(shape))
+        if self._buf.size < n:
+            self._buf = np.empty(n, np.uint32)
+        return self._buf[:n].reshape(shape)
+
+
+#: Stored dtypes :func:`_values` widens itself (the stored bytes are the values).
+_PLAIN_FLOATS = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+
+
+def _values(e, scratch, kind):
+    """``(w, finite)``: ``e``'s values as float32 ``[rows, cols]`` in ``scratch``
+    (one pass over the stored bytes, no temporaries) and whether all are
+    finite; ``(None, None)`` for a source the loader must convert."""
+    from opscope_nb.kernels import _ggml_quant as K
+    dt = _PLAIN_FLOATS.get(str(e.dtype).upper())
+    if dt is None or not kind.startswith("safetensors") or e.ndim != 2:
+        return None, None
+    raw = e.raw()
+    item = np.dtype(dt).itemsize
+    if raw.size != e.numel * item:
+        return None, None
+    raw = np.asarray(raw).view(dt).reshape(e.shape)
+    buf = scratch.get(e.shape)
+    if dt is np.uint16:
+        bad = K.widen_bf16_rows(raw, buf)
+        return buf.view(np.float32), bad == 0
+    w = buf.view(np.float32)
+    np.copyto(w, raw, casting="unsafe" if dt is np.float16 else "no")
+    return w, K.count_nonfinite(w) == 0
+
+
+def _pack_one(e, d, gram, scratch, kind, measure):
+    """``(PackedLinear, full errors or None)`` of planned tensor ``e`` as ``d``.
+
+    A ggml type from a plain float source takes one pass: the stored bytes
+    widened into a reused buffer with the finiteness check, ggml's quantiser
+    (the bytes :func:`opscope_nb.formats.pack` gives), and -- when measured,
+    without a gram -- the error sums of :func:`option_errors` from the decoded
+    rows, a chunk of rows at a time.  Anything else goes through
+    :meth:`PackedLinear.pack` and :func:`option_errors` as loaded."""
+    w = finite = None
+    if d.kind == "ggml":
+        w, finite = _values(e, scratch, kind)
+    if w is None or not finite:      # not finite: pack's own check raises its error
+        a = e.load()
+        lin = PackedLinear.pack(a, d, gram=gram)
+        err = option_errors(a, unpack(lin.arrays, d, a.shape), gram) if measure else None
+        return lin, err
+    from opscope_nb.formats import ggml as G, ggml_importance
+    imp = None
+    if gram is not None:
+        from opscope_nb.formats.gptq import check_gram
+        imp = ggml_importance(check_gram(gram, w.shape[1]))
+    blocks = G.quantize(w, d.qtype, importance=imp, checked_finite=True)
+    lin = PackedLinear(d, {"blocks": blocks}, e.shape)
+    if not measure:
+        return lin, None
+    if gram is not None:
+        return lin, option_errors(w, unpack(lin.arrays, d, w.shape), gram)
+    return lin, _ggml_errors(w, blocks, d.qtype)
+
+
+def _ggml_errors(w, blocks, qtype) -> dict:
+    """:func:`option_errors` (no gram) of ggml ``blocks`` against ``w``: the
+    float64 sums of every row (each row decoded on its own, rows in parallel),
+    added up in row order."""
+    from opscope_nb.formats import ggml as G
+    from opscope_nb.formats.gptq import output_ratio
+    from opscope_nb.kernels import _ggml_quant as K
+    e2, x2 = K.ggml_error_sums(w, blocks, K.GGML_CODES[G._name_key(G.GGML_TYPES[qtype])])
+    return {"rel_err": output_ratio(float(e2.sum()), float(x2.sum())), "out_err": None}
 
 def _same_type(d, entry) -> bool:
     """``d`` is the ggml block type ``entry`` is stored in."""
