@@ -232,3 +232,58 @@ def test_cli_refine_writes_plan_resumes_and_refuses_llamacpp(tiny, tmp_path):
     assert json.load(open(tmp_path / "a" / "plan.json"))["refine"]["evals"] == 2
     rc, so, se = _cli("allocate", prof, "--refine", "--budget", "0.2")
     assert rc == 2 and "--out" in se
+
+
+@pytest.fixture(scope="module")
+def screened(tiny):
+    _, _, layers, sc, a = tiny
+    s2 = rf.PlanScorer(sc.model, layers, sc.splits["search"].chunks,
+                       sc.splits["held_out"].chunks, screen_tokens=40)
+    return s2
+
+
+def test_screen_split_is_a_prefix_and_its_cached_forward_is_exact(tiny, screened):
+    _, _, layers, _, a = tiny
+    s2 = screened
+    scr, srch = s2.splits["screen"], s2.splits["search"]
+    assert len(scr.chunks) == len(srch.chunks)
+    assert all(np.array_equal(c, f[:len(c)]) for c, f in zip(scr.chunks, srch.chunks))
+    assert scr.tokens == sum(len(c) for c in scr.chunks) < srch.tokens
+    s2.adopt(a.choice, "screen")
+    lads = rf.ladders(layers, OBJ, keep=[a.choice])
+    terms = rf._terms(layers, OBJ)
+    rng = np.random.default_rng(4)
+    for _ in range(4):
+        c = rf.propose(layers, a.choice, a.budget_bytes, lads, terms, s2.stage_of, rng,
+                       mutations=2)
+        assert s2.score(c, "screen") == s2.full_score(c, "screen")
+    with pytest.raises(ValueError, match="screen_tokens"):
+        rf.PlanScorer(s2.model, layers, srch.chunks, srch.chunks, screen_tokens=1)
+
+
+def test_evo_search_keeps_budget_never_worse_and_resumes_mid_generation(tiny, screened,
+                                                                        tmp_path):
+    _, _, layers, _, a = tiny
+    s2 = screened
+    B = a.budget_bytes
+    states = []
+    kw = dict(objective=OBJ, search="evo", offspring=5, survivors=2, preselect=3, seed=1)
+    r = rf.refine(s2, a.choice, B, evals=17, on_state=states.append, **kw)
+    assert r.evals == 17 and r.forwards > 0
+    assert all(rf.plan_bytes(layers, st["best"]) <= B for st in states)
+    assert rf.plan_bytes(layers, r.best) <= B
+    assert [h[1] for h in r.history] == sorted((h[1] for h in r.history), reverse=True)
+    assert [h[2] for h in r.history] == sorted(h[2] for h in r.history)   # forwards grow
+    # an accepted plan beat its parent on the screen split and on the search split
+    assert r.accepted >= 1 and r.scores["best"]["search"] < r.scores["start"]["search"]
+    assert r.kept == (r.scores["best"]["held_out"] < r.scores["start"]["held_out"])
+    assert r.choice == (r.best if r.kept else list(a.choice))
+    # 17 = 3 generations of 5 and 2 of a fourth: the state holds that generation
+    path = str(tmp_path / "st.json")
+    rf.save_state(path, dict(states[-1], key="k"))
+    st = rf.load_state(path, "k")
+    assert st["pending"] is not None and len(st["pending"]["scored"]) == 2
+    r2 = rf.refine(s2, a.choice, B, evals=26, state=st, **kw)
+    one = rf.refine(s2, a.choice, B, evals=26, **kw)
+    assert r2.run_evals == 9 and r2.evals == one.evals == 26
+    assert r2.best == one.best and r2.history[-1][:2] == one.history[-1][:2]

@@ -805,7 +805,7 @@ def load_state(path, key: str):
 
 
 def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search="evo",
-           offspring=16, survivors=2, seed=0, seeds=(), state=None, on_state=None, log=None,
+           offspring=16, survivors=2, preselect=1, seed=0, seeds=(), state=None, on_state=None, log=None,
            clock=time.perf_counter) -> RefineResult:
     """Search for a plan of ``scorer.layers`` with bytes ``<= budget`` whose
     measured score beats ``start``'s; never return one worse on the held-out split.
@@ -842,6 +842,9 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         Candidates per generation of ``"evo"`` (>= 1).
     survivors : int
         Candidates per generation that pass the screen to the search split (>= 1).
+    preselect : int
+        Propose ``preselect`` times the candidates a step measures and keep
+        those of least predicted damage (a free first stage; 1: no cut).
     seed : int
         Moves come from ``numpy.random.default_rng([seed, evals so far, misses])``:
         the same run resumed proposes the same moves.
@@ -870,7 +873,8 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         raise ValueError(f"minutes must be a number > 0; got {minutes!r}.")
     if search not in ("local", "evo"):
         raise ValueError(f"search must be 'local' or 'evo'; got {search!r}.")
-    for nm, v in (("offspring", offspring), ("survivors", survivors)):
+    for nm, v in (("offspring", offspring), ("survivors", survivors),
+                  ("preselect", preselect)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 1:
             raise ValueError(f"{nm} must be an integer >= 1; got {v!r}.")
     if len(start) != len(layers):
@@ -989,16 +993,26 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
                 break
             tp = clock()
             rng = np.random.default_rng([int(seed), int(n_eval), misses])
-            kids = []
-            for _ in range(lam):
+            kids, keys = [], set()
+            for _ in range(lam * int(preselect)):
                 for _try in range(20):
                     mut = 1 if local else int(min(3, rng.geometric(0.5)))
                     c = propose(layers, best, budget, lads, terms, scorer.stage_of, rng,
                                 mutations=mut)
-                    if c is not None and choice_key(c) not in seen and \
-                            all(c != k for k in kids):
+                    if c is None:
+                        continue
+                    k = choice_key(c)
+                    if k not in seen and k not in keys:
                         kids.append(c)
+                        keys.add(k)
                         break
+            if len(kids) > lam:
+                # stage 0 (free): the predicted damage picks the lam to measure
+                base = sum(terms[i][c] for i, c in enumerate(best))
+                pred = [base + sum(terms[i][c[i]] - terms[i][best[i]] for i in range(len(c))
+                                   if c[i] != best[i]) for c in kids]
+                order = sorted(range(len(kids)), key=lambda k: (pred[k], k))
+                kids = [kids[k] for k in order[:lam]]
             t_prop += clock() - tp
             if not kids:
                 misses += 1
