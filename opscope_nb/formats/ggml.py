@@ -64,7 +64,8 @@ GGML_TYPES = {t.name: t for t in (
 _FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q3_K": "Q4_0", "Q2_K": "Q4_0",
              "TQ1_0": "Q4_0", "TQ2_0": "Q4_0", "IQ4_XS": "IQ4_NL"}
 
-__all__ = ["GGML_TYPES", "GGMLType", "row_bytes", "fallback_type", "quantize", "dequantize"]
+__all__ = ["GGML_TYPES", "GGMLType", "row_bytes", "fallback_type", "quantize", "dequantize",
+           "error_sums", "count_nonfinite"]
 
 
 def _type(qtype) -> GGMLType:
@@ -233,3 +234,29 @@ def dequantize(data, qtype, shape) -> np.ndarray:
         return (data.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
     from opscope_nb.kernels._ggml_quant import GGML_KERNELS
     return GGML_KERNELS[_name_key(t)][1](data, cols)
+
+
+def count_nonfinite(w) -> int:
+    """How many values of the float32 ``[rows, cols]`` array ``w`` are NaN/Inf
+    (rows in parallel, no temporary array)."""
+    from opscope_nb.kernels._ggml_quant import count_nonfinite as _count
+    return int(_count(np.ascontiguousarray(w, dtype=np.float32)))
+
+
+def error_sums(w, data, qtype) -> tuple:
+    """``(sum (w - dequantize(data))**2, sum w**2)`` in float64: the sums of a
+    weight error, each row decoded on its own (no decoded matrix), rows in
+    parallel and added up in row order (the same for any thread count).
+
+    ``w`` float32 ``[rows, cols]``; ``data`` its ``qtype`` blocks as
+    :func:`quantize` returns them.  No input validation beyond the type.
+    """
+    from opscope_nb.kernels._ggml_quant import GGML_CODES, ggml_error_sums
+    t = _type(qtype)
+    if t.name in ("F16", "BF16"):
+        x = np.asarray(w, dtype=np.float64)
+        e = x - dequantize(np.ascontiguousarray(data), t, x.shape).astype(np.float64)
+        return float(np.einsum("ij,ij->", e, e)), float(np.einsum("ij,ij->", x, x))
+    e2, x2 = ggml_error_sums(np.ascontiguousarray(w, dtype=np.float32),
+                             np.ascontiguousarray(data), GGML_CODES[_name_key(t)])
+    return float(e2.sum()), float(x2.sum())

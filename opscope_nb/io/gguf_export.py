@@ -465,10 +465,9 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
                     cols, rows = int(t.shape[0]), int(t.shape[1])
                     w = gguf_dequantize(t.data, t.tensor_type, (rows, cols))
                     g = None if grams is None else grams.get(t.name)
-                    blocks = pack(w, d, gram=g)["blocks"]
-                    if t.name in measure:
-                        full_errors[t.name] = option_errors(
-                            w, unpack({"blocks": blocks}, d, w.shape), g)
+                    blocks, err = _quantize_one(w, d, g, t.name in measure)
+                    if err is not None:
+                        full_errors[t.name] = err
                     del w
                     digests[t.name] = hashlib.sha256(blocks.data).hexdigest()
                     writer.write_tensor_data(blocks)
@@ -486,6 +485,26 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
                   file_type_kept=ft_kept, full_errors=full_errors)
     return report
 
+
+
+def _quantize_one(w, d, gram, measure) -> tuple:
+    """``(blocks, full errors or None)`` of the float32 ``w`` as ggml Decomp
+    ``d``: the bytes of :func:`opscope_nb.formats.pack` (one finiteness scan
+    instead of pack's two) and, when measured without a gram,
+    :func:`option_errors`' figures from each row decoded on its own."""
+    from opscope_nb.formats import ggml_importance
+    from opscope_nb.formats.gptq import check_gram, output_ratio
+    if d.lr is not None or d.rounding is not None or ggml.count_nonfinite(w):
+        blocks = pack(w, d, gram=gram)["blocks"]       # raises pack's error if not finite
+    else:
+        imp = None if gram is None else ggml_importance(check_gram(gram, w.shape[1]))
+        blocks = ggml.quantize(w, d.qtype, importance=imp, checked_finite=True)
+    if not measure:
+        return blocks, None
+    if gram is not None or d.lr is not None:
+        return blocks, option_errors(w, unpack({"blocks": blocks}, d, w.shape), gram)
+    return blocks, {"rel_err": output_ratio(*ggml.error_sums(w, blocks, d.qtype)),
+                    "out_err": None}
 
 
 def _verify(src, path, plan, want, digests, tool_kv, file_type) -> dict:

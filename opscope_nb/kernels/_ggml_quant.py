@@ -1331,17 +1331,19 @@ def _dq_q5_K(b, o, y):
 
 @njit_exact
 def _dq_q6_K(b, o, y):
+    # ggml's layout loop by loop (h: 128-halves, k: 32-quarters, two 16-value
+    # scale groups), so each inner loop is contiguous and vectorises
     d = _get_f16(b, o + 208)
-    for e in range(256):
-        h = e // 128
-        r = e % 128
-        l = r % 32
-        k = r // 32
-        ql = b[o + 64 * h + 32 * (k % 2) + l]
-        lo = ql & 0xF if k < 2 else ql >> 4
-        hi = (b[o + 128 + 32 * h + l] >> (2 * k)) & 3
-        sc = F(_i8(np.int64(b[o + 192 + e // 16])))
-        y[e] = (d * sc) * F((lo | (hi << 4)) - 32)
+    for h in range(2):
+        for k in range(4):
+            for g in range(2):
+                e0 = 128 * h + 32 * k + 16 * g
+                dl = d * F(_i8(np.int64(b[o + 192 + e0 // 16])))
+                for l in range(16 * g, 16 * g + 16):
+                    ql = np.int64(b[o + 64 * h + 32 * (k % 2) + l])
+                    lo = ql & 0xF if k < 2 else ql >> 4
+                    hi = (np.int64(b[o + 128 + 32 * h + l]) >> (2 * k)) & 3
+                    y[128 * h + 32 * k + l] = dl * F((lo | (hi << 4)) - 32)
 
 
 @njit_exact

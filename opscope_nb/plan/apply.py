@@ -421,6 +421,7 @@ def _values(e, scratch, kind):
     """``(w, finite)``: ``e``'s values as float32 ``[rows, cols]`` in ``scratch``
     (one pass over the stored bytes, no temporaries) and whether all are
     finite; ``(None, None)`` for a source the loader must convert."""
+    from opscope_nb.formats import ggml as G
     from opscope_nb.kernels import _ggml_quant as K
     dt = _PLAIN_FLOATS.get(str(e.dtype).upper())
     if dt is None or not kind.startswith("safetensors") or e.ndim != 2:
@@ -436,7 +437,7 @@ def _values(e, scratch, kind):
         return buf.view(np.float32), bad == 0
     w = buf.view(np.float32)
     np.copyto(w, raw, casting="unsafe" if dt is np.float16 else "no")
-    return w, K.count_nonfinite(w) == 0
+    return w, G.count_nonfinite(w) == 0
 
 
 def _pack_one(e, d, gram, scratch, kind, measure):
@@ -449,7 +450,7 @@ def _pack_one(e, d, gram, scratch, kind, measure):
     rows, a chunk of rows at a time.  Anything else goes through
     :meth:`PackedLinear.pack` and :func:`option_errors` as loaded."""
     w = finite = None
-    if d.kind == "ggml":
+    if d.kind == "ggml" and d.lr is None and d.rounding is None:
         w, finite = _values(e, scratch, kind)
     if w is None or not finite:      # not finite: pack's own check raises its error
         a = e.load()
@@ -471,14 +472,12 @@ def _pack_one(e, d, gram, scratch, kind, measure):
 
 
 def _ggml_errors(w, blocks, qtype) -> dict:
-    """:func:`option_errors` (no gram) of ggml ``blocks`` against ``w``: the
-    float64 sums of every row (each row decoded on its own, rows in parallel),
-    added up in row order."""
+    """:func:`option_errors` (no gram) of ggml ``blocks`` against ``w``
+    (:func:`opscope_nb.formats.ggml.error_sums`: the same float64 sums, each
+    row decoded on its own)."""
     from opscope_nb.formats import ggml as G
     from opscope_nb.formats.gptq import output_ratio
-    from opscope_nb.kernels import _ggml_quant as K
-    e2, x2 = K.ggml_error_sums(w, blocks, K.GGML_CODES[G._name_key(G.GGML_TYPES[qtype])])
-    return {"rel_err": output_ratio(float(e2.sum()), float(x2.sum())), "out_err": None}
+    return {"rel_err": output_ratio(*G.error_sums(w, blocks, qtype)), "out_err": None}
 
 def _same_type(d, entry) -> bool:
     """``d`` is the ggml block type ``entry`` is stored in."""
