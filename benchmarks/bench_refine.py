@@ -25,7 +25,8 @@ held-out cosine of both plans.
 
 Usage: ``python benchmarks/bench_refine.py [--model smollm2|gemma3-270m|minilm]
 [--presets Q4_K_M] [--imatrix yes|no|both] [--evals 300] [--minutes 15]
-[--search local|evo] [--tokens 512] [--held-out-tokens 512] [--workdir DIR]``.
+[--search evo|local] [--offspring 16] [--survivors 2] [--preselect 4]
+[--screen-tokens 128] [--tokens 512] [--held-out-tokens 512] [--workdir DIR]``.
 """
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ from bench_gguf import (  # noqa: E402  (the preset machinery, shared)
 
 def _refine(prof, budget_flag, out, args, extra=()):
     cmd = ["refine", prof, *budget_flag, "--out", out, "--evals", args.evals, "--search",
-           args.search, "--tokens", args.tokens, "--held-out-tokens", args.held_out_tokens, "-q",
-           *extra]
+           args.search, "--tokens", args.tokens, "--held-out-tokens", args.held_out_tokens,
+           "--screen-tokens", args.screen_tokens, "--offspring", args.offspring,
+           "--survivors", args.survivors, "--preselect", args.preselect, "-q", *extra]
     if args.minutes:
         cmd += ["--minutes", args.minutes]
     stdout, secs = _run(cmd, "refine")
@@ -156,7 +158,12 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="0.15,0.125", help="MiniLM budgets")
     ap.add_argument("--evals", type=int, default=300)
     ap.add_argument("--minutes", type=float, default=15.0)
-    ap.add_argument("--search", choices=("local", "evo"), default="local")
+    ap.add_argument("--search", choices=("local", "evo"), default="evo")
+    ap.add_argument("--offspring", type=int, default=16)
+    ap.add_argument("--survivors", type=int, default=2)
+    ap.add_argument("--preselect", type=int, default=4)
+    ap.add_argument("--screen-tokens", type=int, default=128,
+                    help="tokens of the screen split (0: none)")
     ap.add_argument("--tokens", type=int, default=512, help="search tokens")
     ap.add_argument("--held-out-tokens", type=int, default=512,
                     help="held-out tokens of refine's never-worse check")
@@ -169,7 +176,9 @@ def main(argv=None) -> int:
     from opscope_nb.bench.machine import cpu_model
     print(f"# bench_refine --model {args.model} on {cpu_model() or platform.machine()} "
           f"({os.cpu_count()} cores); {args.search} search, {args.evals} candidates or "
-          f"{args.minutes:g} min per budget, {args.tokens} search tokens; workdir {root}",
+          f"{args.minutes:g} min per budget, {args.tokens} search tokens, screen "
+          f"{args.screen_tokens}, offspring {args.offspring}, survivors {args.survivors}, "
+          f"preselect {args.preselect}; workdir {root}",
           flush=True)
     t = time.perf_counter()
     if args.model == "minilm":

@@ -73,6 +73,9 @@ def add_refine_args(p, flag_prefix="") -> None:
     g.add_argument("--survivors", type=positive_int, default=2, metavar="K",
                    help="candidates per generation that pass the screen to the search "
                         "tokens (default 2)")
+    g.add_argument("--preselect", type=positive_int, default=4, metavar="K",
+                   help="propose K times the candidates a step measures and measure those of "
+                        "least predicted damage (a free first stage; default 4; 1: none)")
     g.add_argument("--screen-tokens", type=nonneg_int, default=128, metavar="N",
                    help="score every candidate on the first N search tokens first and only "
                         "the best (--survivors) on all --tokens (multi-stage selection; "
@@ -164,6 +167,7 @@ def _state_key(args, doc_path, budget, start, spec) -> str:
         h = hashlib.sha256(f.read()).hexdigest()
     parts = [h, str(budget), ",".join(map(str, start)), str(spec.get("objective")),
              args.search, str(args.offspring), str(args.survivors), str(args.screen_tokens),
+             str(args.preselect),
              str(args.refine_seed), str(args.text),
              str(args.held_out_text), str(args.split), str(args.tokens),
              str(args.held_out_tokens), str(args.window)]
@@ -272,7 +276,7 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
     try:
         res = rf.refine(scorer, a0.choice, B, objective=objective, evals=args.evals,
                         minutes=args.minutes, search=args.search, offspring=args.offspring,
-                        survivors=args.survivors,
+                        survivors=args.survivors, preselect=args.preselect,
                         seed=args.refine_seed, seeds=seeds, state=state, on_state=on_state,
                         log=log)
     except ValueError as exc:

@@ -16,19 +16,23 @@ Moves (each keeps ``bytes <= budget``): one layer up one step of its
 paid for by layers moved down (picked by predicted cost per byte freed,
 among a few random ones), optionally a slack-filling move up; or a swap
 inside one block (one layer up, another down).  Seeds (the exact plans of
-nearby budgets, of other objectives) are scored first.  ``search="local"``
-is a first-improvement hill climb (one candidate per step);
-``search="evo"`` is a (1 + lambda) evolutionary step in EvoPress's manner
-(``offspring`` candidates of one to three mutations each, the best kept
-when it beats its parent).
+nearby budgets, of other objectives) are scored first.  ``search="evo"``
+is a (1 + lambda) evolutionary step in EvoPress's manner (``offspring``
+candidates of one to three mutations each); ``search="local"`` a
+first-improvement hill climb (one candidate of one mutation per step).
+Candidates pass up to three stages of selection, each dearer than the last:
+the predicted damage (free: ``preselect`` times more proposals than
+measured), a short *screen* split (``PlanScorer(screen_tokens=...)``), and
+for the best ``survivors`` that beat the parent there, the search split.
 
 Candidates are scored without re-quantising: each (layer, option) is packed
-once (:class:`PlanScorer` keeps the ``PackedLinear``), and a candidate runs
-only from the first block whose tensors differ from its parent's, starting
-from the parent's cached input of that block (a changed head runs the head
-alone).  The result is never worse than the start on a held-out split:
-:func:`refine` scores both plans there and returns the refined one only if
-it measures lower (``kept``).
+once (:class:`PlanScorer` keeps its float32 reconstruction), and a candidate
+runs only from the first block whose tensors differ from its parent's,
+starting from the parent's cached input of that block (a changed head runs
+the head alone).  A decoder candidate's KL is one compiled pass over its
+logits against per-row constants of the dense reference.  The result is
+never worse than the start on a held-out split: :func:`refine` scores both
+plans there and returns the refined one only if it measures lower (``kept``).
 
 Layer 4 (imports :mod:`opscope_nb.models`, :mod:`opscope_nb.runtime`,
 :mod:`opscope_nb.formats`, :mod:`.allocate`).
@@ -135,7 +139,9 @@ def _screen_chunks(chunks, tokens, family):
         while keep < len(n) and (keep == 0 or tot + n[keep] <= tokens):
             tot += int(n[keep])
             keep += 1
-        out.append((ids[:keep], mask[:keep]))
+        L = int(np.flatnonzero(np.asarray(mask[:keep]).any(axis=0)).max()) + 1
+        out.append((np.ascontiguousarray(ids[:keep, :L]),
+                    np.ascontiguousarray(mask[:keep, :L])))   # padding columns cut
         if tot >= tokens or keep < len(n):
             break
     return out
