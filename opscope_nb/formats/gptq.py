@@ -354,15 +354,18 @@ def _lowrank_sweep(wp, prep, scales, bits, grp, block):
     from opscope_nb.kernels._gptq_round import gptq_block_sweep
     order, fs, v, c = prep
     rows, cols = wp.shape
-    a = np.zeros((rows, fs.shape[1]))
-    codes = np.empty((rows, cols), np.int8)
+    # columns by rows: the sweep's loops over rows run at unit stride
+    wpt = np.ascontiguousarray(wp.T)
+    st = np.ascontiguousarray(scales.T)
+    at = np.zeros((fs.shape[1], rows))
+    codes_t = np.empty((cols, rows), np.int8)
     for b0 in range(0, cols, block):
         b1 = min(b0 + block, cols)
-        wb = wp[:, b0:b1] + a @ fs[b0:b1].T
-        err = np.empty((rows, b1 - b0))
-        gptq_block_sweep(wb, c[b0:b1], order, b0, scales, bits, grp, codes, err)
-        a += err @ v[b0:b1]
-    return codes
+        wt = wpt[b0:b1] + fs[b0:b1] @ at
+        err_t = np.empty((b1 - b0, rows))
+        gptq_block_sweep(wt, c[b0:b1], order, b0, st, bits, grp, codes_t, err_t)
+        at += v[b0:b1].T @ err_t
+    return np.ascontiguousarray(codes_t.T)
 
 
 def gram_factor(gram, max_rank=None, *, tol=1e-12):

@@ -163,54 +163,56 @@ def gptq_core(w, u, perm, scales, bits, group, block):
     return codes
 
 
-@njit(nogil=True)
-def gptq_block_sweep(wb, c, perm, b0, scales, bits, group, codes, err):
-    """One column block of the low-rank GPTQ sweep
-    (:func:`opscope_nb.formats.gptq.gptq_validated` with a low-rank gram).
 
-    Sweep positions ``b0 .. b0 + nb - 1`` (``nb = wb.shape[1]``): position
+@njit(nogil=True)
+def gptq_block_sweep(wt, c, perm, b0, scales_t, bits, group, codes_t, err_t):
+    """One column block of the low-rank GPTQ sweep
+    (:func:`opscope_nb.formats.gptq.gptq_validated` with a low-rank gram), in
+    the transposed layout (columns by rows: the loops over rows are unit
+    stride and vectorise).
+
+    Sweep positions ``b0 .. b0 + nb - 1`` (``nb = wt.shape[0]``): position
     ``b0 + i`` is original column ``perm[b0 + i]``; ``code = clamp(
-    round_half_away(div_f32(float32(wb[r, i]), scale)), -levels, levels)``
-    (as :func:`gptq_core`), ``err[r, i] = wb[r, i] - code * scale`` (not
+    round_half_away(div_f32(float32(wt[i, r]), scale)), -levels, levels)``
+    (as :func:`gptq_core`), ``err_t[i, r] = wt[i, r] - code * scale`` (not
     divided: the low-rank path's update vectors carry the Hessian), and the
-    later positions of the block get ``wb[r, j] += err[r, i] * c[i, j]``.
+    later positions of the block get ``wt[j, r] += err_t[i, r] * c[i, j]``.
 
     Parameters
     ----------
-    wb : ndarray of shape (rows, nb), float64, C-contiguous
-        The block's weights with every update of earlier blocks applied;
-        **overwritten**.
+    wt : ndarray of shape (nb, rows), float64, C-contiguous
+        The block's weights (transposed) with every update of earlier blocks
+        applied; **overwritten**.
     c : ndarray of shape (>= nb, >= nb), float64
         In-block update coefficients, ``c[i, j]`` for ``j > i``.
     perm : ndarray of shape (cols,), int64
         Sweep position -> original column.
     b0 : int
         Sweep position of the block's first column.
-    scales : ndarray of shape (rows, ceil(cols / group)), float32
+    scales_t : ndarray of shape (ceil(cols / group), rows), float32
+        Group scales, transposed.
     bits : int
         2..8.
     group : int
         Group length along a row in the original layout.
-    codes : ndarray of shape (rows, cols), int8
-        Receives the block's codes in the original column order.
-    err : ndarray of shape (rows, >= nb), float64
+    codes_t : ndarray of shape (cols, rows), int8
+        Receives the block's codes (transposed, original column order).
+    err_t : ndarray of shape (>= nb, rows), float64
         Receives the rounding errors.
     """
-    rows, nb = wb.shape
+    nb, rows = wt.shape
     levels = max((1 << (bits - 1)) - 1, 1)
     flev = np.float32(levels)
     for i in range(nb):
         col = perm[b0 + i]
         g = col // group
         for r in range(rows):
-            sc = scales[r, g]
-            q = round_half_away(div_f32(np.float32(wb[r, i]), sc))
-            if q > flev:
-                q = flev
-            elif q < -flev:
-                q = -flev
-            codes[r, col] = np.int8(q)
-            e = wb[r, i] - np.float64(q * sc)
-            err[r, i] = e
-            for j in range(i + 1, nb):
-                wb[r, j] += e * c[i, j]
+            sc = scales_t[g, r]
+            q = round_half_away(div_f32(np.float32(wt[i, r]), sc))
+            q = min(max(q, -flev), flev)
+            codes_t[col, r] = np.int8(q)
+            err_t[i, r] = wt[i, r] - np.float64(q * sc)
+        for j in range(i + 1, nb):
+            cij = c[i, j]
+            for r in range(rows):
+                wt[j, r] += err_t[i, r] * cij
