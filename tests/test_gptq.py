@@ -278,3 +278,31 @@ def test_gptq_full_rank_gram_takes_dense_path():
     from opscope_nb.formats import gptq as G
     w, _, h = _data(8, 96, seed=5)          # 300 rows: full rank
     assert G._lowrank_prep(G.check_gram(h, 96), G.DAMP, True, 128) is None
+
+
+def test_check_gram_validation_cached_by_content_not_identity():
+    """The PSD check is cached by the gram's content: the same array made
+    indefinite in place is checked again (and rejected)."""
+    from opscope_nb.formats import gptq as G
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((40, 24))
+    h = x.T @ x
+    assert G.check_gram(h, 24) is not None
+    h[0, 1] = h[1, 0] = 10 * np.abs(h).max()          # symmetric, clearly indefinite
+    with pytest.raises(ValueError, match="positive semi-definite"):
+        G.check_gram(h, 24)
+
+
+def test_pinned_gram_reuses_entry_only_for_the_same_object():
+    from opscope_nb.formats import gptq as G
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((10, 64))
+    h = G.check_gram(x.T @ x, 64)
+    twin = h.copy()
+    with G.pinned_gram(h):
+        f1 = G.gram_factor(h)
+        assert G.gram_factor(h) is f1
+        assert G.gram_factor(twin) is f1          # same content: the cache by content
+        twin[0, 0] += 1.0                         # another array: compared in full
+        assert G.gram_factor(twin) is not f1
+    assert id(h) not in G._PINNED

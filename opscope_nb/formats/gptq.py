@@ -92,8 +92,27 @@ def check_gram(gram, cols, *, name="gram", tol=1e-6) -> np.ndarray:
     if not np.isfinite(g).all():
         raise ValueError(f"{name} must be finite; got {np.count_nonzero(~np.isfinite(g))} "
                          f"NaN/Inf entries. Recompute the calibration statistics.")
-    amax = float(np.abs(g).max()) if g.size else 0.0
-    asym = float(np.abs(g - g.T).max()) if g.size else 0.0
+    _by_content(g, ("valid", float(tol)), lambda: _check_square(g, cols, name, tol))
+    return g
+
+
+def _check_square(g, cols, name, tol):
+    """The symmetric-PSD part of :func:`check_gram` (cached by content there:
+    q/k/v and gate/up pass one gram, and its Cholesky is ``cols³ / 3``)."""
+    from opscope_nb._threads import blas_threads
+    from scipy.linalg import cholesky
+    amax = max(float(g.max()), -float(g.min())) if g.size else 0.0
+    # H - Hᵀ and the symmetric part by blocks of rows into one buffer (a 7B FFN
+    # gram is 1 GB of float64; the Cholesky then runs in place on every core)
+    h = np.empty_like(g)
+    asym = 0.0
+    for i0 in range(0, cols, 512):
+        i1 = min(i0 + 512, cols)
+        t = np.ascontiguousarray(g[:, i0:i1].T)
+        np.subtract(g[i0:i1], t, out=h[i0:i1])
+        asym = max(asym, float(np.abs(h[i0:i1]).max()))
+        np.add(g[i0:i1], t, out=h[i0:i1])
+        h[i0:i1] *= 0.5
     if asym > tol * max(amax, 1e-300):
         raise ValueError(f"{name} must be symmetric within {tol:g} relative; got max |H - H.T| "
                          f"= {asym:.3g} (max |H| = {amax:.3g}). Pass H = X.T @ X.")
@@ -103,13 +122,16 @@ def check_gram(gram, cols, *, name="gram", tol=1e-6) -> np.ndarray:
                          f"entry {d.min():.3g}.")
     if cols:
         shift = tol * max(float(d.mean()), 1e-300)
+        h[np.diag_indices(cols)] += shift
         try:
-            np.linalg.cholesky(0.5 * (g + g.T) + shift * np.eye(cols))
+            with blas_threads():
+                # hᵀ (= h) is Fortran-ordered: LAPACK factors it in place, no copy
+                cholesky(h.T, lower=True, overwrite_a=True, check_finite=False)
         except np.linalg.LinAlgError:
             raise ValueError(f"{name} must be positive semi-definite within {tol:g} relative; "
                              f"it has a clearly negative eigenvalue (min "
                              f"{np.linalg.eigvalsh(g).min():.3g}). Pass H = X.T @ X.") from None
-    return g
+    return True
 
 
 def output_energy(a, gram) -> float:
@@ -255,9 +277,36 @@ def _by_content(g, key, make):
     return vals[key]
 
 
+_PINNED = {}   # id(gram) -> (gram, its cache entry) inside pinned_gram()
+
+
+class pinned_gram:
+    """``with pinned_gram(g):`` -- inside, cache lookups for this very array
+    object skip the O(cols²) content comparison (a 7B FFN gram: 1 GB read per
+    lookup, dozens per layer).  For a caller that does not modify ``g`` in
+    the block (:func:`opscope_nb.profile.mining.profile_layer` around one
+    layer)."""
+
+    def __init__(self, g):
+        self.g = g
+
+    def __enter__(self):
+        if self.g is not None and getattr(self.g, "ndim", 0) == 2:
+            _PINNED[id(self.g)] = (self.g, _entry(self.g))
+        return self.g
+
+    def __exit__(self, *exc):
+        if self.g is not None:
+            _PINNED.pop(id(self.g), None)
+        return False
+
+
 def _entry(g):
     """The cache's ``{key: value}`` of the gram ``g`` (a new one, evicting the
     least recent gram, when it has none); marks it most recent."""
+    pin = _PINNED.get(id(g))
+    if pin is not None and pin[0] is g:
+        return pin[1]
     for i, (g0, vals) in enumerate(_CACHE):
         if g0.shape == g.shape and np.array_equal(g0, g):
             _CACHE.append(_CACHE.pop(i))
@@ -422,7 +471,7 @@ def _factor64(g, kmax, tol=1e-12):
                 return np.ascontiguousarray(ft[:j].T)
             if j == limit:
                 return None
-            col = g[:, p] - ft[:j].T @ ft[:j, p]
+            col = g[p] - ft[:j].T @ ft[:j, p]        # row p (= column p): contiguous
             col /= np.sqrt(d[p])
             ft[j] = col
             d -= col * col

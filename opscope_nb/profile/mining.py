@@ -56,7 +56,8 @@ from opscope_nb.formats import (
     correction_slice,
 )
 from opscope_nb.formats.ggml import GGML_TYPES, row_bytes
-from opscope_nb.formats.gptq import check_gram, output_energy, output_error, output_ratio
+from opscope_nb.formats.gptq import (check_gram, output_energy, output_error, output_ratio,
+                                     pinned_gram)
 from opscope_nb.kernels._quant_probe import rel_err as _rel_err
 from opscope_nb.kernels._krylov import truncated_svd
 from opscope_nb.runtime._packed import PackedLinear, check_ms, measure_latency
@@ -477,6 +478,17 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
     spec = sampling.check_sample_rows(sample_rows)
     n0 = sampling.sample_size(spec, rows, cols)
     meas = _Measure(w, gram, lat_ms, seed)
+    # the gram is not modified below: its cached factors are found by identity
+    with pinned_gram(gram):
+        return _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols,
+                             gs, nbits, g2s, with_gptq, stored_dtype, lrs, rank_cap, seed,
+                             sensitivity, prior_weight)
+
+
+def _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols, gs, nbits,
+                  g2s, with_gptq, stored_dtype, lrs, rank_cap, seed, sensitivity,
+                  prior_weight):
+    """:func:`profile_layer`'s measurements on validated arguments."""
     if menu == "ggml":
         menu_list = ggml_menu(cols, ggml_types)
         if own is not None and Decomp.ggml(own) not in [d for d, _ in menu_list]:
