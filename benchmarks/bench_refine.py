@@ -25,7 +25,7 @@ held-out cosine of both plans.
 
 Usage: ``python benchmarks/bench_refine.py [--model smollm2|gemma3-270m|minilm]
 [--presets Q4_K_M] [--imatrix yes|no|both] [--evals 300] [--minutes 15]
-[--search evo|local] [--offspring 16] [--survivors 2] [--preselect 4]
+[--search local|evo] [--offspring 16] [--survivors 2] [--preselect 4]
 [--screen-tokens 128] [--tokens 512] [--held-out-tokens 512] [--workdir DIR]``.
 """
 from __future__ import annotations
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="0.15,0.125", help="MiniLM budgets")
     ap.add_argument("--evals", type=int, default=300)
     ap.add_argument("--minutes", type=float, default=15.0)
-    ap.add_argument("--search", choices=("local", "evo"), default="evo")
+    ap.add_argument("--search", choices=("local", "evo"), default="local")
     ap.add_argument("--offspring", type=int, default=16)
     ap.add_argument("--survivors", type=int, default=2)
     ap.add_argument("--preselect", type=int, default=4)

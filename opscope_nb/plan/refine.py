@@ -130,8 +130,16 @@ def _screen_chunks(chunks, tokens, family):
     """The screen split's chunks: a prefix of the search chunks (see
     :class:`PlanScorer`'s ``screen_tokens``)."""
     if family == "decoder":
-        k = max(2, -(-int(tokens) // max(len(chunks), 1)))
-        return [np.asarray(c[:k]) for c in chunks]
+        # as few windows as hold the tokens: each block call has a fixed cost
+        # (the kernels' parallel launches), so two windows of 64 cost nearly
+        # twice one of 128
+        out, left = [], int(tokens)
+        for c in chunks:
+            if left < 2:
+                break
+            out.append(np.asarray(c[:left]))
+            left -= len(out[-1])
+        return out
     out, tot = [], 0
     for ids, mask in chunks:
         n = np.asarray(mask).sum(axis=1)
@@ -333,9 +341,9 @@ class PlanScorer:
         float32 rounding; ``False`` runs the ``PackedLinear`` itself.
     screen_tokens : int, optional
         Also keep a *screen* split (``score(..., "screen")``): the first
-        ``ceil(screen_tokens / n)`` tokens of each of the ``n`` search chunks
-        (decoders) or the first search sentences up to ``screen_tokens``
-        tokens (encoders).  :func:`refine` scores every candidate there first
+        ``screen_tokens`` tokens of the search windows, in as few windows as
+        hold them (decoders), or the first search sentences up to
+        ``screen_tokens`` tokens (encoders).  :func:`refine` scores every candidate there first
         and only the best on the whole search split (multi-stage selection).
 
     Attributes
@@ -810,7 +818,7 @@ def load_state(path, key: str):
     return st
 
 
-def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search="evo",
+def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search="local",
            offspring=16, survivors=2, preselect=1, seed=0, seeds=(), state=None, on_state=None, log=None,
            clock=time.perf_counter) -> RefineResult:
     """Search for a plan of ``scorer.layers`` with bytes ``<= budget`` whose
@@ -839,11 +847,12 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         screened out counts as one.
     minutes : float, optional
         Wall-time limit of this run's search.
-    search : {"evo", "local"}
-        ``"evo"`` (default): (1 + ``offspring``) evolution in EvoPress's
-        manner, each candidate one to three mutations of the best plan;
-        ``"local"``: a first-improvement hill climb, one candidate of one
-        mutation per step.
+    search : {"local", "evo"}
+        ``"local"`` (default): a first-improvement hill climb, one candidate
+        of one mutation per step; ``"evo"``: (1 + ``offspring``) evolution in
+        EvoPress's manner, each candidate one to three mutations of the best
+        plan.  Local search reached lower scores per forward spent on MiniLM
+        and SmolLM2 (docs/performance.md, issue 59).
     offspring : int
         Candidates per generation of ``"evo"`` (>= 1).
     survivors : int
