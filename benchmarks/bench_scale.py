@@ -202,6 +202,39 @@ print(json.dumps({"seconds": spent}))
 """
 
 
+_WARM_TYPES = r"""
+import sys
+import numpy as np
+from opscope_nb.formats import ggml as G
+from opscope_nb.plan.apply import read_plan
+_, plan, _ = read_plan(sys.argv[1])
+w = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+for t in sorted({d.qtype for d, _ in plan.values() if d.kind == "ggml"}):
+    q = G.quantize(w, t)
+    G.dequantize(q, t, w.shape)
+    if hasattr(G, "error_sums"):
+        G.error_sums(w, q, t)
+    if hasattr(G, "count_nonfinite"):
+        G.count_nonfinite(w)
+try:
+    from opscope_nb.kernels import _ggml_quant as K
+    if hasattr(K, "widen_bf16_rows"):
+        raw = np.zeros((2, 256), np.uint16)
+        raw.flags.writeable = False          # apply widens a read-only map
+        K.widen_bf16_rows(raw, np.empty((2, 256), np.uint32))
+except ImportError:
+    pass
+"""
+
+
+def warm_plan_types(plan_path):
+    """Compile (into numba's cache) the kernels ``apply`` runs for the plan's
+    ggml types, in a fresh process, so the timed ``apply`` compiles nothing
+    (the warm-up model's plan may pick other types)."""
+    subprocess.run([sys.executable, "-c", _WARM_TYPES, plan_path], check=True,
+                   capture_output=True, text=True)
+
+
 def libggml_seconds(src, plan_path, threads):
     """libggml's quantisation time for the plan's ggml tensors (reading excluded)."""
     r = subprocess.run([sys.executable, "-c", _LIBGGML, src, plan_path, str(threads)],
@@ -228,6 +261,7 @@ def run_all(root, shards, n, runs, tokens, workers) -> dict:
                               "--out", o("calib"), "-q"])
     if "apply" in runs:
         plan = os.path.join(o("ggml"), "plan.json")
+        warm_plan_types(plan)
         out["apply"] = timed([_cli(), "apply", src, plan, "-o",
                               os.path.join(root, f"applied-{n}.safetensors"), "-q"])
         os.remove(os.path.join(root, f"applied-{n}.safetensors"))

@@ -1,7 +1,8 @@
 """The fast ggml quantiser paths stay bit for bit ggml's (issue 55, item 4).
 
-* The lane-parallel scale searches (one sub-block per SIMD lane) equal the
-  scalar ``make_*_quants`` ports they replace, on adversarial super-blocks
+* The lane-parallel scale searches (one sub-block per SIMD lane:
+  ``make_qx_quants`` of Q6_K, ``make_qkx_quants`` of Q4_K/Q5_K/Q2_K) equal the
+  scalar ports they replace, on adversarial super-blocks
   (zeros, one outlier, denormals, ties, half steps, huge values, zero
   weights) -- no libggml needed.
 * Every type's bytes equal libggml's ``ggml_quantize_chunk`` (the
@@ -94,6 +95,55 @@ def test_lane_search_equals_scalar_make_qx_quants(nmax):
             n_diff_weights += 1
     assert n_diff_weights == 3 * len(x)
 
+
+
+@numba.njit(cache=False)
+def _scalar_qkx(xs, ws, n, nl, nmax, rmin, rdelta, nstep, use_mad, L, scales, mins):
+    Laux = np.empty(n, np.int64)
+    for j in range(nl):
+        s, m = K._make_qkx_quants(n, nmax, xs[n * j:n * j + n], ws[n * j:n * j + n],
+                                  L[n * j:n * j + n], Laux, rmin, rdelta, nstep, use_mad)
+        scales[j] = s
+        mins[j] = m
+
+
+@numba.njit(cache=False)
+def _lanes_qkx(xs, ws, n, nl, nmax, rmin, rdelta, nstep, use_mad, L, scales, mins):
+    xt = np.empty((n, nl), np.float32)
+    wt = np.empty((n, nl), np.float32)
+    lb = np.empty((n, nl), np.int64)
+    la = np.empty((n, nl), np.int64)
+    st = np.empty((12, nl), np.float32)
+    K._make_qkx_quants_lanes(xs, ws, n, nmax, rmin, rdelta, nstep, use_mad, xt, wt, lb, la, st,
+                             L, scales, mins)
+
+
+# (n, sub-blocks, nmax, rmin, rdelta, nstep, mad): Q4_K ref, Q5_K ref, Q4_K/Q5_K
+# importance, Q2_K ref, Q2_K importance
+QKX = [(32, 8, 15, -1.0, 0.1, 20, False), (32, 8, 31, -0.5, 0.1, 15, False),
+       (32, 8, 31, -0.9, 0.05, 36, False), (16, 16, 3, -0.5, 0.1, 15, True),
+       (16, 16, 3, -0.9, 0.05, 36, False)]
+
+
+@pytest.mark.parametrize("cfg", QKX)
+def test_lane_search_equals_scalar_make_qkx_quants(cfg):
+    n, nl, nmax, rmin, rdelta, nstep, mad = cfg
+    rng = np.random.default_rng(56)
+    x = np.concatenate([_odd_rows(256, rng),
+                        (rng.standard_normal((150, 256)) * 0.02).astype(F),
+                        (np.abs(rng.standard_normal((30, 256))) + 0.5).astype(F),
+                        (-np.abs(rng.standard_normal((30, 256))) - 0.3).astype(F)])
+    imp = _weights(256, rng)
+    for row in x:
+        for ws in (np.abs(row) if mad else row * row + F(1e-3), imp):
+            ws = np.ascontiguousarray(ws, F)
+            L0, s0, m0 = np.zeros(256, np.int64), np.zeros(nl, F), np.zeros(nl, F)
+            L1, s1, m1 = np.full(256, -9, np.int64), np.full(nl, F(7)), np.full(nl, F(7))
+            _scalar_qkx(row, ws, n, nl, nmax, F(rmin), F(rdelta), nstep, mad, L0, s0, m0)
+            _lanes_qkx(row, ws, n, nl, nmax, F(rmin), F(rdelta), nstep, mad, L1, s1, m1)
+            assert np.array_equal(L0, L1), (cfg, row[:4])
+            assert np.array_equal(s0.view(np.uint32), s1.view(np.uint32)), (cfg, s0, s1)
+            assert np.array_equal(m0.view(np.uint32), m1.view(np.uint32)), (cfg, m0, m1)
 
 def _libggml():
     try:

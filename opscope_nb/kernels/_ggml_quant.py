@@ -727,26 +727,132 @@ def _qk_requant(x, out, o_scales, dd, dmin, L, nmax):
 
 
 @njit_exact
-def _qk_scales_ref(xs, L, Laux, w, scales, mins, ls, lm, nmax, rmin, nstep):
-    """Q4_K/Q5_K ``_ref`` sub-block search and 6-bit scale quantisation."""
+def _make_qkx_quants_lanes(xs, ws, n, nmax, rmin, rdelta, nstep, use_mad, xt, wt, lb, la, st, L,
+                           scales, mins):
+    """``make_qkx2_quants`` / ``make_qkx3_quants`` (:func:`_make_qkx_quants`)
+    of the ``nl = xt.shape[1]`` sub-blocks of ``n`` values of ``xs`` (weights
+    ``ws``) at once, bit for bit: sub-block ``j`` is SIMD lane ``j``
+    (``xt``/``wt`` ``[n, nl]`` transposes, ``lb``/``la`` int64 ``[n, nl]`` best
+    and trial levels, ``st`` float32 ``[12, nl]`` lane state), each lane's sums
+    in ggml's order, the ``nstep + 1`` trials in ggml's order with per-lane
+    decisions (a lane's ``min`` moves with its improvements, as in ggml).
+    Writes ``L[n * nl]``, ``scales[nl]`` and ``mins[nl]`` (``-min``)."""
+    nl = xt.shape[1]
+    mn = st[0]; mx = st[1]; sw = st[2]; sx = st[3]; scale = st[4]; berr = st[5]
+    isc = st[6]; sl = st[7]; sl2 = st[8]; sxl = st[9]; cerr = st[10]; live = st[11]
+    for j in range(nl):
+        for i in range(n):
+            xt[i, j] = xs[n * j + i]
+            wt[i, j] = ws[n * j + i]
+    for j in range(nl):
+        mn[j] = xt[0, j]
+        mx[j] = xt[0, j]
+        sw[j] = wt[0, j]
+        sx[j] = wt[0, j] * xt[0, j]
+    for i in range(1, n):
+        for j in range(nl):
+            v = xt[i, j]
+            mn[j] = v if v < mn[j] else mn[j]
+            mx[j] = v if v > mx[j] else mx[j]
+            sw[j] += wt[i, j]
+            sx[j] += wt[i, j] * v
+    fnmax = F(nmax)
+    for j in range(nl):
+        if mn[j] > F(0.0):
+            mn[j] = F(0.0)
+        live[j] = F(1.0) if mx[j] > mn[j] else F(0.0)
+        isc[j] = fnmax / (mx[j] - mn[j])
+        scale[j] = F(1.0) / isc[j]
+        berr[j] = F(0.0)
+    for i in range(n):
+        for j in range(nl):
+            l = _nearest_int(isc[j] * (xt[i, j] - mn[j]))
+            l = max(0, min(nmax, l))
+            lb[i, j] = l
+            diff = scale[j] * F(l) + mn[j] - xt[i, j]
+            diff = abs(diff) if use_mad else diff * diff
+            berr[j] += wt[i, j] * diff
+    for is_ in range(nstep + 1):
+        num = rmin + rdelta * F(is_) + fnmax
+        for j in range(nl):
+            isc[j] = num / (mx[j] - mn[j])
+            sl[j] = F(0.0)
+            sl2[j] = F(0.0)
+            sxl[j] = F(0.0)
+        for i in range(n):
+            for j in range(nl):
+                l = _nearest_int(isc[j] * (xt[i, j] - mn[j]))
+                l = max(0, min(nmax, l))
+                la[i, j] = l
+                fl = F(l)
+                w = wt[i, j]
+                sl[j] += w * fl
+                sl2[j] += w * fl * fl
+                sxl[j] += w * fl * xt[i, j]
+        for j in range(nl):
+            D = sw[j] * sl2[j] - sl[j] * sl[j]
+            ts = (sw[j] * sxl[j] - sx[j] * sl[j]) / D
+            tm = (sl2[j] * sx[j] - sl[j] * sxl[j]) / D
+            if tm > F(0.0):
+                tm = F(0.0)
+                ts = sxl[j] / sl2[j]
+            sl[j] = ts          # reuse: this_scale, this_min
+            sl2[j] = tm
+            sxl[j] = F(1.0) if (D > F(0.0) and live[j] != F(0.0)) else F(0.0)
+            cerr[j] = F(0.0)
+        for i in range(n):
+            for j in range(nl):
+                diff = sl[j] * F(la[i, j]) + sl2[j] - xt[i, j]
+                diff = abs(diff) if use_mad else diff * diff
+                cerr[j] += wt[i, j] * diff
+        any_ = False
+        for j in range(nl):
+            if sxl[j] != F(0.0) and cerr[j] < berr[j]:
+                berr[j] = cerr[j]
+                scale[j] = sl[j]
+                mn[j] = sl2[j]
+                cerr[j] = F(1.0)
+                any_ = True
+            else:
+                cerr[j] = F(0.0)
+        if any_:
+            for i in range(n):
+                for j in range(nl):
+                    if cerr[j] != F(0.0):
+                        lb[i, j] = la[i, j]
+    for j in range(nl):
+        if live[j] == F(0.0):
+            scales[j] = F(0.0)
+            mins[j] = -mn[j]
+            for i in range(n):
+                L[n * j + i] = 0
+        else:
+            scales[j] = scale[j]
+            mins[j] = -mn[j]
+            for i in range(n):
+                L[n * j + i] = lb[i, j]
+
+
+@njit_exact
+def _qk_scales_ref(xs, L, ws, scr, lt, st, scales, mins, ls, lm, nmax, rmin, nstep):
+    """Q4_K/Q5_K ``_ref`` sub-block search (the 8 sub-blocks as lanes) and
+    6-bit scale quantisation."""
+    for j in range(8):
+        sum_x2 = F(0.0)
+        for l in range(32):
+            sum_x2 += xs[32 * j + l] * xs[32 * j + l]
+        av_x = np.sqrt(F(sum_x2 / F(32.0)))
+        for l in range(32):
+            ws[32 * j + l] = av_x + abs(xs[32 * j + l])
+    _make_qkx_quants_lanes(xs, ws, 32, nmax, rmin, F(0.1), nstep, False, scr[0], scr[1], lt[0],
+                           lt[1], st, L, scales, mins)
     max_scale = F(0.0)
     max_min = F(0.0)
     for j in range(8):
-        xb = xs[32 * j:32 * j + 32]
-        sum_x2 = F(0.0)
-        for l in range(32):
-            sum_x2 += xb[l] * xb[l]
-        av_x = np.sqrt(F(sum_x2 / F(32.0)))
-        for l in range(32):
-            w[l] = av_x + abs(xb[l])
-        s, m = _make_qkx_quants(32, nmax, xb, w, L[32 * j:32 * j + 32], Laux, rmin, F(0.1),
-                                nstep, False)
-        scales[j] = s
-        mins[j] = m
-        if s > max_scale:
-            max_scale = s
-        if m > max_min:
-            max_min = m
+        if scales[j] > max_scale:
+            max_scale = scales[j]
+        if mins[j] > max_min:
+            max_min = mins[j]
     inv_scale = F(63.0) / max_scale if max_scale > F(0.0) else F(0.0)
     inv_min = F(63.0) / max_min if max_min > F(0.0) else F(0.0)
     for j in range(8):
@@ -756,20 +862,18 @@ def _qk_scales_ref(xs, L, Laux, w, scales, mins, ls, lm, nmax, rmin, nstep):
 
 
 @njit_exact
-def _qk_scales_imp(xs, qws, L, Laux, w, scales, mins, ls, lm, sw, nmax):
-    """Q4_K/Q5_K ``_impl`` (importance) sub-block search + ``make_qp_quants``."""
+def _qk_scales_imp(xs, qws, L, ws, scr, lt, st, scales, mins, ls, lm, sw, nmax):
+    """Q4_K/Q5_K ``_impl`` (importance) sub-block search (lanes) + ``make_qp_quants``."""
     sigma2 = F(2.0) * _row_sigma2(xs, 256) / F(256.0)
     for j in range(8):
-        xb = xs[32 * j:32 * j + 32]
-        _iq_weights(xb, qws[32 * j:32 * j + 32], sigma2, w)
+        _iq_weights(xs[32 * j:32 * j + 32], qws[32 * j:32 * j + 32], sigma2,
+                    ws[32 * j:32 * j + 32])
         sumw = F(0.0)
         for l in range(32):
-            sumw += w[l]
+            sumw += ws[32 * j + l]
         sw[j] = sumw
-        s, m = _make_qkx_quants(32, nmax, xb, w, L[32 * j:32 * j + 32], Laux, F(-0.9), F(0.05),
-                                36, False)
-        scales[j] = s
-        mins[j] = m
+    _make_qkx_quants_lanes(xs, ws, 32, nmax, F(-0.9), F(0.05), 36, False, scr[0], scr[1],
+                           lt[0], lt[1], st, L, scales, mins)
     d_block = _make_qp_quants(8, 63, scales, ls, sw)
     m_block = _make_qp_quants(8, 63, mins, lm, sw)
     return d_block, m_block
@@ -778,8 +882,10 @@ def _qk_scales_imp(xs, qws, L, Laux, w, scales, mins, ls, lm, sw, nmax):
 @njit_exact
 def _q4_K_row(x, qw, out):
     L = np.zeros(256, np.int64)
-    Laux = np.empty(32, np.int64)
-    w = np.empty(32, np.float32)
+    ws = np.empty(256, np.float32)
+    scr = np.empty((2, 32, 8), np.float32)
+    lt = np.empty((2, 32, 8), np.int64)
+    st = np.empty((12, 8), np.float32)
     scales = np.empty(8, np.float32)
     mins = np.empty(8, np.float32)
     sw = np.empty(8, np.float32)
@@ -791,10 +897,11 @@ def _q4_K_row(x, qw, out):
         xs = x[256 * i:256 * i + 256]
         o = 144 * i
         if has:
-            dv, mv = _qk_scales_imp(xs, qw[256 * i:256 * i + 256], L, Laux, w, scales, mins,
-                                    ls, lm, sw, 15)
+            dv, mv = _qk_scales_imp(xs, qw[256 * i:256 * i + 256], L, ws, scr, lt, st, scales,
+                                    mins, ls, lm, sw, 15)
         else:
-            dv, mv = _qk_scales_ref(xs, L, Laux, w, scales, mins, ls, lm, 15, F(-1.0), 20)
+            dv, mv = _qk_scales_ref(xs, L, ws, scr, lt, st, scales, mins, ls, lm, 15, F(-1.0),
+                                    20)
         _pack_scale_min_k4(ls, lm, sc)
         for k in range(12):
             out[o + 4 + k] = sc[k]
@@ -809,8 +916,10 @@ def _q4_K_row(x, qw, out):
 @njit_exact
 def _q5_K_row(x, qw, out):
     L = np.zeros(256, np.int64)
-    Laux = np.empty(32, np.int64)
-    w = np.empty(32, np.float32)
+    ws = np.empty(256, np.float32)
+    scr = np.empty((2, 32, 8), np.float32)
+    lt = np.empty((2, 32, 8), np.int64)
+    st = np.empty((12, 8), np.float32)
     scales = np.empty(8, np.float32)
     mins = np.empty(8, np.float32)
     sw = np.empty(8, np.float32)
@@ -822,13 +931,14 @@ def _q5_K_row(x, qw, out):
         xs = x[256 * i:256 * i + 256]
         o = 176 * i
         if has:
-            dv, mv = _qk_scales_imp(xs, qw[256 * i:256 * i + 256], L, Laux, w, scales, mins,
-                                    ls, lm, sw, 31)
+            dv, mv = _qk_scales_imp(xs, qw[256 * i:256 * i + 256], L, ws, scr, lt, st, scales,
+                                    mins, ls, lm, sw, 31)
             for j in range(8):
                 ls[j] = min(63, ls[j])
                 lm[j] = min(63, lm[j])
         else:
-            dv, mv = _qk_scales_ref(xs, L, Laux, w, scales, mins, ls, lm, 31, F(-0.5), 15)
+            dv, mv = _qk_scales_ref(xs, L, ws, scr, lt, st, scales, mins, ls, lm, 31, F(-0.5),
+                                    15)
         _pack_scale_min_k4(ls, lm, sc)
         for k in range(12):
             out[o + 4 + k] = sc[k]
@@ -1096,8 +1206,10 @@ def _q3_K_row(x, qw, out):
 @njit_exact
 def _q2_K_row(x, qw, out):
     L = np.zeros(256, np.int64)
-    Laux = np.empty(16, np.int64)
-    w = np.empty(16, np.float32)
+    ws = np.empty(256, np.float32)
+    scr = np.empty((2, 16, 16), np.float32)
+    lt = np.empty((2, 16, 16), np.int64)
+    st = np.empty((12, 16), np.float32)
     sw = np.empty(16, np.float32)
     scales = np.empty(16, np.float32)
     mins = np.empty(16, np.float32)
@@ -1111,15 +1223,13 @@ def _q2_K_row(x, qw, out):
             sigma2 = _row_sigma2(xs, 256) / F(256.0)
             for j in range(16):
                 c = 256 * i + 16 * j
-                _iq_weights(xs[16 * j:16 * j + 16], qw[c:c + 16], sigma2, w)
+                _iq_weights(xs[16 * j:16 * j + 16], qw[c:c + 16], sigma2, ws[16 * j:16 * j + 16])
                 sumw = F(0.0)
                 for l in range(16):
-                    sumw += w[l]
+                    sumw += ws[16 * j + l]
                 sw[j] = sumw
-                s, m = _make_qkx_quants(16, 3, xs[16 * j:16 * j + 16], w, L[16 * j:16 * j + 16],
-                                        Laux, F(-0.9), F(0.05), 36, False)
-                scales[j] = s
-                mins[j] = m
+            _make_qkx_quants_lanes(xs, ws, 16, 3, F(-0.9), F(0.05), 36, False, scr[0], scr[1],
+                                   lt[0], lt[1], st, L, scales, mins)
             dm = _make_qp_quants(16, 15, scales, Ls, sw)
             mm = _make_qp_quants(16, 15, mins, Lm, sw)
             dd = _fp16_value(_put_f16(out, o + 80, dm))
@@ -1129,18 +1239,15 @@ def _q2_K_row(x, qw, out):
         else:
             max_scale = F(0.0)
             max_min = F(0.0)
+            for j in range(256):
+                ws[j] = abs(xs[j])
+            _make_qkx_quants_lanes(xs, ws, 16, 3, F(-0.5), F(0.1), 15, True, scr[0], scr[1],
+                                   lt[0], lt[1], st, L, scales, mins)
             for j in range(16):
-                xb = xs[16 * j:16 * j + 16]
-                for l in range(16):
-                    w[l] = abs(xb[l])
-                s, m = _make_qkx_quants(16, 3, xb, w, L[16 * j:16 * j + 16], Laux, F(-0.5),
-                                        F(0.1), 15, True)
-                scales[j] = s
-                mins[j] = m
-                if s > max_scale:
-                    max_scale = s
-                if m > max_min:
-                    max_min = m
+                if scales[j] > max_scale:
+                    max_scale = scales[j]
+                if mins[j] > max_min:
+                    max_min = mins[j]
             if max_scale > F(0.0):
                 iscale = F(15.0) / max_scale
                 for j in range(16):
