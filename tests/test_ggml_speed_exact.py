@@ -1,7 +1,8 @@
 """The fast ggml quantiser paths stay bit for bit ggml's (issue 55, item 4).
 
 * The lane-parallel scale searches (one sub-block per SIMD lane:
-  ``make_qx_quants`` of Q6_K, ``make_qkx_quants`` of Q4_K/Q5_K/Q2_K) equal the
+  ``make_qx_quants`` of Q6_K, ``make_qkx_quants`` of Q4_K/Q5_K/Q2_K, the
+  block scales of IQ4_XS/IQ4_NL with a branch-free ``best_index``) equal the
   scalar ports they replace, on adversarial super-blocks
   (zeros, one outlier, denormals, ties, half steps, huge values, zero
   weights) -- no libggml needed.
@@ -145,6 +146,54 @@ def test_lane_search_equals_scalar_make_qkx_quants(cfg):
             assert np.array_equal(s0.view(np.uint32), s1.view(np.uint32)), (cfg, s0, s1)
             assert np.array_equal(m0.view(np.uint32), m1.view(np.uint32)), (cfg, m0, m1)
 
+
+@numba.njit(cache=False)
+def _scalar_iq4(xs, ws, ds, oks):
+    Lb = np.empty(32, np.int64)
+    for j in range(8):
+        d, ok = K._iq4_block_scale(xs[32 * j:32 * j + 32], ws[32 * j:32 * j + 32], Lb, 7)
+        ds[j] = d
+        oks[j] = ok
+
+
+@numba.njit(cache=False)
+def _lanes_iq4(xs, ws, ds, oks):
+    xt = np.empty((32, 8), np.float32)
+    wt = np.empty((32, 8), np.float32)
+    st = np.empty((6, 8), np.float32)
+    K._iq4_scales_lanes(xs, ws, 7, xt, wt, st, ds, oks)
+
+
+@numba.njit(cache=False)
+def _best_index_vs_branch_free(vals):
+    bad = 0
+    for v in vals:
+        i = K._best_index(v)
+        if K._KVF[i] != K._iq4_q(v) or K._iq4_index(v) != i:
+            bad += 1
+    return bad
+
+
+def test_iq4_branch_free_lookup_and_lane_search_equal_ggml_order():
+    rng = np.random.default_rng(57)
+    kv = K._KVF
+    mids = (kv[:-1] + kv[1:]) / 2
+    vals = np.concatenate([rng.uniform(-140, 140, 100000), kv, mids,
+                           np.nextafter(mids, np.float32(-200)),
+                           np.nextafter(mids, np.float32(200))]).astype(F)
+    assert _best_index_vs_branch_free(vals) == 0
+    x = np.concatenate([_odd_rows(256, rng), (rng.standard_normal((200, 256)) * 0.02).astype(F)])
+    imp = _weights(256, rng)
+    for row in x:
+        for ws in (row * row, imp):
+            ws = np.ascontiguousarray(ws, F)
+            d0, o0 = np.zeros(8, F), np.zeros(8, np.bool_)
+            d1, o1 = np.full(8, F(9)), np.ones(8, np.bool_)
+            _scalar_iq4(row, ws, d0, o0)
+            _lanes_iq4(row, ws, d1, o1)
+            assert np.array_equal(d0.view(np.uint32), d1.view(np.uint32)) and \
+                np.array_equal(o0, o1), (row[:4], d0, d1)
+
 def _libggml():
     try:
         import llama_cpp
@@ -173,12 +222,15 @@ def rows():
     return x, _weights(cols, rng)
 
 
-@pytest.mark.parametrize("t", TYPES)
+@pytest.mark.parametrize("t", TYPES + ["IQ4_NL/544", "Q8_0/544", "Q5_0/544"])
 def test_bytes_equal_libggml_on_many_rows(rows, t):
     lib = _libggml()
     if lib is None:
         pytest.skip("no llama_cpp wheel (libggml-base) here")
     x, imp = rows
+    if "/" in t:       # rows of 17 blocks of 32 (IQ4_NL's lanes take 8 at a time)
+        t, cols = t.split("/")
+        x, imp = np.ascontiguousarray(x[:, :int(cols)]), np.ascontiguousarray(imp[:int(cols)])
     n, cols = x.shape
     info = ggml.GGML_TYPES[t]
     lib.ggml_quantize_init(info.id)

@@ -608,52 +608,173 @@ def _iq4_block_scale(xb, w, Lb, ntry):
 
 
 @njit_exact
+def _iq4_q(v):
+    """``kvalues_iq4nl[best_index_int8(v)]`` without branches: the largest
+    value <= v and the smallest > v, the nearer one (the lower only when
+    strictly nearer, as ggml).  Below the first value ``lo`` stays it and
+    wins, above the last ``hi`` stays it and wins: ggml's two clamps."""
+    lo = _KVF[0]
+    hi = _KVF[15]
+    for k in range(1, 15):
+        c = _KVF[k]
+        lo = c if c <= v else lo
+    for k in range(14, 0, -1):
+        c = _KVF[k]
+        hi = c if c > v else hi
+    return lo if v - lo < hi - v else hi
+
+
+@njit_exact
+def _iq4_index(v):
+    """ggml ``best_index_int8(16, kvalues_iq4nl, v)`` without branches (see
+    :func:`_iq4_q`; ``n`` counts the values after the first that are <= v)."""
+    lo = _KVF[0]
+    hi = _KVF[15]
+    n = 0
+    for k in range(1, 15):
+        c = _KVF[k]
+        le = c <= v
+        lo = c if le else lo
+        n += 1 if le else 0
+    for k in range(14, 0, -1):
+        c = _KVF[k]
+        hi = c if c > v else hi
+    return n if v - lo < hi - v else n + 1
+
+
+@njit_exact
+def _iq4_scales_lanes(xs, ws, ntry, xt, wt, st, d_out, ok_out):
+    """The first stage of ``quantize_row_iq4_nl_impl`` (:func:`_iq4_block_scale`:
+    the block scale ``d``) of ``nl = xt.shape[1]`` 32-blocks of ``xs`` at once,
+    block = SIMD lane, bit for bit; ``st`` float32 ``[6, nl]``."""
+    nl = xt.shape[1]
+    mx = st[0]; idd = st[1]; sqx = st[2]; sq2 = st[3]; best = st[4]; d = st[5]
+    for j in range(nl):
+        amax = F(0.0)
+        m = F(0.0)
+        for i in range(32):
+            v = xs[32 * j + i]
+            xt[i, j] = v
+            wt[i, j] = ws[32 * j + i]
+            ax = abs(v)
+            if ax > amax:
+                amax = ax
+                m = v
+        mx[j] = m
+        ok_out[j] = amax >= _EPS
+    for j in range(nl):
+        dj = -mx[j] / _KVF[0]
+        idd[j] = F(1.0) / dj
+        sqx[j] = F(0.0)
+        sq2[j] = F(0.0)
+    for i in range(32):
+        for j in range(nl):
+            q = _iq4_q(idd[j] * xt[i, j])
+            w = wt[i, j]
+            sqx[j] += w * q * xt[i, j]
+            sq2[j] += w * q * q
+    for j in range(nl):
+        dj = sqx[j] / sq2[j] if sq2[j] > F(0.0) else F(0.0)
+        d[j] = dj
+        best[j] = dj * sqx[j]
+    for itry in range(-ntry, ntry + 1):
+        num = F(itry - 127)
+        for j in range(nl):
+            idd[j] = num / mx[j]
+            sqx[j] = F(0.0)
+            sq2[j] = F(0.0)
+        for i in range(32):
+            for j in range(nl):
+                q = _iq4_q(idd[j] * xt[i, j])
+                w = wt[i, j]
+                sqx[j] += w * q * xt[i, j]
+                sq2[j] += w * q * q
+        for j in range(nl):
+            a = sqx[j]
+            b = sq2[j]
+            if b > F(0.0) and a * a > best[j] * b:
+                d[j] = a / b
+                best[j] = d[j] * a
+    for j in range(nl):
+        d_out[j] = d[j] if ok_out[j] else F(0.0)
+
+
+@njit_exact
 def _iq4_nl_row(x, qw, out):
     w = np.empty(32, np.float32)
     L = np.zeros(32, np.int64)
+    ws = np.empty(256, np.float32)
+    xt = np.empty((32, 8), np.float32)
+    wt = np.empty((32, 8), np.float32)
+    st = np.empty((6, 8), np.float32)
+    ds = np.empty(8, np.float32)
+    oks = np.empty(8, np.bool_)
     has = qw.shape[0] > 0
-    for ib in range(x.shape[0] // 32):
+    nb = x.shape[0] // 32
+    for ib in range(nb):
         xb = x[32 * ib:32 * ib + 32]
         o = 18 * ib
-        sigma2 = _row_sigma2(xb, 32) * F(0.0625)
-        if has:
-            _iq_weights(xb, qw[32 * ib:32 * ib + 32], sigma2, w)
+        k = ib % 8
+        if k == 0 and ib + 8 <= nb:
+            # the scales of the next 8 blocks at once (lanes); their weights first
+            for b in range(8):
+                xg = x[32 * (ib + b):32 * (ib + b) + 32]
+                sig = _row_sigma2(xg, 32) * F(0.0625)
+                if has:
+                    _iq_weights(xg, qw[32 * (ib + b):32 * (ib + b) + 32], sig,
+                                ws[32 * b:32 * b + 32])
+                else:
+                    for j in range(32):
+                        ws[32 * b + j] = xg[j] * xg[j]
+            _iq4_scales_lanes(x[32 * ib:32 * ib + 256], ws, 7, xt, wt, st, ds, oks)
+        if ib - k + 8 <= nb:
+            d = ds[k]
         else:
-            for j in range(32):
-                w[j] = xb[j] * xb[j]
-        d, ok = _iq4_block_scale(xb, w, L, 7)
+            sigma2 = _row_sigma2(xb, 32) * F(0.0625)
+            if has:
+                _iq_weights(xb, qw[32 * ib:32 * ib + 32], sigma2, w)
+            else:
+                for j in range(32):
+                    w[j] = xb[j] * xb[j]
+            d, ok = _iq4_block_scale(xb, w, L, 7)
         _put_f16(out, o, d)
         idd = F(1.0) / d if d != F(0.0) else F(0.0)
         for j in range(32):
-            L[j] = _best_index(idd * xb[j])
+            L[j] = _iq4_index(idd * xb[j])
         for j in range(16):
             out[o + 2 + j] = (L[j] | (L[16 + j] << 4)) & 0xFF
 
 
 @njit_exact
 def _iq4_xs_row(x, qw, out):
-    w = np.empty(32, np.float32)
+    ws = np.empty(256, np.float32)
     L = np.zeros(256, np.int64)
     scales = np.empty(8, np.float32)
+    xt = np.empty((32, 8), np.float32)
+    wt = np.empty((32, 8), np.float32)
+    st = np.empty((6, 8), np.float32)
+    oks = np.empty(8, np.bool_)
     has = qw.shape[0] > 0
     for ibl in range(x.shape[0] // 256):
         xs = x[256 * ibl:256 * ibl + 256]
         o = 136 * ibl
         sigma2 = _row_sigma2(xs, 256) * F(0.0078125)
+        if has:
+            for ib in range(8):
+                c = 256 * ibl + 32 * ib
+                _iq_weights(xs[32 * ib:32 * ib + 32], qw[c:c + 32], sigma2,
+                            ws[32 * ib:32 * ib + 32])
+        else:
+            for j in range(256):
+                ws[j] = xs[j] * xs[j]
+        # the 8 blocks' scales at once (lanes; quantize_row_iq4_nl_impl's first stage)
+        _iq4_scales_lanes(xs, ws, 7, xt, wt, st, scales, oks)
         max_scale = F(0.0)
         amax_scale = F(0.0)
         for ib in range(8):
-            xb = xs[32 * ib:32 * ib + 32]
-            if has:
-                c = 256 * ibl + 32 * ib
-                _iq_weights(xb, qw[c:c + 32], sigma2, w)
-            else:
-                for j in range(32):
-                    w[j] = xb[j] * xb[j]
-            d, ok = _iq4_block_scale(xb, w, L[32 * ib:32 * ib + 32], 7)
-            scales[ib] = d
-            if not ok:
+            if not oks[ib]:
                 continue
+            d = scales[ib]
             ad = abs(d)
             if ad > amax_scale:
                 amax_scale = ad
@@ -670,7 +791,7 @@ def _iq4_xs_row(x, qw, out):
             dl = d * F(l)
             idl = F(1.0) / dl if dl != F(0.0) else F(0.0)
             for j in range(32):
-                L[32 * ib + j] = _best_index(idl * xs[32 * ib + j])
+                L[32 * ib + j] = _iq4_index(idl * xs[32 * ib + j])
             l += 32
             if ib % 2 == 0:
                 out[o + 4 + ib // 2] = l & 0xF
