@@ -1278,7 +1278,10 @@ def _q3_pack_scale(out, o, j, l):
 def _q3_K_row(x, qw, out):
     L = np.zeros(256, np.int64)
     Ls = np.empty(16, np.int64)
-    w = np.empty(16, np.float32)
+    ws = np.empty(256, np.float32)
+    tr = np.empty((3, 16, 16), np.float32)
+    ln = np.empty((6, 16), np.float32)
+    bt = np.empty(16, np.int64)
     sw = np.empty(16, np.float32)
     scales = np.empty(16, np.float32)
     has = qw.shape[0] > 0
@@ -1291,13 +1294,14 @@ def _q3_K_row(x, qw, out):
             sigma2 = F(2.0) * _row_sigma2(xs, 256) / F(256.0)
             for j in range(16):
                 c = 256 * i + 16 * j
-                _iq_weights(xs[16 * j:16 * j + 16], qw[c:c + 16], sigma2, w)
+                _iq_weights(xs[16 * j:16 * j + 16], qw[c:c + 16], sigma2, ws[16 * j:16 * j + 16])
                 sumw = F(0.0)
                 for l in range(16):
-                    sumw += w[l]
+                    sumw += ws[16 * j + l]
                 sw[j] = sumw
-                scales[j] = _make_qx_quants(16, 4, xs[16 * j:16 * j + 16],
-                                            L[16 * j:16 * j + 16], w)
+            # make_qx_quants(16, 4, ...) of the 16 sub-blocks at once (lanes)
+            _make_qx_quants_x16(xs, ws, 4, tr[0], tr[1], tr[2], ln[0], ln[1], ln[2], ln[3],
+                                ln[4], ln[5], bt, L, scales)
             d_block = _make_qx_quants(16, 32, scales, Ls, sw)
             for j in range(16):
                 _q3_pack_scale(out, o, j, Ls[j])
