@@ -32,7 +32,8 @@ need more rows (the profile prints how many).
 Usage: ``python benchmarks/bench_scale.py [--model llama7b|qwen2-7b]
 [--blocks 2,4] [--runs ggml,imatrix,calib,apply,workers] [--tokens 512]
 [--workdir DIR] [--keep]``; ``--calib-only`` times the streamed calibration
-alone.
+alone; ``--kernels Q6_K,Q4_K,...`` compares our quantisers with libggml's
+alone (bytes too).
 """
 from __future__ import annotations
 
@@ -244,6 +245,56 @@ def libggml_seconds(src, plan_path, threads):
     return json.loads(r.stdout.strip().splitlines()[-1])["seconds"], None
 
 
+_KERNELS = r"""
+import ctypes, os, sys, threading, time
+import numpy as np
+import llama_cpp
+from opscope_nb.formats import ggml as G
+lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+types, rows, imp, threads = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
+cols = 4096
+rng = np.random.default_rng(0)
+w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02)
+w = (w.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)      # bf16 values
+qw = (rng.gamma(2.0, 1.0, cols) * 100).astype(np.float32) if imp else None
+for t in types:
+    info = G.GGML_TYPES[t]
+    lib.ggml_quantize_init(info.id)
+    G.quantize(w[:8], t, qw)                                            # compile
+    t0 = time.perf_counter(); q = G.quantize(w, t, qw); ours = time.perf_counter() - t0
+    ref = np.empty_like(q)
+    cuts = [rows * i // threads for i in range(threads + 1)]
+    ts = [threading.Thread(target=lib.ggml_quantize_chunk,
+                           args=(info.id, w.ctypes.data, ref.ctypes.data, cuts[i] * cols,
+                                 cuts[i + 1] - cuts[i], cols,
+                                 None if qw is None else qw.ctypes.data))
+          for i in range(threads)]
+    t0 = time.perf_counter()
+    [x.start() for x in ts]
+    [x.join() for x in ts]
+    lg = time.perf_counter() - t0
+    print(f"{t:>7} {'imatrix' if imp else 'ref':>7}: ours {ours:6.3f}s  libggml {lg:6.3f}s "
+          f"({threads} threads)  ours/libggml {ours / lg:5.2f}  bytes equal: "
+          f"{bool(np.array_equal(q, ref))}", flush=True)
+"""
+
+
+def kernel_table(types, rows, threads):
+    """Our quantiser against ``ggml_quantize_chunk`` per type, on ``rows`` x 4096
+    Gaussian rows at bf16 precision, without and with an importance vector; the
+    bytes compared (a fresh process per importance setting)."""
+    for imp in ("0", "1"):
+        r = subprocess.run([sys.executable, "-c", _KERNELS, types, str(rows), imp, str(threads)],
+                           capture_output=True, text=True)
+        print(r.stdout, end="")
+        if r.returncode:
+            print(r.stderr.strip().splitlines()[-1])
+
+
 def run_all(root, shards, n, runs, tokens, workers) -> dict:
     """Every asked-for run on the first ``n`` blocks: ``{run: timed dict}``."""
     src = model_dir(root, shards, n)
@@ -310,7 +361,15 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, metavar="H,F,HEADS,KV",
                     help="other hidden/FFN/head sizes (a smoke run)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--kernels", default=None, metavar="TYPES",
+                    help="only compare our ggml quantisers with libggml's "
+                         "ggml_quantize_chunk, e.g. Q6_K,Q4_K,IQ4_XS (2048 x 4096 rows, "
+                         "--kernel-rows), with and without importance")
+    ap.add_argument("--kernel-rows", type=int, default=2048)
     args = ap.parse_args(argv)
+    if args.kernels:
+        kernel_table(args.kernels, args.kernel_rows, os.cpu_count() or 1)
+        return 0
     counts = sorted(int(b) for b in args.blocks.split(","))
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     global HIDDEN, FFN, HEADS, KV, VOCAB
