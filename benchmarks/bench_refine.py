@@ -26,7 +26,7 @@ held-out cosine of both plans.
 Usage: ``python benchmarks/bench_refine.py [--model smollm2|gemma3-270m|minilm]
 [--presets Q4_K_M] [--imatrix yes|no|both] [--evals 300] [--minutes 15]
 [--search local|evo] [--offspring 16] [--survivors 2] [--preselect 4]
-[--screen-tokens 128] [--tokens 512] [--held-out-tokens 512] [--workdir DIR]``.
+[--screen-tokens 128] [--tokens 2048] [--held-out-tokens 512] [--workdir DIR]``.
 """
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preselect", type=int, default=4)
     ap.add_argument("--screen-tokens", type=int, default=128,
                     help="tokens of the screen split (0: none)")
-    ap.add_argument("--tokens", type=int, default=512, help="search tokens")
+    ap.add_argument("--tokens", type=int, default=2048, help="search tokens")
     ap.add_argument("--held-out-tokens", type=int, default=512,
                     help="held-out tokens of refine's never-worse check")
     ap.add_argument("--eval-text", default="sample")

@@ -92,9 +92,10 @@ def add_refine_args(p, flag_prefix="") -> None:
     g.add_argument("--split", type=budget_arg, default=None, metavar="FRAC",
                    help="share of --text held out (default: the profile's --validate "
                         "fraction, else 0.25; seeded by the profile's split seed)")
-    g.add_argument("--tokens", type=positive_int, default=512, metavar="N",
+    g.add_argument("--tokens", type=positive_int, default=2048, metavar="N",
                    help="search tokens (decoders) or token cap of the search sentences "
-                        "(encoders); default 512")
+                        "(encoders); default 2048 (the screen takes most candidates; "
+                        "512 let plans fit the search text that lost on held-out text)")
     g.add_argument("--held-out-tokens", type=positive_int, default=512, metavar="N",
                    help="held-out tokens (default 512)")
     g.add_argument("--window", type=positive_int, default=256, metavar="T",

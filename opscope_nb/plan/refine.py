@@ -434,7 +434,7 @@ class PlanScorer:
     # ---- construction from text ------------------------------------------ #
     @classmethod
     def from_text(cls, model, layers, *, text=None, held_out_text=None, split=0.25,
-                  split_seed=0, tokens=512, held_out_tokens=512, window=256, **kw):
+                  split_seed=0, tokens=2048, held_out_tokens=512, window=256, **kw):
         """A scorer whose search and held-out chunks come from text.
 
         ``text`` (a path, ``"sample"``, ``"builtin"`` or None = the sample,
