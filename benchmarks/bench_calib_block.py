@@ -1,8 +1,9 @@
-"""Usage: python benchmarks/bench_calib_block.py
-
-One Llama-7B block's seven layers through profile_layer with --calib's grams
+"""One Llama-7B block's seven layers through profile_layer with --calib's grams
 (512 Gaussian calibration rows per input; q/k/v and gate/up share theirs), as
-the CLI runs them: wall and CPU seconds per layer and in all."""
+the CLI runs them: wall and CPU seconds per layer and in all (the calibration
+forwards and the sensitivity probe are not included).
+
+Usage: ``python benchmarks/bench_calib_block.py``."""
 import os, sys, time, numpy as np
 from opscope_nb.profile.mining import profile_layer
 H, F, T = 4096, 11008, 512
