@@ -8,7 +8,7 @@ exact one), proposes plans that keep the bytes within the budget and keeps
 the one whose **measured** score is lowest:
 
 * decoders: mean next-token ``KL(dense || plan)`` over the search tokens
-  (float64 log-softmax; the dense log-probabilities computed once);
+  (float64; the dense log-probabilities computed once);
 * encoders: mean ``1 - cos`` of the pooled sentence embeddings.
 
 Moves (each keeps ``bytes <= budget``): one layer up one step of its
