@@ -642,6 +642,22 @@ def _iq4_index(v):
     return n if v - lo < hi - v else n + 1
 
 
+@njit_exact(inline="always")
+def _iq4_lane_sums(xt, wt, idd, sqx, sq2):
+    """Per lane ``j``: ``sqx[j] = sum_i w q x``, ``sq2[j] = sum_i w q q`` over the
+    32 values of block ``j`` with ``q = _iq4_q(idd[j] * x)`` (ggml's order)."""
+    nl = xt.shape[1]
+    for j in range(nl):
+        sqx[j] = F(0.0)
+        sq2[j] = F(0.0)
+    for i in range(32):
+        for j in range(nl):
+            q = _iq4_q(idd[j] * xt[i, j])
+            w = wt[i, j]
+            sqx[j] += w * q * xt[i, j]
+            sq2[j] += w * q * q
+
+
 @njit_exact
 def _iq4_scales_lanes(xs, ws, ntry, xt, wt, st, d_out, ok_out):
     """The first stage of ``quantize_row_iq4_nl_impl`` (:func:`_iq4_block_scale`:
@@ -665,14 +681,7 @@ def _iq4_scales_lanes(xs, ws, ntry, xt, wt, st, d_out, ok_out):
     for j in range(nl):
         dj = -mx[j] / _KVF[0]
         idd[j] = F(1.0) / dj
-        sqx[j] = F(0.0)
-        sq2[j] = F(0.0)
-    for i in range(32):
-        for j in range(nl):
-            q = _iq4_q(idd[j] * xt[i, j])
-            w = wt[i, j]
-            sqx[j] += w * q * xt[i, j]
-            sq2[j] += w * q * q
+    _iq4_lane_sums(xt, wt, idd, sqx, sq2)
     for j in range(nl):
         dj = sqx[j] / sq2[j] if sq2[j] > F(0.0) else F(0.0)
         d[j] = dj
@@ -681,14 +690,7 @@ def _iq4_scales_lanes(xs, ws, ntry, xt, wt, st, d_out, ok_out):
         num = F(itry - 127)
         for j in range(nl):
             idd[j] = num / mx[j]
-            sqx[j] = F(0.0)
-            sq2[j] = F(0.0)
-        for i in range(32):
-            for j in range(nl):
-                q = _iq4_q(idd[j] * xt[i, j])
-                w = wt[i, j]
-                sqx[j] += w * q * xt[i, j]
-                sq2[j] += w * q * q
+        _iq4_lane_sums(xt, wt, idd, sqx, sq2)
         for j in range(nl):
             a = sqx[j]
             b = sq2[j]
