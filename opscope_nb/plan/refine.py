@@ -52,7 +52,7 @@ from opscope_nb._threads import _one_blas_thread
 
 from .allocate import predicted_damage
 
-__all__ = ["PlanScorer", "RefineResult", "refine", "split_passages", "ladders",
+__all__ = ["PlanScorer", "RefineResult", "refine", "split_passages", "text_chunks", "ladders",
            "plan_bytes", "propose", "STATE_VERSION", "load_state", "save_state",
            "choice_key"]
 
@@ -167,6 +167,34 @@ def _encoder_chunks(model, texts, max_tokens, batch=32):
     if not keep:
         raise ValueError("the text has no sentence to embed; give a longer text.")
     return [bert.tokenize_batch(model, keep[s:s + batch]) for s in range(0, len(keep), batch)]
+
+
+def text_chunks(model, *, text=None, held_out_text=None, split=0.25, split_seed=0,
+                tokens=2048, held_out_tokens=512, window=256) -> tuple:
+    """``(search chunks, held-out chunks)`` of ``model`` from text, as
+    :meth:`PlanScorer.from_text` describes (the llama.cpp scorer takes the
+    same windows)."""
+    from opscope_nb.data import TEXT_KEYWORDS
+    from opscope_nb.models.evaluate import _sentences, load_passages
+    for nm, v in (("tokens", tokens), ("held_out_tokens", held_out_tokens),
+                  ("window", window)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 2:
+            raise ValueError(f"{nm} must be an integer >= 2; got {v!r}.")
+
+    def items(t):
+        ps = load_passages(t)
+        if model.family == "encoder" and (t is None or t in TEXT_KEYWORDS):
+            return _sentences(ps)
+        return ps
+    if held_out_text is None:
+        fit, held = split_passages(items(text), split, split_seed)
+    else:
+        fit, held = items(text), items(held_out_text)
+    if model.family == "encoder":
+        return (_encoder_chunks(model, fit, tokens),
+                _encoder_chunks(model, held, held_out_tokens))
+    return (_decoder_chunks(model, fit, tokens, window),
+            _decoder_chunks(model, held, held_out_tokens, window))
 
 
 # --------------------------------------------------------------------------- #
@@ -292,6 +320,25 @@ def propose(layers, choice, budget, lads, terms, stage_of, rng, *, mutations=1,
 # --------------------------------------------------------------------------- #
 # the scorer
 # --------------------------------------------------------------------------- #
+def _pack_option(lp, j, orig, entry, grams, requantize):
+    """Layer ``lp``'s option ``j`` packed from ``orig`` (the loaded tensor): the
+    tensor itself for dense, the source's stored blocks for an option in the
+    ggml type ``entry`` (the source entry) is stored in (unless
+    ``requantize``), else :meth:`PackedLinear.pack` with the layer's gram when
+    the option reads one -- the bytes ``apply`` writes."""
+    from opscope_nb.runtime._packed import PackedLinear
+    d = lp.options[int(j)].decomp
+    if d.kind == "dense":
+        return orig
+    if (entry is not None and d.kind == "ggml" and str(entry.dtype).upper() == d.qtype
+            and not requantize):
+        raw = np.ascontiguousarray(entry.raw()).view(np.uint8).reshape(entry.shape[0], -1)
+        return PackedLinear(d, {"blocks": np.array(raw)}, tuple(entry.shape))
+    w = orig if isinstance(orig, np.ndarray) else orig.dense()
+    g = grams.get(lp.name) if d.reads_gram else None
+    return PackedLinear.pack(np.asarray(w, dtype=np.float32), d, gram=g)
+
+
 class _Split:
     """The chunks of one text split, the dense reference outputs, and the
     parent plan's cached block inputs."""
@@ -345,6 +392,11 @@ class PlanScorer:
         hold them (decoders), or the first search sentences up to
         ``screen_tokens`` tokens (encoders).  :func:`refine` scores every candidate there first
         and only the best on the whole search split (multi-stage selection).
+    blocks : dict, optional
+        A dict in which :meth:`option` also keeps every ggml option's packed
+        blocks under ``(layer index, option index)`` (the llama.cpp scorer
+        assembles its candidate files from them: each option packed once for
+        both runtimes).
 
     Attributes
     ----------
@@ -361,7 +413,8 @@ class PlanScorer:
     """
 
     def __init__(self, model, layers, search, held_out, *, grams=None, stored=None,
-                 requantize=False, act="f32", dequantise=True, screen_tokens=None):
+                 requantize=False, act="f32", dequantise=True, screen_tokens=None,
+                 blocks=None):
         from opscope_nb.models.loader import is_linear
         if getattr(model, "entries", None) and not model.tensors:
             raise ValueError("PlanScorer needs a loaded model (open_model(..., lazy=False)).")
@@ -377,6 +430,9 @@ class PlanScorer:
         self.stored = stored or {}
         self.requantize = bool(requantize)
         self.dequantise = bool(dequantise)
+        #: where :meth:`option` also keeps each ggml option's packed blocks
+        #: (``(layer, option) -> uint8 [rows, row bytes]``), or None
+        self.blocks = blocks
         cfg = model.config
         self.n_blocks = int(cfg["n_layers"])
         nm = cfg.get("names", {})
@@ -445,28 +501,9 @@ class PlanScorer:
         built-in texts; decoders the passages joined by newlines, cut at
         ``tokens`` / ``held_out_tokens`` and windowed by ``window``.
         """
-        from opscope_nb.data import TEXT_KEYWORDS
-        from opscope_nb.models.evaluate import _sentences, load_passages
-        for nm, v in (("tokens", tokens), ("held_out_tokens", held_out_tokens),
-                      ("window", window)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 2:
-                raise ValueError(f"{nm} must be an integer >= 2; got {v!r}.")
-
-        def items(t):
-            ps = load_passages(t)
-            if model.family == "encoder" and (t is None or t in TEXT_KEYWORDS):
-                return _sentences(ps)
-            return ps
-        if held_out_text is None:
-            fit, held = split_passages(items(text), split, split_seed)
-        else:
-            fit, held = items(text), items(held_out_text)
-        if model.family == "encoder":
-            ch = (_encoder_chunks(model, fit, tokens), _encoder_chunks(model, held,
-                                                                       held_out_tokens))
-        else:
-            ch = (_decoder_chunks(model, fit, tokens, window),
-                  _decoder_chunks(model, held, held_out_tokens, window))
+        ch = text_chunks(model, text=text, held_out_text=held_out_text, split=split,
+                         split_seed=split_seed, tokens=tokens,
+                         held_out_tokens=held_out_tokens, window=window)
         return cls(model, layers, ch[0], ch[1], **kw)
 
     # ---- options ---------------------------------------------------------- #
@@ -477,22 +514,13 @@ class PlanScorer:
         got = self._opts.get(key)
         if got is not None:
             return got
-        from opscope_nb.runtime._packed import PackedLinear
         t0 = time.perf_counter()
         lp = self.layers[i]
         d = lp.options[int(j)].decomp
-        orig = self._orig[lp.name]
-        e = self.stored.get(lp.name)
-        if d.kind == "dense":
-            got = orig
-        elif (e is not None and d.kind == "ggml" and str(e.dtype).upper() == d.qtype
-              and not self.requantize):
-            raw = np.ascontiguousarray(e.raw()).view(np.uint8).reshape(e.shape[0], -1)
-            got = PackedLinear(d, {"blocks": np.array(raw)}, tuple(e.shape))
-        else:
-            w = orig if isinstance(orig, np.ndarray) else orig.dense()
-            g = self.grams.get(lp.name) if d.reads_gram else None
-            got = PackedLinear.pack(np.asarray(w, dtype=np.float32), d, gram=g)
+        got = _pack_option(lp, int(j), self._orig[lp.name], self.stored.get(lp.name),
+                           self.grams, self.requantize)
+        if self.blocks is not None and d.kind == "ggml":
+            self.blocks[key] = got.arrays["blocks"]
         if lp.name == self._embed and not isinstance(got, np.ndarray):
             got = got.dense()           # the loader holds an embedding table as floats
         elif self.dequantise and d.kind != "dense":
@@ -592,28 +620,15 @@ class PlanScorer:
                 z = llama.logits(m, x, act=self.act)
                 t1 += time.perf_counter() - th
                 if split.ref is None:
-                    p = np.empty(z.shape, dtype=np.float32)
-                    cc = np.empty(z.shape[0], dtype=np.float64)
-                    ss = np.empty(z.shape[0], dtype=np.float64)
-                    for r in range(0, z.shape[0], _ROWS):
-                        lp = _log_softmax64(z[r:r + _ROWS]).astype(np.float32)
-                        pr = np.exp(lp)
-                        p[r:r + _ROWS] = pr
-                        cc[r:r + _ROWS] = (pr.astype(np.float64) * lp).sum(axis=1)
-                        ss[r:r + _ROWS] = pr.sum(axis=1, dtype=np.float64)
-                        if ids_for_nll:
-                            rows = np.arange(r, min(r + _ROWS, len(c) - 1))
-                            nll.append(-lp[rows - r, c[rows + 1]].astype(np.float64))
-                    refs.append((p, cc, ss))
+                    ref, nl = _reference_rows(z, c, ids_for_nll)
+                    refs.append(ref)
+                    if nl is not None:
+                        nll.append(nl)
                     continue
-                p, cc, ss = split.ref[k]
-                kl = np.empty(z.shape[0], dtype=np.float64)
-                lse = np.empty(z.shape[0], dtype=np.float64)
-                _kl_kernel()(z, p, cc, ss, kl, lse)
+                kl, nl = _kl_rows(z, split.ref[k], c, ids_for_nll)
                 kls.append(kl)
-                if ids_for_nll:
-                    rows = np.arange(len(c) - 1)
-                    nll.append(lse[rows] - z[rows, c[rows + 1]].astype(np.float64))
+                if nl is not None:
+                    nll.append(nl)
                 del z
             out = (refs, None) if split.ref is None else (
                 float(np.maximum(np.concatenate(kls), 0.0).mean()), None)
@@ -718,6 +733,40 @@ class PlanScorer:
                 self._restore()
 
 
+def _reference_rows(z, ids, want_nll):
+    """``((p, c, s), nll or None)`` of the dense logits ``z`` [T, V] of the
+    window ``ids``: the float32 probabilities, per row ``c = sum p lp`` and
+    ``s = sum p`` (float64), and the next-token negative log-likelihoods."""
+    p = np.empty(z.shape, dtype=np.float32)
+    cc = np.empty(z.shape[0], dtype=np.float64)
+    ss = np.empty(z.shape[0], dtype=np.float64)
+    nll = []
+    for r in range(0, z.shape[0], _ROWS):
+        lp = _log_softmax64(z[r:r + _ROWS]).astype(np.float32)
+        pr = np.exp(lp)
+        p[r:r + _ROWS] = pr
+        cc[r:r + _ROWS] = (pr.astype(np.float64) * lp).sum(axis=1)
+        ss[r:r + _ROWS] = pr.sum(axis=1, dtype=np.float64)
+        if want_nll:
+            rows = np.arange(r, min(r + _ROWS, len(ids) - 1))
+            nll.append(-lp[rows - r, ids[rows + 1]].astype(np.float64))
+    return (p, cc, ss), (np.concatenate(nll) if want_nll and nll else None)
+
+
+def _kl_rows(z, ref, ids, want_nll):
+    """``(KL per row, nll or None)`` of a candidate's logits ``z`` against the
+    reference rows ``ref`` (:func:`_reference_rows`): one compiled pass."""
+    p, cc, ss = ref
+    kl = np.empty(z.shape[0], dtype=np.float64)
+    lse = np.empty(z.shape[0], dtype=np.float64)
+    _kl_kernel()(z, p, cc, ss, kl, lse)
+    nll = None
+    if want_nll:
+        rows = np.arange(len(ids) - 1)
+        nll = lse[rows] - z[rows, ids[rows + 1]].astype(np.float64)
+    return kl, nll
+
+
 def _log_softmax64(z):
     z = np.asarray(z, np.float64)
     z = z - z.max(axis=-1, keepdims=True)
@@ -761,6 +810,10 @@ class RefineResult:
         by their tokens and stages.
     stopped : str
         ``"evals"``, ``"minutes"``, ``"no move"`` or ``"done"``.
+    runtime : str
+        Whose forward gave the search and held-out scores: ``"numba"`` (this
+        package's) or ``"llama.cpp"`` (:class:`opscope_nb.plan.refine_llamacpp.LlamaCppScorer`;
+        its screen split may still run on this package's forward).
     """
 
     choice: list
@@ -777,6 +830,7 @@ class RefineResult:
     metric: str = "kl"
     run_evals: int = 0
     forwards: float = 0.0
+    runtime: str = "numba"
 
     def forwards_per_second(self, n_blocks=None) -> float:
         """Full-forward equivalents (of the search split) per second of this
@@ -794,7 +848,7 @@ class RefineResult:
                 "seconds": {k: float(v) for k, v in self.seconds.items()},
                 "block_runs": int(self.block_runs), "forwards": float(self.forwards),
                 "stopped": self.stopped,
-                "metric": self.metric}
+                "metric": self.metric, "runtime": self.runtime}
 
 
 def save_state(path, state: dict) -> None:
@@ -1089,7 +1143,9 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         "ppl_dense": ppl_dense, "budget": budget, "objective": objective,
         "search_tokens": scorer.splits["search"].tokens,
         "screen_tokens": scorer.splits["screen"].tokens if screen else None,
-        "held_out_tokens": scorer.splits["held_out"].tokens}
+        "held_out_tokens": scorer.splits["held_out"].tokens,
+        "runtime": getattr(scorer, "runtime", "numba")}
     return RefineResult(list(best) if kept else list(start), list(start), list(best), kept,
                         scores, n_eval, accepted, history, sec, search_runs, stopped,
-                        scorer.metric, run_evals, forwards)
+                        scorer.metric, run_evals, forwards,
+                        getattr(scorer, "runtime", "numba"))
