@@ -137,6 +137,89 @@ def test_save_bad_input_leaves_no_file(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def _write_with(path, reserve, layers, tensors):
+    from opscope_nb.runtime.checkpoint import CheckpointWriter
+    w = CheckpointWriter(path, reserve=reserve)
+    for n, lin in layers.items():
+        w.add_layer(n, lin)
+    for n, a in tensors.items():
+        w.add_tensor(n, a)
+    return w.finish({"note": "r"})
+
+
+@pytest.mark.parametrize("reserve", [4096, 4093, 64])
+def test_writer_reserve_writes_header_in_place_or_copies(tmp_path, reserve):
+    """A header that fits its reserved space is written there (padded with
+    spaces; the data written once); one that does not falls back to the exact
+    copy.  Either way the arrays, the record and the permissions are those of
+    an exact writer, and no temporary file is left."""
+    rng = np.random.default_rng(3)
+    layers = {"a.weight": PackedLinear.pack(rng.standard_normal((8, 32)), Decomp.int4(16)),
+              "b.weight": PackedLinear.pack(rng.standard_normal((6, 8)), Decomp.int8())}
+    tensors = {"bias": rng.standard_normal(5).astype(np.float32),
+               "odd": np.arange(3, dtype=np.uint8)}
+    exact = _write_with(str(tmp_path / "e" ), 0, layers, tensors)
+    os.makedirs(tmp_path / "r")
+    got = _write_with(str(tmp_path / "r" / "c.safetensors"), reserve, layers, tensors)
+    assert os.listdir(tmp_path / "r") == ["c.safetensors"]
+    assert os.stat(got).st_mode & 0o777 == os.stat(exact).st_mode & 0o777
+    with open(exact, "rb") as f:
+        e = f.read()
+    with open(got, "rb") as f:
+        g = f.read()
+    ne, ng = (struct.unpack("<Q", x[:8])[0] for x in (e, g))
+    assert e[8 + ne:] == g[8 + ng:]                         # the same data bytes
+    assert json.loads(e[8:8 + ne]) == json.loads(g[8:8 + ng])
+    if reserve >= 4093:
+        assert 8 + ng == 4096 and g[8:8 + ng].rstrip(b" ") == e[8:8 + ne].rstrip(b" ")
+    else:
+        assert g == e                                       # too small: the exact file
+    a, meta = runtime.load(got)
+    assert meta["note"] == "r" and np.array_equal(a["bias"], tensors["bias"])
+    assert np.array_equal(a["a.weight"].arrays["codes"], layers["a.weight"].arrays["codes"])
+    from safetensors.numpy import load_file
+    assert np.array_equal(load_file(got)["odd"], tensors["odd"])
+
+
+def test_writer_reserve_bad_value_and_abort(tmp_path):
+    from opscope_nb.runtime.checkpoint import CheckpointWriter
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="reserve must be an int"):
+            CheckpointWriter(str(tmp_path / "x.safetensors"), reserve=bad)
+    w = CheckpointWriter(str(tmp_path / "x.safetensors"), reserve=1024)
+    w.add_tensor("t", np.ones(4, np.float32))
+    w.abort()
+    assert os.listdir(tmp_path) == []
+
+
+def test_apply_reserves_header_space_on_large_sources(tiny, tmp_path, monkeypatch):
+    """apply keeps room for the header when the source is large (here forced):
+    the output holds the same tensors and record as the exact writer's."""
+    import opscope_nb.plan.apply as pa
+    d, W = tiny
+    lin = set(_linear_names(W))
+    plan = _plan(str(tmp_path / "p" / "plan.json"), {n: W[n] for n in lin},
+                 lambda n: "int4/g32" if "mlp" in n else "int8/chan", src=d)
+    small = str(tmp_path / "small.safetensors")
+    apply_plan(d, plan, small)
+    assert pa._header_reserve(pa.tio.open_source(d).entries, {}) == 0
+    monkeypatch.setattr(pa, "_RESERVE_FROM", 0)
+    big = str(tmp_path / "big.safetensors")
+    apply_plan(d, plan, big)
+    with open(big, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        head = f.read(n)
+    assert head.endswith(b"  ")                         # written into its reserved space
+    a, ma = runtime.load(small)
+    b, mb = runtime.load(big)
+    assert ma == mb and set(a) == set(b)
+    for k in a:
+        if isinstance(a[k], PackedLinear):
+            assert all(np.array_equal(a[k].arrays[x], b[k].arrays[x]) for x in a[k].arrays)
+        else:
+            assert np.array_equal(a[k], b[k])
+
+
 # --------------------------------------------------------------------------- #
 # plans on a tiny Hugging Face Llama
 # --------------------------------------------------------------------------- #

@@ -22,8 +22,12 @@ File layout (a standard safetensors file, readable by any safetensors reader):
   applied to).
 
 Writing is streaming and atomic: arrays are appended one at a time to a
-temporary data file, then the header and the data are copied into the
-target through :func:`opscope_nb.io._fs.atomic_writer`.
+temporary file next to the target, after ``reserve`` bytes left for the
+header; :meth:`CheckpointWriter.finish` writes the header into that space
+(padded with spaces, as the safetensors format allows), ``fsync``-s the file
+and renames it over the target -- the data is written once.  A header that
+outgrows its space (or ``reserve=0``) falls back to copying header and data
+into a new temporary file (:func:`opscope_nb.io._fs.atomic_writer`).
 :func:`opscope_nb.plan.apply.apply_plan` re-reads source tensors one at a time, so
 a checkpoint larger than RAM can be compressed.
 
@@ -45,7 +49,7 @@ import tempfile
 
 import numpy as np
 
-from opscope_nb.io._fs import atomic_writer
+from opscope_nb.io._fs import atomic_writer, umask_mode
 from opscope_nb.formats import Decomp
 from opscope_nb.io import SourceError, read_safetensors_header
 from ._packed import PackedLinear
@@ -89,9 +93,20 @@ class CheckpointWriter:
     ----------
     path : str
         Target ``.safetensors`` path (its directory must exist).
+    reserve : int, optional
+        Bytes kept free at the start of the file for the 8-byte length and
+        the JSON header (rounded up to a multiple of 8).  When the header fits,
+        :meth:`finish` writes it there and renames the file: the data is not
+        copied again (the file then carries up to ``reserve`` bytes of header
+        padding).  0 (default) or a header too large: the data is copied once
+        more behind an exact header.
     """
 
-    def __init__(self, path):
+    def __init__(self, path, *, reserve: int = 0):
+        if isinstance(reserve, bool) or not isinstance(reserve, (int, np.integer)) \
+                or reserve < 0:
+            raise ValueError(f"reserve must be an int >= 0 (bytes kept for the header); "
+                             f"got {reserve!r}.")
         self.path = os.fspath(path)
         d = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(d):
@@ -100,6 +115,11 @@ class CheckpointWriter:
         fd, self._data_path = tempfile.mkstemp(
             dir=d, prefix="." + os.path.basename(self.path) + ".", suffix=".data.tmp")
         self._data = os.fdopen(fd, "wb")
+        # space for the length word and the header; a multiple of 8 keeps the
+        # data 8-byte aligned, as an exact header padded to 8 does
+        self._reserve = int(reserve) + (-int(reserve) % 8)
+        if self._reserve:
+            self._data.seek(self._reserve)
         self._header = {}
         self._offset = 0
         self.layers = {}
@@ -196,21 +216,37 @@ class CheckpointWriter:
             raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
             raw += b" " * (-len(raw) % 8)
             self._data.flush()
-            self._data.close()
-            with atomic_writer(self.path, "wb") as f:
-                f.write(struct.pack("<Q", len(raw)))
-                f.write(raw)
-                with open(self._data_path, "rb") as src:
-                    shutil.copyfileobj(src, f, 16 << 20)
+            if self._reserve and 8 + len(raw) <= self._reserve:
+                # the header goes into the space kept for it; padding with
+                # spaces is valid safetensors (readers strip JSON whitespace)
+                raw += b" " * (self._reserve - 8 - len(raw))
+                self._data.seek(0)
+                self._data.write(struct.pack("<Q", len(raw)))
+                self._data.write(raw)
+                self._data.flush()
+                os.fsync(self._data.fileno())
+                self._data.close()
+                os.chmod(self._data_path, umask_mode())   # not mkstemp's 0600
+                os.replace(self._data_path, self.path)
+                self._data_path = None
+            else:
+                self._data.close()
+                with atomic_writer(self.path, "wb") as f:
+                    f.write(struct.pack("<Q", len(raw)))
+                    f.write(raw)
+                    with open(self._data_path, "rb") as src:
+                        src.seek(self._reserve)
+                        shutil.copyfileobj(src, f, 16 << 20)
         finally:
             try:
                 self._data.close()
             except Exception:
                 pass
-            try:
-                os.unlink(self._data_path)
-            except OSError:
-                pass
+            if self._data_path is not None:
+                try:
+                    os.unlink(self._data_path)
+                except OSError:
+                    pass
         return self.path
 
 
