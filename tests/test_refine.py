@@ -203,7 +203,7 @@ def _cli(*args):
     return rc, out.getvalue(), err.getvalue()
 
 
-def test_cli_refine_writes_plan_resumes_and_refuses_llamacpp(tiny, tmp_path):
+def test_cli_refine_writes_plan_resumes_and_refuses_llamacpp_on_safetensors(tiny, tmp_path):
     d, _, layers, _, _ = tiny
     prof = tmp_path / "p" / "profile.json"
     prof.parent.mkdir()
@@ -225,7 +225,7 @@ def test_cli_refine_writes_plan_resumes_and_refuses_llamacpp(tiny, tmp_path):
     assert rc == 0, se
     assert "continuing" in so and json.load(open(out / "plan.json"))["refine"]["evals"] == 6
     rc, so, se = _cli("refine", prof, "--out", out, "--runtime", "llama.cpp", *common)
-    assert rc == 2 and "not supported yet" in se
+    assert rc == 2 and "scores GGUF files" in se          # a safetensors source
     rc, so, se = _cli("allocate", prof, "--refine", "--out", tmp_path / "a", "--evals", "2",
                       "--method", "exact", *common)
     assert rc == 0, se

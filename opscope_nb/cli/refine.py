@@ -102,7 +102,11 @@ def add_refine_args(p, flag_prefix="") -> None:
                    help="decoder window (tokens per forward, fresh context each; default 256)")
     g.add_argument("--runtime", choices=("numba", "llama.cpp"), default="numba",
                    help="whose forward scores the candidates: this package's (default); "
-                        "llama.cpp is not supported yet (exit 2)")
+                        "llama.cpp: a GGUF decoder's candidates are written as GGUF files "
+                        "(from blocks packed once) and scored by llama.cpp's logits against "
+                        "the source file's, on the search and held-out tokens (the screen "
+                        "stays on this package's forward); needs llama-cpp-python and a "
+                        "--menu ggml profile")
     g.add_argument("--restart", action="store_true",
                    help="ignore DIR/refine_state.json and start the search over")
 
@@ -163,6 +167,26 @@ def _grams(args, doc, layers, src):
                        f"({exc}); give the profile's calib.npz.") from None
 
 
+def _check_llamacpp(src, layers) -> None:
+    """``--runtime llama.cpp``'s preconditions, each a one-line CliError: a GGUF
+    decoder source, ggml / dense options only, llama-cpp-python importable."""
+    from opscope_nb.models import llamacpp
+    from opscope_nb.plan.refine_llamacpp import check_options, check_source
+    try:
+        check_source(src)
+        check_options(layers)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if not llamacpp.available():
+        try:
+            llamacpp._lib()
+            why = "it does not import"
+        except llamacpp.LlamaCppError as exc:
+            why = str(exc).split(";")[0]
+        raise CliError(f"--runtime llama.cpp needs llama-cpp-python, and {why}: pip install "
+                       f"-e \".[llama]\" (builds llama.cpp), or use --runtime numba.")
+
+
 def _state_key(args, doc_path, budget, start, spec) -> str:
     with open(doc_path, "rb") as f:
         h = hashlib.sha256(f.read()).hexdigest()
@@ -172,6 +196,8 @@ def _state_key(args, doc_path, budget, start, spec) -> str:
              str(args.refine_seed), str(args.text),
              str(args.held_out_text), str(args.split), str(args.tokens),
              str(args.held_out_tokens), str(args.window)]
+    if getattr(args, "runtime", "numba") != "numba":
+        parts.append(args.runtime)          # other scores: a numba state is not continued
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
@@ -208,10 +234,6 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
     from opscope_nb.plan import refine as rf
     from opscope_nb.models import ModelError, UnsupportedModelError, open_model
     from opscope_nb import io as tio
-    if args.runtime == "llama.cpp":
-        raise CliError("--runtime llama.cpp: scoring refine candidates with llama.cpp is not "
-                       "supported yet (each candidate would be a GGUF file to write); use "
-                       "--runtime numba.")
     if spec.get("latency_frac") is not None:
         raise CliError("refine keeps the byte budget only; drop --latency-budget.")
     m0 = "exact" if "exact" in allocs else next(iter(allocs))
@@ -225,18 +247,24 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
     if not 0.0 < split < 1.0:
         raise CliError(f"--split must be a fraction in (0, 1); got {split:g}.")
     objective = a0.extra.get("objective") or al.output_objective(layers)
+    if args.runtime == "llama.cpp":
+        _check_llamacpp(src, layers)
     show = progress_enabled(args)
     t0 = time.perf_counter()
     grams = _grams(args, doc, layers, src)
+    kw = dict(text=text, held_out_text=args.held_out_text, split=split,
+              split_seed=int(cal.get("split_seed") or 0) if isinstance(cal, dict) else 0,
+              tokens=args.tokens, held_out_tokens=args.held_out_tokens, window=args.window,
+              grams=grams, screen_tokens=args.screen_tokens or None,
+              requantize=bool((doc.get("settings") or {}).get("requantize")))
     try:
         model = open_model(src)
-        stored = {e.name: e for e in tio.open_source(src).entries}
-        scorer = rf.PlanScorer.from_text(
-            model, layers, text=text, held_out_text=args.held_out_text, split=split,
-            split_seed=int(cal.get("split_seed") or 0) if isinstance(cal, dict) else 0,
-            tokens=args.tokens, held_out_tokens=args.held_out_tokens, window=args.window,
-            grams=grams, stored=stored, screen_tokens=args.screen_tokens or None,
-            requantize=bool((doc.get("settings") or {}).get("requantize")))
+        kw["stored"] = {e.name: e for e in tio.open_source(src).entries}
+        if args.runtime == "llama.cpp":
+            from opscope_nb.plan.refine_llamacpp import LlamaCppScorer
+            scorer = LlamaCppScorer.from_text(src, model, layers, **kw)
+        else:
+            scorer = rf.PlanScorer.from_text(model, layers, **kw)
     except (ModelError, UnsupportedModelError, ValueError) as exc:
         raise CliError(f"refine: cannot score plans on {src} ({exc}).") from None
     t_setup = time.perf_counter() - t0
@@ -285,6 +313,8 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
     finally:
         if show == "bar":
             sys.stderr.write("\n")
+        if hasattr(scorer, "close"):
+            scorer.close()
     res.seconds["setup"] = t_setup
     _print_report(res, scorer, m0, objective)
     out = dict(allocs)
@@ -334,11 +364,28 @@ def _print_report(res, scorer, m0, objective):
     parts = ", ".join(f"{k} {sec.get(k, 0.0) / tot:.0%}" for k in
                       ("forward", "head", "kl", "pack", "propose"))
     scr = sc.get("screen_tokens")
+    llama = res.runtime == "llama.cpp"
+    if llama:
+        parts = ", ".join(f"{k} {sec.get(k, 0.0) / tot:.0%}" for k in
+                          ("llama", "load", "assemble", "forward", "head", "kl", "pack",
+                           "propose"))
     print(f"search {sec.get('search', 0.0):.1f}s: {res.run_evals / tot:.2f} candidates/s, "
           f"{fps:.2f} full-forward equivalents/s ({res.forwards:.1f} forwards of "
           f"{sc['search_tokens']} tokens x {scorer.n_blocks + 1} stages"
           f"{f'; screen {scr} tokens' if scr else ''}); time: {parts}; setup "
           f"{sec.get('setup', 0.0):.1f}s, held-out check {sec.get('held_out', 0.0):.1f}s")
+    if llama:
+        rates = scorer.rates() if hasattr(scorer, "rates") else {}
+        per = "; ".join(
+            f"{k} {v['runs']} {'candidate files' if k == 'llama.cpp' else 'stage runs'}, "
+            f"{v['forwards_per_s']:.3f} forwards/s" for k, v in rates.items()
+            if v.get("forwards_per_s"))
+        screen = ("this package's forward" if "numba" in rates else "llama.cpp") if scr \
+            else None
+        print(f"runtime llama.cpp ({scorer.n_threads} threads): search split and held-out "
+              f"check scored by llama.cpp's logits against {os.path.basename(scorer.source)}"
+              f"{f'; screen by {screen}' if screen else ''}"
+              f"{f' ({per})' if per else ''}")
 
 
 def run(args) -> int:
