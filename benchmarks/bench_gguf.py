@@ -298,6 +298,243 @@ class _Scorer:
                 "top1": float(np.concatenate(agree).mean()), "ppl": self._ppl(got)}
 
 
+def _table_scorer(model, layers, **kw):
+    """``PlanScorer.from_text`` (``opscope_nb.plan.refine``) that also scores an
+    encoder's planned embedding tables (word / position embeddings).
+
+    ``PlanScorer`` maps an encoder's layers to blocks only, so a planned
+    embedding table is *inert* there: its option changes the bytes and never
+    the score -- a search would cut MPNet's word embedding to Q2_K for free.
+    Here such a table runs from stage 0 (every block re-runs) and each option is
+    held as its float32 reconstruction, as ``bert.embed_tokens`` reads it.
+    (A fix belongs in ``PlanScorer``; this benchmark only works around it.)"""
+    from opscope_nb.plan.refine import PlanScorer
+    from opscope_nb.runtime._packed import PackedLinear
+
+    class TableScorer(PlanScorer):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.tables = set()
+            for i, lp in enumerate(self.layers):
+                t = self.model.tensors.get(lp.name)
+                if i in self.inert and isinstance(t, np.ndarray) and t.ndim == 2:
+                    self.inert.discard(i)
+                    self.stage_of[i] = 0
+                    self._orig[lp.name] = t
+                    self.tables.add(lp.name)
+
+        def option(self, i, j):
+            lp = self.layers[i]
+            if lp.name not in self.tables:
+                return super().option(i, j)
+            key = (i, int(j))
+            if key not in self._opts:
+                d = lp.options[int(j)].decomp
+                w = self._orig[lp.name]
+                self._opts[key] = w if d.kind == "dense" else np.asarray(
+                    PackedLinear.pack(np.asarray(w, np.float32), d, gram=self.grams.get(
+                        lp.name) if d.reads_gram else None).dense(), np.float32)
+            return self._opts[key]
+
+    return TableScorer.from_text(model, layers, **kw)
+
+
+def preset_choice(layers, held):
+    """The option index per layer of ``layers`` (a profile's ``LayerProfile`` list)
+    that holds the type a preset wrote for it (``held``: name -> (ggml type,
+    bytes); ``F32`` is the dense option of a float32 source), or None when some
+    layer has no such option (a type outside our menu) or its bytes differ."""
+    out = []
+    for lp in layers:
+        t, nb = held[lp.name][:2]
+        js = [j for j, o in enumerate(lp.options)
+              if (o.decomp.kind == "dense" and t == "F32" and int(o.bytes) == 4 * int(
+                  lp.rows) * int(lp.cols))
+              or (o.decomp.kind == "ggml" and str(o.decomp.qtype).upper() == t)]
+        if not js or int(lp.options[js[0]].bytes) != int(nb):
+            return None
+        out.append(js[0])
+    return out
+
+
+def _write_refined(plan_dir, layers, choice, res):
+    """``plan_dir/plan.json`` with a ``refined`` method of ``choice`` (what ``apply``
+    then uses); returns the method dict."""
+    import copy
+    p = os.path.join(plan_dir, "plan.json")
+    doc = json.load(open(p))
+    m = copy.deepcopy(doc["methods"]["exact"])
+    m["method"] = "refined"
+    m["choice"] = [int(c) for c in choice]
+    m["layers"] = [{"name": lp.name, "option": int(c), "label": lp.options[c].decomp.label,
+                    "decomp": lp.options[c].decomp.to_dict(),
+                    "bytes": int(lp.options[c].bytes)} for lp, c in zip(layers, choice)]
+    m["total_bytes"] = int(sum(r["bytes"] for r in m["layers"]))
+    m["extra"] = {**m.get("extra", {}), "refine": {
+        "kept": bool(res.kept), "evals": int(res.evals), "stopped": res.stopped,
+        "scores": res.scores}}
+    doc["methods"]["refined"] = m
+    with open(p, "w") as f:
+        json.dump(doc, f, indent=1, default=float)
+    return m
+
+
+def _swap(choice, i, j):
+    c = list(choice)
+    c[i] = j
+    return c
+
+
+def _refine_setup(args, source, prof, calib):
+    """The profile's layers and a :func:`_table_scorer` on the dense model: search
+    and held-out splits of ``--refine-text`` (default: the calibration text; never
+    the evaluation text), the CLI's defaults otherwise (2048 search tokens, 512
+    held out, a 128-token screen)."""
+    from opscope_nb.cli._common import layers_from_doc, load_profile_doc
+    from opscope_nb.models.loader import open_model
+    from opscope_nb.profile.calib import load_grams
+    doc = load_profile_doc(prof)
+    L = layers_from_doc(doc, prof)
+    grams = load_grams(calib)[0] if calib else None
+    cal = (doc.get("settings") or {}).get("calib") or {}
+    t = time.perf_counter()
+    sc = _table_scorer(open_model(source), L, text=args.refine_text or args.calib_text,
+                       split=float(cal.get("validate") or 0.25),
+                       split_seed=int(cal.get("split_seed") or 0),
+                       tokens=args.refine_tokens, held_out_tokens=512, window=args.window,
+                       grams=grams, screen_tokens=128)
+    print(f"refine scorer ({'imatrix' if calib else 'no imatrix'}): text "
+          f"{args.refine_text or args.calib_text}, search {sc.splits['search'].tokens} / "
+          f"held-out {sc.splits['held_out'].tokens} tokens ({time.perf_counter() - t:.0f}s)",
+          flush=True)
+    return L, sc
+
+
+def _embedding_cause(L, sc, start, pc, objective):
+    """The measurement behind the embedding question: the exact plan and the
+    preset's mix on the search split, each with the word embedding swapped to the
+    other's type, beside the objective's prediction of the same swaps; and the
+    embedding's relative error over all rows (what the profile weighs) against
+    the same error weighted by how often each token occurs in the search text."""
+    from opscope_nb.plan.allocate import predicted_damage
+    ie = next((i for i, lp in enumerate(L) if lp.name.endswith("word_embeddings.weight")),
+              None)
+    if ie is None or pc is None:
+        return None
+    plans = {"exact": start, "preset": pc, "exact, embedding as preset": _swap(start, ie, pc[ie]),
+             "preset, embedding as exact": _swap(pc, ie, start[ie])}
+    out = {}
+    for k, c in plans.items():
+        out[k] = {"measured": sc.score(c, "search", adopt=False),
+                  "predicted": predicted_damage(L, c, objective),
+                  "emb": L[ie].options[c[ie]].decomp.label}
+    cnt = np.zeros(L[ie].rows, np.float64)
+    for ids, mask in sc.splits["search"].chunks:
+        np.add.at(cnt, ids[mask > 0], 1.0)
+    w = np.asarray(sc._orig[L[ie].name], np.float64)
+    nrm = (w * w).sum(1)
+    rel = {}
+    for j in sorted({start[ie], pc[ie]}):
+        d = ((np.asarray(sc.option(ie, j), np.float64) - w) ** 2).sum(1)
+        rel[L[ie].options[j].decomp.label] = {
+            "all rows": float(np.sqrt(d.sum() / nrm.sum())),
+            "token-weighted": float(np.sqrt((cnt * d).sum() / (cnt * nrm).sum()))}
+    out["embedding rel_err"] = rel
+    out["rows occurring"] = int((cnt > 0).sum())
+    return out
+
+
+def _refine_row(args, L, sc, plan, held, budget, plan_dir):
+    """:func:`opscope_nb.plan.refine.refine` from the benchmark's exact plan,
+    the preset's own mix as a seed; writes the ``refined`` method into the
+    plan's ``plan.json`` (the start plan when the search's best did not beat it on
+    the held-out split)."""
+    from opscope_nb.plan import refine as rf
+    start = [int(c) for c in plan["choice"]]
+    pc = preset_choice(L, held)
+    obj = (plan.get("extra") or {}).get("objective") or "output"
+    cause = _embedding_cause(L, sc, start, pc, obj) if args.embedding_cause else None
+    if cause:
+        for k, d in cause.items():
+            if k == "embedding rel_err":
+                print(f"{'':>8}   embedding rel_err, all rows / token-weighted: " + "; ".join(
+                    f"{t} {e['all rows']:.4f} / {e['token-weighted']:.4f}"
+                    for t, e in d.items()), flush=True)
+            elif isinstance(d, dict):
+                print(f"{'':>8}   search 1-cos {d['measured']:.4e} predicted {d['predicted']:.4e}"
+                      f": {k} (embedding {d['emb']})", flush=True)
+    t = time.perf_counter()
+    res = rf.refine(sc, start, int(budget), objective=obj, evals=args.refine,
+                    minutes=args.refine_minutes, preselect=4, survivors=2, seed=0,
+                    seeds=[pc] if pc is not None else [])
+    secs = time.perf_counter() - t
+    m = _write_refined(plan_dir, L, res.choice, res)
+    return {"kept": bool(res.kept), "evals": int(res.evals), "stopped": res.stopped,
+            "seconds": secs, "bytes": int(m["total_bytes"]), "scores": res.scores,
+            "preset_seed": pc is not None, "best_is_preset": res.best == pc,
+            "choice": m["choice"], "plan_layers": m["layers"], "cause": cause}
+
+
+def token_weighted_profile(prof, out_prof, table, counts, *, names=("word_embeddings.weight",
+                                                                     "token_embd.weight")):
+    """Copy ``prof`` (a ``profile.json``) to ``out_prof`` with each planned token
+    embedding's ``rel_err`` per option weighted by how often each row's token
+    occurs: ``sqrt(sum_r c_r |w_r - q(w_r)|^2 / sum_r c_r |w_r|^2)`` (``counts``:
+    the calibration text's token counts per row; ``table``: the float32 table).
+
+    A row of a token embedding is read only when its token occurs; the profile
+    weighs every row alike.  Returns ``{label: (rel_err all rows, token-weighted)}``."""
+    import shutil as _sh
+    from opscope_nb.formats import Decomp
+    from opscope_nb.runtime._packed import PackedLinear
+    doc = json.load(open(prof))
+    w = np.asarray(table, np.float32)
+    c = np.asarray(counts, np.float64)
+    den = float((c * (w.astype(np.float64) ** 2).sum(1)).sum())
+    got = {}
+    for ent in doc["layers"]:
+        p = ent.get("profile", ent)
+        if not p["name"].endswith(names):
+            continue
+        for o in p["options"]:
+            d = Decomp.from_dict(o["decomp"])
+            if d.kind == "dense":
+                continue
+            q = np.asarray(PackedLinear.pack(w, d).dense(), np.float64)
+            e = float(np.sqrt((c * ((q - w) ** 2).sum(1)).sum() / den))
+            got[o["label"]] = (float(o["rel_err"]), e)
+            o["rel_err"] = e
+            o.pop("rel_err_se", None)
+    os.makedirs(os.path.dirname(out_prof), exist_ok=True)
+    with open(out_prof, "w") as f:
+        json.dump(doc, f, indent=1)
+    src_dir = os.path.dirname(prof)
+    for extra in ("calib.npz",):
+        if os.path.exists(os.path.join(src_dir, extra)) and not os.path.exists(
+                os.path.join(os.path.dirname(out_prof), extra)):
+            os.link(os.path.join(src_dir, extra), os.path.join(os.path.dirname(out_prof), extra)) \
+                if hasattr(os, "link") else _sh.copy(os.path.join(src_dir, extra),
+                                                     os.path.dirname(out_prof))
+    return got
+
+
+def _calib_token_counts(model, text, cap=8192):
+    """Token counts per vocabulary row of the sentences of ``text`` (the
+    calibration text), at most ``cap`` tokens (``profile --calib``'s cap for
+    the built-in text), each sentence cut at the model's length."""
+    from opscope_nb.models.evaluate import _sentences, load_passages
+    cnt = np.zeros(next(np.shape(t)[0] for n, t in model.tensors.items()
+                        if n.endswith("word_embeddings.weight")), np.float64)
+    tot = 0
+    for t in _sentences(load_passages(text)):
+        ids = model.tokenizer.encode(t).ids[:model.config["max_seq_len"]]
+        if tot + len(ids) > cap:
+            break
+        np.add.at(cnt, np.asarray(ids, np.int64), 1.0)
+        tot += len(ids)
+    return cnt
+
+
 def _forward_gap(f16, args, root):
     """KL(ours || llama.cpp) of the same GGUF file on the same tokens: how far
     llama.cpp's forward (activations quantised inside its quantised matmuls)
@@ -416,6 +653,18 @@ def _encoder_bench(args, src, root, variants):
     imx = ({names[n]: v for n, v in _imatrix(calib).items() if n in names}
            if "yes" in variants else None)
     dense = open_model(bdir)
+    sfx = ""
+    if args.embed_weight == "tokens":
+        sfx = "-tok"
+        counts = _calib_token_counts(dense, args.calib_text)
+        emb = next(n for n in dense.tensors if n.endswith("word_embeddings.weight"))
+        for v in variants:
+            tp = os.path.join(root, f"prof-{v}-tok", "profile.json")
+            got = token_weighted_profile(profs[v], tp, dense.tensors[emb], counts)
+            profs[v] = tp
+            print(f"profile {v} with the token-weighted embedding error ({int(counts.sum())} "
+                  f"tokens of {args.calib_text}, {int((counts > 0).sum())} rows occur): "
+                  + ", ".join(f"{k} {a:.4f}->{b:.4f}" for k, (a, b) in got.items()), flush=True)
     texts, tot = [], 0
     for t in _sentences(load_passages(args.eval_text)):
         n = min(len(dense.tokenizer.encode(t).ids), dense.config["max_seq_len"])
@@ -427,10 +676,10 @@ def _encoder_bench(args, src, root, variants):
     print(f"F32 reference: {len(texts)} sentences, {tot} tokens\n", flush=True)
     print(f"{'preset':>8} {'imatrix':>7} {'bpw':>6} {'preset bytes':>13} {'ours bytes':>11} "
           f"{'1-cos preset':>12} {'1-cos ours':>11} {'ours/preset':>11} {'min cos p/o':>15}")
-    rows = []
+    rows, scorers = [], {}
     for preset in args.presets.split(","):
         for v in variants:
-            tag = f"{preset}-{v}"
+            tag = f"{preset}-{v}{sfx}"
             pq = os.path.join(root, f"preset-{tag}.gguf")
             log = _quantize_logged(g32, pq, preset, imatrix=imx if v == "yes" else None)
             doc = json.load(open(profs[v]))
@@ -462,11 +711,33 @@ def _encoder_bench(args, src, root, variants):
                    "fallbacks": {n: list(f) for n, f in sorted(fb.items())}}
             rows.append(row)
             ep, eo = 1.0 - sp["cos"], 1.0 - so["cos"]
+            row["ours_choice"] = [int(c) for c in plan["choice"]]
             print(f"{preset:>8} {v:>7} {bpw:6.3f} {budget:13d} {row['ours_bytes']:11d} "
                   f"{ep:12.3e} {eo:11.3e} {eo / max(ep, 1e-12):11.3f} "
                   f"{sp['cos_min']:7.5f}/{so['cos_min']:7.5f}", flush=True)
             print(f"{'':>8}   llama.cpp: {format_counts(row['preset_types'])}\n"
                   f"{'':>8}   ours:      {format_counts(row['ours_types'])}", flush=True)
+            if args.refine:
+                if v not in scorers:
+                    scorers[v] = _refine_setup(args, bdir, profs[v], calib if v == "yes"
+                                               else None)
+                L, sc = scorers[v]
+                rr = _refine_row(args, L, sc, plan, held, budget,
+                                os.path.join(root, f"ours-{tag}"))
+                row["refine"] = rr
+                _run(["apply", bdir, os.path.join(root, f"ours-{tag}", "plan.json"), "-o",
+                      ours, "-q"] + (["--grams", calib] if v == "yes" else []), "apply")
+                cr = cosine(ref, bert.embed(open_model(bdir, ours), texts, act="f32"))
+                sr = {"cos": float(cr.mean()), "cos_min": float(cr.min())}
+                row["refined"] = sr
+                row["refined_types"] = type_counts({r["name"]: (r["label"], r["bytes"])
+                                                    for r in rr["plan_layers"]})
+                er = 1.0 - sr["cos"]
+                print(f"{'':>8}   refined ({'kept' if rr['kept'] else 'not kept: the exact plan'}"
+                      f", {rr['evals']} candidates, {rr['seconds']:.0f}s): bytes "
+                      f"{rr['bytes']}, 1-cos {er:.3e}, ours/preset {er / max(ep, 1e-12):.3f}, "
+                      f"min cos {sr['cos_min']:.5f}\n"
+                      f"{'':>8}   refined:   {format_counts(row['refined_types'])}", flush=True)
             for p in (pq, ours):
                 os.remove(p)
     with open(os.path.join(root, "bench_gguf.json"), "w") as f:
@@ -491,6 +762,24 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--refine", type=int, default=0, metavar="N",
+                    help="also refine each exact plan by measurement (opscope_nb.plan.refine, "
+                         "N candidates; the preset's own mix a seed) and score the result; "
+                         "MPNet only (default 0: off)")
+    ap.add_argument("--refine-minutes", type=float, default=None, metavar="M",
+                    help="wall-time limit of each refinement's search")
+    ap.add_argument("--refine-text", default=None,
+                    help="text the refinement searches on and holds out from (split "
+                         "like the profile's --validate); default: --calib-text")
+    ap.add_argument("--embed-weight", choices=("rows", "tokens"), default="rows",
+                    help="MPNet: how the profile's word-embedding error weighs the table's "
+                         "rows: every row alike (rows, the profile's) or by how often each "
+                         "token occurs in --calib-text (tokens)")
+    ap.add_argument("--embedding-cause", action="store_true",
+                    help="with --refine: first measure the exact plan and the preset with the "
+                         "word embedding swapped to the other's type (search split)")
+    ap.add_argument("--refine-tokens", type=int, default=2048, metavar="N",
+                    help="search tokens of the refinement (default 2048)")
     ap.add_argument("--forward-gap", action="store_true",
                     help="only: KL(this package's forward || llama.cpp's) on the same files "
                          "(F16 and --presets), on the first --window tokens")
