@@ -31,20 +31,43 @@ from opscope_nb.profile.mining import DecompOption, LayerProfile          # noqa
 
 LABELS = ("dense", "Q8_0", "Q5_0", "Q4_0")
 OBJ = "output"
+STORED_Q8 = "blk.1.attn_k.weight"
 needs_llama = pytest.mark.skipif(not llamacpp.available(),
                                  reason="llama-cpp-python not installed (the [llama] extra)")
+
+
+def _realigned(src, dst, align):
+    """``src`` rewritten with ``general.alignment = align`` (tensor data padded
+    to it: with 256, a tensor of 2176 bytes is followed by padding)."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))
+    w.add_custom_alignment(align)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vt = f.types[0]
+        w.add_key_value(f.name, f.contents(), vt,
+                        sub_type=f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(dst)
 
 
 def _layers(path, labels=LABELS):
     """A profile of every 2-D tensor of the GGUF file: ``labels`` as options
     (dense priced as stored), errors measured."""
+    from opscope_nb.io import gguf_dequantize
     r = gguf_reader(path)
     out = []
     for t in r.tensors:
         if len(t.shape) != 2:
             continue
         cols, rows = int(t.shape[0]), int(t.shape[1])
-        w = np.asarray(t.data, dtype=np.float32).reshape(rows, cols)
+        w = gguf_dequantize(t.data, t.tensor_type, (rows, cols))
         opts = []
         for lab in labels:
             d = Decomp.from_label(lab) if lab == "dense" or "/" in lab else Decomp.ggml(lab)
@@ -81,9 +104,16 @@ COMMON = ["--budget", "0.3", "--objective", OBJ, "--tokens", "96", "--held-out-t
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
+    """A tiny random Llama GGUF with 256-byte alignment, a ``general.file_type``
+    and one tensor stored as Q8_0 (an option in its stored type is copied)."""
+    from opscope_nb.io.gguf_export import export_gguf
     d = tmp_path_factory.mktemp("tiny_refine_llamacpp")
-    path = ta.write_gguf(d / "tiny.gguf", "llama")
-    return str(path), _layers(str(path))
+    a = _realigned(ta.write_gguf(d / "tiny.gguf", "llama"), d / "aligned.gguf", 256)
+    path = str(d / "source.gguf")
+    export_gguf(a, {STORED_Q8: Decomp.ggml("Q8_0")}, path)
+    r = gguf_reader(path)
+    assert r.alignment == 256 and int(r.fields["general.file_type"].contents()) == 1024
+    return path, _layers(path)
 
 
 # --------------------------------------------------------------------------- #
@@ -163,7 +193,7 @@ def scorer(tiny_gguf):
     sc = rl.LlamaCppScorer.from_text(path, model, layers, text="sample", tokens=96,
                                      held_out_tokens=64, window=48, screen_tokens=40,
                                      n_threads=1)
-    a = exact_allocate(layers, 0.3, objective=OBJ)
+    a = exact_allocate(layers, 0.15, objective=OBJ)
     assert a.feasible
     yield sc, a
     sc.close()
@@ -186,8 +216,10 @@ def test_assembled_candidate_is_what_apply_writes(scorer, tiny_gguf, tmp_path):
     path, layers = tiny_gguf
     sc, a = scorer
     rng = np.random.default_rng(0)
+    k8 = [lp.name for lp in layers].index(STORED_Q8)
     plans = [list(a.choice), [int(x) for x in rng.integers(0, len(LABELS), len(layers))],
-             [0] * len(layers)]
+             [0] * len(layers), [1] * len(layers), [3] * len(layers)]
+    assert {p[k8] for p in plans} >= {0, 1, 3}    # the Q8_0 tensor kept, as Q8_0, as Q4_0
     for k, c in enumerate(plans):
         out = str(tmp_path / f"apply{k}.gguf")
         apply_plan(path, _plan_json(tmp_path, layers, c), out, force=True, over_budget=True)
@@ -224,6 +256,8 @@ def test_score_is_llamacpps_kl_of_the_applied_file(scorer, tiny_gguf, tmp_path):
         ref.close()
         comp.close()
     assert sc.score(a.choice) == sc.full_score(a.choice) > 0
+    assert sc.score(a.choice, "held_out") == sc.full_score(a.choice, "held_out") \
+        != sc.score(a.choice)
     assert sc.score([0] * len(layers)) == pytest.approx(0.0, abs=1e-7)   # dense = source (float32 p)
     assert os.listdir(sc.tmpdir) == []                  # candidate files deleted
 
