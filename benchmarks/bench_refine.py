@@ -26,7 +26,10 @@ held-out cosine of both plans.
 Usage: ``python benchmarks/bench_refine.py [--model smollm2|gemma3-270m|minilm]
 [--presets Q4_K_M] [--imatrix yes|no|both] [--evals 300] [--minutes 15]
 [--search local|evo] [--offspring 16] [--survivors 2] [--preselect 4]
-[--screen-tokens 128] [--tokens 2048] [--held-out-tokens 512] [--workdir DIR]``.
+[--screen-tokens 128] [--tokens 2048] [--held-out-tokens 512] [--runtime numba|llama.cpp]
+[--workdir DIR]``.  ``--runtime llama.cpp``: refine scores its candidates' GGUF
+files with llama.cpp (:mod:`opscope_nb.plan.refine_llamacpp`); the refine line
+gives its wall and CPU seconds and the load average before and after.
 """
 from __future__ import annotations
 
@@ -45,15 +48,26 @@ from bench_gguf import (  # noqa: E402  (the preset machinery, shared)
 
 
 def _refine(prof, budget_flag, out, args, extra=()):
+    import resource
     cmd = ["refine", prof, *budget_flag, "--out", out, "--evals", args.evals, "--search",
            args.search, "--tokens", args.tokens, "--held-out-tokens", args.held_out_tokens,
            "--screen-tokens", args.screen_tokens, "--offspring", args.offspring,
-           "--survivors", args.survivors, "--preselect", args.preselect, "-q", *extra]
+           "--survivors", args.survivors, "--preselect", args.preselect, "--runtime",
+           args.runtime, "-q", *extra]
     if args.minutes:
         cmd += ["--minutes", args.minutes]
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load0 = os.getloadavg()
     stdout, secs = _run(cmd, "refine")
+    ru2 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load1 = os.getloadavg()
+    cpu = (ru2.ru_utime - ru.ru_utime) + (ru2.ru_stime - ru.ru_stime)
     lines = stdout.splitlines()
-    keep = [ln for ln in lines if ln.startswith(("refine:", "search ", "dense held-out"))]
+    keep = [ln for ln in lines if ln.startswith(("refine:", "search ", "dense held-out",
+                                                 "runtime "))]
+    keep.append(f"refine wall {secs:.0f}s, CPU {cpu:.0f}s; load average (1 min) "
+                f"{load0[0]:.2f} before, {load1[0]:.2f} after; NUMBA_NUM_THREADS="
+                f"{os.environ.get('NUMBA_NUM_THREADS', 'unset')}")
     k = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("plan ")), None)
     table = lines[k:k + 4] if k is not None else []
     doc = json.load(open(os.path.join(out, "plan.json")))
@@ -167,6 +181,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=2048, help="search tokens")
     ap.add_argument("--held-out-tokens", type=int, default=512,
                     help="held-out tokens of refine's never-worse check")
+    ap.add_argument("--runtime", choices=("numba", "llama.cpp"), default="numba",
+                    help="refine --runtime: whose forward scores the candidates (llama.cpp: "
+                         "the search split and the held-out check; decoders only)")
     ap.add_argument("--eval-text", default="sample")
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--workdir", default=None)
@@ -178,7 +195,7 @@ def main(argv=None) -> int:
           f"({os.cpu_count()} cores); {args.search} search, {args.evals} candidates or "
           f"{args.minutes:g} min per budget, {args.tokens} search tokens, screen "
           f"{args.screen_tokens}, offspring {args.offspring}, survivors {args.survivors}, "
-          f"preselect {args.preselect}; workdir {root}",
+          f"preselect {args.preselect}, runtime {args.runtime}; workdir {root}",
           flush=True)
     t = time.perf_counter()
     if args.model == "minilm":
