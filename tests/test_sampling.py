@@ -176,7 +176,8 @@ def test_auto_meets_its_target_or_measures_every_row():
     assert lp.sample is not None and lp.sample["rows"] >= smp.AUTO_MIN_ROWS
     if lp.sample["rows"] < lp.sample["of"]:
         for o in lp.options:
-            if o.rel_err_se and o.rel_err > 0:
+            # (errors under NEGLIGIBLE do not size the sample: F16 here)
+            if o.rel_err_se and o.rel_err >= smp.NEGLIGIBLE:
                 assert 1.96 * o.rel_err_se / o.rel_err <= smp.TARGET * 1.0001, o.label
     small = profile_layer("small", w[:400], gram=g, menu="ggml", sample_rows="auto")
     assert small.sample is None
@@ -285,3 +286,36 @@ def test_cli_rejects_bad_sens_tokens(tmp_path):
     assert rc == 2 and "--sens-tokens" in se and "auto" in se
     rc, so, se = run(["profile", "--sens-tokens", "64"])
     assert rc == 2 and "need --calib" in se
+
+
+def test_auto_grows_only_the_options_that_need_rows(monkeypatch):
+    """``"auto"`` measures the fresh rows only for the options whose pilot
+    interval is too wide: the others keep their pilot estimate (the same
+    figures as a fixed sample of the pilot's size), the grown ones equal a
+    fixed sample of the grown size, and ``sample["grown"]`` names them."""
+    w, g = _layer(4096, 64, 30, seed=7)          # 256 K weights: force sampling
+    monkeypatch.setattr(smp, "AUTO_MIN_WEIGHTS", 1)
+    real = smp.rows_for_target
+    grow = {"int3/chan+gptq": 1024}
+
+    def need(rel, se, n, rows):
+        # the pilot's interval of one option (by its value) needs 1024 rows
+        return grow["int3/chan+gptq"] if abs(rel - target[0]) < 1e-15 else real(
+            rel, 1e-30, n, rows)
+
+    pilot = _by_label(profile_layer("t", w, gram=g, lr_ranks=(), sample_rows=256))
+    target = [pilot["int3/chan+gptq"].out_err]
+    monkeypatch.setattr(smp, "rows_for_target", need)
+    auto = profile_layer("t", w, gram=g, lr_ranks=(), sample_rows="auto")
+    full = _by_label(profile_layer("t", w, gram=g, lr_ranks=()))
+    assert auto.sample == {"rows": 256, "of": 4096, "seed": 0, "design": "stratified",
+                           "grown": {"int3/chan+gptq": 1024}}
+    for o in auto.options:
+        p = pilot[o.label]
+        got = (o.rel_err, o.out_err, o.rel_err_se, o.out_err_se)
+        if o.label != "int3/chan+gptq":
+            assert got == (p.rel_err, p.out_err, p.rel_err_se, p.out_err_se), o.label
+            continue
+        # 4x the rows (the pilot's nested in them): a new, tighter estimate
+        assert o.out_err != p.out_err and o.out_err_se < 0.75 * p.out_err_se
+        assert abs(o.out_err - full[o.label].out_err) <= 4 * o.out_err_se

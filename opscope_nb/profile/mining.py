@@ -182,7 +182,9 @@ class LayerProfile:
     sample : dict or None
         The row sample the row-wise options' errors were estimated from
         (``{"rows": n, "of": rows, "seed": s, "design": "stratified"}``;
-        :mod:`opscope_nb.profile.sampling`), None when every row was measured.
+        ``"grown": {label: n_label}`` names the options that ``"auto"``
+        measured on more rows than ``n``; :mod:`opscope_nb.profile.sampling`),
+        None when every row was measured.
     """
 
     name: str
@@ -815,7 +817,8 @@ class _Measure:
     def sample(self, name, items, n0, auto):
         """Estimate every row-wise option among ``items`` (``[(Decomp, part)]``)
         from a stratified sample of ``n0`` rows (``auto``: grown by nested
-        halving of the strata until every 95 % interval is within ±1 %;
+        halving of the strata until every 95 % interval is within ±1 %, for
+        the options whose pilot interval is wider only;
         :mod:`opscope_nb.profile.sampling`); later calls of the options use
         the estimates."""
         from opscope_nb.formats.gptq import gram_factor, row_output_energy
@@ -859,54 +862,69 @@ class _Measure:
         per = {}
         self._rows(todo, idx, per)
 
-        def stats(lab, pairs, sizes, order):
+        def stats(lab, pairs, smp_of):
+            idx_s, sizes_s, order_s = smp_of
             t = exact.get(twin.get(lab))
             xa, xb = (xw, xo) if t is None else t          # the ratio's x, on every row
-            y = np.concatenate([p[0] for p in pairs])[order]
-            out = smp.relative(*smp.estimate(y, sizes, xa[idx], float(xa.sum())), den_w)
+            y = np.concatenate([p[0] for p in pairs])[order_s]
+            out = smp.relative(*smp.estimate(y, sizes_s, xa[idx_s], float(xa.sum())), den_w)
             if pairs[0][1] is None:
                 return out + (None, None)
-            oy = np.concatenate([p[1] for p in pairs])[order]
-            return out + smp.relative(*smp.estimate(oy, sizes, xb[idx], float(xb.sum())),
+            oy = np.concatenate([p[1] for p in pairs])[order_s]
+            return out + smp.relative(*smp.estimate(oy, sizes_s, xb[idx_s], float(xb.sum())),
                                       den_o)
 
-        order = np.arange(n0)
+        pilot = (idx, sizes, np.arange(n0))
+        of = {}                # label -> its grown sample (the others keep the pilot)
         n = n0
         if auto:
-            need = n0
+            need = {}
             for lab, pairs in per.items():
                 if pairs is None:
                     continue
-                st = stats(lab, pairs, sizes, order)
-                need = max(need, smp.rows_for_target(st[0], st[1], n0, rows))
+                st = stats(lab, pairs, pilot)
+                k = smp.rows_for_target(st[0], st[1], n0, rows)
                 if st[2] is not None:
-                    need = max(need, smp.rows_for_target(st[2], st[3], n0, rows))
-            if need > n0:
-                n = n0 * 2 ** int(math.ceil(math.log2(need / n0)))
+                    k = max(k, smp.rows_for_target(st[2], st[3], n0, rows))
+                if k > n0:
+                    need[lab] = k
+            if need:
+                # only the options whose interval is too wide get the fresh rows
+                # (at 7B shapes: the per-channel GPTQ twins' out_err, 5 of 30)
+                grow = [it for it in todo if it[0].label in need]
+                n = n0 * 2 ** int(math.ceil(math.log2(max(need.values()) / n0)))
                 if 2 * n > rows:          # as dear as every row: measure them all
                     rest = np.setdiff1d(np.arange(rows, dtype=np.int64), idx)
-                    self._rows(todo, rest, per)
+                    self._rows(grow, rest, per)
                     allidx = np.concatenate([idx, rest])
                     order = np.argsort(allidx, kind="stable")
-                    idx, sizes, n = allidx[order], np.ones(rows, np.int64), rows
+                    big, n = (allidx[order], np.ones(rows, np.int64), order), rows
                 else:
-                    idx_n, sizes, home = smp.refine(rows, idx, n, self.seed, name)
+                    idx_n, sizes_n, home = smp.refine(rows, idx, n, self.seed, name)
                     fresh = np.ones(n, dtype=bool)
                     fresh[home] = False
-                    self._rows(todo, idx_n[fresh], per)
+                    self._rows(grow, idx_n[fresh], per)
                     # measured order: old rows (stratum `home`), then the fresh strata
                     pos = np.concatenate([home, np.flatnonzero(fresh)])
                     order = np.empty(n, np.int64)
                     order[pos] = np.arange(n)
-                    idx = idx_n
-        self.est = {lab: (None if pairs is None else stats(lab, pairs, sizes, order))
+                    big = (idx_n, sizes_n, order)
+                of = {lab: big for lab in need}
+        self.est = {lab: (None if pairs is None else stats(lab, pairs, of.get(lab, pilot)))
                     for lab, pairs in per.items()}
         for lab, (y, oy) in exact.items():
             self.est[lab] = (smp.relative(float(y.sum()), 0.0, den_w)
                              + (smp.relative(float(oy.sum()), 0.0, den_o) if oy is not None
                                 else (None, None)))
-        self.sample_info = {"rows": int(n), "of": int(rows), "seed": int(self.seed),
-                            "design": "stratified" if n < rows else "every row"}
+        sampled = [lab for lab, pairs in per.items() if pairs is not None]
+        if of and len(of) < len(sampled):
+            # some options grew their sample, the others kept the pilot's rows
+            self.sample_info = {"rows": int(n0), "of": int(rows), "seed": int(self.seed),
+                                "design": "stratified",
+                                "grown": {lab: int(n) for lab in sorted(of)}}
+        else:
+            self.sample_info = {"rows": int(n), "of": int(rows), "seed": int(self.seed),
+                                "design": "stratified" if n < rows else "every row"}
 
     def corrections(self, d, packed, recon, ranks, ref_bytes):
         """The ``+lr{r}`` options of the measured quantisation ``d`` for each

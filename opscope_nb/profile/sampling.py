@@ -25,8 +25,10 @@ smallest ``n = pilot * 2**L`` at which every option's 95 % interval is
 within ±1 % of its error (:data:`TARGET`; errors under :data:`NEGLIGIBLE`
 excepted), from the pilot's variances;
 strata are nested (each splits in two), so the pilot's rows stay in the
-sample and only the new rows are measured.  When that ``n`` reaches half the
-rows, every row is measured instead (exact, standard error 0).  Tensors
+sample and only the new rows are measured, and only for the options whose
+pilot interval was too wide (the others keep the pilot's estimate).  When
+that ``n`` reaches half the rows, every row is measured instead (exact,
+standard error 0).  Tensors
 under :data:`AUTO_MIN_WEIGHTS` weights or :data:`AUTO_MIN_ROWS` x 2 rows
 always use every row.
 """
