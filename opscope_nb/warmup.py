@@ -74,14 +74,16 @@ def _w(rows=64, cols=64, seed=0):
 
 def _profile_labels(labels):
     """Pack, unpack and measure ``labels`` as ``profile_layer`` does."""
+    import numpy as np
     from . import formats
-    from .kernels._quant_probe import rel_err
+    from .kernels._quant_probe import rel_err, residual_rows
     w = _w()
     for lab in labels:
         d = formats.Decomp.from_label(lab)
         packed = formats._pack(w, d)
         recon = formats.unpack(packed, d, w.shape)
         float(rel_err(w, recon))
+    residual_rows(w, np.array(recon, dtype=np.float32), np.empty(w.shape[0]))   # sampled rows
 
 
 def _profile_ggml(types):

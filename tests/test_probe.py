@@ -501,3 +501,26 @@ def test_zero_scale_threshold_compared_in_float32():
         q16n, s16n = NM.naive_quantize_rows_i16(x, lv)
         np.testing.assert_array_equal(q16, q16n)
         np.testing.assert_array_equal(s16, s16n)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (1, 1), (37, 129)])
+def test_residual_rows_matches_numpy(shape):
+    """``kernels.residual_rows``: the residual in float32 (the float64
+    difference rounded once) and each row's float64 squared error, against
+    the obvious NumPy twin; exact zeros, a ±0 pair, a subnormal and a wide
+    ratio (int2-like: recon 3x the weight) included."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal(shape).astype(np.float32)
+    r = (w * np.float32(0.9)).astype(np.float32)
+    if w.size:
+        r.flat[0] = 0.0
+        w.flat[-1], r.flat[-1] = -0.0, 0.0
+    if w.size > 3:
+        w.flat[1], r.flat[1] = np.float32(1e-40), np.float32(0.0)
+        r.flat[2] = np.float32(3.0) * w.flat[2]
+    e64 = w.astype(np.float64) - r.astype(np.float64)
+    y = np.full(shape[0], np.nan)
+    got = r.copy()
+    kernels.residual_rows(w, got, y)
+    assert np.array_equal(got, e64.astype(np.float32))
+    assert np.allclose(y, np.einsum("ij,ij->i", e64, e64), rtol=1e-13, atol=0)

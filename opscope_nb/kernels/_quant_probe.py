@@ -63,6 +63,7 @@ __all__ = [
     "ternary_error",
     "outlier_channels",
     "cardinality",
+    "residual_rows",
 ]
 
 # Column-block width for the column max-abs (a reduction down the rows): the
@@ -505,6 +506,27 @@ def stable_rank(x):
 # --------------------------------------------------------------------------
 # quantisation probes
 # --------------------------------------------------------------------------
+
+@njit_parallel
+def residual_rows(w, recon, y):
+    """Residual and per-row squared error in one pass, in place.
+
+    ``recon`` (float32 ``[rows, cols]``, writable) becomes ``w - recon`` in
+    float32 and ``y[r] = sum_j (w[r, j] - recon[r, j])**2`` from the float64
+    difference (exact for float32 inputs), summed in column order: the same
+    bits for any thread count.  ``w`` float32 ``[rows, cols]``; ``y`` float64
+    ``[rows]``.  (The residual's float32 rounding is exact when ``w`` and
+    ``recon`` are within a factor 2, or either is 0; else ~6e-8 relative.)
+    """
+    rows, cols = w.shape
+    for r in prange(rows):
+        s = 0.0
+        for j in range(cols):
+            d = np.float64(w[r, j]) - np.float64(recon[r, j])
+            s += d * d
+            recon[r, j] = np.float32(d)
+        y[r] = s
+
 
 @njit_parallel
 def _quant_err_sums(x, scales, per_row, levels):

@@ -794,15 +794,19 @@ class _Measure:
         appended (output None without a gram; None for the option when it
         cannot represent these rows)."""
         from opscope_nb.formats.gptq import row_output_energy
-        ws = np.ascontiguousarray(self.w[idx])
-        ws64 = ws.astype(np.float64)
+        from opscope_nb.kernels import residual_rows
+        ws = np.ascontiguousarray(self.w[idx], dtype=np.float32)
         g = self.gram
         for d, part in items:
             if per.get(d.label, 0) is None:
                 continue
             t0 = time.perf_counter()
-            e = ws64 - unpack(_pack(ws, d, None, g, self._factor), d, ws.shape)
-            y = np.einsum("ij,ij->i", e, e)
+            e = unpack(_pack(ws, d, None, g, self._factor), d, ws.shape)
+            if e.dtype != np.float32 or not e.flags.writeable or not e.flags.c_contiguous \
+                    or np.may_share_memory(e, ws):
+                e = np.array(e, dtype=np.float32)     # (dense: the weight itself)
+            y = np.empty(ws.shape[0], np.float64)
+            residual_rows(ws, e, y)          # e: the float32 residual, y its row sums
             self._tick(part or "quant", t0)
             if not np.isfinite(y).all():
                 per[d.label] = None
