@@ -475,12 +475,13 @@ def _refine_row(args, L, sc, plan, held, budget, plan_dir):
             "choice": m["choice"], "plan_layers": m["layers"], "cause": cause}
 
 
-def token_weighted_profile(prof, out_prof, table, counts, *, names=("word_embeddings.weight",
-                                                                     "token_embd.weight")):
+def token_weighted_profile(prof, out_prof, table, counts, *, prior=1.0,
+                           names=("word_embeddings.weight", "token_embd.weight")):
     """Copy ``prof`` (a ``profile.json``) to ``out_prof`` with each planned token
     embedding's ``rel_err`` per option weighted by how often each row's token
     occurs: ``sqrt(sum_r c_r |w_r - q(w_r)|^2 / sum_r c_r |w_r|^2)`` (``counts``:
-    the calibration text's token counts per row; ``table``: the float32 table).
+    the calibration text's token counts per row; ``table``: the float32 table),
+    and its ``prior_weight`` (the factor of its objective term) set to ``prior``.
 
     A row of a token embedding is read only when its token occurs; the profile
     weighs every row alike.  Returns ``{label: (rel_err all rows, token-weighted)}``."""
@@ -496,6 +497,8 @@ def token_weighted_profile(prof, out_prof, table, counts, *, names=("word_embedd
         p = ent.get("profile", ent)
         if not p["name"].endswith(names):
             continue
+        if prior != 1.0:
+            p["prior_weight"] = float(prior)
         for o in p["options"]:
             d = Decomp.from_dict(o["decomp"])
             if d.kind == "dense":
@@ -655,14 +658,16 @@ def _encoder_bench(args, src, root, variants):
     dense = open_model(bdir)
     sfx = ""
     if args.embed_weight == "tokens":
-        sfx = "-tok"
+        sfx = "-tok" if args.embed_prior == 1.0 else f"-tok{args.embed_prior:g}"
         counts = _calib_token_counts(dense, args.calib_text)
         emb = next(n for n in dense.tensors if n.endswith("word_embeddings.weight"))
         for v in variants:
-            tp = os.path.join(root, f"prof-{v}-tok", "profile.json")
-            got = token_weighted_profile(profs[v], tp, dense.tensors[emb], counts)
+            tp = os.path.join(root, f"prof-{v}{sfx}", "profile.json")
+            got = token_weighted_profile(profs[v], tp, dense.tensors[emb], counts,
+                                         prior=args.embed_prior)
             profs[v] = tp
-            print(f"profile {v} with the token-weighted embedding error ({int(counts.sum())} "
+            print(f"profile {v} with the token-weighted embedding error x prior "
+                  f"{args.embed_prior:g} ({int(counts.sum())} "
                   f"tokens of {args.calib_text}, {int((counts > 0).sum())} rows occur): "
                   + ", ".join(f"{k} {a:.4f}->{b:.4f}" for k, (a, b) in got.items()), flush=True)
     texts, tot = [], 0
@@ -775,6 +780,9 @@ def main(argv=None) -> int:
                     help="MPNet: how the profile's word-embedding error weighs the table's "
                          "rows: every row alike (rows, the profile's) or by how often each "
                          "token occurs in --calib-text (tokens)")
+    ap.add_argument("--embed-prior", type=float, default=1.0, metavar="K",
+                    help="with --embed-weight tokens: the word embedding's objective term "
+                         "times K (its prior_weight; default 1)")
     ap.add_argument("--embedding-cause", action="store_true",
                     help="with --refine: first measure the exact plan and the preset with the "
                          "word embedding swapped to the other's type (search split)")
