@@ -306,3 +306,36 @@ def test_pinned_gram_reuses_entry_only_for_the_same_object():
         twin[0, 0] += 1.0                         # another array: compared in full
         assert G.gram_factor(twin) is not f1
     assert id(h) not in G._PINNED
+
+
+def test_low_rank_gram_certified_psd_without_cholesky(monkeypatch):
+    """A gram of t < cols/4 rows is shown PSD by its pivoted-Cholesky factor
+    (Gershgorin on the remainder), with no cols³ Cholesky; a low-rank gram
+    with a clearly negative direction added is not certified and the
+    Cholesky rejects it; a full-rank gram still goes to the Cholesky."""
+    import scipy.linalg
+    from opscope_nb.formats import gptq as G
+    rng = np.random.default_rng(8)
+    cols = 256
+    x = rng.standard_normal((40, cols))
+    h = x.T @ x
+    calls = []
+    real = scipy.linalg.cholesky
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(scipy.linalg, "cholesky", spy)
+    G.check_gram(h, cols)
+    assert calls == []                                       # certified by the factor
+    v = rng.standard_normal(cols)
+    bad = h - 1e-3 * np.abs(h).max() * np.outer(v, v) / (v @ v)
+    with pytest.raises(ValueError, match="positive semi-definite"):
+        G.check_gram(bad, cols)
+    assert calls == [1]
+    shift = 1e-6 * np.diag(h).mean()
+    assert not G._psd_by_factor(bad, cols, shift)
+    xf = rng.standard_normal((400, cols))
+    G.check_gram(xf.T @ xf, cols)                            # rank 256 > cols/4
+    assert calls == [1, 1]

@@ -98,21 +98,21 @@ def check_gram(gram, cols, *, name="gram", tol=1e-6) -> np.ndarray:
 
 def _check_square(g, cols, name, tol):
     """The symmetric-PSD part of :func:`check_gram` (cached by content there:
-    q/k/v and gate/up pass one gram, and its Cholesky is ``cols³ / 3``)."""
+    q/k/v and gate/up pass one gram, and its Cholesky is ``cols³ / 3``).
+
+    A gram of fewer calibration rows than ``cols / LOWRANK_FRACTION`` is
+    certified without the Cholesky: its pivoted-Cholesky factor ``F`` (which
+    the low-rank GPTQ path needs anyway) leaves ``R = H - F Fᵀ``, and when
+    every row of ``|R|`` (symmetrised) sums to at most the shift, Gershgorin
+    puts every eigenvalue of ``H + shift I`` at ``>= 0`` (``cols² k`` flops);
+    otherwise the Cholesky decides."""
     from opscope_nb._threads import blas_threads
     from scipy.linalg import cholesky
     amax = max(float(g.max()), -float(g.min())) if g.size else 0.0
-    # H - Hᵀ and the symmetric part by blocks of rows into one buffer (a 7B FFN
-    # gram is 1 GB of float64; the Cholesky then runs in place on every core)
-    h = np.empty_like(g)
     asym = 0.0
     for i0 in range(0, cols, 512):
         i1 = min(i0 + 512, cols)
-        t = np.ascontiguousarray(g[:, i0:i1].T)
-        np.subtract(g[i0:i1], t, out=h[i0:i1])
-        asym = max(asym, float(np.abs(h[i0:i1]).max()))
-        np.add(g[i0:i1], t, out=h[i0:i1])
-        h[i0:i1] *= 0.5
+        asym = max(asym, float(np.abs(g[i0:i1] - g[:, i0:i1].T).max()))
     if asym > tol * max(amax, 1e-300):
         raise ValueError(f"{name} must be symmetric within {tol:g} relative; got max |H - H.T| "
                          f"= {asym:.3g} (max |H| = {amax:.3g}). Pass H = X.T @ X.")
@@ -120,18 +120,49 @@ def _check_square(g, cols, name, tol):
     if (d < 0).any():
         raise ValueError(f"{name} must be positive semi-definite; got a negative diagonal "
                          f"entry {d.min():.3g}.")
-    if cols:
-        shift = tol * max(float(d.mean()), 1e-300)
-        h[np.diag_indices(cols)] += shift
-        try:
-            with blas_threads():
-                # hᵀ (= h) is Fortran-ordered: LAPACK factors it in place, no copy
-                cholesky(h.T, lower=True, overwrite_a=True, check_finite=False)
-        except np.linalg.LinAlgError:
-            raise ValueError(f"{name} must be positive semi-definite within {tol:g} relative; "
-                             f"it has a clearly negative eigenvalue (min "
-                             f"{np.linalg.eigvalsh(g).min():.3g}). Pass H = X.T @ X.") from None
+    if not cols:
+        return True
+    shift = tol * max(float(d.mean()), 1e-300)
+    if _psd_by_factor(g, cols, shift):
+        return True
+    # the symmetric part by blocks of rows into one buffer (a 7B FFN gram is
+    # 1 GB of float64; the Cholesky then runs in place on every core)
+    h = np.empty_like(g)
+    for i0 in range(0, cols, 512):
+        i1 = min(i0 + 512, cols)
+        np.add(g[i0:i1], g[:, i0:i1].T, out=h[i0:i1])
+        h[i0:i1] *= 0.5
+    h[np.diag_indices(cols)] += shift
+    try:
+        with blas_threads():
+            # hᵀ (= h) is Fortran-ordered: LAPACK factors it in place, no copy
+            cholesky(h.T, lower=True, overwrite_a=True, check_finite=False)
+    except np.linalg.LinAlgError:
+        raise ValueError(f"{name} must be positive semi-definite within {tol:g} relative; "
+                         f"it has a clearly negative eigenvalue (min "
+                         f"{np.linalg.eigvalsh(g).min():.3g}). Pass H = X.T @ X.") from None
     return True
+
+
+def _psd_by_factor(g, cols, shift) -> bool:
+    """True when the low-rank factor certifies ``(H + Hᵀ)/2 + shift I`` PSD
+    (:func:`_check_square`); False means "not shown", never "not PSD"."""
+    from opscope_nb._threads import blas_threads
+    kmax = min(cols // LOWRANK_FRACTION, LOWRANK_MAX_RANK)
+    f = _factor64(g, kmax) if kmax >= 1 else None
+    if f is None:
+        return False
+    rs = np.zeros(cols)
+    cs = np.zeros(cols)
+    with blas_threads():
+        for i0 in range(0, cols, 512):
+            i1 = min(i0 + 512, cols)
+            r = np.abs(g[i0:i1] - f[i0:i1] @ f.T)
+            rs[i0:i1] = r.sum(axis=1)
+            cs += r.sum(axis=0)
+            if float(rs[i0:i1].max()) > 2.0 * shift:     # |R_s| rows <= (rs + cs) / 2
+                return False
+    return float(((rs + cs) * 0.5).max()) <= shift
 
 
 def output_energy(a, gram) -> float:
