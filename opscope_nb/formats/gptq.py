@@ -398,7 +398,7 @@ def _lowrank_prep(g, damp, act_order, block):
         return None
 
     def make():
-        from scipy.linalg import solve_triangular
+        from opscope_nb._threads import _one_blas_thread
         d = np.diag(g).copy()
         dead = d <= 0
         d[dead] = 1.0
@@ -411,20 +411,31 @@ def _lowrank_prep(g, damp, act_order, block):
         v = np.empty((cols, k))
         c = np.zeros((cols, block))
         fs = fp / dp[:, None]
-        for b0 in reversed(range(0, cols, block)):
-            b1 = min(b0 + block, cols)
-            fb = fp[b0:b1]
-            p = gm @ fb.T                                   # [k, nb]
-            m = fb @ p
-            m[np.diag_indices_from(m)] += dp[b0:b1]
-            # upper u with m = u uᵀ: the Cholesky of m in reversed order
-            u = np.linalg.cholesky(m[::-1, ::-1])[::-1, ::-1]
-            qt = solve_triangular(u, p.T, lower=False)      # [nb, k]
-            v[b0:b1] = qt * np.diag(u)[:, None]
-            gm -= qt.T @ qt
-            c[b0:b1, :b1 - b0] = v[b0:b1] @ fs[b0:b1].T
+        with _one_blas_thread():
+            _backward(fp, dp, fs, gm, v, c, block)
         return order, fs, v, c
     return _by_content(g, ("lowrank", float(damp), bool(act_order), int(block)), make)
+
+
+def _backward(fp, dp, fs, gm, v, c, block):
+    """:func:`_lowrank_prep`'s backward pass over the blocks, in place (``gm``,
+    ``v``, ``c``).  Its GEMMs are small (``k x block``) and its Choleskies
+    ``block x block``: on one BLAS thread, where threads only spin (under load
+    two OpenBLAS threads made this pass several times dearer in CPU time)."""
+    from scipy.linalg import solve_triangular
+    cols = fp.shape[0]
+    for b0 in reversed(range(0, cols, block)):
+        b1 = min(b0 + block, cols)
+        fb = fp[b0:b1]
+        p = gm @ fb.T                                   # [k, nb]
+        m = fb @ p
+        m[np.diag_indices_from(m)] += dp[b0:b1]
+        # upper u with m = u uᵀ: the Cholesky of m in reversed order
+        u = np.linalg.cholesky(m[::-1, ::-1])[::-1, ::-1]
+        qt = solve_triangular(u, p.T, lower=False)      # [nb, k]
+        v[b0:b1] = qt * np.diag(u)[:, None]
+        gm -= qt.T @ qt
+        c[b0:b1, :b1 - b0] = v[b0:b1] @ fs[b0:b1].T
 
 
 def _lowrank_sweep(wp, prep, scales, bits, grp, block):
