@@ -125,7 +125,7 @@ def _decoder(args, root):
             ke = sc["exact"]["kl"]
             kr = sc.get("refined", sc["exact"])["kl"]
             print(f"   predicted exact {ref['start']['predicted']:.4g} / refined "
-                  f"{ref['best']['predicted']:.4g}; measured (ours, held-out) exact "
+                  f"{ref['best']['predicted']:.4g}; measured ({ref.get('runtime', 'numba')}, held-out) exact "
                   f"{ref['start']['held_out']:.4g} / refined {ref['best']['held_out']:.4g}")
             print(f"   llama.cpp on {args.eval_text}: KL preset {kp:.5f}, exact {ke:.5f}, "
                   f"returned plan {kr:.5f} ({kr / kp:.3f}x the preset, {kr / ke:.3f}x the "
