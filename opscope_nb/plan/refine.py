@@ -34,6 +34,11 @@ logits against per-row constants of the dense reference.  The result is
 never worse than the start on a held-out split: :func:`refine` scores both
 plans there and returns the refined one only if it measures lower (``kept``).
 
+The scorer is this package's forward (:class:`PlanScorer`) or, for a GGUF
+decoder, llama.cpp's logits of each candidate's GGUF file
+(:class:`opscope_nb.plan.refine_llamacpp.LlamaCppScorer`, same interface;
+``refine --runtime llama.cpp``); :attr:`RefineResult.runtime` names it.
+
 Layer 4 (imports :mod:`opscope_nb.models`, :mod:`opscope_nb.runtime`,
 :mod:`opscope_nb.formats`, :mod:`.allocate`).
 """
