@@ -382,7 +382,8 @@ def _print_report(res, scorer, m0, objective):
             if v.get("forwards_per_s"))
         screen = ("this package's forward" if "numba" in rates else "llama.cpp") if scr \
             else None
-        print(f"runtime llama.cpp ({scorer.n_threads} threads): search split and held-out "
+        print(f"runtime llama.cpp ({scorer.n_threads} thread"
+              f"{'' if scorer.n_threads == 1 else 's'}): search split and held-out "
               f"check scored by llama.cpp's logits against {os.path.basename(scorer.source)}"
               f"{f'; screen by {screen}' if screen else ''}"
               f"{f' ({per})' if per else ''}")
