@@ -480,8 +480,14 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
     spec = sampling.check_sample_rows(sample_rows)
     n0 = sampling.sample_size(spec, rows, cols)
     meas = _Measure(w, gram, lat_ms, seed)
-    # the gram is not modified below: its cached factors are found by identity
-    with pinned_gram(gram):
+    # the gram is not modified below: its cached factors are found by identity.
+    # BLAS on one thread, as the CLI pins it (scoped: the caller's limits come
+    # back): numba's parallel loops follow every BLAS call here, and OpenBLAS's
+    # idle threads spin on their cores (a 4096 x 11008 Tucker HOSVD under load:
+    # 10.9 CPU s with the default threads, 1.8 with one); the big LAPACK calls
+    # raise it themselves (``blas_threads``), the row blocks run on every core.
+    from opscope_nb._threads import _one_blas_thread
+    with pinned_gram(gram), _one_blas_thread():
         return _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols,
                              gs, nbits, g2s, with_gptq, stored_dtype, lrs, rank_cap, seed,
                              sensitivity, prior_weight)
