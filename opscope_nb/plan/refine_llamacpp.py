@@ -227,6 +227,20 @@ class _LSplit:
         self.ppl_dense = None
 
 
+def _shm_for(nbytes):
+    """``/dev/shm`` when it is writable and has room for four files of
+    ``nbytes`` (a candidate, llama.cpp's map of it and slack; a 7B model's
+    candidates would otherwise fill a RAM disk), else None (the system's
+    temporary directory)."""
+    d = "/dev/shm"
+    try:
+        ok = os.path.isdir(d) and os.access(d, os.W_OK) \
+            and shutil.disk_usage(d).free > 4 * int(nbytes)
+    except OSError:
+        ok = False
+    return d if ok else None
+
+
 class LlamaCppScorer:
     """The measured score of plans of a GGUF decoder, from llama.cpp's logits.
 
@@ -262,8 +276,8 @@ class LlamaCppScorer:
         :func:`opscope_nb._threads.worker_count`).
     tmpdir : str, optional
         Where candidate files are written (default: a new directory under
-        ``/dev/shm`` when it exists, else the system's temporary directory;
-        removed by :meth:`close`).
+        ``/dev/shm`` when it exists with room for four source-sized files,
+        else the system's temporary directory; removed by :meth:`close`).
 
     Attributes
     ----------
@@ -335,8 +349,7 @@ class LlamaCppScorer:
             from opscope_nb._threads import worker_count
             self.n_threads = worker_count()
         self.n_ctx = max(len(c) for s in self.splits.values() for c in s.chunks)
-        base = tmpdir or ("/dev/shm" if os.path.isdir("/dev/shm")
-                          and os.access("/dev/shm", os.W_OK) else None)
+        base = tmpdir or _shm_for(os.path.getsize(self.source))
         self.tmpdir = tempfile.mkdtemp(prefix="opscope-refine-", dir=base)
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.tmpdir, True)
         self._own = {"pack": 0.0, "assemble": 0.0, "load": 0.0, "llama": 0.0, "kl": 0.0,
