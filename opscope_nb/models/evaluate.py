@@ -114,9 +114,24 @@ def kl_stats(logits_p, logits_q) -> tuple:
     kl : ndarray of float64, shape (T,)
     agree : ndarray of bool, shape (T,)
     """
-    lp, lq = _log_softmax(logits_p), _log_softmax(logits_q)
-    kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
-    return np.maximum(kl, 0.0), np.argmax(lp, axis=-1) == np.argmax(lq, axis=-1)
+    ref = _kl_reference(logits_p)
+    lq = _log_softmax(logits_q)
+    return _kl_to(ref, lq), np.argmax(ref[0], axis=-1) == np.argmax(lq, axis=-1)
+
+
+def _kl_reference(logits_p) -> tuple:
+    """``(log p, p)`` of logits ``[T, V]`` (float64): what every ``KL(p || .)``
+    against the same reference reuses (:func:`kl_stats`; the sensitivity sweep
+    compares one clean output with every perturbed one)."""
+    lp = _log_softmax(logits_p)
+    return lp, np.exp(lp)
+
+
+def _kl_to(ref, lq) -> np.ndarray:
+    """Per-position ``KL(p || q)`` (float64 ``[T]``, clipped at 0) from
+    :func:`_kl_reference` ``ref`` and ``lq = log q``."""
+    lp, p = ref
+    return np.maximum((p * (lp - lq)).sum(axis=-1), 0.0)
 
 
 def _nll(logits, targets):

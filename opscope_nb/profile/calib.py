@@ -544,11 +544,25 @@ class CalibrationStream:
             return bert.pool(m, x.reshape(B, L, m.config["hidden"]), c["mask"])
         return llama.logits(m, x, act=self.act)
 
-    def _distance(self, clean, outs) -> float:
-        from opscope_nb.models.evaluate import cosine, kl_stats
+    def _reference(self, clean):
+        """What :meth:`_distance` compares with, made once per head stage: the
+        clean outputs (encoders), or their log-probabilities and probabilities
+        (decoders: one log-softmax of the clean logits for every perturbed run,
+        not one per run)."""
         if self.family == "encoder":
-            return float(np.mean(1.0 - cosine(np.concatenate(clean), np.concatenate(outs))))
-        return float(np.concatenate([kl_stats(a, b)[0] for a, b in zip(clean, outs)]).mean())
+            return clean
+        from opscope_nb.models.evaluate import _kl_reference
+        return [_kl_reference(a) for a in clean]
+
+    def _distance(self, ref, outs) -> float:
+        """Mean ``1 - cos`` (encoders) or next-token KL (decoders) of the
+        perturbed outputs ``outs`` against :meth:`_reference` ``ref``; the same
+        float64 figures as :func:`~opscope_nb.models.evaluate.kl_stats`."""
+        from opscope_nb.models.evaluate import _kl_to, _log_softmax, cosine
+        if self.family == "encoder":
+            return float(np.mean(1.0 - cosine(np.concatenate(ref), np.concatenate(outs))))
+        return float(np.concatenate([_kl_to(r, _log_softmax(b))
+                                     for r, b in zip(ref, outs)]).mean())
 
     # ---- the sweep ------------------------------------------------------- #
     def _run_chunks(self, fn, chunks, xs):
@@ -662,13 +676,15 @@ class CalibrationStream:
                 # (logits: tokens x vocab floats) of every layer in flight are
                 # never held together
                 clean = self._run_chunks(fn, ch, xin)
+                ref = self._reference(clean)
                 for n in list(states):
                     outs = self._run_chunks(fn, ch, states.pop(n))
-                    part["out"][n] = self._distance(clean, outs) / self.eps ** 2
+                    part["out"][n] = self._distance(ref, outs) / self.eps ** 2
                 for n in lin:
                     if n in self._pending:
                         outs = self._perturbed(n, fn, xin, ch)
-                        part["out"][n] = self._distance(clean, outs) / self.eps ** 2
+                        part["out"][n] = self._distance(ref, outs) / self.eps ** 2
+                del ref
                 part["clean"] = clean
                 continue
             for n, xs in list(states.items()):
