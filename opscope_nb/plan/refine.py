@@ -205,6 +205,19 @@ def text_chunks(model, *, text=None, held_out_text=None, split=0.25, split_seed=
 # --------------------------------------------------------------------------- #
 # plans
 # --------------------------------------------------------------------------- #
+def check_choice(layers, choice) -> tuple:
+    """``choice`` as a tuple of ints, one option index per layer of ``layers``;
+    ``ValueError`` naming the entry otherwise."""
+    c = tuple(int(x) for x in choice)
+    if len(c) != len(layers):
+        raise ValueError(f"choice has {len(c)} entries; the plan has {len(layers)} layers.")
+    for i, (lp, j) in enumerate(zip(layers, c)):
+        if not 0 <= j < len(lp.options):
+            raise ValueError(f"choice[{i}] = {j} is not an option index of layer "
+                             f"{lp.name!r} (0..{len(lp.options) - 1}).")
+    return c
+
+
 def plan_bytes(layers, choice) -> int:
     """Bytes of ``choice`` (one option index per layer)."""
     return int(sum(int(lp.options[int(c)].bytes) for lp, c in zip(layers, choice)))
@@ -685,14 +698,7 @@ class PlanScorer:
         """
         if split not in self.splits:
             raise ValueError(f"split must be one of {sorted(self.splits)}; got {split!r}.")
-        c = tuple(int(x) for x in choice)
-        if len(c) != len(self.layers):
-            raise ValueError(f"choice has {len(c)} entries; the plan has {len(self.layers)} "
-                             f"layers.")
-        for i, (lp, j) in enumerate(zip(self.layers, c)):
-            if not 0 <= j < len(lp.options):
-                raise ValueError(f"choice[{i}] = {j} is not an option index of layer "
-                                 f"{lp.name!r} (0..{len(lp.options) - 1}).")
+        c = check_choice(self.layers, choice)
         s = self.splits[split]
         if adopt is None:
             adopt = s.cache is None

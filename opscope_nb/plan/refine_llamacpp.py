@@ -470,15 +470,7 @@ class LlamaCppScorer:
         return self.asm.write(path, self.packed(choice), tool_kv)
 
     def _check(self, choice):
-        c = tuple(int(x) for x in choice)
-        if len(c) != len(self.layers):
-            raise ValueError(f"choice has {len(c)} entries; the plan has {len(self.layers)} "
-                             f"layers.")
-        for i, (lp, j) in enumerate(zip(self.layers, c)):
-            if not 0 <= j < len(lp.options):
-                raise ValueError(f"choice[{i}] = {j} is not an option index of layer "
-                                 f"{lp.name!r} (0..{len(lp.options) - 1}).")
-        return c
+        return rf.check_choice(self.layers, choice)
 
     def _run(self, c, split, ppl):
         s = self.splits[split]
