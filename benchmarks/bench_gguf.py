@@ -298,47 +298,6 @@ class _Scorer:
                 "top1": float(np.concatenate(agree).mean()), "ppl": self._ppl(got)}
 
 
-def _table_scorer(model, layers, **kw):
-    """``PlanScorer.from_text`` (``opscope_nb.plan.refine``) that also scores an
-    encoder's planned embedding tables (word / position embeddings).
-
-    ``PlanScorer`` maps an encoder's layers to blocks only, so a planned
-    embedding table is *inert* there: its option changes the bytes and never
-    the score -- a search would cut MPNet's word embedding to Q2_K for free.
-    Here such a table runs from stage 0 (every block re-runs) and each option is
-    held as its float32 reconstruction, as ``bert.embed_tokens`` reads it.
-    (A fix belongs in ``PlanScorer``; this benchmark only works around it.)"""
-    from opscope_nb.plan.refine import PlanScorer
-    from opscope_nb.runtime._packed import PackedLinear
-
-    class TableScorer(PlanScorer):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            self.tables = set()
-            for i, lp in enumerate(self.layers):
-                t = self.model.tensors.get(lp.name)
-                if i in self.inert and isinstance(t, np.ndarray) and t.ndim == 2:
-                    self.inert.discard(i)
-                    self.stage_of[i] = 0
-                    self._orig[lp.name] = t
-                    self.tables.add(lp.name)
-
-        def option(self, i, j):
-            lp = self.layers[i]
-            if lp.name not in self.tables:
-                return super().option(i, j)
-            key = (i, int(j))
-            if key not in self._opts:
-                d = lp.options[int(j)].decomp
-                w = self._orig[lp.name]
-                self._opts[key] = w if d.kind == "dense" else np.asarray(
-                    PackedLinear.pack(np.asarray(w, np.float32), d, gram=self.grams.get(
-                        lp.name) if d.reads_gram else None).dense(), np.float32)
-            return self._opts[key]
-
-    return TableScorer.from_text(model, layers, **kw)
-
-
 def preset_choice(layers, held):
     """The option index per layer of ``layers`` (a profile's ``LayerProfile`` list)
     that holds the type a preset wrote for it (``held``: name -> (ggml type,
@@ -386,23 +345,25 @@ def _swap(choice, i, j):
 
 
 def _refine_setup(args, source, prof, calib):
-    """The profile's layers and a :func:`_table_scorer` on the dense model: search
+    """The profile's layers and a ``PlanScorer`` on the dense model (it scores an
+    encoder's planned embedding tables from stage 0): search
     and held-out splits of ``--refine-text`` (default: the calibration text; never
     the evaluation text), the CLI's defaults otherwise (2048 search tokens, 512
     held out, a 128-token screen)."""
     from opscope_nb.cli._common import layers_from_doc, load_profile_doc
     from opscope_nb.models.loader import open_model
+    from opscope_nb.plan.refine import PlanScorer
     from opscope_nb.profile.calib import load_grams
     doc = load_profile_doc(prof)
     L = layers_from_doc(doc, prof)
     grams = load_grams(calib)[0] if calib else None
     cal = (doc.get("settings") or {}).get("calib") or {}
     t = time.perf_counter()
-    sc = _table_scorer(open_model(source), L, text=args.refine_text or args.calib_text,
-                       split=float(cal.get("validate") or 0.25),
-                       split_seed=int(cal.get("split_seed") or 0),
-                       tokens=args.refine_tokens, held_out_tokens=512, window=args.window,
-                       grams=grams, screen_tokens=128)
+    sc = PlanScorer.from_text(open_model(source), L, text=args.refine_text or args.calib_text,
+                              split=float(cal.get("validate") or 0.25),
+                              split_seed=int(cal.get("split_seed") or 0),
+                              tokens=args.refine_tokens, held_out_tokens=512,
+                              window=args.window, grams=grams, screen_tokens=128)
     print(f"refine scorer ({'imatrix' if calib else 'no imatrix'}): text "
           f"{args.refine_text or args.calib_text}, search {sc.splits['search'].tokens} / "
           f"held-out {sc.splits['held_out'].tokens} tokens ({time.perf_counter() - t:.0f}s)",
