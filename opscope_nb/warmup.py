@@ -76,7 +76,7 @@ def _profile_labels(labels):
     """Pack, unpack and measure ``labels`` as ``profile_layer`` does."""
     import numpy as np
     from . import formats
-    from .kernels._quant_probe import rel_err, residual_rows
+    from .kernels._quant_probe import abs_diff_sums, gram_stats, rel_err, residual_rows
     w = _w()
     for lab in labels:
         d = formats.Decomp.from_label(lab)
@@ -84,6 +84,9 @@ def _profile_labels(labels):
         recon = formats.unpack(packed, d, w.shape)
         float(rel_err(w, recon))
     residual_rows(w, np.array(recon, dtype=np.float32), np.empty(w.shape[0]))   # sampled rows
+    h = np.eye(4)                                    # a calibration gram's validation
+    gram_stats(h, 64)
+    abs_diff_sums(h, h, np.zeros(4), np.zeros(4))
 
 
 def _profile_ggml(types):

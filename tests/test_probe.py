@@ -524,3 +524,42 @@ def test_residual_rows_matches_numpy(shape):
     kernels.residual_rows(w, got, y)
     assert np.array_equal(got, e64.astype(np.float32))
     assert np.allclose(y, np.einsum("ij,ij->i", e64, e64), rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("n,tile", [(0, 64), (1, 64), (70, 16), (130, 64), (129, 7)])
+def test_gram_stats_matches_numpy(n, tile):
+    """``kernels.gram_stats``: max |g|, max |g - gᵀ| and the NaN/Inf count of a
+    square float64 matrix in one tiled pass, against NumPy (tiles that do
+    not divide n, an asymmetric pair, NaN and Inf included)."""
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((n, n))
+    g = a @ a.T
+    if n > 5:
+        g[2, 5] += 1e-3
+        g[4, 1] = -50.0
+    am, asym, bad = kernels.gram_stats(g, tile)
+    assert bad == 0
+    assert am == (np.abs(g).max() if n else 0.0)
+    assert asym == (np.abs(g - g.T).max() if n else 0.0)
+    if n > 5:
+        g[0, 3], g[3, 3], g[n - 1, 0] = np.nan, np.inf, -np.inf
+        am, asym, bad = kernels.gram_stats(g, tile)
+        fin = np.isfinite(g)
+        both = fin & fin.T
+        assert bad == 3
+        assert am == np.abs(g[fin]).max()
+        assert asym == np.abs(np.where(both, g - g.T, 0.0)).max()
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (3, 0), (1, 1), (37, 300), (513, 17)])
+def test_abs_diff_sums_matches_numpy(shape):
+    """``kernels.abs_diff_sums``: row sums set and column sums accumulated of
+    |a - b|, against NumPy."""
+    rng = np.random.default_rng(8)
+    a, b = rng.standard_normal(shape), rng.standard_normal(shape)
+    rs = np.full(shape[0], np.nan)
+    cs = np.full(shape[1], 2.0)
+    kernels.abs_diff_sums(a, b, rs, cs)
+    d = np.abs(a - b)
+    np.testing.assert_allclose(rs, d.sum(axis=1), rtol=1e-13, atol=0)
+    np.testing.assert_allclose(cs, 2.0 + d.sum(axis=0), rtol=1e-13, atol=0)

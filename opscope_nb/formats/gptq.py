@@ -89,9 +89,6 @@ def check_gram(gram, cols, *, name="gram", tol=1e-6) -> np.ndarray:
     if g.ndim != 2 or g.shape != (cols, cols):
         raise ValueError(f"{name} must have shape ({cols}, {cols}) = (in_features, in_features) "
                          f"or ({cols},); got {g.shape}. Pass H = X.T @ X of this layer's inputs.")
-    if not np.isfinite(g).all():
-        raise ValueError(f"{name} must be finite; got {np.count_nonzero(~np.isfinite(g))} "
-                         f"NaN/Inf entries. Recompute the calibration statistics.")
     _by_content(g, ("valid", float(tol)), lambda: _check_square(g, cols, name, tol))
     return g
 
@@ -107,12 +104,14 @@ def _check_square(g, cols, name, tol):
     puts every eigenvalue of ``H + shift I`` at ``>= 0`` (``cols² k`` flops);
     otherwise the Cholesky decides."""
     from opscope_nb._threads import blas_threads
+    from opscope_nb.kernels._quant_probe import gram_stats
     from scipy.linalg import cholesky
-    amax = max(float(g.max()), -float(g.min())) if g.size else 0.0
-    asym = 0.0
-    for i0 in range(0, cols, 512):
-        i1 = min(i0 + 512, cols)
-        asym = max(asym, float(np.abs(g[i0:i1] - g[:, i0:i1].T).max()))
+    # finiteness, max |H| and the asymmetry in one tiled pass (a 7B FFN gram:
+    # 1 GB, where NumPy's transposed column blocks took seconds)
+    amax, asym, bad = gram_stats(g, 64)
+    if bad:
+        raise ValueError(f"{name} must be finite; got {int(bad)} NaN/Inf entries. Recompute "
+                         f"the calibration statistics.")
     if asym > tol * max(amax, 1e-300):
         raise ValueError(f"{name} must be symmetric within {tol:g} relative; got max |H - H.T| "
                          f"= {asym:.3g} (max |H| = {amax:.3g}). Pass H = X.T @ X.")
@@ -152,14 +151,15 @@ def _psd_by_factor(g, cols, shift) -> bool:
     f = _factor64(g, kmax) if kmax >= 1 else None
     if f is None:
         return False
+    from opscope_nb.kernels._quant_probe import abs_diff_sums
     rs = np.zeros(cols)
     cs = np.zeros(cols)
+    p = np.empty((min(512, cols), cols))
     with blas_threads():
         for i0 in range(0, cols, 512):
             i1 = min(i0 + 512, cols)
-            r = np.abs(g[i0:i1] - f[i0:i1] @ f.T)
-            rs[i0:i1] = r.sum(axis=1)
-            cs += r.sum(axis=0)
+            np.matmul(f[i0:i1], f.T, out=p[:i1 - i0])
+            abs_diff_sums(g[i0:i1], p[:i1 - i0], rs[i0:i1], cs)   # |R| in one pass
             if float(rs[i0:i1].max()) > 2.0 * shift:     # |R_s| rows <= (rs + cs) / 2
                 return False
     return float(((rs + cs) * 0.5).max()) <= shift
@@ -275,7 +275,7 @@ def hessian_factor(gram, damp=DAMP) -> np.ndarray:
     return np.ascontiguousarray(np.tril(linv)[::-1, ::-1])
 
 
-_CACHE = []   # [(private copy of the gram, {key: value})], most recent last
+_CACHE = []   # [(digest of the gram, {key: value})], most recent last
 _CACHE_SIZE = 3
 
 #: Clipping candidates of the static GPTQ scales beyond the unclipped one.
@@ -297,10 +297,11 @@ def _by_content(g, key, make):
     input (q, k, v; gate, up) share one factor even when another layer comes
     between them in the checkpoint's order.
 
-    The key is a private copy of the gram compared in full (no identity
+    The key is a digest of the gram's bytes (:func:`_digest`, no identity
     shortcut): a caller that updates its gram in place (``H += x.T @ x``)
-    between two calls gets the value of the new content.  The comparison is
-    O(cols**2) against the factor's O(cols**3).
+    between two calls gets the value of the new content.  Hashing is
+    O(cols**2) against the factor's O(cols**3), and no copy of the gram is
+    kept (a 7B FFN gram is 1 GB).
     """
     vals = _entry(g)
     if key not in vals:
@@ -338,14 +339,25 @@ def _entry(g):
     pin = _PINNED.get(id(g))
     if pin is not None and pin[0] is g:
         return pin[1]
-    for i, (g0, vals) in enumerate(_CACHE):
-        if g0.shape == g.shape and np.array_equal(g0, g):
+    key = _digest(g)
+    for i, (k0, vals) in enumerate(_CACHE):
+        if k0 == key:
             _CACHE.append(_CACHE.pop(i))
             return vals
     vals = {}
-    _CACHE.append((np.array(g, dtype=np.float64, copy=True), vals))
+    _CACHE.append((key, vals))
     del _CACHE[:-_CACHE_SIZE]
     return vals
+
+
+def _digest(g) -> tuple:
+    """``(shape, SHA-1 of the float64 bytes)`` of a gram: the content key of
+    :func:`_entry` (identity, not security: the grams are the caller's own)."""
+    import hashlib
+    a = np.ascontiguousarray(g, dtype=np.float64)
+    h = hashlib.sha1(usedforsecurity=False)
+    h.update(a.reshape(-1).view(np.uint8).data)
+    return a.shape, h.digest()
 
 
 def _cached_factor(g, damp, act_order=True):

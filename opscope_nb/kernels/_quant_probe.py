@@ -64,6 +64,8 @@ __all__ = [
     "outlier_channels",
     "cardinality",
     "residual_rows",
+    "gram_stats",
+    "abs_diff_sums",
 ]
 
 # Column-block width for the column max-abs (a reduction down the rows): the
@@ -526,6 +528,80 @@ def residual_rows(w, recon, y):
             s += d * d
             recon[r, j] = np.float32(d)
         y[r] = s
+
+
+@njit_parallel
+def gram_stats(g, tile):
+    """One pass over a square float64 matrix for its validation.
+
+    Returns ``(amax, asym, bad)``: ``max |g|`` over the finite entries,
+    ``max |g[i, j] - g[j, i]|`` over the pairs whose both entries are
+    finite, and the number of NaN/Inf entries (int64).  ``g`` is read in
+    ``tile x tile`` blocks (the upper triangle's tile row by tile row, each
+    against its mirror tile), so both reads stay in cache where
+    ``g[:, j]`` would stride by a row.  Maxima and counts do not depend on
+    the order: the same result for any thread count.
+    """
+    n = g.shape[0]
+    nt = (n + tile - 1) // tile
+    am = np.zeros(nt, dtype=np.float64)
+    asy = np.zeros(nt, dtype=np.float64)
+    bad = np.zeros(nt, dtype=np.int64)
+    for bi in prange(nt):
+        i0 = bi * tile
+        i1 = min(i0 + tile, n)
+        a = 0.0
+        s = 0.0
+        b = 0
+        for bj in range(bi, nt):
+            j0 = bj * tile
+            j1 = min(j0 + tile, n)
+            for i in range(i0, i1):
+                for j in range(max(j0, i), j1):
+                    x = g[i, j]
+                    y = g[j, i]
+                    fx = np.isfinite(x)
+                    fy = np.isfinite(y)
+                    if fx:
+                        a = max(a, abs(x))
+                    else:
+                        b += 1
+                    if i != j:
+                        if fy:
+                            a = max(a, abs(y))
+                        else:
+                            b += 1
+                        if fx and fy:
+                            s = max(s, abs(x - y))
+        am[bi] = a
+        asy[bi] = s
+        bad[bi] = b
+    return am.max() if nt else 0.0, asy.max() if nt else 0.0, bad.sum()
+
+
+@njit_parallel
+def abs_diff_sums(a, b, rs, cs):
+    """Row and column sums of ``|a - b|`` in float64, ``rs`` set and ``cs``
+    accumulated (``+=``).
+
+    ``a``, ``b`` float64 ``[rows, cols]``; ``rs`` ``[rows]``, ``cs``
+    ``[cols]`` float64.  Rows are summed in column order, columns in row
+    order (parallel over rows, then over blocks of columns): the same bits
+    for any thread count.
+    """
+    rows, cols = a.shape
+    for r in prange(rows):
+        s = 0.0
+        for j in range(cols):
+            s += abs(a[r, j] - b[r, j])
+        rs[r] = s
+    nb = (cols + 255) // 256
+    for k in prange(nb):
+        j0 = k * 256
+        j1 = min(j0 + 256, cols)
+        for r in range(rows):
+            for j in range(j0, j1):
+                cs[j] += abs(a[r, j] - b[r, j])
 
 
 @njit_parallel
