@@ -476,11 +476,13 @@ def run_profile(cluster: Cluster, source_path, jobs, profile_kwargs, on_result, 
     client = cluster.client
     by_key = {}
     futures = []
+    # largest tensors first (ties in source order): the last task to finish is
+    # then a small one, so no worker idles through a big tail
     for i, e in jobs:
         f = client.submit(profile_task, source_path, e.name, tuple(int(d) for d in e.shape),
                           dict(profile_kwargs), cluster.threads, pure=False,
                           key=f"opscope-profile-{i}-{os.getpid()}-{time.monotonic_ns()}",
-                          priority=-i)
+                          priority=int(e.numel))
         by_key[f.key] = (i, e)
         futures.append(f)
     pending = set(futures)

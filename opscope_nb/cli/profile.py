@@ -608,6 +608,7 @@ def _dask_loop(args, st, bar, save):
         with cluster:
             if jobs:
                 bar.show(reused, jobs[0][1].name)
+            t_run = time.perf_counter()
             try:
                 dist.run_profile(cluster, src_path, jobs, st["kw"], on_result,
                                  lost_after=dist.LOST_AFTER)
@@ -618,14 +619,19 @@ def _dask_loop(args, st, bar, save):
                          f"to continue" if args.out else
                          f"{n_ok} of {n} layers were done (use --out DIR to keep them)")
                 raise CliError(f"{exc}; {where}.") from None
+            t_run = time.perf_counter() - t_run
     recs = [s[0] for s in slots if s is not None]
     ran = [r["worker"] for r in recs if isinstance(r.get("worker"), dict)
            and r is not previous.get((r["name"], tuple(r["shape"])))]
     if ran:
         peak = max(w["peak_rss_mb"] for w in ran)
+        # the profile part alone (tasks submitted to last result), without the
+        # cluster's start: what --workers N against 1 compares
+        st["settings"]["distributed"]["profile_seconds"] = round(t_run, 3)
         print(f"dask: {len(ran)} task(s) on {len({(w['host'], w['pid']) for w in ran})} "
               f"worker process(es) at {cluster.address}, "
-              f"{sorted({w['numba_threads'] for w in ran})} numba thread(s) each; "
+              f"{sorted({w['numba_threads'] for w in ran})} numba thread(s) each, "
+              f"{t_run:.1f}s from submission to the last result; "
               f"peak worker RSS {peak:.0f} MiB")
     return recs, [s[1] for s in slots if s is not None], reused, [skips[i] for i in sorted(skips)]
 

@@ -696,10 +696,10 @@ def _kern():
     return kernels
 
 
-def _quant_codes(w, bits, group, d, gram, factor=None):
+def _quant_codes(w, bits, group, d, gram, factor=None, pick=None):
     """Codes/scales of ``w``: round to nearest, or ``d.rounding`` from ``gram``
     (``factor``: its :func:`~opscope_nb.formats.gptq.gram_factor`, for GPTQ's
-    choice of scales)."""
+    choice of scales; ``pick``: :func:`~opscope_nb.formats.gptq.gptq_validated`'s)."""
     if d.rounding is None:
         return quantize_groups_sym(w, bits, group)
     if gram is None:
@@ -707,7 +707,7 @@ def _quant_codes(w, bits, group, d, gram, factor=None):
                          f"(H = X.T @ X of the layer's inputs, [cols, cols] or its diagonal; "
                          f"see opscope_nb.profile.calib), or use {d.with_rounding(None).label}.")
     from opscope_nb.formats.gptq import gptq_validated
-    codes, scales = gptq_validated(w, gram, bits, group, factor=factor)
+    codes, scales = gptq_validated(w, gram, bits, group, factor=factor, pick=pick)
     return codes, np.ascontiguousarray(scales.reshape(w.shape[0], -1))
 
 
@@ -848,11 +848,12 @@ def correction_slice(basis, lr) -> tuple:
     return np.ascontiguousarray(ucodes.T), vcodes, s
 
 
-def _pack(w, d: Decomp, svd=None, gram=None, factor=None):
+def _pack(w, d: Decomp, svd=None, gram=None, factor=None, pick=None):
     """Pack a validated ``w``; ``svd`` optionally supplies ``(U, S, Vt)``;
     ``gram`` is the calibration gram a ``rounding="gptq"`` Decomp needs (and
     a ``+lr`` correction is fitted with); ``factor`` its low-rank factor
-    (:func:`~opscope_nb.formats.gptq.gram_factor`) when known."""
+    (:func:`~opscope_nb.formats.gptq.gram_factor`) when known; ``pick`` GPTQ's
+    clipping choice (:func:`~opscope_nb.formats.gptq.gptq_validated`)."""
     if d.lr is not None:
         base = d.with_correction(None)
         out = _pack(w, base, svd, gram)
@@ -867,7 +868,7 @@ def _pack(w, d: Decomp, svd=None, gram=None, factor=None):
     if k in ("int8", "int4", "int4g"):
         bits = 8 if k == "int8" else 4
         group = d.group if k == "int4g" else cols
-        codes, scales = _quant_codes(w, bits, group, d, gram, factor)
+        codes, scales = _quant_codes(w, bits, group, d, gram, factor, pick)
         if k != "int4g":
             scales = np.ascontiguousarray(scales[:, 0])
         if bits == 4:
@@ -875,7 +876,7 @@ def _pack(w, d: Decomp, svd=None, gram=None, factor=None):
         return {"codes": codes, "scales": scales}
     if k == "intn":
         group = cols if d.group is None else d.group
-        codes, scales = _quant_codes(w, d.bits, group, d, gram, factor)
+        codes, scales = _quant_codes(w, d.bits, group, d, gram, factor, pick)
         if d.group is None:
             scales = np.ascontiguousarray(scales[:, 0])
         lo, hi = pack_intn(codes, d.bits)

@@ -636,7 +636,7 @@ def gptq_quantize(w, gram, bits, group=None, *, damp=DAMP, block=128, act_order=
 
 
 def gptq_validated(w, g, bits, grp, damp=DAMP, block=128, act_order=True, clip=True,
-                   factor=None):
+                   factor=None, pick=None):
     """:func:`gptq_quantize` on already-validated input (``w`` float32 2-D finite,
     ``g`` from :func:`check_gram`, ``grp >= 1``); no checks.
 
@@ -646,6 +646,11 @@ def gptq_validated(w, g, bits, grp, damp=DAMP, block=128, act_order=True, clip=T
     clipped scales is made for the whole ``w`` (the lower total output energy;
     ties and no clipping anywhere: unclipped), from :func:`row_output_energy`
     (``factor``: the low-rank :func:`gram_factor`, else ``H``).
+
+    ``pick`` (internal: a row sample's choice reused on more rows of the same
+    weight), a dict: ``{"clipped": None}`` makes that choice and stores it
+    (``True`` / ``False``); ``{"clipped": c}`` with a bool ``c`` runs only
+    that candidate (half the sweeps).
     """
     from opscope_nb._threads import map_row_blocks
     from opscope_nb.kernels._gptq_round import gptq_core, gptq_group_scales
@@ -659,6 +664,9 @@ def gptq_validated(w, g, bits, grp, damp=DAMP, block=128, act_order=True, clip=T
     order, u = (low[0], None) if low is not None else _cached_factor(g, damp, act_order)
     imp = np.ascontiguousarray(g if g.ndim == 1 else np.diag(g), dtype=np.float64)
     steps_all = (0, CLIP_STEPS) if clip else (0,)
+    forced = None if pick is None else pick.get("clipped")
+    if clip and forced is not None:
+        steps_all = (CLIP_STEPS,) if forced else (0,)
 
     def run(a, b):
         w64 = np.array(w[a:b], dtype=np.float64)
@@ -678,9 +686,11 @@ def gptq_validated(w, g, bits, grp, damp=DAMP, block=128, act_order=True, clip=T
         return out
 
     parts = map_row_blocks(run, rows, block=GPTQ_ROWS)
-    pick = 0
+    k = 0
     if len(steps_all) > 1 and any(p[1] is not p[0] for p in parts):
-        tot = [sum(p[k][2] for p in parts) for k in range(2)]
-        pick = 1 if tot[1] < tot[0] else 0
-    return (np.concatenate([p[pick][0] for p in parts]),
-            np.concatenate([p[pick][1] for p in parts]))
+        tot = [sum(p[j][2] for p in parts) for j in range(2)]
+        k = 1 if tot[1] < tot[0] else 0
+    if pick is not None and forced is None and clip:
+        pick["clipped"] = bool(k)
+    return (np.concatenate([p[k][0] for p in parts]),
+            np.concatenate([p[k][1] for p in parts]))

@@ -431,9 +431,16 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         of the gram when it has one (:func:`opscope_nb.formats.gptq.gram_factor`:
         ``rows x cols x t`` float32 GEMMs instead of ``rows x cols²``).  The
         other options (ternary's one scale, low-rank, Monarch, Tucker, TT) are
-        measured on every row; the ``+lr`` composites are not offered on a
-        sampled tensor (their correction is fitted to every row of the
-        residual).  Bytes and flops are exact either way.  ``latency`` still
+        fitted to every row and their ``rel_err`` is exact (``rel_err_se``
+        0); with that factor their ``out_err`` comes from the sample's rows
+        too (``"auto"``: from every row when its interval is wider than the
+        target, both standard errors then None).  The ``+lr`` composites are
+        not offered on a sampled tensor (their correction is fitted to every
+        row of the residual).  A ``+gptq`` option's choice between clipped and
+        unclipped scales is made on the pilot's rows and kept for the rows a
+        grown sample adds (``apply`` chooses on every row: the two differ only
+        where the candidates' errors nearly tie).  Bytes and flops are exact
+        either way.  ``latency`` still
         packs every row of each option to time it.
 
     Returns
@@ -716,6 +723,8 @@ class _Measure:
         self._eh = None
         self.est = None              # label -> (rel, se, out, out_se) from a row sample
         self._factor = None          # low-rank factor of a 2-D gram (sampled tensors)
+        self._pilot = None           # (rows, strata sizes, row output energies) sampled
+        self._picks = {}             # GPTQ option -> its pilot's clipping choice
         self.sample_info = None
 
     def _tick(self, part, t0):
@@ -753,14 +762,12 @@ class _Measure:
         if not math.isfinite(err):
             return None   # not representable (f16 past 65504): not an option here
         oerr = None
+        se = (None, None)
         self._eh = None
         if self.gram is not None:
             t0 = time.perf_counter()
             if self._factor is not None:
-                from opscope_nb.formats.gptq import row_output_energy
-                num = float(row_output_energy(w.astype(np.float64) - recon, self.gram,
-                                              self._factor).sum())
-                oerr = output_ratio(num, self.den())
+                oerr, se = self._out_sampled(recon)
             elif self.gram.ndim == 2:
                 # keep E H for the +lr composites of this option (same product)
                 e = w.astype(np.float64) - recon
@@ -770,8 +777,29 @@ class _Measure:
                 oerr = output_error(w, recon, self.gram, den=self.den())
             self._tick("out_err", t0)
         self._record(d, packed, err, oerr,
-                     nb=ref_dense if d.kind == "dense" and ref_dense is not None else None)
+                     nb=ref_dense if d.kind == "dense" and ref_dense is not None else None,
+                     se=se)
         return packed, recon
+
+    def _out_sampled(self, recon):
+        """``(out_err, (rel_err_se, out_err_se))`` of a reconstruction of every
+        row on a sampled tensor (ternary, low-rank, Monarch, Tucker, TT: fitted
+        to every row, so ``rel_err`` is exact, standard error 0): the output
+        error from the pilot's rows (:func:`opscope_nb.profile.sampling.estimate`),
+        or, under ``"auto"``, from every row (standard errors None) when its
+        95 % interval is wider than the sample's target."""
+        from opscope_nb.formats.gptq import row_output_energy
+        from . import sampling as smp
+        w, g, f = self.w, self.gram, self._factor
+        idx, sizes, xo, auto = self._pilot
+        den = self.den()
+        e = w[idx].astype(np.float64) - recon[idx]
+        tot, var = smp.estimate(row_output_energy(e, g, f), sizes, xo[idx], den)
+        rel, se = smp.relative(tot, var, den)
+        if not auto or smp.rows_for_target(rel, se, len(idx), w.shape[0]) <= len(idx):
+            return rel, (0.0, se)
+        num = float(row_output_energy(w.astype(np.float64) - recon, g, f).sum())
+        return output_ratio(num, den), (None, None)
 
     def as_stored(self, d, nb):
         """Record ``d`` (the source's own ggml block type) as the stored blocks
@@ -807,7 +835,11 @@ class _Measure:
             if per.get(d.label, 0) is None:
                 continue
             t0 = time.perf_counter()
-            e = unpack(_pack(ws, d, None, g, self._factor), d, ws.shape)
+            # GPTQ chooses clipped or unclipped scales on the pilot's rows; more
+            # rows of the same option run only that choice (one sweep, not two)
+            pick = self._picks.setdefault(d.label, {"clipped": None}) \
+                if d.rounding is not None else None
+            e = unpack(_pack(ws, d, None, g, self._factor, pick), d, ws.shape)
             if e.dtype != np.float32 or not e.flags.writeable or not e.flags.c_contiguous \
                     or np.may_share_memory(e, ws):
                 e = np.array(e, dtype=np.float32)     # (dense: the weight itself)
@@ -854,35 +886,24 @@ class _Measure:
             den_o = float(xo.sum())
             self._den = den_o
             self._tick("out_err", t0)
-        # A GPTQ twin's error tracks its round-to-nearest twin's row by row: the
-        # twin is measured on every row (exact; rounding is cheap) and is the
-        # GPTQ estimate's auxiliary, so the GPTQ sweeps need few rows.
-        twin = {d.label: d.with_rounding(None).label for d, _ in todo
-                if d.rounding is not None}
-        known = {d.label for d, _ in todo}
-        twin = {k: v for k, v in twin.items() if v in known}
-        exact = {}
-        if twin:
-            self._rows([it for it in todo if it[0].label in set(twin.values())],
-                       np.arange(rows, dtype=np.int64), exact)
-            exact = {k: v[0] for k, v in exact.items() if v is not None}
-            twin = {k: v for k, v in twin.items() if v in exact}
-        todo = [it for it in todo if it[0].label not in exact]
+        # Every option, GPTQ twins included, is estimated from the sample with
+        # the rows' own energies as the regression's auxiliary.  (Measuring a
+        # GPTQ option's round-to-nearest twin on every row as its auxiliary cost
+        # a quarter of a 7B layer's profile and hardly helped: the two rows'
+        # output errors correlate at 0.02-0.2 on a calibration gram.)
         idx, sizes = smp.draw(rows, n0, self.seed, name)
+        self._pilot = (idx, sizes, xo, auto)
         per = {}
         self._rows(todo, idx, per)
 
         def stats(lab, pairs, smp_of):
             idx_s, sizes_s, order_s = smp_of
-            t = exact.get(twin.get(lab))
-            xa, xb = (xw, xo) if t is None else t          # the ratio's x, on every row
             y = np.concatenate([p[0] for p in pairs])[order_s]
-            out = smp.relative(*smp.estimate(y, sizes_s, xa[idx_s], float(xa.sum())), den_w)
+            out = smp.relative(*smp.estimate(y, sizes_s, xw[idx_s], den_w), den_w)
             if pairs[0][1] is None:
                 return out + (None, None)
             oy = np.concatenate([p[1] for p in pairs])[order_s]
-            return out + smp.relative(*smp.estimate(oy, sizes_s, xb[idx_s], float(xb.sum())),
-                                      den_o)
+            return out + smp.relative(*smp.estimate(oy, sizes_s, xo[idx_s], den_o), den_o)
 
         pilot = (idx, sizes, np.arange(n0))
         of = {}                # label -> its grown sample (the others keep the pilot)
@@ -922,10 +943,6 @@ class _Measure:
                 of = {lab: big for lab in need}
         self.est = {lab: (None if pairs is None else stats(lab, pairs, of.get(lab, pilot)))
                     for lab, pairs in per.items()}
-        for lab, (y, oy) in exact.items():
-            self.est[lab] = (smp.relative(float(y.sum()), 0.0, den_w)
-                             + (smp.relative(float(oy.sum()), 0.0, den_o) if oy is not None
-                                else (None, None)))
         sampled = [lab for lab, pairs in per.items() if pairs is not None]
         if of and len(of) < len(sampled):
             # some options grew their sample, the others kept the pilot's rows
