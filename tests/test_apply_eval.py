@@ -481,3 +481,30 @@ def test_smollm2_int8_plan_kl_small(tmp_path, capsys):
     assert doc["tokens"] == 64 and 0.0 < doc["kl_mean"] <= 0.02
     assert doc["top1_agree"] >= 0.8 and 5.0 < doc["ppl_dense"] < 60.0
     assert doc["compressed_weight_bytes"] < 0.5 * doc["dense_weight_bytes"]
+
+
+def test_writer_add_stored_takes_a_known_sha256(tmp_path):
+    """``add_stored(entry, sha256)`` records the given hash of the stored bytes
+    instead of hashing them again: the same record as hashing them; a wrong-
+    looking value is refused, and a load with verification catches a hash
+    that does not match the bytes."""
+    import hashlib
+    from opscope_nb.io import TensorEntry
+    from opscope_nb.runtime.checkpoint import CheckpointWriter
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    e = TensorEntry("t", (3, 4), "F32", "mem", lambda: a, lambda: a.reshape(-1).view(np.uint8))
+    recs = []
+    for i, sha in enumerate((None, e.sha256())):
+        w = CheckpointWriter(str(tmp_path / f"{i}.safetensors"))
+        w.add_stored(e, sha)
+        recs.append(dict(w.tensors["t"]))
+        w.finish({})
+    assert recs[0] == recs[1] and recs[0]["sha256"] == hashlib.sha256(a.tobytes()).hexdigest()
+    w = CheckpointWriter(str(tmp_path / "bad.safetensors"))
+    for bad in ("abc", 5, b"0" * 64):
+        with pytest.raises(ValueError, match="sha256 must be"):
+            w.add_stored(e, bad)
+    w.add_stored(e, "0" * 64)
+    w.finish({})
+    with pytest.raises(Exception, match="sha256|SHA|hash"):
+        runtime.load(str(tmp_path / "bad.safetensors"), verify=True)

@@ -336,7 +336,7 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
                 dense_layers += ent is not None
                 if ent is not None:
                     written += int(e.raw().size)
-                wq.put(w.add_stored, e)
+                wq.put(w.add_stored, e, hashes[e.name])   # the same bytes: hashed once
             if progress is not None:
                 progress.advance(e.numel)
         wq.drain()

@@ -152,12 +152,19 @@ class CheckpointWriter:
                              "shape": [int(lin.shape[0]), int(lin.shape[1])],
                              "arrays": arrays}
 
-    def add_stored(self, entry) -> None:
+    def add_stored(self, entry, sha256=None) -> None:
         """Copy a source tensor byte for byte as the source stores it
         (:meth:`opscope_nb.io.TensorEntry.raw`): safetensors dtypes keep their
         code (``BF16`` included); a GGUF block type (``Q8_0`` ...) is stored as
         its ``U8`` blocks ``[rows, row bytes]`` with ``stored_as`` and the
-        logical ``shape`` in the record, which :func:`load` decodes."""
+        logical ``shape`` in the record, which :func:`load` decodes.
+
+        ``sha256``: the hex SHA-256 of those bytes when the caller already has
+        it (:meth:`~opscope_nb.io.TensorEntry.sha256`, as ``apply`` computes
+        for every source tensor); recorded as is instead of hashing them again
+        (a 7B model's embedding and output tables: 2.2 GB)."""
+        if sha256 is not None and not (isinstance(sha256, str) and len(sha256) == 64):
+            raise ValueError(f"sha256 must be a 64-digit hex string or None; got {sha256!r}.")
         raw = np.ascontiguousarray(entry.raw()).reshape(-1)
         code = str(entry.dtype).upper()
         shape = [int(s) for s in entry.shape]
@@ -166,15 +173,16 @@ class CheckpointWriter:
             if raw.size != item * int(np.prod(shape, dtype=np.int64)):
                 raise CheckpointError(f"tensor {entry.name!r}: {raw.size} stored bytes for "
                                       f"{code} {shape}; the source is inconsistent.")
-            info = self._add_bytes(entry.name, raw, code, shape)
+            info = self._add_bytes(entry.name, raw, code, shape, sha256)
         else:
             rows = shape[0] if len(shape) == 2 else 1
-            info = self._add_bytes(entry.name, raw, "U8", [rows, raw.size // max(rows, 1)])
+            info = self._add_bytes(entry.name, raw, "U8", [rows, raw.size // max(rows, 1)],
+                                   sha256)
             info["stored_as"] = code
             info["logical_shape"] = shape
         self.tensors[entry.name] = info
 
-    def _add_bytes(self, name, raw, code, shape):
+    def _add_bytes(self, name, raw, code, shape, sha256=None):
         if name in self._header:
             raise ValueError(f"tensor {name!r} written twice; names must be unique.")
         self._data.write(raw)
@@ -183,7 +191,7 @@ class CheckpointWriter:
                               "data_offsets": [self._offset, self._offset + n]}
         self._offset += n
         return {"dtype": _ST2NP.get(code, code.lower()), "shape": shape,
-                "sha256": hashlib.sha256(raw).hexdigest()}
+                "sha256": sha256 if sha256 is not None else hashlib.sha256(raw).hexdigest()}
 
     def add_tensor(self, name: str, a) -> None:
         """Store a plain tensor under ``name``."""
