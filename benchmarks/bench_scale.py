@@ -13,8 +13,10 @@ first 2 and on all 4 blocks (hard links: the same shards):
   ``--sample-rows auto``, the exact plan at the default budget);
 * ``imatrix``: the same with ``--imatrix FILE`` (a legacy ``.dat`` imatrix of
   random importances for every block tensor, GGUF names);
-* ``calib``: ``opscope-nb profile DIR --calib --calib-tokens 512`` (default
-  menu: out_err of every option, the sensitivity of every layer, GPTQ twins);
+* ``calib``: ``opscope-nb profile DIR --calib --calib-tokens 512 --validate 0``
+  (default menu: out_err of every option, the sensitivity of every layer, GPTQ
+  twins; ``--validate 0`` is the default of a model above 2 B weights, which
+  the 2- and 4-block checkpoints are not);
 * ``apply``: ``opscope-nb apply DIR ggml/plan.json -o OUT.safetensors`` (one
   quantisation pass) against libggml's ``ggml_quantize_chunk`` (the
   ``llama_cpp`` wheel's ``libggml-base``) for the same tensors and types on as
@@ -308,7 +310,10 @@ def run_all(root, shards, n, runs, tokens, workers) -> dict:
         out["imatrix"] = timed([_cli(), "profile", src, "--menu", "ggml", "--imatrix", im,
                                 "--out", o("imatrix"), "-q"])
     if "calib" in runs:
+        # --validate 0: what a 7B-size run does by default (its plans are not run
+        # on held-out text); 2 and 4 blocks alone are small enough to get it
         out["calib"] = timed([_cli(), "profile", src, "--calib", "--calib-tokens", str(tokens),
+                              "--validate", "0",
                               "--out", o("calib"), "-q"])
     if "apply" in runs:
         plan = os.path.join(o("ggml"), "plan.json")

@@ -568,6 +568,27 @@ def test_cli_profile_reports_validation(tmp_path):
     assert r.returncode == 2 and "--validate" in r.stderr
 
 
+def test_cli_profile_large_model_skips_validation_by_default(tmp_path, monkeypatch):
+    """Above VALIDATE_MAX_WEIGHTS profiled weights the default --validate is 0
+    (said in one line, with the flag that runs it); an explicit --validate
+    still holds text out."""
+    import opscope_nb.cli.profile as cp
+    src = str(tmp_path / "m")
+    write_tiny_llama(src, seed=14, n_layers=2, hidden=64, ffn=96)
+    monkeypatch.setattr(cp, "VALIDATE_MAX_WEIGHTS", 1000)
+    args = ("profile", src, "--calib", "--calib-tokens", "200", "--bpw", "5",
+            "--rank-cap", "4", "--method", "greedy")
+    r = _cli(*args, "--out", tmp_path / "big")
+    assert r.returncode == 0, r.stderr
+    assert "the plans are not run on held-out text" in r.stdout and "--validate 0.25" in r.stdout
+    assert "held-out tokens, kl)" not in r.stdout
+    plan = json.load(open(tmp_path / "big" / "plan.json"))
+    assert plan["calib"]["validate"] == 0.0
+    assert "validation" not in plan["methods"]["greedy"]
+    r = _cli(*args, "--validate", "0.25", "--out", tmp_path / "forced")
+    assert r.returncode == 0 and "held-out tokens, kl): greedy: predicted" in r.stdout
+
+
 def test_grams_only_for_the_wanted_layers_and_tables_dropped(tmp_path):
     """grams_for keeps the forwards and computes only the wanted grams (a
     wanted k_proj shares q_proj's input group); the embedding table is not

@@ -123,7 +123,8 @@ def add_parser(sub) -> None:
                         "the perturbed forwards of a large model would take longer)")
     c.add_argument("--validate", type=float, default=None, metavar="FRAC",
                    help="with --calib: hold out FRAC of the calibration text (sentences / "
-                        "passages, seeded by --seed; default 0.25, 0 = none); grams and "
+                        "passages, seeded by --seed; default 0.25, 0 for models of more "
+                        "than 2 B profiled weights; 0 = none); grams and "
                         "sensitivities come from the rest, and each plan is then run on "
                         "the held-out part: its predicted and measured metric (1-cos / KL) "
                         "are printed and stored in plan.json")
@@ -161,6 +162,12 @@ def add_parser(sub) -> None:
 
 #: Default ``--validate``: the held-out fraction of the calibration text.
 VALIDATE_DEFAULT = 0.25
+#: Above this many profiled weights ``--validate`` defaults to 0: running the
+#: plans re-packs every planned tensor (GPTQ on every row) and runs the model
+#: again, about as long as the profile itself at 7B (a 2-block Llama-7B-shaped
+#: checkpoint: 280 s of plan runs after 273 s of profile); ``apply`` + ``eval``
+#: measure the one plan the user keeps.
+VALIDATE_MAX_WEIGHTS = 2_000_000_000
 
 #: Default ``--calib-tokens`` of the built-in text (the default ``--calib-text``).
 #: all-MiniLM-L6-v2, exact plans, cosine on 4012 tokens of numpy / scipy
@@ -296,7 +303,14 @@ def _calibration(args, src, chosen, kw, dist):
                            "--no-sensitivity (or use --objective output).")
         show = progress_enabled(args)
         if args.validate is None:
-            args.validate = VALIDATE_DEFAULT
+            n_w = sum(int(e.numel) for e in chosen)
+            args.validate = VALIDATE_DEFAULT if n_w <= VALIDATE_MAX_WEIGHTS else 0.0
+            if not args.validate:
+                print(f"calibration: {n_w / 1e9:.1f} B weights: the plans are not run on "
+                      f"held-out text (it re-packs every planned tensor and runs the model "
+                      f"again, about as long as the profile); --validate "
+                      f"{VALIDATE_DEFAULT:g} runs them, 'eval' measures a plan after "
+                      f"'apply'.", flush=True)
         if not 0.0 <= args.validate < 1.0:
             raise CliError(f"--validate is the held-out fraction of the calibration text, "
                            f"in [0, 1); got {args.validate}.")
