@@ -508,3 +508,48 @@ def test_writer_add_stored_takes_a_known_sha256(tmp_path):
     w.finish({})
     with pytest.raises(Exception, match="sha256|SHA|hash"):
         runtime.load(str(tmp_path / "bad.safetensors"), verify=True)
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_writer_add_stored_copies_a_file_range(tmp_path, monkeypatch, kernel_copy):
+    """A stored tensor mapped from a file (its hash known) is appended by
+    ``os.copy_file_range`` -- or, where that fails, written from memory: the
+    same file either way, the tensors around it in place."""
+    from opscope_nb.io import TensorEntry
+    from opscope_nb.runtime.checkpoint import CheckpointWriter
+    src = tmp_path / "src.bin"
+    payload = np.random.default_rng(5).integers(0, 255, 70001, dtype=np.uint8)
+    with open(src, "wb") as f:
+        f.write(b"x" * 13 + payload.tobytes())
+    a = np.frombuffer(payload.tobytes()[:70000], np.uint16).reshape(350, 100)
+    e = TensorEntry("e", (350, 100), "F16", str(src), lambda: None,
+                    lambda: np.memmap(src, dtype=np.uint8, mode="r", offset=13, shape=(70000,)))
+    calls = []
+    if not kernel_copy:
+        def fail(*args, **kw):
+            raise OSError("not here")
+        monkeypatch.setattr(os, "copy_file_range", fail, raising=False)
+    elif hasattr(os, "copy_file_range"):
+        real = os.copy_file_range
+
+        def spy(*args, **kw):
+            calls.append(args[2])
+            return real(*args, **kw)
+        monkeypatch.setattr(os, "copy_file_range", spy)
+    outs = []
+    for i, sha in enumerate((None, e.sha256())):
+        path = str(tmp_path / f"{kernel_copy}{i}.safetensors")
+        w = CheckpointWriter(path, reserve=256)
+        w.add_tensor("before", np.arange(3, dtype=np.float32))
+        w.add_stored(e, sha)
+        w.add_tensor("after", np.ones(5, np.float32))
+        w.finish({})
+        with open(path, "rb") as f:
+            outs.append(f.read())
+    assert outs[0] == outs[1]
+    if kernel_copy and hasattr(os, "copy_file_range"):
+        assert sum(calls) >= 70000        # the hashed entry went through the kernel
+    from safetensors.numpy import load_file
+    got = load_file(str(tmp_path / f"{kernel_copy}1.safetensors"))
+    assert got["e"].view(np.uint16).tobytes() == a.tobytes()
+    assert np.array_equal(got["after"], np.ones(5, np.float32))

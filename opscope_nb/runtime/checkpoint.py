@@ -165,7 +165,12 @@ class CheckpointWriter:
         (a 7B model's embedding and output tables: 2.2 GB)."""
         if sha256 is not None and not (isinstance(sha256, str) and len(sha256) == 64):
             raise ValueError(f"sha256 must be a 64-digit hex string or None; got {sha256!r}.")
-        raw = np.ascontiguousarray(entry.raw()).reshape(-1)
+        src = entry.raw()
+        # a file's byte range with its hash known: the kernel copies it
+        # (copy_file_range), no pass through this process's memory
+        span = (src.filename, int(src.offset)) if sha256 is not None and \
+            isinstance(src, np.memmap) and getattr(src, "filename", None) else None
+        raw = np.ascontiguousarray(src).reshape(-1)
         code = str(entry.dtype).upper()
         shape = [int(s) for s in entry.shape]
         if code in _STORED_PLAIN:
@@ -173,25 +178,50 @@ class CheckpointWriter:
             if raw.size != item * int(np.prod(shape, dtype=np.int64)):
                 raise CheckpointError(f"tensor {entry.name!r}: {raw.size} stored bytes for "
                                       f"{code} {shape}; the source is inconsistent.")
-            info = self._add_bytes(entry.name, raw, code, shape, sha256)
+            info = self._add_bytes(entry.name, raw, code, shape, sha256, span)
         else:
             rows = shape[0] if len(shape) == 2 else 1
             info = self._add_bytes(entry.name, raw, "U8", [rows, raw.size // max(rows, 1)],
-                                   sha256)
+                                   sha256, span)
             info["stored_as"] = code
             info["logical_shape"] = shape
         self.tensors[entry.name] = info
 
-    def _add_bytes(self, name, raw, code, shape, sha256=None):
+    def _add_bytes(self, name, raw, code, shape, sha256=None, span=None):
         if name in self._header:
             raise ValueError(f"tensor {name!r} written twice; names must be unique.")
-        self._data.write(raw)
+        if span is None or not self._copy_range(span[0], span[1], int(raw.size)):
+            self._data.write(raw)
         n = int(raw.size)
         self._header[name] = {"dtype": code, "shape": shape,
                               "data_offsets": [self._offset, self._offset + n]}
         self._offset += n
         return {"dtype": _ST2NP.get(code, code.lower()), "shape": shape,
                 "sha256": sha256 if sha256 is not None else hashlib.sha256(raw).hexdigest()}
+
+    def _copy_range(self, path, offset, n) -> bool:
+        """Append ``n`` bytes of ``path`` from ``offset`` with
+        ``os.copy_file_range``; False (nothing written) where the system
+        cannot, and the caller writes them itself."""
+        if n == 0 or not hasattr(os, "copy_file_range"):
+            return n == 0
+        self._data.flush()
+        dst = self._data.fileno()
+        start = self._data.tell()
+        done = 0
+        try:
+            with open(path, "rb") as f:
+                while done < n:
+                    k = os.copy_file_range(f.fileno(), dst, n - done, offset + done,
+                                           start + done)
+                    if k <= 0:
+                        raise OSError("copy_file_range copied nothing")
+                    done += k
+        except OSError:
+            self._data.seek(start)     # the bytes copied so far are overwritten
+            return False
+        self._data.seek(start + n)
+        return True
 
     def add_tensor(self, name: str, a) -> None:
         """Store a plain tensor under ``name``."""
