@@ -24,7 +24,8 @@ first 2 and on all 4 blocks (hard links: the same shards):
 * ``workers``: the ``ggml`` run with ``--workers 2`` (a local Dask cluster).
 
 Each command's wall time and peak RSS (``/usr/bin/time``) are printed, and the
-whole-model extrapolation: per block = (T(4) - T(2)) / 2, fixed = T(2) - 2 x
+whole-model extrapolation (for ``calib`` also with the sensitivity sweep apart,
+:func:`calib_model`: it grows with the square of the depth until its work cap): per block = (T(4) - T(2)) / 2, fixed = T(2) - 2 x
 per block, model = fixed + blocks x per block (32 blocks for Llama-7B, 28 for
 Qwen2-7B; a 70B-class model: 80 blocks of 8192 / 28672, the per-block time
 scaled by the weights, on 1 machine and on N).  Random Gaussian rows are alike,
@@ -341,6 +342,53 @@ print(json.dumps({"rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss 
 """
 
 
+def sens_work(blocks, w_block, vocab, hidden, tokens=None):
+    """``(flops, tokens)`` of the sensitivity sweep over every linear layer of
+    ``blocks`` blocks (seven a block) as
+    :meth:`~opscope_nb.profile.calib.CalibrationStream._auto_sens_tokens`
+    counts it: each layer's perturbed forwards from its own block through the
+    head, 2 flops a weight and token; ``tokens`` None: what ``--sens-tokens
+    auto`` picks without a held-out probe."""
+    from opscope_nb.profile.calib import SENS_MIN_TOKENS, SENS_TOKENS, SENS_WORK
+    per_tok = 7 * sum((blocks - b) * 2.0 * w_block + 2.0 * vocab * hidden
+                      for b in range(blocks))
+    if tokens is None:
+        tokens = SENS_TOKENS if per_tok * SENS_TOKENS <= SENS_WORK else \
+            max(SENS_MIN_TOKENS, min(SENS_TOKENS, int(SENS_WORK / per_tok) // 32 * 32))
+    return per_tok * tokens, tokens
+
+
+def calib_model(root, res, lo, hi, full_blocks, w_block, model):
+    """The calib run's extrapolation with the sensitivity apart: it grows with
+    the square of the depth until ``--sens-tokens auto`` caps its work, so the
+    linear model above misjudges it.  Per block and fixed costs from the runs
+    without their sensitivity seconds (``profile.json``'s
+    ``settings.calib.seconds``); the sensitivity at full depth from its
+    modelled flops (:func:`sens_work`) at the rate the larger run measured."""
+    got = {}
+    for n in (lo, hi):
+        with open(os.path.join(root, f"calib-{n}", "profile.json")) as f:
+            cal = json.load(f)["settings"]["calib"]
+        runs = 2 if cal.get("sens_val_tokens") else 1
+        flops, _ = sens_work(n, w_block, VOCAB, HIDDEN, cal["sens_tokens"])
+        got[n] = (res[n]["calib"]["wall"] - cal["seconds"]["sensitivity"],
+                  cal["seconds"]["sensitivity"], flops * runs)
+    per = (got[hi][0] - got[lo][0]) / (hi - lo)
+    fixed = got[lo][0] - lo * per
+    rate = got[hi][2] / max(got[hi][1], 1e-9)
+    full, toks = sens_work(full_blocks, w_block, VOCAB, HIDDEN)
+    w70 = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 8192 * 28672
+    big, toks70 = sens_work(80, w70, 128256, 8192)
+    t = fixed + full_blocks * per + full / rate
+    t70 = fixed + 80 * per * w70 / w_block + big / rate
+    print(f"calib with the sensitivity apart: {per:.1f} s per block and {fixed:.1f} s fixed "
+          f"without it; the sensitivity ran at {rate / 1e9:.0f} Gflop/s "
+          f"({got[hi][2] / 1e12:.1f} Tflop in {got[hi][1]:.1f} s on {hi} blocks); at "
+          f"{full_blocks} blocks --sens-tokens auto takes {toks} tokens, "
+          f"{full / 1e12:.1f} Tflop = {full / rate / 60:.1f} min -> {model} {t / 60:.1f} min "
+          f"(70B class: {toks70} tokens, {t70 / 60:.0f} min on 1 machine)")
+
+
 def run_calib_only(src, tokens):
     """The streamed calibration alone (every layer's gram, one sensitivity) in a
     fresh process: its peak RSS and seconds."""
@@ -440,6 +488,8 @@ def main(argv=None) -> int:
                   + f" {per:>8.1f} {cper:>9.1f} {model / 60:>13.1f} "
                   f"{f'{big / 60:.0f} / {big / 60 / 8:.0f}':>18} "
                   + " ".join(f"{res[n][k]['rss_mib']:>11.0f}" for n in counts))
+        if "calib" in res[hi] and hi > lo:
+            calib_model(root, res, lo, hi, full_blocks, w_block, args.model)
         if "apply" in res[hi]:
             for n in counts:
                 r = res[n]["apply"]
