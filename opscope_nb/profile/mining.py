@@ -723,7 +723,7 @@ class _Measure:
         self._eh = None
         self.est = None              # label -> (rel, se, out, out_se) from a row sample
         self._factor = None          # low-rank factor of a 2-D gram (sampled tensors)
-        self._pilot = None           # (rows, strata sizes, row output energies) sampled
+        self._pilot = None           # (rows, strata sizes, row output energies, auto)
         self._picks = {}             # GPTQ option -> its pilot's clipping choice
         self.sample_info = None
 
@@ -921,7 +921,7 @@ class _Measure:
                     need[lab] = k
             if need:
                 # only the options whose interval is too wide get the fresh rows
-                # (at 7B shapes: the per-channel GPTQ twins' out_err, 5 of 30)
+                # (at 7B shapes with real grams: 7-24 of ~40, mostly +gptq out_err)
                 grow = [it for it in todo if it[0].label in need]
                 n = n0 * 2 ** int(math.ceil(math.log2(max(need.values()) / n0)))
                 if 2 * n > rows:          # as dear as every row: measure them all
