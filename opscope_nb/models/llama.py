@@ -89,7 +89,7 @@ def _rope_tables(config, pos, swa=False):
 
 
 def _rope(x, cos, sin, interleaved):
-    """Rotate ``x`` ``[T, heads, hd]`` (returns a new array)."""
+    """Rotate ``x`` ``[..., T, heads, hd]`` (returns a new array)."""
     c, s = cos[:, None, :], sin[:, None, :]
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -182,7 +182,7 @@ def _act(cfg, g):
     return g * expit(g)
 
 
-def block(model, i, x, kc, vc, p0, ctx, *, act="auto") -> np.ndarray:
+def block(model, i, x, kc, vc, p0, ctx, *, act="auto", seqs=1) -> np.ndarray:
     """Block ``i`` of the decoder on ``x`` ``[T, hidden]`` float32 (the new tokens).
 
     ``kc`` / ``vc`` (``[n_kv, capacity, head_dim]`` float32, this block's
@@ -191,10 +191,23 @@ def block(model, i, x, kc, vc, p0, ctx, *, act="auto") -> np.ndarray:
     Returns the block's output ``[T, hidden]`` float32.  Reads only block
     ``i``'s tensors, so a caller may hold one block at a time
     (:mod:`opscope_nb.profile.calib` streams the model this way).
+
+    ``seqs > 1`` runs that many independent sequences of ``T`` tokens at
+    once: ``x`` is ``[seqs * T, hidden]`` (sequence-major), ``kc`` / ``vc``
+    are None and ``p0`` 0 (no cache); each sequence attends to itself only.
+    The linear layers then see one ``[seqs * T, in]`` input (one GEMM for
+    every sequence).  ``kc = vc = None`` with ``seqs = 1`` is one sequence
+    without a cache.
     """
     cfg, W = model.config, model.tensors
     nm = cfg["names"]
-    T = x.shape[0]
+    B = int(seqs)
+    if B < 1 or x.shape[0] % B:
+        raise ValueError(f"block: seqs must be >= 1 and divide the {x.shape[0]} rows of x; "
+                         f"got seqs={seqs!r}.")
+    if B > 1 and (kc is not None or vc is not None or p0):
+        raise ValueError("block: seqs > 1 runs without a KV cache; pass kc=vc=None and p0=0.")
+    T = x.shape[0] // B
     S = p0 + T
     nh, nkv, hd = cfg["n_heads"], cfg["n_kv"], cfg["head_dim"]
     rep = nh // nkv
@@ -218,31 +231,36 @@ def block(model, i, x, kc, vc, p0, ctx, *, act="auto") -> np.ndarray:
         q = q + W[name("q_bias")]
         k = k + W[name("k_bias")]
         v = v + W[name("v_bias")]
-    q = q.reshape(T, nh, hd)
-    k = k.reshape(T, nkv, hd)
+    q = q.reshape(B, T, nh, hd)
+    k = k.reshape(B, T, nkv, hd)
     if cfg.get("qk_norm"):
         q = _rms_norm(q, W[name("q_norm")], eps, off)
         k = _rms_norm(k, W[name("k_norm")], eps, off)
     q = _rope(q, cos, sin, inter)
     k = _rope(k, cos, sin, inter)
-    kc[:, p0:S] = k.transpose(1, 0, 2)
-    vc[:, p0:S] = v.reshape(T, nkv, hd).transpose(1, 0, 2)
-    K = kc[:, :S]                                                 # [nkv, S, hd]
-    V = vc[:, :S]
-    # queries grouped by their KV head: [nkv, rep*T, hd] (head-major inside a group)
-    qg = q.transpose(1, 0, 2).reshape(nkv, rep * T, hd)
-    s = np.matmul(qg, K.transpose(0, 2, 1)) * scale               # [nkv, rep*T, S]
+    v = v.reshape(B, T, nkv, hd)
+    if kc is not None:
+        kc[:, p0:S] = k[0].transpose(1, 0, 2)
+        vc[:, p0:S] = v[0].transpose(1, 0, 2)
+        K = kc[None, :, :S]                                       # [1, nkv, S, hd]
+        V = vc[None, :, :S]
+    else:
+        K = k.transpose(0, 2, 1, 3)                               # [B, nkv, T, hd]
+        V = v.transpose(0, 2, 1, 3)
+    # queries grouped by their KV head: [B, nkv, rep*T, hd] (head-major inside a group)
+    qg = q.transpose(0, 2, 1, 3).reshape(B, nkv, rep * T, hd)
+    s = np.matmul(qg, K.transpose(0, 1, 3, 2)) * scale            # [B, nkv, rep*T, S]
     cap = cfg.get("attn_softcap")
     if cap:
         s = np.tanh(s / np.float32(cap)) * np.float32(cap)
     if mask is not None:
-        s = s.reshape(nkv, rep, T, S)
+        s = s.reshape(B, nkv, rep, T, S)
         s += mask
-        s = s.reshape(nkv, rep * T, S)
+        s = s.reshape(B, nkv, rep * T, S)
     s -= s.max(axis=-1, keepdims=True)
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
-    o = np.matmul(s, V).reshape(nh, T, hd).transpose(1, 0, 2).reshape(T, nh * hd)
+    o = np.matmul(s, V).reshape(B, nh, T, hd).transpose(0, 2, 1, 3).reshape(B * T, nh * hd)
     a = W[name("o")](np.ascontiguousarray(o, dtype=np.float32), act=act)
     if cfg.get("post_norms"):
         a = _rms_norm(a, W[name("attn_post_norm")], eps, off)

@@ -55,6 +55,12 @@ SENS_MIN_TOKENS = 32
 #: held-out probe; a Llama-3.2-1B shape gets 160 tokens, a Llama-7B 32, both
 #: without the held-out probe).
 SENS_WORK = 30e12
+#: Rows of the perturbed runs stacked into one block call (:meth:`CalibrationStream.
+#: _sens_stage`): OpenBLAS is at full speed from a few hundred rows; 2048 rows
+#: of a 7B FFN are 90 MB per intermediate.
+SENS_BATCH_ROWS = 2048
+#: Logits (rows x vocabulary) of the perturbed runs at a decoder's head per call.
+SENS_BATCH_LOGITS = 2 ** 21
 
 #: Default ``full_max_cols``: ``None`` keeps the full gram at every width (the
 #: diagonal-only fallback is an explicit choice, never silent).
@@ -146,7 +152,7 @@ class _Recorder:
         self.prev_x = None
         self.prev_name = None
         self.on = True
-        self.perturb = None  # (name, eps, rng, state): see _Tap
+        self.perturb = ()    # (name, eps, rng, state, r0, r1) entries: see _Tap
 
     def observe(self, name, x):
         if not self.on:
@@ -181,10 +187,14 @@ class _Recorder:
             # H += xᵀx in place, upper triangle (BLAS syrk): no [cols, cols]
             # temporary next to the accumulator (0.97 GB at 11008 inputs)
             from scipy.linalg.blas import dsyrk
+            from opscope_nb._threads import blas_threads
             acc = self.acc.get(key)
             if acc is None:
                 acc = self.acc[key] = np.zeros((cols, cols), dtype=np.float64, order="F")
-            dsyrk(1.0, x64, beta=1.0, c=acc, trans=1, lower=0, overwrite_c=1)
+            # every core: OpenBLAS splits the output, never the sum over tokens,
+            # so the gram is the same for any thread count
+            with blas_threads():
+                dsyrk(1.0, x64, beta=1.0, c=acc, trans=1, lower=0, overwrite_c=1)
         else:
             g = np.einsum("ij,ij->j", x64, x64)
             if key in self.acc:
@@ -234,24 +244,46 @@ class _Tap:
 
     def __call__(self, x, act="auto"):
         self._rec.observe(self._name, x)
-        y = self._inner(x, act=act)
-        p = self._rec.perturb
-        if p is not None and p[0] == self._name:
-            _, eps, rng, state = p
-            x2 = x.reshape(-1, x.shape[-1])
-            y2 = y.reshape(-1, y.shape[-1])
+        y = _blas_dense(self._inner, x)
+        if y is None:
+            y = self._inner(x, act=act)
+        mine = [p for p in self._rec.perturb if p[0] == self._name]
+        if not mine:
+            return y
+        x2 = x.reshape(-1, x.shape[-1])
+        y2 = y.reshape(-1, y.shape[-1])      # a fresh array: perturbed in place
+        for _, eps, rng, state, r0, r1 in mine:
+            xs, ys = x2[r0:r1], y2[r0:r1]
             if "z" not in state:
                 state["z"] = rng.standard_normal((y2.shape[1], x2.shape[1]),
                                                  dtype=np.float32)
-            dy = x2 @ state["z"].T
+            from opscope_nb._threads import blas_threads
+            with blas_threads():
+                dy = xs @ state["z"].T
             if "s" not in state:
                 rows = self._rec.rows
-                sel = rows if rows is not None and rows.shape[0] == x2.shape[0] else slice(None)
-                num = float(np.linalg.norm(y2[sel].astype(np.float64)))
+                sel = rows if rows is not None and rows.shape[0] == xs.shape[0] else slice(None)
+                num = float(np.linalg.norm(ys[sel].astype(np.float64)))
                 den = float(np.linalg.norm(dy[sel].astype(np.float64)))
                 state["s"] = eps * num / den if den > 0 else 0.0
-            y = (y2 + np.float32(state["s"]) * dy).astype(np.float32).reshape(y.shape)
-        return y
+            ys += np.float32(state["s"]) * dy
+        return y2.reshape(y.shape)
+
+
+def _blas_dense(lin, x):
+    """``x @ Wᵀ`` of a dense, uncorrected ``PackedLinear`` through BLAS on every
+    core for a finite 2-D float32 ``x``, else None.  The calibration's forwards run 512-token windows and batches of
+    perturbed runs: there OpenBLAS's sgemm makes 217-291 Gflop/s on 2 cores
+    against the weight-stationary kernel's 81-85 (4096 x 11008 weights, 224
+    to 2048 rows; Xeon AVX-512), and it gives every row the same value
+    whatever the thread count or the other rows of the call."""
+    d = lin.decomp
+    if (d.kind != "dense" or d.lr is not None or x.ndim != 2 or x.dtype != np.float32
+            or not np.isfinite(x).all()):
+        return None     # (the layer's own call raises on NaN/Inf with its message)
+    from opscope_nb._threads import blas_threads
+    with blas_threads():
+        return x @ lin.arrays["w"].T
 
 
 def _stderr_log(s):
@@ -521,48 +553,69 @@ class CalibrationStream:
                                                           int(len(vids)))
         self._ctx = {}
 
-    def _block(self, i, c, x):
-        """Block ``i`` on chunk ``c``'s activations ``x``."""
+    def _block(self, i, c, x, n=1):
+        """Block ``i`` on chunk ``c``'s activations ``x``; ``n`` runs of the
+        chunk stacked (``[n * rows, hidden]``) go through as one batch, each
+        attending within itself."""
         from opscope_nb.models import bert, llama
         if self.family == "encoder":
-            return bert.block(self.model, i, x, c["bias"], act=self.act)
-        cfg = self.model.config
-        T = x.shape[0]
+            bias = c["bias"] if n == 1 else np.concatenate([c["bias"]] * n)
+            return bert.block(self.model, i, x, bias, act=self.act)
+        T = x.shape[0] // n
         ctx = self._ctx.get(T)
         if ctx is None:
-            ctx = self._ctx[T] = llama.rope_context(cfg, 0, T)
-        kc = np.zeros((cfg["n_kv"], T, cfg["head_dim"]), dtype=np.float32)
-        return llama.block(self.model, i, x, kc, np.zeros_like(kc), 0, ctx, act=self.act)
+            ctx = self._ctx[T] = llama.rope_context(self.model.config, 0, T)
+        return llama.block(self.model, i, x, None, None, 0, ctx, act=self.act, seqs=n)
 
-    def _final(self, c, x):
-        """The model output of chunk ``c`` from the last block's ``x``: pooled
-        embeddings (encoder) or logits (decoder)."""
+    def _final(self, c, x, n=1):
+        """The model output of chunk ``c`` from the last block's ``x`` (``n``
+        runs stacked as in :meth:`_block`): pooled embeddings (encoder) or
+        logits (decoder), ``n`` times as many rows as one run's."""
         from opscope_nb.models import bert, llama
         m = self.model
         if self.family == "encoder":
             B, L = c["mask"].shape
-            return bert.pool(m, x.reshape(B, L, m.config["hidden"]), c["mask"])
+            mask = c["mask"] if n == 1 else np.concatenate([c["mask"]] * n)
+            return bert.pool(m, x.reshape(n * B, L, m.config["hidden"]), mask)
         return llama.logits(m, x, act=self.act)
 
     def _reference(self, clean):
-        """What :meth:`_distance` compares with, made once per head stage: the
-        clean outputs (encoders), or their log-probabilities and probabilities
-        (decoders: one log-softmax of the clean logits for every perturbed run,
-        not one per run)."""
+        """What :meth:`_reduce` compares with, made once per chunk at the head:
+        the clean output (encoders), or its log-probabilities and
+        probabilities (decoders: one log-softmax of the clean logits for every
+        perturbed run, not one per run)."""
         if self.family == "encoder":
             return clean
         from opscope_nb.models.evaluate import _kl_reference
-        return [_kl_reference(a) for a in clean]
+        return _kl_reference(clean)
 
-    def _distance(self, ref, outs) -> float:
-        """Mean ``1 - cos`` (encoders) or next-token KL (decoders) of the
-        perturbed outputs ``outs`` against :meth:`_reference` ``ref``; the same
-        float64 figures as :func:`~opscope_nb.models.evaluate.kl_stats`."""
-        from opscope_nb.models.evaluate import _kl_to, _log_softmax, cosine
+    def _reduce(self, ref, out):
+        """One run's head output on one chunk, kept until :meth:`_distance`:
+        its next-token KLs against ``ref`` (decoders, float64 ``[T]``: the
+        logits are dropped at once) or its pooled embeddings (encoders)."""
         if self.family == "encoder":
-            return float(np.mean(1.0 - cosine(np.concatenate(ref), np.concatenate(outs))))
-        return float(np.concatenate([_kl_to(r, _log_softmax(b))
-                                     for r, b in zip(ref, outs)]).mean())
+            return out
+        from opscope_nb.models.evaluate import _kl_to, _log_softmax
+        return _kl_to(ref, _log_softmax(out))
+
+    def _distance(self, clean, outs) -> float:
+        """Mean ``1 - cos`` (encoders) or next-token KL (decoders) of one
+        perturbed run from its :meth:`_reduce` d chunks; the same float64
+        figures as :func:`~opscope_nb.models.evaluate.kl_stats`."""
+        if self.family == "encoder":
+            from opscope_nb.models.evaluate import cosine
+            return float(np.mean(1.0 - cosine(np.concatenate(clean), np.concatenate(outs))))
+        return float(np.concatenate(outs).mean())
+
+    def _runs_per_call(self, rows, head) -> int:
+        """Runs of one chunk (``rows`` rows each) stacked into one call: up to
+        :data:`SENS_BATCH_ROWS` rows, and at the head of a decoder at most
+        :data:`SENS_BATCH_LOGITS` logits."""
+        per = max(1, SENS_BATCH_ROWS // max(1, rows))
+        if head and self.family == "decoder":
+            vocab = int(self.model.config.get("vocab") or 0) or 1
+            per = min(per, max(1, SENS_BATCH_LOGITS // (vocab * max(1, rows))))
+        return per
 
     # ---- the sweep ------------------------------------------------------- #
     def _run_chunks(self, fn, chunks, xs):
@@ -573,16 +626,6 @@ class CalibrationStream:
             out.append(fn(c, x))
         self.rec.rows = None
         return out
-
-    def _perturbed(self, name, fn, xs, chunks):
-        """``fn`` over ``chunks`` with ``name``'s output perturbed (the same
-        ``Z`` for every part: its generator is seeded by the layer alone)."""
-        rng = np.random.default_rng([self.seed, self._sens_index[name]])
-        self.rec.perturb = (name, self.eps, rng, {})
-        try:
-            return self._run_chunks(fn, chunks, xs)
-        finally:
-            self.rec.perturb = None
 
     def next_stage(self):
         """Run the next stage; returns ``(stage, {name: gram})`` or ``None`` when done."""
@@ -665,34 +708,66 @@ class CalibrationStream:
     def _sens_stage(self, k, fn, lin):
         """Advance the clean and every pending perturbed sensitivity activation
         through stage ``k``; start the perturbed runs of this stage's layers;
-        at the head, turn each into its sensitivity."""
+        at the head, turn each into its sensitivity.
+
+        The runs of a chunk go through the stage together, stacked up to
+        :meth:`_runs_per_call` at a time: every weight is read once per batch
+        and the GEMMs are large (a 7B model's 32-token runs: 2048 rows a call
+        instead of 32).  Every op is per row or per run, so a run's values do
+        not depend on the batch it is in, up to float32 rounding where OpenBLAS
+        picks another kernel for another row count (tiny layers: 1e-6 relative;
+        a 4096-input layer gave the same bits)."""
+        head = k == self.n_blocks
+        starts = [n for n in lin if n in self._pending]
         for part in self._sparts:
             ch, states = part["chunks"], part["states"]
             if part["clean"] is None:
                 part["clean"] = [c["x"] for c in ch]
             xin = part["clean"]
-            if k == self.n_blocks:
-                # at the head each run becomes its distance at once: the outputs
-                # (logits: tokens x vocab floats) of every layer in flight are
-                # never held together
-                clean = self._run_chunks(fn, ch, xin)
-                ref = self._reference(clean)
-                for n in list(states):
-                    outs = self._run_chunks(fn, ch, states.pop(n))
-                    part["out"][n] = self._distance(ref, outs) / self.eps ** 2
-                for n in lin:
-                    if n in self._pending:
-                        outs = self._perturbed(n, fn, xin, ch)
-                        part["out"][n] = self._distance(ref, outs) / self.eps ** 2
+            # the clean run, the perturbed runs in flight, one new run per layer
+            # of this stage (its Z from a generator seeded by the layer alone)
+            runs = [None] + list(states) + starts
+            inputs = [xin] + [states[n] for n in states] + [xin] * len(starts)
+            first = 1 + len(states)
+            probes = {n: (np.random.default_rng([self.seed, self._sens_index[n]]), {})
+                      for n in starts}
+            outs = [[None] * len(ch) for _ in runs]
+            for j, c in enumerate(ch):
+                rows = xin[j].shape[0]
+                per = self._runs_per_call(rows, head)
+                ref = None
+                for g0 in range(0, len(runs), per):
+                    grp = range(g0, min(len(runs), g0 + per))
+                    x = (np.concatenate([inputs[i][j] for i in grp]) if len(grp) > 1
+                         else inputs[g0][j])
+                    self.rec.perturb = tuple(
+                        (runs[i], self.eps, *probes[runs[i]], (i - g0) * rows,
+                         (i - g0 + 1) * rows) for i in grp if i >= first)
+                    self.rec.rows, self.rec.prev_x = c["rows"], None
+                    try:
+                        y = (self._final(c, x, len(grp)) if head
+                             else self._block(k, c, x, len(grp)))
+                    finally:
+                        self.rec.perturb = ()
+                    del x
+                    for i, yi in zip(grp, np.split(y, len(grp)) if len(grp) > 1 else [y]):
+                        if not head:
+                            outs[i][j] = yi
+                            continue
+                        if i == 0:
+                            ref = self._reference(yi)
+                        outs[i][j] = self._reduce(ref, yi)
+                    del y
                 del ref
-                part["clean"] = clean
-                continue
-            for n, xs in list(states.items()):
-                states[n] = self._run_chunks(fn, ch, xs)
-            for n in lin:
-                if n in self._pending:
-                    states[n] = self._perturbed(n, fn, xin, ch)
-            part["clean"] = self._run_chunks(fn, ch, xin)
+            self.rec.rows = None
+            if head:
+                for i in range(1, len(runs)):
+                    part["out"][runs[i]] = self._distance(outs[0], outs[i]) / self.eps ** 2
+                states.clear()
+            else:
+                for i in range(1, len(runs)):
+                    states[runs[i]] = outs[i]
+            part["clean"] = outs[0]
         self._pending.difference_update(lin)
 
     def _in_flight(self) -> int:
