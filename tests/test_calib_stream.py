@@ -210,6 +210,32 @@ def test_llama_block_runs_stacked_sequences_apart(tmp_path):
         llama.block(m, 0, xs.reshape(3 * T, -1)[:-1], None, None, 0, ctx, seqs=3)
 
 
+def test_stream_reuses_a_blocks_gram_memory_only_once_it_is_free(tmp_path):
+    """The next block accumulates into the previous block's gram arrays once
+    nothing holds them (no fresh gigabyte per block at 7B); a gram still held is
+    never overwritten; the values equal calibrate()'s, which keeps every gram."""
+    from opscope_nb.profile.calib import CalibrationStream, calibrate
+    write_tiny_llama(str(tmp_path), seed=1, n_layers=3)
+    ref = calibrate(str(tmp_path), max_tokens=100, sensitivity=False).grams
+    st = CalibrationStream(str(tmp_path), max_tokens=100, sensitivity=False)
+    down0 = "model.layers.0.mlp.down_proj.weight"
+    _, g = st.next_stage()
+    first = {id(v.base) for v in g.values()}
+    held, copy = g[down0], g[down0].copy()
+    del g
+    _, g = st.next_stage()
+    second = {id(v.base) for v in g.values()}
+    assert len(first & second) == len(first) - 1 and id(held.base) not in second
+    np.testing.assert_array_equal(held, copy)
+    for n, v in g.items():
+        np.testing.assert_array_equal(v, ref[n])
+    del g, held, v
+    _, g = st.next_stage()
+    assert {id(v.base) for v in g.values()} == second
+    for n, v in g.items():
+        np.testing.assert_array_equal(v, ref[n])
+
+
 def _whole_model_sensitivity(m, name, z, ids, eps=0.05):
     """KL(clean || perturbed) / eps**2 of one whole-model forward of ``ids`` with
     ``name``'s weight + s Z, s such that ||x (sZ)ᵀ|| = eps ||x Wᵀ|| on these tokens."""
