@@ -56,9 +56,11 @@ SENS_MIN_TOKENS = 32
 #: without the held-out probe).
 SENS_WORK = 30e12
 #: Rows of the perturbed runs stacked into one block call (:meth:`CalibrationStream.
-#: _sens_stage`): OpenBLAS is at full speed from a few hundred rows; 2048 rows
-#: of a 7B FFN are 90 MB per intermediate.
-SENS_BATCH_ROWS = 2048
+#: _sens_stage`): OpenBLAS is at full speed from a few hundred rows (279 Gflop/s
+#: at 512 rows of a 4096 x 11008 layer, 291 at 2048; Xeon, 2 cores), and 512 rows
+#: of a 7B FFN are 23 MB per intermediate (2048 rows raised a 7B calib run's
+#: peak RSS by 1.1 GB).
+SENS_BATCH_ROWS = 512
 #: Logits (rows x vocabulary) of the perturbed runs at a decoder's head per call.
 SENS_BATCH_LOGITS = 2 ** 21
 
@@ -152,7 +154,7 @@ class _Recorder:
         self.prev_x = None
         self.prev_name = None
         self.on = True
-        self.perturb = ()    # (name, eps, rng, state, r0, r1) entries: see _Tap
+        self.perturb = ()    # (name, eps, rng, state, r0, r1, last chunk): see _Tap
         self.spare = []      # the last stage's full accumulators, reused once free
 
     def observe(self, name, x):
@@ -206,18 +208,23 @@ class _Recorder:
     def _zeroed(self, cols):
         """A zeroed F-order ``[cols, cols]`` float64 accumulator: one of the
         previous stage's once nothing else holds it or a view of it (the
-        profile of that block is done), else a new one.  A 7B FFN gram is 1 GB
+        profile of that block is done), else a new one (and the spares of
+        that shape, still held elsewhere, are let go).  A 7B FFN gram is 1 GB
         per block: reusing it saves the page faults of a fresh gigabyte, which
         cost 2-7 s per GB on a virtual machine that returns freed pages to its
         host (the 2-core Xeon this project is timed on)."""
         for i in range(len(self.spare)):
             a = self.spare[i]
+            if a.shape != (cols, cols):
+                continue
             # references: the list's, ``a`` and the call's own
-            if a.shape == (cols, cols) and sys.getrefcount(a) <= 3:
+            if sys.getrefcount(a) <= 3:
                 del self.spare[i]
                 a.fill(0.0)
                 return a
-            del a
+        # the spares of this shape are still in use: not kept alive from here
+        # on (the memory then is what it was without the reuse)
+        self.spare = [a for a in self.spare if a.shape != (cols, cols)]
         return np.zeros((cols, cols), dtype=np.float64, order="F")
 
     def take(self, names) -> dict:
@@ -273,7 +280,7 @@ class _Tap:
             return y
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.reshape(-1, y.shape[-1])      # a fresh array: perturbed in place
-        for _, eps, rng, state, r0, r1 in mine:
+        for _, eps, rng, state, r0, r1, last in mine:
             xs, ys = x2[r0:r1], y2[r0:r1]
             if "z" not in state:
                 state["z"] = rng.standard_normal((y2.shape[1], x2.shape[1]),
@@ -288,6 +295,10 @@ class _Tap:
                 den = float(np.linalg.norm(dy[sel].astype(np.float64)))
                 state["s"] = eps * num / den if den > 0 else 0.0
             ys += np.float32(state["s"]) * dy
+            if last:
+                # Z (weight-sized) serves every chunk of the run, then never
+                # again: one is held at a time, not one per run of the batch
+                del state["z"]
         return y2.reshape(y.shape)
 
 
@@ -733,7 +744,7 @@ class CalibrationStream:
 
         The runs of a chunk go through the stage together, stacked up to
         :meth:`_runs_per_call` at a time: every weight is read once per batch
-        and the GEMMs are large (a 7B model's 32-token runs: 2048 rows a call
+        and the GEMMs are large (a 7B model's 32-token runs: 512 rows a call
         instead of 32).  Every op is per row or per run, so a run's values do
         not depend on the batch it is in, up to float32 rounding where OpenBLAS
         picks another kernel for another row count (tiny layers: 1e-6 relative;
@@ -763,7 +774,7 @@ class CalibrationStream:
                          else inputs[g0][j])
                     self.rec.perturb = tuple(
                         (runs[i], self.eps, *probes[runs[i]], (i - g0) * rows,
-                         (i - g0 + 1) * rows) for i in grp if i >= first)
+                         (i - g0 + 1) * rows, j == len(ch) - 1) for i in grp if i >= first)
                     self.rec.rows, self.rec.prev_x = c["rows"], None
                     try:
                         y = (self._final(c, x, len(grp)) if head
