@@ -15,19 +15,23 @@ with :func:`retain_freed_memory` (``python`` one-off, four rounds each).
 maximum): freed arrays are reused by the next allocation of their size.  The
 process keeps its peak memory until it exits -- what a command line wants,
 not what a library may impose on its host process, so only ``opscope-nb``'s
-entry point calls it (and the local cluster's workers it starts get
-:data:`GLIBC_TUNABLES`).
+entry point calls it.  The workers of ``--workers`` do not: with it the
+profile part of ``--menu ggml`` on 4 Llama-7B-shaped blocks took 18.7 / 18.0 s
+on one worker and 11.2 / 10.6 s on two, without it 16.7 / 16.9 and 9.7 /
+10.9 s (Xeon, 2 cores).
+
+On the calibrated profile of 4 Llama-7B-shaped blocks (``bench_scale.py
+--runs calib``) the command took 380 s with the policy (``7e92ae5``) and 465 s
+without it (``6e4f84d``, which differs only by also reusing the gram
+accumulators); the peak RSS rises with it (3319 / 3698 MiB on 2 / 4 blocks
+at ``015d18d``).
 """
 from __future__ import annotations
 
 import ctypes
 import sys
 
-__all__ = ["retain_freed_memory", "GLIBC_TUNABLES"]
-
-#: The same policy for a process about to start (``GLIBC_TUNABLES`` is read by
-#: the dynamic loader): the worker processes of a local Dask cluster.
-GLIBC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
+__all__ = ["retain_freed_memory"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4

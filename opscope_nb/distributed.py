@@ -70,7 +70,6 @@ import threading
 import time
 import warnings
 
-from . import _memory
 from .io._fs import peak_rss_mb, reset_peak_rss
 
 __all__ = [
@@ -408,9 +407,6 @@ def connect(workers: int | None = None, threads_per_worker: int | None = None,
     # busy 2-core machine).  The serial run does not have it either.
     pre.pop("MALLOC_TRIM_THRESHOLD_", None)
     pre.update(env)
-    # the workers are this command's own processes: they keep freed memory as
-    # the command line does (opscope_nb._memory; glibc reads it at start)
-    pre.setdefault("GLIBC_TUNABLES", _memory.GLIBC_TUNABLES)
     try:
         with dask.config.set({"distributed.nanny.pre-spawn-environ": pre}), \
                 warnings.catch_warnings():
