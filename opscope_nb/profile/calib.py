@@ -51,9 +51,9 @@ SENS_TOKENS = 256
 #: Fewest sensitivity tokens ``"auto"`` goes down to.
 SENS_MIN_TOKENS = 32
 #: ``"auto"``'s budget for the perturbed forwards, in multiply-add flops of the
-#: linear layers (about 10 min on 2 cores: SmolLM2-135M keeps 256 tokens and the
-#: held-out probe; a Llama-3.2-1B shape gets 160 tokens, a Llama-7B 32, both
-#: without the held-out probe).
+#: linear layers (about 3-4 min on 2 cores at the stacked sweep's 156 Gflop/s:
+#: SmolLM2-135M keeps 256 tokens and the held-out probe; a Llama-3.2-1B shape
+#: gets 160 tokens, a Llama-7B 32, both without the held-out probe).
 SENS_WORK = 30e12
 #: Rows of the perturbed runs stacked into one block call (:meth:`CalibrationStream.
 #: _sens_stage`): OpenBLAS is at full speed from a few hundred rows (279 Gflop/s
