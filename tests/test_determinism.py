@@ -51,3 +51,33 @@ def test_profile_layer_same_for_1_and_2_threads():
             else:
                 assert e1 == e2, (k, lab, e1, e2)                     # bit-identical
     assert moved <= sum(1 for k in a for x in a[k] if x[0].startswith("tucker"))
+
+
+CALIB = r"""
+import hashlib, json, sys
+sys.path.insert(0, sys.argv[2])
+from naive_models import write_tiny_llama
+from opscope_nb.profile.calib import calibrate
+write_tiny_llama(sys.argv[1], seed=11, n_layers=2, hidden=256, ffn=704, n_heads=8, n_kv=4)
+c = calibrate(sys.argv[1], max_tokens=300, sens_tokens=128, window=128)
+print(json.dumps({"sens": c.sensitivity,
+                  "grams": {n: hashlib.sha1(g.tobytes()).hexdigest() for n, g in c.grams.items()}}))
+"""
+
+
+def _calibrate(tmp_path, threads):
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1")
+    d = tmp_path / f"m{threads}"
+    r = subprocess.run([sys.executable, "-c", CALIB, str(d), os.path.dirname(__file__)],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_calibration_same_for_1_and_2_threads(tmp_path):
+    """The calibrated path's forwards (BLAS on numba's thread count), grams
+    (dsyrk) and stacked sensitivity runs give the same bits for 1 and 2
+    threads."""
+    a, b = _calibrate(tmp_path, 1), _calibrate(tmp_path, 2)
+    assert len(a["grams"]) == len(a["sens"]) == 15
+    assert a == b

@@ -304,11 +304,12 @@ class _Tap:
 
 def _blas_dense(lin, x):
     """``x @ Wᵀ`` of a dense, uncorrected ``PackedLinear`` through BLAS on every
-    core for a finite 2-D float32 ``x``, else None.  The calibration's forwards run 512-token windows and batches of
-    perturbed runs: there OpenBLAS's sgemm makes 217-291 Gflop/s on 2 cores
-    against the weight-stationary kernel's 81-85 (4096 x 11008 weights, 224
-    to 2048 rows; Xeon AVX-512), and it gives every row the same value
-    whatever the thread count or the other rows of the call."""
+    core for a finite 2-D float32 ``x``, else None.  The calibration's
+    forwards run 512-token windows and batches of perturbed runs: there
+    OpenBLAS's sgemm makes 217-291 Gflop/s on 2 cores against the
+    weight-stationary kernel's 81-85 (4096 x 11008 weights, 224 to 2048 rows;
+    Xeon AVX-512), and it gives a row the same value whatever the thread count
+    (for these shapes, whatever the other rows of the call too)."""
     d = lin.decomp
     if (d.kind != "dense" or d.lr is not None or x.ndim != 2 or x.dtype != np.float32
             or not np.isfinite(x).all()):
