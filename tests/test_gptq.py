@@ -308,6 +308,31 @@ def test_pinned_gram_reuses_entry_only_for_the_same_object():
     assert id(h) not in G._PINNED
 
 
+def test_nested_pins_share_one_entry_and_profile_layer_hashes_its_gram_once(monkeypatch):
+    """A pin inside a pin of the same array neither hashes it again nor unpins
+    it on exit; profile_layer hashes a calibration-style gram (float64,
+    C-contiguous) once for its check and its whole menu."""
+    from opscope_nb.formats import gptq as G
+    from opscope_nb.profile.mining import profile_layer
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((200, 96))
+    h = x.T @ x
+    calls = []
+    real = G._digest
+    monkeypatch.setattr(G, "_digest", lambda g: calls.append(g.shape) or real(g))
+    with G.pinned_gram(h):
+        with G.pinned_gram(h):
+            G.check_gram(h, 96)
+        assert id(h) in G._PINNED
+        G.gram_factor(h)
+    assert id(h) not in G._PINNED and calls == [(96, 96)]
+    h2 = h + np.eye(96)
+    calls.clear()
+    profile_layer("l", rng.standard_normal((64, 96)).astype(np.float32), gram=h2,
+                  sample_rows="all", rank_cap=8)
+    assert calls == [(96, 96)] and id(h2) not in G._PINNED
+
+
 def test_low_rank_gram_certified_psd_without_cholesky(monkeypatch):
     """A gram of t < cols/4 rows is shown PSD by its pivoted-Cholesky factor
     (Gershgorin on the remainder), with no cols³ Cholesky; a low-rank gram

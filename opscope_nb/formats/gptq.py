@@ -321,15 +321,21 @@ class pinned_gram:
 
     def __init__(self, g):
         self.g = g
+        self._added = False
 
     def __enter__(self):
         if self.g is not None and getattr(self.g, "ndim", 0) == 2:
-            _PINNED[id(self.g)] = (self.g, _entry(self.g))
+            pin = _PINNED.get(id(self.g))
+            # nested pins of one array share the outer one's entry (one digest)
+            if pin is None or pin[0] is not self.g:
+                _PINNED[id(self.g)] = (self.g, _entry(self.g))
+                self._added = True
         return self.g
 
     def __exit__(self, *exc):
-        if self.g is not None:
+        if self._added:
             _PINNED.pop(id(self.g), None)
+            self._added = False
         return False
 
 

@@ -22,6 +22,7 @@ live in :mod:`opscope_nb.formats` and are re-exported here.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import re
@@ -466,38 +467,47 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
                              f"intn_bits=(6, 5, 3) or intn_bits=().")
     lat_ms = None if latency is None else check_ms(latency)
     rows, cols = w.shape
-    if gram is not None:
-        gram = check_gram(gram, cols)
-    if sensitivity is not None:
-        sensitivity = float(sensitivity)
-        if not math.isfinite(sensitivity) or sensitivity < 0:
-            raise ValueError(f"sensitivity must be finite and >= 0; got {sensitivity!r}.")
-    prior_weight = check_prior_weight(prior_weight)
-    with_gptq = bool(gptq) and gram is not None and gram.ndim == 2
-    ref = stored_bytes(stored_dtype, rows, cols)
-    if menu not in MENUS:
-        raise ValueError(f"menu must be one of {MENUS}; got {menu!r}.")
-    if not isinstance(requantize, (bool, np.bool_)):
-        raise TypeError(f"requantize must be True or False (True: measure the stored ggml "
-                        f"type as a re-quantisation); got {requantize!r}.")
-    # the stored ggml block type, kept as stored unless re-quantisation is asked for
-    own = None if requantize else _stored_block_type(stored_dtype, cols)
+    pin = contextlib.ExitStack()
+    try:
+        if gram is not None:
+            # a float64 C-contiguous gram (what calibration hands out) is the very
+            # array measured below: pinned from its check on, it is hashed once
+            if (isinstance(gram, np.ndarray) and gram.ndim == 2 and gram.dtype == np.float64
+                    and gram.flags.c_contiguous):
+                pin.enter_context(pinned_gram(gram))
+            gram = check_gram(gram, cols)
+        if sensitivity is not None:
+            sensitivity = float(sensitivity)
+            if not math.isfinite(sensitivity) or sensitivity < 0:
+                raise ValueError(f"sensitivity must be finite and >= 0; got {sensitivity!r}.")
+        prior_weight = check_prior_weight(prior_weight)
+        with_gptq = bool(gptq) and gram is not None and gram.ndim == 2
+        ref = stored_bytes(stored_dtype, rows, cols)
+        if menu not in MENUS:
+            raise ValueError(f"menu must be one of {MENUS}; got {menu!r}.")
+        if not isinstance(requantize, (bool, np.bool_)):
+            raise TypeError(f"requantize must be True or False (True: measure the stored ggml "
+                            f"type as a re-quantisation); got {requantize!r}.")
+        # the stored ggml block type, kept as stored unless re-quantisation is asked for
+        own = None if requantize else _stored_block_type(stored_dtype, cols)
 
-    from . import sampling
-    spec = sampling.check_sample_rows(sample_rows)
-    n0 = sampling.sample_size(spec, rows, cols)
-    meas = _Measure(w, gram, lat_ms, seed)
-    # the gram is not modified below: its cached factors are found by identity.
-    # BLAS on one thread, as the CLI pins it (scoped: the caller's limits come
-    # back): numba's parallel loops follow every BLAS call here, and OpenBLAS's
-    # idle threads spin on their cores (a 4096 x 11008 Tucker HOSVD under load:
-    # 10.9 CPU s with the default threads, 1.8 with one); the big LAPACK calls
-    # raise it themselves (``blas_threads``), the row blocks run on every core.
-    from opscope_nb._threads import _one_blas_thread
-    with pinned_gram(gram), _one_blas_thread():
-        return _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols,
-                             gs, nbits, g2s, with_gptq, stored_dtype, lrs, rank_cap, seed,
-                             sensitivity, prior_weight)
+        from . import sampling
+        spec = sampling.check_sample_rows(sample_rows)
+        n0 = sampling.sample_size(spec, rows, cols)
+        meas = _Measure(w, gram, lat_ms, seed)
+        # the gram is not modified below: its cached factors are found by identity.
+        # BLAS on one thread, as the CLI pins it (scoped: the caller's limits come
+        # back): numba's parallel loops follow every BLAS call here, and OpenBLAS's
+        # idle threads spin on their cores (a 4096 x 11008 Tucker HOSVD under load:
+        # 10.9 CPU s with the default threads, 1.8 with one); the big LAPACK calls
+        # raise it themselves (``blas_threads``), the row blocks run on every core.
+        from opscope_nb._threads import _one_blas_thread
+        with pinned_gram(gram), _one_blas_thread():
+            return _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols,
+                                 gs, nbits, g2s, with_gptq, stored_dtype, lrs, rank_cap, seed,
+                                 sensitivity, prior_weight)
+    finally:
+        pin.close()
 
 
 def _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols, gs, nbits,
