@@ -124,8 +124,8 @@ def _retains_memory(words) -> bool:
     """Whether the command keeps freed memory (:mod:`opscope_nb._memory`): only
     ``profile --calib``, whose grams, factors and calibration batches are
     gigabytes allocated again per block.  ``apply`` streams one tensor at a
-    time and was slower with it (Qwen2-7B shapes, 2 / 4 blocks: 10.6 / 15.0 s
-    against 8.9 / 13.4 s, peak RSS 2150 against 606 MiB; Xeon, 2 cores)."""
+    time and was no faster with it (Qwen2-7B shapes, 2 / 4 blocks: 10.6 / 15.0
+    s with it, 10.1 / 14.9 s without, both about 2.2 GB peak; Xeon, 2 cores)."""
     cmd = next((a for a in words if not a.startswith("-")), None)
     return cmd == "profile" and any(a == "--calib" or a.startswith("--calib=") for a in words)
 
