@@ -16,7 +16,7 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "opscope_nb"
 #: its layer or below.  ``opscope_nb`` (the top-level ``__init__``) imports
 #: nothing at module level (its lazy names are strings).
 LAYERS = {
-    0: ["opscope_nb", "_validation", "_threads", "kernels", "data"],
+    0: ["opscope_nb", "_validation", "_threads", "_memory", "kernels", "data"],
     1: ["formats"],
     2: ["io"],
     3: ["runtime"],
