@@ -120,13 +120,12 @@ def build_parser():
     return p
 
 
-def _retains_memory(words) -> bool:
+def _retains_memory(cmd, words) -> bool:
     """Whether the command keeps freed memory (:mod:`opscope_nb._memory`): only
     ``profile --calib``, whose grams, factors and calibration batches are
     gigabytes allocated again per block.  ``apply`` streams one tensor at a
     time and was no faster with it (Qwen2-7B shapes, 2 / 4 blocks: 10.6 / 15.0
     s with it, 10.1 / 14.9 s without, both about 2.2 GB peak; Xeon, 2 cores)."""
-    cmd = next((a for a in words if not a.startswith("-")), None)
     return cmd == "profile" and any(a == "--calib" or a.startswith("--calib=") for a in words)
 
 
@@ -153,9 +152,10 @@ def main(argv=None) -> int:
     reused instead of being faulted in again.
     """
     words = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    if next((a for a in words if not a.startswith("-")), None) in _PIN_BLAS:
+    cmd = next((a for a in words if not a.startswith("-")), None)
+    if cmd in _PIN_BLAS:
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    if argv is None and _retains_memory(words):
+    if argv is None and _retains_memory(cmd, words):
         from opscope_nb._memory import retain_freed_memory
         retain_freed_memory()
     from opscope_nb import io as tio
@@ -168,8 +168,7 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        cmd = next((a for a in words if not a.startswith("-")), "")
-        print(f"\n{PROG}: interrupted{_INTERRUPTED.get(cmd, '')}", file=sys.stderr)
+        print(f"\n{PROG}: interrupted{_INTERRUPTED.get(cmd or '', '')}", file=sys.stderr)
         return 130
     except SystemExit as exc:  # --help / --version
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
