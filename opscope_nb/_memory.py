@@ -6,9 +6,10 @@ gigabyte arrays per block (grams, their permuted copies and factors, a
 layer's float32 weights), so each one is faulted in page by page again.  On
 a virtual machine that hands freed guest pages back to its host (a virtio
 balloon's free-page reporting) that costs seconds per GB: measured on the
-2-core Xeon this project is timed on, a fresh 1 GB ``np.ones`` took
-1.8-2.8 s five seconds after the previous one was freed, and 0.15-0.22 s
-with :func:`retain_freed_memory` (``python`` one-off, four rounds each).
+2-core Xeon this project is timed on, a fresh 1 GB ``np.ones`` five seconds
+after the previous one was freed took 7.6, 2.8, 0.2 and 1.8 s in four
+rounds, and 0.15-0.22 s with :func:`retain_freed_memory` (``python``
+one-off).
 
 :func:`retain_freed_memory` makes every block come from the heap
 (``M_MMAP_MAX = 0``) and never trims it (``M_TRIM_THRESHOLD`` at its

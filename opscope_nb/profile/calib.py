@@ -211,7 +211,7 @@ class _Recorder:
         profile of that block is done), else a new one (and the spares of
         that shape, still held elsewhere, are let go).  A 7B FFN gram is 1 GB
         per block: reusing it saves the page faults of a fresh gigabyte, which
-        cost 2-7 s per GB on a virtual machine that returns freed pages to its
+        cost up to 7.6 s per GB on a virtual machine that returns freed pages to its
         host (the 2-core Xeon this project is timed on)."""
         for i in range(len(self.spare)):
             a = self.spare[i]
