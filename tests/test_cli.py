@@ -828,23 +828,25 @@ def test_import_does_not_touch_openblas_threads():
 
 def test_freed_memory_is_kept_only_by_the_entry_point():
     """main(argv) called in-process leaves the host process's allocator alone,
-    and so does the entry point for any command but ``profile --calib``, which
-    keeps freed memory in the process (glibc: mallopt accepted, so the policy
-    reports True; idempotent)."""
-    code = ("import sys, opscope_nb.cli, opscope_nb._memory as m\n"
-            "def run(argv):\n"
-            "    try:\n        opscope_nb.cli.main(argv)\n    except SystemExit:\n        pass\n"
-            "run(['allocate', '--help']); print('@', bool(m._DONE))\n"
-            "sys.argv = ['opscope-nb', 'apply', '--help']; run(None); print('@', bool(m._DONE))\n"
-            "sys.argv = ['opscope-nb', 'profile', '--calib', '--help']; run(None)\n"
-            "print('@', m._DONE, m.retain_freed_memory())")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    lines = [ln[2:] for ln in r.stdout.splitlines() if ln.startswith("@ ")]
-    assert lines[:2] == ["False", "False"], r.stdout
+    and so does the entry point for any command but ``apply`` and ``profile
+    --calib``, which keep freed memory in the process (glibc: mallopt
+    accepted, so the policy reports True; idempotent)."""
     want = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION") is not None
-    assert lines[-1] == f"[{want}] {want}", r.stdout
+    for last in (["apply", "--help"], ["-q", "apply", "--help"],
+                 ["profile", "--calib", "--help"]):
+        code = ("import sys, opscope_nb.cli, opscope_nb._memory as m\n"
+                "def run(argv):\n"
+                "    try:\n        opscope_nb.cli.main(argv)\n    except SystemExit:\n        pass\n"
+                "run(['apply', '--help']); print('@', bool(m._DONE))\n"
+                "sys.argv = ['opscope-nb', 'profile', '--help']; run(None); print('@', bool(m._DONE))\n"
+                f"sys.argv = ['opscope-nb'] + {last!r}; run(None)\n"
+                "print('@', m._DONE, m.retain_freed_memory())")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        lines = [ln[2:] for ln in r.stdout.splitlines() if ln.startswith("@ ")]
+        assert lines[:2] == ["False", "False"], (last, r.stdout)
+        assert lines[-1] == f"[{want}] {want}", (last, r.stdout)
 
 
 def _write_profile(tmp_path, doc, name="p.json"):

@@ -121,6 +121,35 @@ def test_resume_with_calib_after_an_interrupt_resumes(tmp_path, monkeypatch):
     assert f"{n_saved} resumed" in o
 
 
+def test_apply_refuses_a_tensor_changed_late_and_leaves_nothing(tmp_path):
+    """The fingerprints are checked as the tensors are written (their hashes
+    computed ahead, in the background): a change in the last planned tensor
+    still fails with exit 2 after the others were packed, and neither the
+    target nor a temporary file is left."""
+    from safetensors.numpy import load_file, save_file
+    d0 = str(tmp_path / "tiny")
+    write_tiny_llama(d0, seed=5)
+    prof = tmp_path / "p"
+    assert run(["profile", d0, "--rank-cap", "4", "--include", "mlp", "--out", prof, "-q",
+                "--method", "greedy", "--budget", "0.4"])[0] == 0
+    planned = [x["name"] for x in json.load(open(prof / "plan.json"))["methods"]["greedy"]["layers"]
+               if x["decomp"]["kind"] != "dense"]
+    changed = str(tmp_path / "changed")
+    shutil.copytree(d0, changed)
+    ts = load_file(os.path.join(changed, "model.safetensors"))
+    order = list(ts)                                   # the order apply writes them
+    last = max(planned, key=order.index)
+    assert order.index(last) > order.index(min(planned, key=order.index))
+    ts[last] = ts[last].copy()
+    ts[last][0, 0] += 1.0
+    save_file(ts, os.path.join(changed, "model.safetensors"))
+    out = tmp_path / "c.safetensors"
+    rc, o, e = run(["apply", changed, prof / "plan.json", "-o", out, "-q"])
+    assert rc == 2 and e.count("\n") == 1 and last in e and "--force" in e, e
+    assert not out.exists()
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
 def test_apply_and_eval_refuse_another_source(tmp_path):
     d0 = str(tmp_path / "tiny")
     os.makedirs(d0)

@@ -272,16 +272,15 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
         from opscope_nb.io.gguf_export import _check_ggml_plan   # what can go to GGUF, before anything else
         _check_ggml_plan({n: d for n, (d, _) in plan.items()}, f"writing {out_path}")
     recorded = (doc.get("source") or {}).get("sha256")
-    # every tensor's stored bytes hashed once, tensors in parallel (hashlib
-    # releases the GIL): the fingerprint check and the written record share them
-    hashes = _source_hashes(src.entries)
     if not force:
-        try:
-            check_fingerprints([_Hashed(n, hashes[n]) for n in plan], recorded, plan_path)
-        except FingerprintError as exc:
-            raise PlanError(f"{exc}; apply it to the source it was made from, or pass "
-                            f"--force.") from None
+        # a tensor the plan holds no fingerprint for fails before any work
+        lacking = [n for n in plan if (recorded or {}).get(n) is None]
+        if lacking:
+            _check_fingerprint(lacking[0], "", recorded, plan_path)
     if os.fspath(out_path).lower().endswith(".gguf"):
+        if not force:
+            for n, sha in _source_hashes([by_name[n] for n in plan]).items():
+                _check_fingerprint(n, sha, recorded, plan_path)
         # the GGUF writer checks names, shapes and bytes once more as it writes
         from opscope_nb.io.gguf_export import export_gguf
         r = export_gguf(source, {n: d for n, (d, _) in plan.items()}, out_path,
@@ -293,6 +292,36 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
                  written_plan_bytes=r["plan_tensor_bytes"], requantize=bool(requantize))
         _check_written(r, summary, plan_path, out_path)
         return r
+    # grams streamed on demand (calib.StreamedGrams) come block by block: go in that order
+    entries = sorted(src.entries, key=lambda e: grams.order_key(e.name)) \
+        if hasattr(grams, "order_key") else src.entries
+    # every tensor's stored bytes hashed once, on background threads in the
+    # order they are written (hashlib releases the GIL): the hashing overlaps
+    # the packing, and the fingerprint check and the written record share them
+    hashes = _HashAhead(entries)
+    try:
+        return _write_checkpoint(source, src, entries, plan, doc, summary, method, hashes,
+                                 None if force else recorded, plan_path, out_path, grams,
+                                 make_progress, requantize, measure)
+    finally:
+        hashes.close()
+
+
+def _check_fingerprint(name, sha, recorded, plan_path) -> None:
+    """PlanError unless planned tensor ``name``'s stored bytes hash to the
+    fingerprint the plan records (:func:`check_fingerprints`' message)."""
+    try:
+        check_fingerprints([_Hashed(name, sha)], recorded, plan_path)
+    except FingerprintError as exc:
+        raise PlanError(f"{exc}; apply it to the source it was made from, or pass "
+                        f"--force.") from None
+
+
+def _write_checkpoint(source, src, entries, plan, doc, summary, method, hashes, recorded,
+                      plan_path, out_path, grams, make_progress, requantize, measure):
+    """The safetensors half of :func:`apply_plan`: ``entries`` packed or copied
+    in order into ``out_path``; a planned tensor is checked against
+    ``recorded`` (None: ``--force``) before it is packed."""
     w = CheckpointWriter(out_path, reserve=_header_reserve(src.entries, doc))
     sha = {}
     skipped, dense_layers, stored_bytes, kept_as_stored = [], 0, 0, 0
@@ -300,9 +329,6 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
     written = weights = 0
     total = float(sum(e.numel for e in src.entries)) or 1.0
     progress = None if make_progress is None else make_progress(len(src.entries), total)
-    # grams streamed on demand (calib.StreamedGrams) come block by block: go in that order
-    entries = sorted(src.entries, key=lambda e: grams.order_key(e.name)) \
-        if hasattr(grams, "order_key") else src.entries
     # the writer (file writes, its SHA-256 of every array) runs on one thread
     # behind the packing, in order; at most two tensors wait for it
     wq = _WriteQueue()
@@ -314,6 +340,8 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
             sha[e.name] = hashes[e.name]   # the stored bytes, as profile.json keys them
             stored_bytes += int(e.raw().size)
             ent = plan.get(e.name)
+            if ent is not None and recorded is not None:
+                _check_fingerprint(e.name, sha[e.name], recorded, plan_path)
             if ent is not None:
                 weights += int(e.numel)
             if ent is not None and _same_type(ent[0], e) and not requantize:
@@ -336,7 +364,7 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
                 dense_layers += ent is not None
                 if ent is not None:
                     written += int(e.raw().size)
-                wq.put(w.add_stored, e, hashes[e.name])   # the same bytes: hashed once
+                wq.put(w.add_stored, e, sha[e.name])   # the same bytes: hashed once
             if progress is not None:
                 progress.advance(e.numel)
         wq.drain()
@@ -389,6 +417,28 @@ def _source_hashes(entries) -> dict:
         return {e.name: e.sha256() for e in entries}
     with ThreadPoolExecutor(max_workers=k, thread_name_prefix="opscope-sha") as ex:
         return dict(zip((e.name for e in entries), ex.map(lambda e: e.sha256(), entries)))
+
+
+class _HashAhead:
+    """The SHA-256 of every entry's stored bytes (:meth:`TensorEntry.sha256`),
+    computed on background threads in the order of ``entries``: by the time
+    the writer reaches a tensor its hash is usually done.  ``self[name]``
+    waits for one; :meth:`close` cancels what is not started."""
+
+    def __init__(self, entries, workers=None):
+        from opscope_nb._threads import worker_count
+        entries = list(entries)
+        k = max(1, min(worker_count() if workers is None else int(workers), len(entries)))
+        self._ex = ThreadPoolExecutor(max_workers=k, thread_name_prefix="opscope-sha")
+        self._f = {e.name: self._ex.submit(e.sha256) for e in entries}
+
+    def __getitem__(self, name) -> str:
+        return self._f[name].result()
+
+    def close(self) -> None:
+        for f in self._f.values():
+            f.cancel()
+        self._ex.shutdown(wait=True)
 
 
 class _WriteQueue:
