@@ -35,7 +35,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
-__all__ = ["retain_freed_memory"]
+__all__ = ["retain_freed_memory", "release_freed_memory"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
@@ -65,3 +65,29 @@ def retain_freed_memory() -> bool:
             ok = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     _DONE.append(ok)
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Give the memory freed so far back to the system, once, where
+    :func:`retain_freed_memory` is in effect (glibc ``malloc_trim(0)``: free
+    pages anywhere in the heap are returned); nothing otherwise, so a host
+    process that never asked for the policy is left alone.
+
+    For a stage whose arrays have other sizes than the ones before it: the
+    calibration's head (a float32 output matrix, 500 MiB for a 7B model)
+    found no hole of its size in the kept heap and grew it instead.
+
+    Returns
+    -------
+    bool
+        Whether memory was handed back.
+    """
+    if not (_DONE and _DONE[0]):
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return bool(trim(0))

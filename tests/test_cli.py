@@ -849,6 +849,23 @@ def test_freed_memory_is_kept_only_by_the_entry_point():
         assert lines[-1] == f"[{want}] {want}", (last, r.stdout)
 
 
+def test_freed_memory_is_released_only_under_the_policy():
+    """release_freed_memory does nothing in a process that never asked to keep
+    freed memory, and trims the heap once the policy is on (glibc)."""
+    code = ("import opscope_nb._memory as m\n"
+            "print('@', m.release_freed_memory())\n"
+            "import numpy as np\n"
+            "on = m.retain_freed_memory()\n"
+            "a = np.ones(1 << 24); del a\n"
+            "print('@', on, m.release_freed_memory())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [ln[2:] for ln in r.stdout.splitlines() if ln.startswith("@ ")]
+    want = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION") is not None
+    assert lines == ["False", f"{want} {want}"], r.stdout
+
+
 def _write_profile(tmp_path, doc, name="p.json"):
     path = tmp_path / name
     path.write_text(json.dumps(doc))

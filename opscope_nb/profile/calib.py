@@ -670,6 +670,12 @@ class CalibrationStream:
         t0 = time.perf_counter()
         names = self._stage_names[k] if k < self.n_blocks else (
             [self._head] if self._head else [])
+        if k == self.n_blocks:
+            # the head's arrays (its float32 matrix, the logits) fit none of
+            # the blocks' freed holes: hand those back before it (only where
+            # the command line keeps freed memory)
+            from opscope_nb._memory import release_freed_memory
+            release_freed_memory()
         nb = m.load(names)
         self._peak = max(self._peak, self._stem + nb)
         t1 = time.perf_counter()
