@@ -68,14 +68,14 @@ def retain_freed_memory() -> bool:
 
 
 def release_freed_memory() -> bool:
-    """Give the memory freed so far back to the system, once, where
+    """Give the memory freed so far back to the system where
     :func:`retain_freed_memory` is in effect (glibc ``malloc_trim(0)``: free
     pages anywhere in the heap are returned); nothing otherwise, so a host
     process that never asked for the policy is left alone.
 
-    For a stage whose arrays have other sizes than the ones before it: the
-    calibration's head (a float32 output matrix, 500 MiB for a 7B model)
-    found no hole of its size in the kept heap and grew it instead.
+    Called before a stage whose arrays have other sizes than the ones before
+    it: the calibration's head (a float32 output matrix, 500 MiB for a 7B
+    model) found no hole of its size in the kept heap and grew it instead.
 
     Returns
     -------
