@@ -148,10 +148,11 @@ def main(argv=None) -> int:
     against 703-736.  OpenBLAS reads it once, at load, so it takes effect when
     the CLI is the process entry point.
 
-    As the process entry point (``argv`` None), ``profile --calib`` also
-    keeps freed memory in the process (:func:`opscope_nb._memory.
-    retain_freed_memory`): the gigabyte arrays it allocates per block are
-    reused instead of being faulted in again.
+    As the process entry point (``argv`` None), ``profile --calib`` and
+    ``apply`` also keep freed memory in the process
+    (:func:`opscope_nb._memory.retain_freed_memory`, see :func:`_retains_memory`):
+    the large arrays they allocate again and again are reused instead of being
+    faulted in again.
     """
     words = sys.argv[1:] if argv is None else [str(a) for a in argv]
     cmd = next((a for a in words if not a.startswith("-")), None)

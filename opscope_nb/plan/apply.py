@@ -279,8 +279,12 @@ def apply_plan(source, plan_path, out_path, *, method=None, make_progress=None,
             _check_fingerprint(lacking[0], "", recorded, plan_path)
     if os.fspath(out_path).lower().endswith(".gguf"):
         if not force:
-            for n, sha in _source_hashes([by_name[n] for n in plan]).items():
-                _check_fingerprint(n, sha, recorded, plan_path)
+            hashes = _HashAhead([by_name[n] for n in plan])
+            try:
+                for n in plan:
+                    _check_fingerprint(n, hashes[n], recorded, plan_path)
+            finally:
+                hashes.close()
         # the GGUF writer checks names, shapes and bytes once more as it writes
         from opscope_nb.io.gguf_export import export_gguf
         r = export_gguf(source, {n: d for n, (d, _) in plan.items()}, out_path,
@@ -405,18 +409,6 @@ class _Hashed:
 
     def sha256(self) -> str:
         return self._sha
-
-
-def _source_hashes(entries) -> dict:
-    """``{name: sha256 of the stored bytes}`` of every entry, on as many
-    threads as numba has (hashlib hashes without the GIL)."""
-    from opscope_nb._threads import worker_count
-    entries = list(entries)
-    k = min(worker_count(), len(entries))
-    if k <= 1:
-        return {e.name: e.sha256() for e in entries}
-    with ThreadPoolExecutor(max_workers=k, thread_name_prefix="opscope-sha") as ex:
-        return dict(zip((e.name for e in entries), ex.map(lambda e: e.sha256(), entries)))
 
 
 class _HashAhead:
