@@ -88,19 +88,28 @@ def test_profile_layer_ggml_menu_with_gram():
     h = x.T @ x
     lp = mining.profile_layer("blk.0.ffn_down.weight", w, menu="ggml",
                               ggml_types=("Q8_0", "Q4_K", "Q2_K"), gram=h)
-    assert [o.label for o in lp.options] == ["dense", "Q8_0", "Q4_K", "Q2_K"]
+    # with a 2-D gram each type is followed by its +gptq twin (same bytes)
+    assert [o.label for o in lp.options] == ["dense", "Q8_0", "Q8_0+gptq", "Q4_K",
+                                             "Q4_K+gptq", "Q2_K", "Q2_K+gptq"]
     assert lp.options[0].decomp.kind == "dense" and lp.options[0].bytes == 4 * w.size
     for o in lp.options[1:]:
-        assert o.bytes == 8 * ggml.row_bytes(o.label, 512)
+        assert o.bytes == 8 * ggml.row_bytes(o.decomp.qtype, 512)
         approx = formats.approximate(w, o.decomp, gram=h)
         err = np.linalg.norm(approx.astype(np.float64) - w) / np.linalg.norm(w)
         assert math.isclose(o.rel_err, err, rel_tol=1e-5)
         dw = (approx - w).astype(np.float64)
         want = math.sqrt(np.trace(dw @ h @ dw.T) / np.trace(w @ h @ w.T))
         assert math.isclose(o.out_err, want, rel_tol=1e-6)
-    errs = [o.rel_err for o in lp.options[1:]]
+    errs = [o.rel_err for o in lp.options[1::2]]
     assert errs == sorted(errs)
-    assert lp.timings["ggml"] > 0
+    # GPTQ's codes on the same scales: a lower output error on this random gram
+    for rtn, twin in zip(lp.options[1::2], lp.options[2::2]):
+        assert twin.decomp == rtn.decomp.with_rounding("gptq")
+        assert twin.out_err < rtn.out_err
+    assert lp.timings["ggml"] > 0 and lp.timings["gptq"] > 0
+    assert [o.label for o in mining.profile_layer(
+        "x", w, menu="ggml", ggml_types=("Q8_0",), gram=h, gptq=False).options] == \
+        ["dense", "Q8_0"]
     lp2 = mining.LayerProfile.from_dict(lp.to_dict())
     assert [o.decomp for o in lp2.options] == [o.decomp for o in lp.options]
     with pytest.raises(ValueError, match="menu must be one of"):

@@ -295,9 +295,14 @@ class Decomp:
             if self.rounding not in ROUNDINGS:
                 raise ValueError(f"Decomp rounding must be None (round to nearest) or one of "
                                  f"{ROUNDINGS}; got {self.rounding!r}.")
-            if self.kind not in ("int8", "int4", "int4g", "intn"):
+            if self.kind == "ggml":
+                if self.qtype not in _ggml.GPTQ_TYPES:
+                    raise ValueError(f"rounding={self.rounding!r} applies to the ggml types "
+                                     f"{', '.join(_ggml.GPTQ_TYPES)}; got {self.qtype}.")
+            elif self.kind not in ("int8", "int4", "int4g", "intn"):
                 raise ValueError(f"rounding={self.rounding!r} applies to the quantised kinds "
-                                 f"int8/int4/int4g/intn only; got kind {self.kind!r}.")
+                                 f"int8/int4/int4g/intn and the ggml block types only; got "
+                                 f"kind {self.kind!r}.")
         if self.lr is not None:
             if self.kind not in LR_KINDS:
                 raise ValueError(f"lr (a low-rank correction of the quantisation residual) "
@@ -900,6 +905,13 @@ def _pack(w, d: Decomp, svd=None, gram=None, factor=None, pick=None):
         b = np.ascontiguousarray(s[:d.r, None] * vt[:d.r], dtype=np.float32)
         return {"a": a, "b": b}
     if k == "ggml":
+        if d.rounding is not None:
+            if gram is None:
+                raise GramRequiredError(
+                    f"{d.label} chooses its codes from calibration data: pass gram= (H = "
+                    f"X.T @ X of the layer's inputs, [cols, cols]; see "
+                    f"opscope_nb.profile.calib), or use {d.with_rounding(None).label}.")
+            return {"blocks": _ggml.quantize_gptq(w, d.qtype, gram, checked_finite=True)}
         return {"blocks": _ggml.quantize(w, d.qtype, importance=ggml_importance(gram))}
     if k == "monarch":
         w1, w2 = _kern().monarch_project(w)

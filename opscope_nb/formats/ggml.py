@@ -260,3 +260,84 @@ def error_sums(w, data, qtype) -> tuple:
     e2, x2 = ggml_error_sums(np.ascontiguousarray(w, dtype=np.float32),
                              np.ascontiguousarray(data), GGML_CODES[_name_key(t)])
     return float(e2.sum()), float(x2.sum())
+
+
+#: The types with a ``+gptq`` twin (:func:`quantize_gptq`): every block type
+#: whose weights each carry a code (not F16 / BF16, and not TQ1_0 / TQ2_0,
+#: whose ternary codes are a trained model's own).
+GPTQ_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_NL",
+              "IQ4_XS", "Q3_K", "Q2_K")
+
+
+def quantize_gptq(w, qtype, gram, *, damp=None, act_order=True, block=128,
+                  checked_finite=False) -> np.ndarray:
+    """ggml ``qtype`` blocks of ``w`` with GPTQ's codes on llama.cpp's scales.
+
+    The scales (and minimums) are those :func:`quantize` writes with
+    ``importance = diag(gram)`` (llama.cpp's imatrix of the same data); the
+    codes are chosen column by column, each column's rounding error pushed
+    onto the columns not yet rounded (GPTQ, static groups:
+    :func:`opscope_nb.kernels.ggml_gptq_sweep`), which lowers the output error
+    ``tr(ΔW H ΔWᵀ)`` of the same bytes.  The result is ordinary ``qtype``
+    data: :func:`dequantize`, ``gguf`` and llama.cpp read it unchanged.
+
+    Rows are independent given the gram: they run in fixed blocks of
+    :data:`opscope_nb.formats.gptq.GPTQ_ROWS` rows on every core, the same
+    bytes for any thread count.
+
+    Parameters
+    ----------
+    w : ndarray of shape (rows, cols), float32
+        ``[out_features, in_features]``, finite; ``cols`` a multiple of the
+        type's block.
+    qtype : str
+        One of :data:`GPTQ_TYPES` (case-insensitive).
+    gram : ndarray of shape (cols, cols) or (cols,)
+        ``H = sum x xᵀ`` of the layer's inputs (a 1-D gram is a diagonal,
+        with which GPTQ is round-to-nearest on the same scales).
+    damp : float, optional
+        Relative dampening of ``H`` (default
+        :data:`opscope_nb.formats.gptq.DAMP`).
+    act_order : bool
+        Sweep the columns largest ``H[i, i]`` first (default) or in order.
+    block : int
+        Lazy-update width (changes only the float64 summation order).
+    checked_finite : bool
+        As :func:`quantize`.
+
+    Returns
+    -------
+    ndarray of shape (rows, row_bytes(qtype, cols)), uint8
+    """
+    from opscope_nb._threads import map_row_blocks
+    from opscope_nb.formats.gptq import DAMP, GPTQ_ROWS, _cached_factor, check_gram
+    from opscope_nb.kernels._ggml_gptq import GPTQ_LEVELS, ggml_grid, ggml_gptq_sweep, \
+        ggml_set_codes
+    from opscope_nb.kernels._ggml_quant import GGML_CODES
+    t = _type(qtype)
+    if t.name not in GPTQ_TYPES:
+        raise ValueError(f"quantize_gptq: {t.name} has no GPTQ rounding; use one of "
+                         f"{', '.join(GPTQ_TYPES)}, or quantize() for {t.name}.")
+    w = _check_weights(w, not checked_finite)
+    rows, cols = w.shape
+    row_bytes(t, cols)
+    g = check_gram(gram, cols)
+    damp = DAMP if damp is None else float(damp)
+    if not np.isfinite(damp) or damp < 0:
+        raise ValueError(f"damp must be finite and >= 0; got {damp!r}.")
+    if isinstance(block, bool) or int(block) != block or int(block) < 1:
+        raise ValueError(f"block must be an int >= 1; got {block!r}.")
+    imp = np.ascontiguousarray(g if g.ndim == 1 else np.diag(g), dtype=np.float32)
+    blocks = quantize(w, t, importance=imp, checked_finite=True)
+    key = _name_key(t)
+    code = GGML_CODES[key]
+    lev, uniform = GPTQ_LEVELS[key]
+    order, u = _cached_factor(g, damp, bool(act_order))
+    s, m = ggml_grid(blocks, code, cols)
+
+    def run(a, b):
+        wp = np.ascontiguousarray(np.asarray(w[a:b], dtype=np.float64)[:, order])
+        return ggml_gptq_sweep(wp, u, order, s[a:b], m[a:b], lev, uniform, int(block))
+
+    codes = np.concatenate(map_row_blocks(run, rows, block=GPTQ_ROWS))
+    return ggml_set_codes(blocks, code, codes)

@@ -392,7 +392,8 @@ def export_gguf(source, plan, out_path, *, grams=None, make_progress=None,
                                   f"the plan was made for another model.")
 
     # planned in the type it is stored in: copied unless re-quantisation is asked for
-    as_stored = {n for n, d in plan.items() if d.kind == "ggml" and not requantize
+    as_stored = {n for n, d in plan.items() if d.kind == "ggml" and d.rounding is None
+                 and not requantize
                  and by_name[n].tensor_type.name == d.qtype}
     written = {t.name: ((plan[t.name].qtype if t.name in plan and plan[t.name].kind == "ggml"
                          else t.tensor_type.name), len(t.shape)) for t in tensors}

@@ -543,7 +543,7 @@ def _ggml_errors(w, blocks, qtype) -> dict:
 
 def _same_type(d, entry) -> bool:
     """``d`` is the ggml block type ``entry`` is stored in."""
-    return d.kind == "ggml" and str(entry.dtype).upper() == d.qtype
+    return d.kind == "ggml" and d.rounding is None and str(entry.dtype).upper() == d.qtype
 
 
 def _close(got, want) -> bool:

@@ -348,7 +348,8 @@ def _pack_option(lp, j, orig, entry, grams, requantize):
     d = lp.options[int(j)].decomp
     if d.kind == "dense":
         return orig
-    if (entry is not None and d.kind == "ggml" and str(entry.dtype).upper() == d.qtype
+    if (entry is not None and d.kind == "ggml" and d.rounding is None
+            and str(entry.dtype).upper() == d.qtype
             and not requantize):
         raw = np.ascontiguousarray(entry.raw()).view(np.uint8).reshape(entry.shape[0], -1)
         return PackedLinear(d, {"blocks": np.array(raw)}, tuple(entry.shape))

@@ -515,7 +515,7 @@ def _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols, 
                   prior_weight):
     """:func:`profile_layer`'s measurements on validated arguments."""
     if menu == "ggml":
-        menu_list = ggml_menu(cols, ggml_types)
+        menu_list = ggml_menu(cols, ggml_types, with_gptq)
         if own is not None and Decomp.ggml(own) not in [d for d, _ in menu_list]:
             menu_list.insert(1, (Decomp.ggml(own), "ggml"))
         if n0 is not None:
@@ -535,7 +535,7 @@ def _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols, 
         lrs = []                      # a correction is fitted to every row of the residual
         extra = structured_menu(rows, cols, ref)
         if menu == "mixed":
-            extra = extra + ggml_menu(cols, ggml_types)[1:]
+            extra = extra + ggml_menu(cols, ggml_types, with_gptq)[1:]
         meas.sample(name, [it for it in qmenu + extra
                            if own is None or it[0] != Decomp.ggml(own)], n0, spec == "auto")
     for d, part in qmenu:
@@ -552,7 +552,7 @@ def _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols, 
         meas(d, part)
     if menu == "mixed":
         have = {o.decomp.label for o in meas.options}
-        for d, part in ggml_menu(cols, ggml_types)[1:]:
+        for d, part in ggml_menu(cols, ggml_types, with_gptq)[1:]:
             if d.label not in have:
                 meas(d, part)
     return LayerProfile(name, rows, cols, ref, meas.options, meas.timings, sensitivity,
@@ -653,7 +653,7 @@ def ggml_types_checked(types) -> tuple:
     return tuple(out)
 
 
-def ggml_menu(cols, types=None) -> list:
+def ggml_menu(cols, types=None, gptq=False) -> list:
     """The ``menu="ggml"`` options of a weight with ``cols`` inputs, in order.
 
     Dense, then each type of ``types`` (default :data:`GGML_MENU_TYPES`:
@@ -661,19 +661,25 @@ def ggml_menu(cols, types=None) -> list:
     Q2_K, F16, BF16) whose block divides ``cols`` -- the types llama.cpp keeps
     for that row length (llama-quantize replaces the others by a fallback,
     :func:`opscope_nb.formats.ggml.fallback_type`, which is then offered under its
-    own name when it is in ``types``).
+    own name when it is in ``types``).  With ``gptq`` each type of
+    :data:`opscope_nb.formats.ggml.GPTQ_TYPES` is followed by its ``+gptq``
+    twin: the same scales and bytes, GPTQ's codes from the calibration gram
+    (:func:`opscope_nb.formats.ggml.quantize_gptq`).
 
     Returns
     -------
     list of (Decomp, str or None)
-        As :func:`quant_menu`: the option and its timings part (``"ggml"``).
+        As :func:`quant_menu`: the option and its timings part (``"ggml"``,
+        ``"gptq"`` for the twins).
     """
-    from opscope_nb.formats.ggml import GGML_TYPES
+    from opscope_nb.formats.ggml import GGML_TYPES, GPTQ_TYPES
     cols = check_int(cols, "cols", 1)
     out = [(Decomp.dense(), None)]
     for t in ggml_types_checked(types):
         if cols % GGML_TYPES[t].block == 0:
             out.append((Decomp.ggml(t), "ggml"))
+            if gptq and t in GPTQ_TYPES:
+                out.append((Decomp.ggml(t).with_rounding("gptq"), "gptq"))
     return out
 
 
