@@ -94,11 +94,17 @@ def _profile_ggml(types):
     256: every K-quant's super-block)."""
     from . import formats
     from .kernels._quant_probe import rel_err
+    import numpy as np
+    from .formats.ggml import GPTQ_TYPES, quantize_gptq
     w = _w(16, 256)
     for t in types:
         d = formats.Decomp.ggml(t)
         recon = formats.unpack(formats._pack(w, d), d, w.shape)
         float(rel_err(w, recon))
+    # the +gptq twins' grid, sweep and code store (one compile serves every type)
+    gptq = [t for t in types if str(t).upper() in GPTQ_TYPES]
+    if gptq:
+        quantize_gptq(w, gptq[0], np.eye(256))
 
 
 def _profile_svd(_):

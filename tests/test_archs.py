@@ -365,3 +365,57 @@ def test_mistral_sliding_window_limits_what_a_token_sees(files, tmp_path):
         b = llama.forward(m, ids2, llama.KVCache(m.config, 32), act="f32")
         assert np.array_equal(a[15:], b[15:]) is far_equal
         assert not np.allclose(a[:8], b[:8])
+
+
+def test_cli_ggml_gptq_twins_profile_plan_apply(files, tmp_path):
+    """``profile --menu ggml --calib`` offers each type's ``+gptq`` twin (same
+    bytes); a plan of twins applies to a GGUF holding GPTQ's blocks for the
+    kept grams; ``--no-gptq`` drops the twins."""
+    import gguf
+    from opscope_nb.formats import ggml
+    from opscope_nb.profile.calib import load_grams
+    src = files["llama"][0]
+    o = tmp_path / "o"
+    rc, out, err = _cli("profile", src, "--calib", "--calib-tokens", "64", "--menu", "ggml",
+                        "--types", "Q8_0,Q4_0", "--bpw", "5", "--out", o, "-q")
+    assert rc == 0, err
+    doc = json.loads((o / "profile.json").read_text())
+    for r in doc["layers"]:
+        if r["profile"]["cols"] % 32:
+            continue
+        by = {x["label"]: x for x in r["profile"]["options"]}
+        for t in ("Q8_0", "Q4_0"):
+            assert by[f"{t}+gptq"]["bytes"] == by[t]["bytes"]
+    plan = json.loads((o / "plan.json").read_text())
+    meth = plan["methods"][plan["best"]] if "best" in plan else \
+        next(iter(plan["methods"].values()))
+    # the plan with every quantised layer on its +gptq twin
+    for lay in meth["layers"]:
+        if lay["decomp"]["kind"] == "ggml" and lay["decomp"]["qtype"] in ("Q8_0", "Q4_0"):
+            lay["decomp"]["rounding"] = "gptq"
+            lay["label"] = lay["decomp"]["label"] = lay["decomp"]["qtype"] + "+gptq"
+    twins = [lay["name"] for lay in meth["layers"] if lay["label"].endswith("+gptq")]
+    assert twins
+    (o / "plan.json").write_text(json.dumps(plan))
+    rc, out, err = _cli("apply", src, o / "plan.json", "-o", tmp_path / "x.gguf", "-q",
+                        "--over-budget")
+    assert rc == 0, err
+    grams = load_grams(o / "calib.npz")[0]
+    srcr = {t.name: t for t in gguf.GGUFReader(src).tensors}
+    got = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "x.gguf")).tensors}
+    qt = {lay["name"]: lay["decomp"]["qtype"] for lay in meth["layers"]}
+    for n in twins:
+        s = srcr[n]
+        rows, cols = int(s.shape[1]), int(s.shape[0])
+        w = np.ascontiguousarray(gguf.quants.dequantize(s.data, s.tensor_type)
+                                 .reshape(rows, cols), np.float32)
+        want = ggml.quantize_gptq(w, qt[n], grams[n])
+        assert got[n].tensor_type.name == qt[n]
+        np.testing.assert_array_equal(np.asarray(got[n].data).view(np.uint8).reshape(-1),
+                                      want.reshape(-1))
+    rc, out, err = _cli("profile", src, "--calib", "--calib-tokens", "64", "--menu", "ggml",
+                        "--types", "Q8_0", "--no-gptq", "--out", tmp_path / "p", "-q")
+    assert rc == 0, err
+    doc = json.loads((tmp_path / "p" / "profile.json").read_text())
+    assert not any("+gptq" in x["label"] for r in doc["layers"]
+                   for x in r["profile"]["options"])
