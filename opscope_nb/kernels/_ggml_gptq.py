@@ -316,7 +316,9 @@ def _nearest_level(x, s, m, lev, uniform):
     else:
         t = (x - np.float64(m)) / np.float64(s)
     if uniform:
-        k = np.int64(round_half_away(np.float32(min(max(t, -1e6), 1e6)))) - np.int64(lev[0])
+        # float64 throughout: a float32 cast could move a value just below a
+        # half onto it
+        k = np.int64(round_half_away(min(max(t, -1e6), 1e6))) - np.int64(lev[0])
         return min(max(k, 0), n - 1)
     best = 0
     bd = abs(t - np.float64(lev[0]))
