@@ -911,7 +911,7 @@ def _pack(w, d: Decomp, svd=None, gram=None, factor=None, pick=None):
                     f"{d.label} chooses its codes from calibration data: pass gram= (H = "
                     f"X.T @ X of the layer's inputs, [cols, cols]; see "
                     f"opscope_nb.profile.calib), or use {d.with_rounding(None).label}.")
-            return {"blocks": _ggml.quantize_gptq(w, d.qtype, gram, checked_finite=True)}
+            return {"blocks": _ggml._gptq_blocks(w, d.qtype, gram)}
         return {"blocks": _ggml.quantize(w, d.qtype, importance=ggml_importance(gram))}
     if k == "monarch":
         w1, w2 = _kern().monarch_project(w)

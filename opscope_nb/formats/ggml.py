@@ -309,11 +309,7 @@ def quantize_gptq(w, qtype, gram, *, damp=None, act_order=True, block=128,
     -------
     ndarray of shape (rows, row_bytes(qtype, cols)), uint8
     """
-    from opscope_nb._threads import map_row_blocks
-    from opscope_nb.formats.gptq import DAMP, GPTQ_ROWS, _cached_factor, check_gram
-    from opscope_nb.kernels._ggml_gptq import GPTQ_LEVELS, ggml_grid, ggml_gptq_sweep, \
-        ggml_set_codes
-    from opscope_nb.kernels._ggml_quant import GGML_CODES
+    from opscope_nb.formats.gptq import DAMP, check_gram
     t = _type(qtype)
     if t.name not in GPTQ_TYPES:
         raise ValueError(f"quantize_gptq: {t.name} has no GPTQ rounding; use one of "
@@ -327,6 +323,22 @@ def quantize_gptq(w, qtype, gram, *, damp=None, act_order=True, block=128,
         raise ValueError(f"damp must be finite and >= 0; got {damp!r}.")
     if isinstance(block, bool) or int(block) != block or int(block) < 1:
         raise ValueError(f"block must be an int >= 1; got {block!r}.")
+    return _gptq_blocks(w, t.name, g, damp, bool(act_order), int(block))
+
+
+def _gptq_blocks(w, qtype, g, damp=None, act_order=True, block=128) -> np.ndarray:
+    """:func:`quantize_gptq` on validated input (``w`` finite float32 2-D,
+    ``qtype`` a canonical :data:`GPTQ_TYPES` name whose block divides the
+    rows, ``g`` from :func:`opscope_nb.formats.gptq.check_gram`); no checks
+    (the gram's own check costs a pivoted Cholesky of it)."""
+    from opscope_nb._threads import map_row_blocks
+    from opscope_nb.formats.gptq import DAMP, GPTQ_ROWS, _cached_factor
+    from opscope_nb.kernels._ggml_gptq import GPTQ_LEVELS, ggml_grid, ggml_gptq_sweep, \
+        ggml_set_codes
+    from opscope_nb.kernels._ggml_quant import GGML_CODES
+    t = GGML_TYPES[qtype]
+    damp = DAMP if damp is None else float(damp)
+    rows, cols = w.shape
     imp = np.ascontiguousarray(g if g.ndim == 1 else np.diag(g), dtype=np.float32)
     blocks = quantize(w, t, importance=imp, checked_finite=True)
     key = _name_key(t)
