@@ -527,7 +527,7 @@ def _forward_gap(f16, args, root):
             os.remove(path)
 
 
-def _profiles(source, variants, root, calib_text):
+def _profiles(source, variants, root, calib_text, gptq="int"):
     """``opscope-nb profile --menu ggml`` of the source, without calibration and/or
     with it (``prof-no`` / ``prof-yes`` under ``root``, kept and reused)."""
     profs = {}
@@ -539,7 +539,7 @@ def _profiles(source, variants, root, calib_text):
                    "--include-embeddings", "--out", d, "--bpw", "4.5", "--method", "exact",
                    "-q"]
             if v == "yes":
-                cmd += ["--calib", "--calib-text", calib_text]
+                cmd += ["--calib", "--calib-text", calib_text, "--gptq", gptq]
             out, secs = _run(cmd, "profile")
             print(f"profile ({'--calib' if v == 'yes' else 'no calibration'}): {secs:.0f}s")
             for ln in out.splitlines():
@@ -612,7 +612,7 @@ def _encoder_bench(args, src, root, variants):
     names = _write_bert_gguf(bdir, g32)
     print(f"F32 sources: {bdir} (BERT layout) and {g32} ({os.path.getsize(g32)} bytes, "
           f"llama.cpp's bert names)", flush=True)
-    profs = _profiles(bdir, variants, root, args.calib_text)
+    profs = _profiles(bdir, variants, root, args.calib_text, args.gptq)
     calib = os.path.join(root, "prof-yes", "calib.npz")
     imx = ({names[n]: v for n, v in _imatrix(calib).items() if n in names}
            if "yes" in variants else None)
@@ -724,6 +724,9 @@ def main(argv=None) -> int:
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--imatrix", choices=("both", "no", "yes"), default="both")
     ap.add_argument("--calib-text", default="builtin")
+    ap.add_argument("--gptq", choices=("int", "all", "none"), default="int",
+                    help="the calibrated profile's +gptq twins (profile --gptq): 'all' "
+                         "adds the ggml types' (a profile kept in --workdir is reused as is)")
     ap.add_argument("--eval-text", default="sample")
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=256)
@@ -783,7 +786,7 @@ def main(argv=None) -> int:
     if args.forward_gap:
         _forward_gap(f16, args, root)
         return 0
-    profs = _profiles(f16, variants, root, args.calib_text)
+    profs = _profiles(f16, variants, root, args.calib_text, args.gptq)
     imx = _imatrix(os.path.join(root, "prof-yes", "calib.npz")) if "yes" in variants else None
     _fam, _arch, cfg, tok = detect(f16)
     ids = _decoder_ids(cfg, tok, load_passages(args.eval_text), args.max_tokens)

@@ -368,16 +368,17 @@ def test_mistral_sliding_window_limits_what_a_token_sees(files, tmp_path):
 
 
 def test_cli_ggml_gptq_twins_profile_plan_apply(files, tmp_path):
-    """``profile --menu ggml --calib`` offers each type's ``+gptq`` twin (same
-    bytes); a plan of twins applies to a GGUF holding GPTQ's blocks for the
-    kept grams; ``--no-gptq`` drops the twins."""
+    """``profile --menu ggml --calib --gptq all`` offers each type's ``+gptq``
+    twin (same bytes); a plan of twins applies to a GGUF holding GPTQ's blocks
+    for the kept grams; without ``--gptq all`` there are no ggml twins."""
     import gguf
     from opscope_nb.formats import ggml
     from opscope_nb.profile.calib import load_grams
     src = files["llama"][0]
     o = tmp_path / "o"
     rc, out, err = _cli("profile", src, "--calib", "--calib-tokens", "64", "--menu", "ggml",
-                        "--types", "Q8_0,Q4_0", "--bpw", "5", "--out", o, "-q")
+                        "--types", "Q8_0,Q4_0", "--bpw", "5", "--gptq", "all", "--out", o,
+                        "-q")
     assert rc == 0, err
     doc = json.loads((o / "profile.json").read_text())
     for r in doc["layers"]:
@@ -414,7 +415,7 @@ def test_cli_ggml_gptq_twins_profile_plan_apply(files, tmp_path):
         np.testing.assert_array_equal(np.asarray(got[n].data).view(np.uint8).reshape(-1),
                                       want.reshape(-1))
     rc, out, err = _cli("profile", src, "--calib", "--calib-tokens", "64", "--menu", "ggml",
-                        "--types", "Q8_0", "--no-gptq", "--out", tmp_path / "p", "-q")
+                        "--types", "Q8_0", "--out", tmp_path / "p", "-q")
     assert rc == 0, err
     doc = json.loads((tmp_path / "p" / "profile.json").read_text())
     assert not any("+gptq" in x["label"] for r in doc["layers"]

@@ -87,8 +87,8 @@ def test_profile_layer_ggml_menu_with_gram():
     x = np.random.default_rng(2).standard_normal((100, 512))
     h = x.T @ x
     lp = mining.profile_layer("blk.0.ffn_down.weight", w, menu="ggml",
-                              ggml_types=("Q8_0", "Q4_K", "Q2_K"), gram=h)
-    # with a 2-D gram each type is followed by its +gptq twin (same bytes)
+                              ggml_types=("Q8_0", "Q4_K", "Q2_K"), gram=h, gptq="all")
+    # asked for, with a 2-D gram, each type is followed by its +gptq twin (same bytes)
     assert [o.label for o in lp.options] == ["dense", "Q8_0", "Q8_0+gptq", "Q4_K",
                                              "Q4_K+gptq", "Q2_K", "Q2_K+gptq"]
     assert lp.options[0].decomp.kind == "dense" and lp.options[0].bytes == 4 * w.size
@@ -107,9 +107,12 @@ def test_profile_layer_ggml_menu_with_gram():
         assert twin.decomp == rtn.decomp.with_rounding("gptq")
         assert twin.out_err < rtn.out_err
     assert lp.timings["ggml"] > 0 and lp.timings["gptq"] > 0
-    assert [o.label for o in mining.profile_layer(
-        "x", w, menu="ggml", ggml_types=("Q8_0",), gram=h, gptq=False).options] == \
-        ["dense", "Q8_0"]
+    for g in (True, "int", False, "none"):     # the default ("int") has no ggml twins
+        assert [o.label for o in mining.profile_layer(
+            "x", w, menu="ggml", ggml_types=("Q8_0",), gram=h, gptq=g).options] == \
+            ["dense", "Q8_0"]
+    with pytest.raises(ValueError, match="gptq must be one of .*'all' adds"):
+        mining.profile_layer("x", w, menu="ggml", gram=h, gptq="ggml")
     lp2 = mining.LayerProfile.from_dict(lp.to_dict())
     assert [o.decomp for o in lp2.options] == [o.decomp for o in lp.options]
     with pytest.raises(ValueError, match="menu must be one of"):

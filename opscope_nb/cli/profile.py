@@ -133,12 +133,12 @@ def add_parser(sub) -> None:
                         "DIR/calib.npz for 'apply' (default: when they take at most "
                         f"{KEEP_GRAMS_MAX >> 30} GiB; otherwise 'apply' re-runs the "
                         "calibration, streamed, for the +gptq layers it packs)")
-    c.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --calib (full grams): offer each quantised option's +gptq "
-                        "twin -- int8 ... int2 and, in --menu ggml / mixed, every ggml "
-                        "type with codes (GPTQ's codes on llama.cpp's scales, same bytes); "
-                        "--no-gptq drops them (shorter profile; their gains are measured on "
-                        "the calibration text and shrink on text unlike it)")
+    c.add_argument("--gptq", choices=("int", "all", "none"), default="int",
+                   help="with --calib (full grams): which +gptq twins to offer -- 'int' "
+                        "(default) those of int8 ... int2; 'all' also each ggml type's "
+                        "(GPTQ's codes on llama.cpp's scales, same GGUF bytes; their gain "
+                        "is measured on the calibration text and shrinks on other text); "
+                        "'none' no twins (a shorter profile)")
     c.add_argument("--calib-diag-above", type=positive_int, default=None, metavar="COLS",
                    help="with --calib: keep only diag(H) for layers with more than COLS "
                         "inputs (less memory, no +gptq there; default: full grams at "
@@ -266,8 +266,8 @@ def _profile_kwargs(args) -> dict:
         kw["latency"] = tuple(args.latency)
     if getattr(args, "requantize", False):
         kw["requantize"] = True
-    if not getattr(args, "gptq", True):
-        kw["gptq"] = False
+    if getattr(args, "gptq", "int") != "int":
+        kw["gptq"] = args.gptq
     if args.menu != "default":
         kw["menu"] = args.menu
         kw["ggml_types"] = _ggml_types(args)
@@ -487,8 +487,8 @@ def _setup(args):
                 "sample_rows": args.sample_rows}
     if args.requantize:      # only when set: profiles of before resume as they are
         settings["requantize"] = True
-    if not args.gptq:
-        settings["gptq"] = False
+    if args.gptq != "int":   # only when set: profiles of before resume as they are
+        settings["gptq"] = args.gptq
     if calib_settings is not None:
         settings["calib"] = calib_settings
     out = ensure_outdir(args.out) if args.out else None

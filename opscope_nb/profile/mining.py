@@ -380,8 +380,13 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         bytes, codes from :func:`opscope_nb.formats.gptq.gptq_quantize`).  A diagonal
         gram gives no ``+gptq`` options (GPTQ with a diagonal Hessian is round
         to nearest).
-    gptq : bool
-        Offer the ``+gptq`` twins when a 2-D ``gram`` is given.
+    gptq : {"int", "all", "none"} or bool
+        Which ``+gptq`` twins to offer when a 2-D ``gram`` is given: ``"int"``
+        (or True, the default) those of int8 ... int2; ``"all"`` those and
+        each ggml type's (:func:`ggml_menu`); ``"none"`` (or False) none.
+        The ggml twins are asked for: their measured gain holds on text like
+        the calibration text and shrinks on other text, and the allocator
+        trusts it fully (docs/performance.md, "GPTQ codes in the ggml types").
     sensitivity : float, optional
         Stored as ``LayerProfile.sensitivity`` (finite, ``>= 0``).
     stored_dtype : str
@@ -481,7 +486,9 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
             if not math.isfinite(sensitivity) or sensitivity < 0:
                 raise ValueError(f"sensitivity must be finite and >= 0; got {sensitivity!r}.")
         prior_weight = check_prior_weight(prior_weight)
-        with_gptq = bool(gptq) and gram is not None and gram.ndim == 2
+        gptq = check_gptq(gptq)
+        with_gptq = gptq != "none" and gram is not None and gram.ndim == 2
+        ggml_gptq = with_gptq and gptq == "all"
         ref = stored_bytes(stored_dtype, rows, cols)
         if menu not in MENUS:
             raise ValueError(f"menu must be one of {MENUS}; got {menu!r}.")
@@ -505,17 +512,17 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         with pinned_gram(gram), _one_blas_thread():
             return _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols,
                                  gs, nbits, g2s, with_gptq, stored_dtype, lrs, rank_cap, seed,
-                                 sensitivity, prior_weight)
+                                 sensitivity, prior_weight, ggml_gptq)
     finally:
         pin.close()
 
 
 def _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols, gs, nbits,
                   g2s, with_gptq, stored_dtype, lrs, rank_cap, seed, sensitivity,
-                  prior_weight):
+                  prior_weight, ggml_gptq=False):
     """:func:`profile_layer`'s measurements on validated arguments."""
     if menu == "ggml":
-        menu_list = ggml_menu(cols, ggml_types, with_gptq)
+        menu_list = ggml_menu(cols, ggml_types, ggml_gptq)
         if own is not None and Decomp.ggml(own) not in [d for d, _ in menu_list]:
             menu_list.insert(1, (Decomp.ggml(own), "ggml"))
         if n0 is not None:
@@ -535,7 +542,7 @@ def _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols, 
         lrs = []                      # a correction is fitted to every row of the residual
         extra = structured_menu(rows, cols, ref)
         if menu == "mixed":
-            extra = extra + ggml_menu(cols, ggml_types, with_gptq)[1:]
+            extra = extra + ggml_menu(cols, ggml_types, ggml_gptq)[1:]
         meas.sample(name, [it for it in qmenu + extra
                            if own is None or it[0] != Decomp.ggml(own)], n0, spec == "auto")
     for d, part in qmenu:
@@ -552,7 +559,7 @@ def _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols, 
         meas(d, part)
     if menu == "mixed":
         have = {o.decomp.label for o in meas.options}
-        for d, part in ggml_menu(cols, ggml_types, with_gptq)[1:]:
+        for d, part in ggml_menu(cols, ggml_types, ggml_gptq)[1:]:
             if d.label not in have:
                 meas(d, part)
     return LayerProfile(name, rows, cols, ref, meas.options, meas.timings, sensitivity,
@@ -612,6 +619,21 @@ def quant_menu(cols, *, groups=(32, 128), intn_bits=(6, 5, 3), int2_groups=(32,)
             q(Decomp.intn(2, g))
     out += [(Decomp.ternary(), "ternary"), (Decomp.sparse24(), "sparse")]
     return out
+
+
+#: :func:`profile_layer`'s ``gptq`` choices: which ``+gptq`` twins a full gram adds.
+GPTQ_CHOICES = ("int", "all", "none")
+
+
+def check_gptq(gptq) -> str:
+    """``gptq`` as one of :data:`GPTQ_CHOICES` (True -> ``"int"``, False ->
+    ``"none"``); ``ValueError`` naming the choices otherwise."""
+    if gptq is True or gptq is False or isinstance(gptq, np.bool_):
+        return "int" if gptq else "none"
+    if gptq not in GPTQ_CHOICES:
+        raise ValueError(f"gptq must be one of {GPTQ_CHOICES} (or True / False); got "
+                         f"{gptq!r}. 'all' adds the ggml types' +gptq twins.")
+    return gptq
 
 
 def _stored_block_type(stored, cols):
