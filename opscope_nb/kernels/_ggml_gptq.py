@@ -24,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._ggml_quant import (_KVF, F, _get_f16, _get_scale_min_k4, _i8, _pack2, _pack5)
+from ._ggml_quant import (_KVF, F, _get_f16, _get_scale_min_k4, _i8, _pack2, _pack5,
+                          _pack_iq4_xs_qs)
 from ._jit import njit_exact, njit_parallel_exact
 from ._quant_probe import round_half_away
 
@@ -135,13 +136,6 @@ def _setq_nib(b, o, L):
     """Q4_0 / Q4_1 / IQ4_NL nibbles at ``b[o:o+16]``: low = j, high = j + 16."""
     for j in range(16):
         b[o + j] = (L[j] | (L[j + 16] << 4)) & 0xFF
-
-
-@njit_exact
-def _setq_iq4_xs(b, o, L):
-    for ib in range(8):
-        for j in range(16):
-            b[o + 8 + 16 * ib + j] = (L[32 * ib + j] | (L[32 * ib + 16 + j] << 4)) & 0xFF
 
 
 @njit_exact
@@ -258,7 +252,7 @@ def _setq_row(code, b, L):
             _pack5(L[ib * 32:], b, ib * 24 + 4)
     elif code == 6:
         for ib in range(cols // 256):
-            _setq_iq4_xs(b, ib * 136, L[ib * 256:])
+            _pack_iq4_xs_qs(L[ib * 256:], b, ib * 136)
     elif code == 7:
         for ib in range(cols // 256):
             _setq_q2_K(b, ib * 84, L[ib * 256:])

@@ -802,9 +802,16 @@ def _iq4_xs_row(x, qw, out):
             sh |= (l >> 4) << (2 * ib)
         out[o + 2] = sh & 0xFF
         out[o + 3] = (sh >> 8) & 0xFF
-        for i in range(8):
-            for j in range(16):
-                out[o + 8 + 16 * i + j] = (L[32 * i + j] | (L[32 * i + 16 + j] << 4)) & 0xFF
+        _pack_iq4_xs_qs(L, out, o)
+
+
+@njit_exact
+def _pack_iq4_xs_qs(L, out, o):
+    """IQ4_XS codes ``L[256]`` into the block at ``out[o:]``: per 32-sub-block,
+    16 bytes of nibble pairs (low = value j, high = value j + 16)."""
+    for i in range(8):
+        for j in range(16):
+            out[o + 8 + 16 * i + j] = (L[32 * i + j] | (L[32 * i + 16 + j] << 4)) & 0xFF
 
 
 # =========================================================== K-quants (256)
