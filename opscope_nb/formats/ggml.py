@@ -315,7 +315,7 @@ def quantize_gptq(w, qtype, gram, *, damp=None, act_order=True, block=128,
         raise ValueError(f"quantize_gptq: {t.name} has no GPTQ rounding; use one of "
                          f"{', '.join(GPTQ_TYPES)}, or quantize() for {t.name}.")
     w = _check_weights(w, not checked_finite)
-    rows, cols = w.shape
+    cols = w.shape[1]
     row_bytes(t, cols)
     g = check_gram(gram, cols)
     damp = DAMP if damp is None else float(damp)

@@ -34,16 +34,8 @@ __all__ = ["ggml_grid", "ggml_set_codes", "ggml_gptq_sweep"]
 
 # ------------------------------------------------------------------ grids
 @njit_exact
-def _grid_q8_0(b, o, s, m):
-    d = _get_f16(b, o)
-    for j in range(32):
-        s[j] = d
-        m[j] = F(0.0)
-
-
-@njit_exact
 def _grid_d(b, o, s, m):
-    """Q4_0 / Q5_0 / IQ4_NL: one fp16 ``d`` at the block's start."""
+    """Q8_0 / Q4_0 / Q5_0 / IQ4_NL: one fp16 ``d`` at the block's start."""
     d = _get_f16(b, o)
     for j in range(32):
         s[j] = d
@@ -198,7 +190,7 @@ def _grid_row(code, b, s, m):
     cols = s.shape[0]
     if code == 0:
         for ib in range(cols // 32):
-            _grid_q8_0(b, ib * 34, s[ib * 32:], m[ib * 32:])
+            _grid_d(b, ib * 34, s[ib * 32:], m[ib * 32:])
     elif code == 1 or code == 5:
         for ib in range(cols // 32):
             _grid_d(b, ib * 18, s[ib * 32:], m[ib * 32:])
