@@ -184,7 +184,9 @@ class LayerProfile:
         The row sample the row-wise options' errors were estimated from
         (``{"rows": n, "of": rows, "seed": s, "design": "stratified"}``;
         ``"grown": {label: n_label}`` names the options that ``"auto"``
-        measured on more rows than ``n``; :mod:`opscope_nb.profile.sampling`),
+        measured on more rows than ``n``; ``"certain": k`` the rows measured
+        besides the ``n`` strata, each holding more than a stratum's share of
+        the weight's or output's energy; :mod:`opscope_nb.profile.sampling`),
         None when every row was measured.
     """
 
@@ -761,7 +763,8 @@ class _Measure:
         self._eh = None
         self.est = None              # label -> (rel, se, out, out_se) from a row sample
         self._factor = None          # low-rank factor of a 2-D gram (sampled tensors)
-        self._pilot = None           # (rows, strata sizes, row output energies, auto)
+        self._pilot = None           # (rows, strata sizes, row output energies, auto,
+        #                               rows taken with certainty: the first k)
         self._picks = {}             # GPTQ option -> its pilot's clipping choice
         self.sample_info = None
 
@@ -829,12 +832,13 @@ class _Measure:
         from opscope_nb.formats.gptq import row_output_energy
         from . import sampling as smp
         w, g, f = self.w, self.gram, self._factor
-        idx, sizes, xo, auto = self._pilot
+        idx, sizes, xo, auto, k = self._pilot
         den = self.den()
         e = w[idx].astype(np.float64) - recon[idx]
-        tot, var = smp.estimate(row_output_energy(e, g, f), sizes, xo[idx], den)
+        tot, var = smp.estimate(row_output_energy(e, g, f), sizes, xo[idx], den, exact=k)
         rel, se = smp.relative(tot, var, den)
-        if not auto or smp.rows_for_target(rel, se, len(idx), w.shape[0]) <= len(idx):
+        n = len(idx) - k
+        if not auto or smp.rows_for_target(rel, se, n, w.shape[0] - k) <= n:
             return rel, (0.0, se)
         num = float(row_output_energy(w.astype(np.float64) - recon, g, f).sum())
         return output_ratio(num, den), (None, None)
@@ -929,21 +933,26 @@ class _Measure:
         # GPTQ option's round-to-nearest twin on every row as its auxiliary cost
         # a quarter of a 7B layer's profile and hardly helped: the two rows'
         # output errors correlate at 0.02-0.2 on a calibration gram.)
-        idx, sizes = smp.draw(rows, n0, self.seed, name)
-        self._pilot = (idx, sizes, xo, auto)
+        # rows holding more than a stratum's share of either energy (a massive
+        # activation's output channel) are measured with certainty
+        cert = smp.certain_rows([xw, xo], n0)
+        k = int(cert.size)
+        idx, sizes = smp.draw(rows, n0, self.seed, name, cert)
+        self._pilot = (idx, sizes, xo, auto, k)
         per = {}
         self._rows(todo, idx, per)
 
         def stats(lab, pairs, smp_of):
             idx_s, sizes_s, order_s = smp_of
             y = np.concatenate([p[0] for p in pairs])[order_s]
-            out = smp.relative(*smp.estimate(y, sizes_s, xw[idx_s], den_w), den_w)
+            out = smp.relative(*smp.estimate(y, sizes_s, xw[idx_s], den_w, exact=k), den_w)
             if pairs[0][1] is None:
                 return out + (None, None)
             oy = np.concatenate([p[1] for p in pairs])[order_s]
-            return out + smp.relative(*smp.estimate(oy, sizes_s, xo[idx_s], den_o), den_o)
+            return out + smp.relative(*smp.estimate(oy, sizes_s, xo[idx_s], den_o, exact=k),
+                                      den_o)
 
-        pilot = (idx, sizes, np.arange(n0))
+        pilot = (idx, sizes, np.arange(idx.size))
         of = {}                # label -> its grown sample (the others keep the pilot)
         n = n0
         if auto:
@@ -952,11 +961,11 @@ class _Measure:
                 if pairs is None:
                     continue
                 st = stats(lab, pairs, pilot)
-                k = smp.rows_for_target(st[0], st[1], n0, rows)
+                m = smp.rows_for_target(st[0], st[1], n0, rows - k)
                 if st[2] is not None:
-                    k = max(k, smp.rows_for_target(st[2], st[3], n0, rows))
-                if k > n0:
-                    need[lab] = k
+                    m = max(m, smp.rows_for_target(st[2], st[3], n0, rows - k))
+                if m > n0:
+                    need[lab] = m
             if need:
                 # only the options whose interval is too wide get the fresh rows
                 # (at 7B shapes with real grams: 7-24 of ~40, mostly +gptq out_err)
@@ -969,14 +978,14 @@ class _Measure:
                     order = np.argsort(allidx, kind="stable")
                     big, n = (allidx[order], np.ones(rows, np.int64), order), rows
                 else:
-                    idx_n, sizes_n, home = smp.refine(rows, idx, n, self.seed, name)
-                    fresh = np.ones(n, dtype=bool)
+                    idx_n, sizes_n, home = smp.refine(rows, idx, n, self.seed, name, k)
+                    fresh = np.ones(idx_n.size, dtype=bool)
                     fresh[home] = False
                     self._rows(grow, idx_n[fresh], per)
                     # measured order: old rows (stratum `home`), then the fresh strata
                     pos = np.concatenate([home, np.flatnonzero(fresh)])
-                    order = np.empty(n, np.int64)
-                    order[pos] = np.arange(n)
+                    order = np.empty(idx_n.size, np.int64)
+                    order[pos] = np.arange(idx_n.size)
                     big = (idx_n, sizes_n, order)
                 of = {lab: big for lab in need}
         self.est = {lab: (None if pairs is None else stats(lab, pairs, of.get(lab, pilot)))
@@ -990,6 +999,8 @@ class _Measure:
         else:
             self.sample_info = {"rows": int(n), "of": int(rows), "seed": int(self.seed),
                                 "design": "stratified" if n < rows else "every row"}
+        if k and self.sample_info["design"] == "stratified":
+            self.sample_info["certain"] = k      # rows measured besides the strata
 
     def corrections(self, d, packed, recon, ranks, ref_bytes):
         """The ``+lr{r}`` options of the measured quantisation ``d`` for each

@@ -26,6 +26,14 @@ known, as usual for a regression estimator at these sample sizes).  A
 relative error ``sqrt(T / D)`` (``D`` exact) gets the standard error
 ``sqrt(V) / (2 sqrt(T D))`` (delta method).
 
+Rows taken with certainty (:func:`certain_rows`): a row whose own ``x``
+holds more than one stratum's share of the total (``x_r > X' / n``, ``X'``
+the total of the rows not yet taken, repeated) is measured exactly and left
+out of the strata, the slope and the variance.  A massive-activation output
+channel holds 99.9 % of MPNet's FFN-down ``tr(W H Wᵀ)``: stratified with the
+rest, the slope of ordinary rows was extrapolated to its energy and the
+layer's ``out_err`` came out 14x too large, its error's predicted damage 200x.
+
 ``"auto"`` sizing: a pilot of :data:`AUTO_MIN_ROWS` strata, then the
 smallest ``n = pilot * 2**L`` at which every option's 95 % interval is
 within ±1 % of its error (:data:`TARGET`; errors under :data:`NEGLIGIBLE`
@@ -46,7 +54,7 @@ import zlib
 import numpy as np
 
 __all__ = ["AUTO_MIN_ROWS", "AUTO_MIN_WEIGHTS", "TARGET", "NEGLIGIBLE", "check_sample_rows", "sample_size",
-           "strata_bounds", "draw", "refine", "estimate", "relative", "rows_for_target"]
+           "strata_bounds", "certain_rows", "draw", "refine", "estimate", "relative", "rows_for_target"]
 
 #: Rows of the pilot sample, and the least sample ``"auto"`` uses.
 AUTO_MIN_ROWS = 256
@@ -101,25 +109,94 @@ def _rng(seed: int, name: str, n: int):
     return np.random.default_rng([int(seed), zlib.crc32(name.encode("utf-8")), int(n)])
 
 
-def draw(rows: int, n: int, seed: int, name: str) -> tuple:
-    """One row per stratum: ``(idx, sizes)`` int64 ``[n]`` each (``2 n <= rows``)."""
-    b = strata_bounds(rows, n)
+def certain_rows(aux, n: int) -> np.ndarray:
+    """Rows taken with certainty: sorted int64 indices of the rows whose own
+    auxiliary term is more than one stratum's share of what the strata hold.
+
+    A row holding more than ``1/n`` of a total (a massive-activation output
+    channel: 99.9 % of ``tr(W H Wᵀ)`` in one of MPNet's 768 FFN-down rows)
+    would dominate the regression estimator through ``b (X - sum N_h x_h)``
+    whether it is drawn or not (drawn: it sets the slope alone; missed: the
+    slope of ordinary rows is extrapolated to its energy, 14x MPNet's out_err).
+    Such rows are measured exactly, the rest stratified: repeatedly, a row is
+    certain when its term exceeds ``(total - certain rows') / n`` in any of
+    ``aux`` (probability-proportional-to-size design's rule), at most ``n // 2``
+    rows (the largest shares first).
+
+    Parameters
+    ----------
+    aux : sequence of ndarray of float64, shape (rows,) each, or None
+        The auxiliary terms known on every row (None entries are skipped).
+    n : int
+        Strata of the sample.
+    """
+    xs = [np.asarray(x, np.float64) for x in aux if x is not None]
+    if not xs:
+        return np.zeros(0, np.int64)
+    rows = xs[0].size
+    take = np.zeros(rows, dtype=bool)
+    cap = max(n // 2, 0)
+    while True:
+        share = np.zeros(rows)
+        for x in xs:
+            rest = float(x[~take].sum())
+            if rest > 0.0:
+                share = np.maximum(share, np.where(take, 0.0, x) * n / rest)
+        new = share > 1.0
+        if not new.any() or take.sum() >= cap:
+            break
+        room = cap - int(take.sum())
+        cand = np.flatnonzero(new)
+        if cand.size > room:
+            cand = cand[np.argsort(-share[cand], kind="stable")[:room]]
+        take[cand] = True
+    return np.flatnonzero(take).astype(np.int64)
+
+
+def _rest(rows: int, certain) -> np.ndarray:
+    if certain is None or len(certain) == 0:
+        return np.arange(rows, dtype=np.int64)
+    keep = np.ones(rows, dtype=bool)
+    keep[np.asarray(certain, np.int64)] = False
+    return np.flatnonzero(keep).astype(np.int64)
+
+
+def draw(rows: int, n: int, seed: int, name: str, certain=None) -> tuple:
+    """One row per stratum: ``(idx, sizes)`` int64.
+
+    Without ``certain`` (or an empty one), ``[n]`` each (``2 n <= rows``).  With
+    ``certain`` (:func:`certain_rows`, ``k`` sorted rows), ``[k + n]``: the
+    certain rows first (stratum size 1), then one row of each of ``n`` strata
+    of the other rows (``n <= rows - k``)."""
+    rest = _rest(rows, certain)
+    b = strata_bounds(rest.size, n)
     sizes = np.diff(b)
-    idx = b[:-1] + np.floor(_rng(seed, name, n).random(n) * sizes).astype(np.int64)
-    return idx, sizes
+    pos = b[:-1] + np.floor(_rng(seed, name, n).random(n) * sizes).astype(np.int64)
+    k = rows - rest.size
+    if k == 0:
+        return pos, sizes
+    return (np.concatenate([np.asarray(certain, np.int64), rest[pos]]),
+            np.concatenate([np.ones(k, np.int64), sizes]))
 
 
-def refine(rows: int, idx: np.ndarray, n: int, seed: int, name: str) -> tuple:
-    """Nested refinement of a sample drawn with ``len(idx)`` strata to ``n``
-    (a power-of-two multiple): ``(idx_n, sizes_n, home)`` where ``home[i]`` is
-    the new stratum of the old row ``idx[i]`` (the other strata hold fresh rows)."""
-    b = strata_bounds(rows, n)
+def refine(rows: int, idx: np.ndarray, n: int, seed: int, name: str, certain: int = 0) -> tuple:
+    """Nested refinement of a sample drawn with ``len(idx) - certain`` strata to
+    ``n`` (a power-of-two multiple): ``(idx_n, sizes_n, home)`` where ``home[i]``
+    is the new position of the old row ``idx[i]`` (the other strata hold fresh
+    rows); the first ``certain`` rows (:func:`draw`'s certain rows) stay first."""
+    k = int(certain)
+    rest = _rest(rows, idx[:k])
+    b = strata_bounds(rest.size, n)
     sizes = np.diff(b)
     fresh = b[:-1] + np.floor(_rng(seed, name, n).random(n) * sizes).astype(np.int64)
-    home = np.searchsorted(b, idx, side="right") - 1          # each old row's new stratum
+    pos = np.searchsorted(rest, idx[k:])                       # old rows among the rest
+    home = np.searchsorted(b, pos, side="right") - 1          # each old row's new stratum
     out = fresh.copy()
-    out[home] = idx
-    return out, sizes, home
+    out[home] = pos
+    if k == 0:
+        return rest[out], sizes, home
+    return (np.concatenate([idx[:k], rest[out]]), np.concatenate([np.ones(k, np.int64), sizes]),
+            np.concatenate([np.arange(k, dtype=np.int64), k + home]))
 
 
 def _collapsed_var(z: np.ndarray) -> float:
@@ -139,7 +216,7 @@ def _collapsed_var(z: np.ndarray) -> float:
 
 
 def estimate(y: np.ndarray, sizes: np.ndarray, x: np.ndarray | None = None,
-             x_total: float | None = None) -> tuple:
+             x_total: float | None = None, exact: int = 0) -> tuple:
     """``(total, variance)`` of ``sum_r y_r`` from one row per stratum.
 
     Parameters
@@ -157,6 +234,10 @@ def estimate(y: np.ndarray, sizes: np.ndarray, x: np.ndarray | None = None,
         when they are unrelated), whose variance comes from the residuals
         ``y - b x``.  For a quantisation error ``x`` is the row's own energy
         ``||w_r||²`` (or ``w_r H w_rᵀ``).
+    exact : int
+        The first ``exact`` entries are rows taken with certainty
+        (:func:`certain_rows`): summed as they are, left out of the slope and
+        the variance, their ``x`` taken off ``x_total``.
 
     Returns
     -------
@@ -167,6 +248,12 @@ def estimate(y: np.ndarray, sizes: np.ndarray, x: np.ndarray | None = None,
     nh = np.asarray(sizes, np.float64)
     y = np.asarray(y, np.float64)
     full = bool(np.all(nh == 1))
+    k = int(exact)
+    if k and not full:
+        xk = None if x is None else np.asarray(x, np.float64)
+        tot, var = estimate(y[k:], nh[k:], None if xk is None else xk[k:],
+                            None if xk is None else float(x_total) - float(xk[:k].sum()))
+        return float(y[:k].sum()) + tot, var
     if x is None:
         z = nh * y
         return float(z.sum()), (0.0 if full else _collapsed_var(z))
