@@ -30,7 +30,7 @@ Rows taken with certainty (:func:`certain_rows`): a row whose own ``x``
 holds more than one stratum's share of the total (``x_r > X' / n``, ``X'``
 the total of the rows not yet taken, repeated) is measured exactly and left
 out of the strata, the slope and the variance.  A massive-activation output
-channel holds 99.9 % of MPNet's FFN-down ``tr(W H Wᵀ)``: stratified with the
+channel holds 94.6 % of MPNet's FFN-down ``tr(W H Wᵀ)``: stratified with the
 rest, the slope of ordinary rows was extrapolated to its energy and the
 layer's ``out_err`` came out 20-25x too large.
 
@@ -114,7 +114,7 @@ def certain_rows(aux, n: int) -> np.ndarray:
     auxiliary term is more than one stratum's share of what the strata hold.
 
     A row holding more than ``1/n`` of a total (a massive-activation output
-    channel: 99.9 % of ``tr(W H Wᵀ)`` in one of MPNet's 768 FFN-down rows)
+    channel: 94.6 % of ``tr(W H Wᵀ)`` in one of MPNet's 768 FFN-down rows)
     would dominate the regression estimator through ``b (X - sum N_h x_h)``
     whether it is drawn or not (drawn: it sets the slope alone; missed: the
     slope of ordinary rows is extrapolated to its energy: 20-25x MPNet's out_err).
