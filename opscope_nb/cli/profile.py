@@ -326,12 +326,14 @@ def _calibration(args, src, chosen, kw, dist):
             args.calib_text = "builtin"
         if args.calib_text == "builtin" and args.calib_tokens is None:
             args.calib_tokens = BUILTIN_CALIB_TOKENS
+        # +gptq twins on the menu: fitted on half the sequences, priced on the other
+        twins = args.gptq != "none" and (args.menu != "ggml" or args.gptq == "all")
         try:
             stream = CalibrationStream(
                 args.source, text=args.calib_text, max_tokens=args.calib_tokens,
                 full_max_cols=args.calib_diag_above, validate=args.validate,
                 split_seed=args.seed, sensitivity=sorted(names) if sens_on else False,
-                grams_for=names, sens_tokens=args.sens_tokens,
+                grams_for=names, sens_tokens=args.sens_tokens, heldout_grams=twins,
                 log=(lambda m: print(m, file=sys.stderr, flush=True)) if show
                 else (lambda m: None))
         except (ModelError, UnsupportedModelError, ValueError) as exc:
@@ -356,6 +358,8 @@ def _calibration(args, src, chosen, kw, dist):
                "sens_val_tokens": stream.sens_val_tokens if ns else 0,
                "full_max_cols": args.calib_diag_above, "validate": args.validate,
                "split_seed": args.seed}
+        if twins:
+            rec["twins"] = "held-out"   # priced on the held-out half (profile_layer)
         # profile in block order: each block's grams are needed once, then dropped
         chosen.sort(key=lambda e: (stream.stage_of(e.name) is None,
                                    stream.stage_of(e.name) or 0))
@@ -408,6 +412,9 @@ def _calibration(args, src, chosen, kw, dist):
             g = grams.get(name)
         if g is not None:
             k["gram"] = g
+            h = stream.heldout(name) if stream is not None else None
+            if h is not None:
+                k["gram_heldout"] = h
         return k
 
     return rec, per_layer, stream

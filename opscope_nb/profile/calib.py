@@ -144,9 +144,16 @@ class Calibration:
 
 
 class _Recorder:
-    def __init__(self, full_max_cols, want=None):
+    def __init__(self, full_max_cols, want=None, split=False):
         self.full_max_cols = full_max_cols
         self.want = want     # layer names whose grams are needed (None: all)
+        # ``split``: a full gram also accumulates its held-out half (every
+        # other sequence), which the +gptq twins are priced on
+        self.split = split
+        self.seq = None      # token rows per sequence of the current chunk
+        self.units = {}      # group key -> sequences seen (the halves alternate)
+        self.acc_b = {}      # group key -> held-out half's accumulator
+        self.heldout = {}    # layer name -> held-out half of its last taken gram
         self.pending = None  # (group key, input, real rows): accumulated on the next input
         self.acc = {}        # group key -> float64 accumulator
         self.alias = {}      # layer name -> group key
@@ -182,11 +189,21 @@ class _Recorder:
                 k == key and n in self.want for n, k in self.alias.items()):
             return
         x2 = x.reshape(-1, x.shape[-1])
+        full = self.full_max_cols is None or x2.shape[1] <= self.full_max_cols
+        odd = None
+        if self.split and full:
+            # sequences alternate between the halves, counted over the chunks
+            # (one decoder window per chunk: the chunks alternate)
+            seq = self.seq if self.seq else x2.shape[0]
+            base = self.units.get(key, 0)
+            odd = (np.arange(x2.shape[0]) // seq + base) % 2 == 1
+            self.units[key] = base + -(-x2.shape[0] // seq)
         if rows is not None and rows.shape[0] == x2.shape[0]:
             x2 = x2[rows]
+            odd = None if odd is None else odd[rows]
         x64 = x2.astype(np.float64)
         cols = x64.shape[1]
-        if self.full_max_cols is None or cols <= self.full_max_cols:
+        if full:
             # H += xᵀx in place, upper triangle (BLAS syrk): no [cols, cols]
             # temporary next to the accumulator (0.97 GB at 11008 inputs)
             from scipy.linalg.blas import dsyrk
@@ -198,6 +215,13 @@ class _Recorder:
             # so the gram is the same for any thread count
             with blas_threads():
                 dsyrk(1.0, x64, beta=1.0, c=acc, trans=1, lower=0, overwrite_c=1)
+                if odd is not None:
+                    b = self.acc_b.get(key)
+                    if b is None:
+                        b = self.acc_b[key] = self._zeroed(cols)
+                    if odd.any():
+                        dsyrk(1.0, np.ascontiguousarray(x64[odd]), beta=1.0, c=b, trans=1,
+                              lower=0, overwrite_c=1)
         else:
             g = np.einsum("ij,ij->j", x64, x64)
             if key in self.acc:
@@ -233,22 +257,39 @@ class _Recorder:
         upper one, a few rows at a time) and handed out C-contiguous."""
         self.flush()
         spare = []
-        for key, a in list(self.acc.items()):
-            if a.ndim == 2:
-                n = a.shape[0]
-                for i0 in range(0, n, 256):
-                    i1 = min(n, i0 + 256)
-                    a[i1:, i0:i1] = a[i0:i1, i1:].T      # below the diagonal block
-                    blk = a[i0:i1, i0:i1]
-                    a[i0:i1, i0:i1] = np.triu(blk) + np.triu(blk, 1).T
-                self.acc[key] = a.T      # symmetric: its C-order view, no copy
-                spare.append(a)
+        for acc in (self.acc, self.acc_b):
+            for key, a in list(acc.items()):
+                if a.ndim == 2:
+                    acc[key] = _symmetric(a)
+                    spare.append(a)
         out = {n: self.acc[self.alias[n]] for n in names
                if n in self.alias and self.alias[n] in self.acc}
-        self.acc, self.alias = {}, {}
+        self.heldout = {n: self.acc_b[self.alias[n]] for n in out
+                        if self.alias[n] in self.acc_b}
+        self.acc, self.alias, self.acc_b, self.units = {}, {}, {}, {}
         self.prev_x = self.prev_name = None
         self.spare = spare
         return out
+
+
+def _seq_rows(c):
+    """Token rows per sequence of a calibration chunk: an encoder batch's
+    padded length, else None (a decoder chunk is one window)."""
+    mask = c.get("mask")
+    return None if mask is None else int(mask.shape[1])
+
+
+def _symmetric(a):
+    """The symmetric gram of an F-order accumulator whose upper triangle holds
+    it (BLAS syrk's): the lower triangle copied from the upper one, a few rows
+    at a time, in place; returns its C-order view (no copy)."""
+    n = a.shape[0]
+    for i0 in range(0, n, 256):
+        i1 = min(n, i0 + 256)
+        a[i1:, i0:i1] = a[i0:i1, i1:].T      # below the diagonal block
+        blk = a[i0:i1, i0:i1]
+        a[i0:i1, i0:i1] = np.triu(blk) + np.triu(blk, 1).T
+    return a.T
 
 
 class _Tap:
@@ -361,6 +402,13 @@ class CalibrationStream:
         (``+gptq`` from that block's grams) and the plan's activations go
         through them next to the dense ones; :attr:`validation` (and
         :attr:`Calibration.validation`) get each plan's metric.
+    heldout_grams : bool
+        Also accumulate each full gram's held-out half (:meth:`heldout`):
+        the sequences alternate between the halves (the first one in the
+        fitting half), so ``+gptq`` twins can be fitted on one half and
+        priced on the other (:func:`opscope_nb.profile.mining.profile_layer`'s
+        ``gram_heldout``).  Costs a second gram per full input while its
+        block is profiled and half again the gram time.
 
     Attributes
     ----------
@@ -381,7 +429,7 @@ class CalibrationStream:
     def __init__(self, source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS,
                  sensitivity=True, eps=0.05, seed=0, sens_tokens=256, act="f32",
                  batch=32, window=256, log=None, validate=0.0, split_seed=0, plans=None,
-                 grams_for=None):
+                 grams_for=None, heldout_grams=False):
         from opscope_nb.data import TEXT_KEYWORDS
         from opscope_nb.models import open_model
         from opscope_nb.models.evaluate import load_passages
@@ -408,7 +456,8 @@ class CalibrationStream:
         self.family = m.family
         self.act, self.eps, self.seed = act, float(eps), int(seed)
         self.rec = _Recorder(None if full_max_cols is None else int(full_max_cols),
-                             None if grams_for is None else set(grams_for))
+                             None if grams_for is None else set(grams_for),
+                             split=bool(heldout_grams))
         self.n_blocks = int(m.config["n_layers"])
         blocks = [m.block_tensors(i) for i in range(self.n_blocks)]
         in_blocks = {n for lin, oth in blocks for n in lin + oth}
@@ -476,6 +525,7 @@ class CalibrationStream:
         self._pending = set(sens)
         self.stage = -1                  # last finished stage
         self.current = {}                # grams of the last finished stage
+        self.current_heldout = {}        # their held-out halves (heldout_grams=True)
         self.seconds = {"load": time.perf_counter() - t0, "grams": 0.0, "sensitivity": 0.0}
         self.n_layers = 0
         self.n_full = 0
@@ -655,6 +705,7 @@ class CalibrationStream:
         out = []
         for c, x in zip(chunks, xs):
             self.rec.rows = c["rows"]
+            self.rec.seq = _seq_rows(c)
             self.rec.prev_x = None
             out.append(fn(c, x))
         self.rec.rows = None
@@ -666,7 +717,7 @@ class CalibrationStream:
         if k > self.n_blocks:
             return None
         m = self.model
-        self.current = {}
+        self.current, self.current_heldout = {}, {}
         t0 = time.perf_counter()
         names = self._stage_names[k] if k < self.n_blocks else (
             [self._head] if self._head else [])
@@ -709,11 +760,13 @@ class CalibrationStream:
                 from opscope_nb.models import llama
                 for c in self._cal:
                     self.rec.rows, self.rec.prev_x = c["rows"], None
+                    self.rec.seq = _seq_rows(c)
                     self.rec.observe(self._head, llama.final_norm(m, c["x"]))
                 self.rec.rows = None
             for c in self._cal:
                 c["x"] = None
         grams = self.rec.take(lin)
+        heldout, self.rec.heldout = self.rec.heldout, {}
         self.rec.on = False
         t2 = time.perf_counter()
         self.seconds["grams"] += t2 - t1
@@ -732,7 +785,7 @@ class CalibrationStream:
                 m.tensors[n] = m.tensors[n]._inner
         m.drop(names)
         self.stage = k
-        self.current = grams
+        self.current, self.current_heldout = grams, heldout
         self.n_layers += len(grams)
         self.n_full += sum(1 for g in grams.values() if g.ndim == 2)
         if self.on_stage is not None:
@@ -900,6 +953,13 @@ class CalibrationStream:
         while self.stage < k:
             self.next_stage()
         return self.current.get(name)
+
+    def heldout(self, name):
+        """The held-out half of ``name``'s full gram (``heldout_grams=True``):
+        the part of :meth:`gram`'s sum from every other calibration sequence
+        (encoder sentences, decoder windows), float64 ``[cols, cols]``; None
+        without it.  Call after :meth:`gram` of the same name."""
+        return self.current_heldout.get(name)
 
     def result(self, grams=None, *, rest=True) -> Calibration:
         """Run the remaining stages (``rest=False``: only while a sensitivity

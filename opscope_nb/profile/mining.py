@@ -322,7 +322,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
                   latency=None, intn_bits=(6, 5, 3), int2_groups=(32,), gram=None,
                   gptq=True, sensitivity=None, stored_dtype="F32", menu="default",
                   ggml_types=None, lr_ranks=LR_RANKS, prior_weight=1.0,
-                  requantize=False, sample_rows="all") -> LayerProfile:
+                  requantize=False, sample_rows="all", gram_heldout=None) -> LayerProfile:
     """Measure every applicable compression option of one weight.
 
     Options, in order: dense (the weight as the source stores it, at its
@@ -389,6 +389,18 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         The ggml twins are asked for: their measured gain holds on text like
         the calibration text and shrinks on other text, and the allocator
         trusts it fully (docs/performance.md, "GPTQ codes in the ggml types").
+    gram_heldout : array_like, optional
+        The part of a 2-D ``gram`` summed over held-out calibration tokens
+        (:meth:`opscope_nb.profile.calib.CalibrationStream.heldout`: every
+        other sequence), ``[cols, cols]`` float64.  The ``+gptq`` twins (and
+        their ``+lr`` composites) are then fitted on ``gram - gram_heldout``
+        and their ``out_err`` is measured on ``gram_heldout``, tokens their
+        codes never saw; every other option is measured on ``gram``.  GPTQ
+        minimises the error on its own tokens, so priced there a twin looks
+        better than it is on new text.  ``apply`` fits the twin on all of
+        ``gram`` (more tokens: its error on new text is not above the price,
+        in expectation).  Ignored (twins priced on ``gram``) when either half
+        holds no token.
     sensitivity : float, optional
         Stored as ``LayerProfile.sensitivity`` (finite, ``>= 0``).
     stored_dtype : str
@@ -483,6 +495,28 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
                     and gram.flags.c_contiguous):
                 pin.enter_context(pinned_gram(gram))
             gram = check_gram(gram, cols)
+        split = None
+        if gram_heldout is not None:
+            if gram is None or gram.ndim != 2:
+                raise ValueError(f"gram_heldout is a part of a full gram: pass gram= as the "
+                                 f"[{cols}, {cols}] gram of every calibration token too; got "
+                                 f"gram={'None' if gram is None else 'a diagonal'}.")
+            hb = check_gram(gram_heldout, cols)
+            if hb.ndim != 2:
+                raise ValueError(f"gram_heldout must be [{cols}, {cols}] like gram; got a "
+                                 f"diagonal of shape {hb.shape}.")
+            ha = gram - hb
+            # both halves must hold tokens (and H_b must be a part of H)
+            tb, ta = float(np.trace(hb)), float(np.trace(ha))
+            if ta < -1e-9 * float(np.trace(gram)):
+                raise ValueError(f"gram_heldout must be a part of gram (gram - gram_heldout "
+                                 f"PSD); its trace {tb:.6g} exceeds gram's "
+                                 f"{float(np.trace(gram)):.6g}. Pass the held-out half of "
+                                 f"the same calibration run.")
+            if tb > 0 and ta > 0:
+                split = (ha, hb)
+                pin.enter_context(pinned_gram(ha))
+                pin.enter_context(pinned_gram(hb))
         if sensitivity is not None:
             sensitivity = float(sensitivity)
             if not math.isfinite(sensitivity) or sensitivity < 0:
@@ -503,7 +537,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         from . import sampling
         spec = sampling.check_sample_rows(sample_rows)
         n0 = sampling.sample_size(spec, rows, cols)
-        meas = _Measure(w, gram, lat_ms, seed)
+        meas = _Measure(w, gram, lat_ms, seed, split if with_gptq else None)
         # the gram is not modified below: its cached factors are found by identity.
         # BLAS on one thread, as the CLI pins it (scoped: the caller's limits come
         # back): numba's parallel loops follow every BLAS call here, and OpenBLAS's
@@ -754,18 +788,23 @@ class _Measure:
     (with a gram / latency sizes) output error and latency; collects
     :class:`DecompOption` s and seconds per part."""
 
-    def __init__(self, w, gram, lat_ms, seed):
+    def __init__(self, w, gram, lat_ms, seed, split=None):
         self.w, self.gram, self.lat_ms, self.seed = w, gram, lat_ms, seed
+        # (fitting gram, held-out gram): the +gptq twins are fitted on the
+        # first and their out_err measured on the second (None: on ``gram``)
+        self.split = split
         self.options = []
         self.timings = {k: 0.0 for k in _PARTS}
         self._den = None
-        self._metric = False
+        self._den_b = None
+        self._metric = {}
         self._eh = None
         self.est = None              # label -> (rel, se, out, out_se) from a row sample
         self._factor = None          # low-rank factor of a 2-D gram (sampled tensors)
         self._pilot = None           # (rows, strata sizes, row output energies, auto,
         #                               rows taken with certainty: the first k)
         self._picks = {}             # GPTQ option -> its pilot's clipping choice
+        self._factor_b = None        # low-rank factor of the held-out gram (sampled)
         self.sample_info = None
 
     def _tick(self, part, t0):
@@ -776,6 +815,20 @@ class _Measure:
         if self._den is None:
             self._den = output_energy(self.w, self.gram)
         return self._den
+
+    def den_b(self):
+        """``tr(W H_b Wᵀ)`` of the held-out gram (a split's twins divide by it)."""
+        if self._den_b is None:
+            self._den_b = output_energy(self.w, self.split[1])
+        return self._den_b
+
+    def twin(self, d):
+        """Whether ``d`` is fitted on the split's first gram, priced on its second."""
+        return self.split is not None and d.rounding is not None
+
+    def fit_gram(self, d):
+        """The gram ``d`` is packed with: the split's fitting half for a twin."""
+        return self.split[0] if self.twin(d) else self.gram
 
     def __call__(self, d, part, svd=None, ref_dense=None):
         """Measure ``d``; returns ``(packed, recon)``, or None when ``d`` cannot
@@ -795,7 +848,7 @@ class _Measure:
                          se=(st[1], st[3]))
             return None
         t0 = time.perf_counter()
-        packed = _pack(w, d, svd, self.gram)
+        packed = _pack(w, d, svd, self.fit_gram(d))
         recon = unpack(packed, d, w.shape)
         err = float(_rel_err(w, recon))
         if part:
@@ -807,7 +860,13 @@ class _Measure:
         self._eh = None
         if self.gram is not None:
             t0 = time.perf_counter()
-            if self._factor is not None:
+            if self.twin(d):
+                # priced on tokens its codes never saw: GPTQ minimises the
+                # error on its own tokens, so measured there it is flattered
+                e = w.astype(np.float64) - recon
+                oerr = output_ratio(float(np.einsum("ij,ij->", e @ self.split[1], e)),
+                                    self.den_b())
+            elif self._factor is not None:
                 oerr, se = self._out_sampled(recon)
             elif self.gram.ndim == 2:
                 # keep E H for the +lr composites of this option (same product)
@@ -881,7 +940,9 @@ class _Measure:
             # rows of the same option run only that choice (one sweep, not two)
             pick = self._picks.setdefault(d.label, {"clipped": None}) \
                 if d.rounding is not None else None
-            e = unpack(_pack(ws, d, None, g, self._factor, pick), d, ws.shape)
+            twin = self.twin(d)
+            e = unpack(_pack(ws, d, None, self.split[0] if twin else g,
+                             None if twin else self._factor, pick), d, ws.shape)
             if e.dtype != np.float32 or not e.flags.writeable or not e.flags.c_contiguous \
                     or np.may_share_memory(e, ws):
                 e = np.array(e, dtype=np.float32)     # (dense: the weight itself)
@@ -894,7 +955,8 @@ class _Measure:
             oy = None
             if g is not None:
                 t0 = time.perf_counter()
-                oy = row_output_energy(e, g, self._factor)
+                oy = (row_output_energy(e, self.split[1], self._factor_b) if twin
+                      else row_output_energy(e, g, self._factor))
                 self._tick("out_err", t0)
             per.setdefault(d.label, []).append((y, oy))
 
@@ -928,6 +990,16 @@ class _Measure:
             den_o = float(xo.sum())
             self._den = den_o
             self._tick("out_err", t0)
+        # a split's twins: their own rows' energies and factor on the held-out gram
+        twins = {d.label for d, _ in todo if self.twin(d)}
+        xo_b = den_b = None
+        if twins:
+            t0 = time.perf_counter()
+            hb = self.split[1]
+            self._factor_b = gram_factor(hb, max_rank=min(cols // 2, FACTOR_MAX_RANK))
+            xo_b = row_output_energy(w, hb, self._factor_b)
+            den_b = self._den_b = float(xo_b.sum())
+            self._tick("out_err", t0)
         # Every option, GPTQ twins included, is estimated from the sample with
         # the rows' own energies as the regression's auxiliary.  (Measuring a
         # GPTQ option's round-to-nearest twin on every row as its auxiliary cost
@@ -935,7 +1007,7 @@ class _Measure:
         # output errors correlate at 0.02-0.2 on a calibration gram.)
         # rows holding more than a stratum's share of either energy (a massive
         # activation's output channel) are measured with certainty
-        cert = smp.certain_rows([xw, xo], n0)
+        cert = smp.certain_rows([xw, xo] + ([xo_b] if twins else []), n0)
         k = int(cert.size)
         idx, sizes = smp.draw(rows, n0, self.seed, name, cert)
         self._pilot = (idx, sizes, xo, auto, k)
@@ -949,8 +1021,8 @@ class _Measure:
             if pairs[0][1] is None:
                 return out + (None, None)
             oy = np.concatenate([p[1] for p in pairs])[order_s]
-            return out + smp.relative(*smp.estimate(oy, sizes_s, xo[idx_s], den_o, exact=k),
-                                      den_o)
+            xs, dn = (xo_b, den_b) if lab in twins else (xo, den_o)
+            return out + smp.relative(*smp.estimate(oy, sizes_s, xs[idx_s], dn, exact=k), dn)
 
         pilot = (idx, sizes, np.arange(idx.size))
         of = {}                # label -> its grown sample (the others keep the pilot)
@@ -1020,17 +1092,18 @@ class _Measure:
             return
         t0 = time.perf_counter()
         e = w.astype(np.float64) - recon
+        fit = self.fit_gram(d)      # a twin's correction: fitted and priced as the twin
         bases = {}          # one SVD per sketch rank (LR_SKETCH for every r <= it)
         for r in todo:
             k = min(max(r, LR_SKETCH), rows, cols)
             if k not in bases:
-                if self._metric is False:
-                    self._metric = correction_metric(self.gram)
-                bases[k] = correction_basis(e, k, self.gram, seed=self.seed,
-                                            metric=self._metric)
-        g = self.gram
+                if id(fit) not in self._metric:
+                    self._metric[id(fit)] = correction_metric(fit)
+                bases[k] = correction_basis(e, k, fit, seed=self.seed,
+                                            metric=self._metric[id(fit)])
+        g, den = (self.split[1], self.den_b()) if self.twin(d) else (self.gram, None)
         if g is not None and g.ndim == 2:
-            eh = self._eh if self._eh is not None else e @ g
+            eh = self._eh if self._eh is not None and not self.twin(d) else e @ g
             num0 = float(np.einsum("ij,ij->", eh, e))
         self._tick("lr", t0)
         for r in todo:
@@ -1053,7 +1126,7 @@ class _Measure:
                     u64, v64 = u.astype(np.float64) * sc, v.astype(np.float64)
                     num = (num0 - 2.0 * float(np.einsum("ij,ij->", u64, eh @ v64.T))
                            + float(np.einsum("ij,ij->", u64.T @ u64, (v64 @ g) @ v64.T)))
-                    oerr = output_ratio(num, self.den())
+                    oerr = output_ratio(num, den if den is not None else self.den())
                 self._tick("out_err", t0)
             self._record(dr, out, err, oerr)
 
