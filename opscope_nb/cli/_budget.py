@@ -440,7 +440,8 @@ def plan_dict(layers, allocs: dict, spec, source=None, calib=None, validation=No
         doc["source"] = source
     if calib:
         doc["calib"] = {k: calib.get(k) for k in ("text", "max_tokens", "tokens",
-                                                   "full_max_cols", "validate", "split_seed")
+                                                   "full_max_cols", "validate", "split_seed",
+                                                   "token_weights")
                         if k in calib}
     for m, (a, sec) in allocs.items():
         d = a.to_dict(layers)
@@ -571,7 +572,8 @@ def validate_plans(source, cal, layers, allocs, show=False) -> dict:
         vs = CalibrationStream(source, text=text, max_tokens=cal.get("max_tokens"),
                                full_max_cols=cal.get("full_max_cols"),
                                validate=float(cal["validate"]),
-                               split_seed=int(cal.get("split_seed") or 0), sensitivity=False,
+                               split_seed=int(cal.get("split_seed") or 0),
+                               token_weights=cal.get("token_weights") == "norm", sensitivity=False,
                                plans=plans, grams_for={
                                    n for plan in plans.values() for n, d in plan.items()
                                    if d.reads_gram},

@@ -72,6 +72,7 @@ def _restream(args, calib, want):
                                validate=float(calib.get("validate") or 0.0),
                                grams_for=want,
                                split_seed=int(calib.get("split_seed") or 0),
+                               token_weights=calib.get("token_weights") == "norm",
                                log=(lambda m: print(m, file=sys.stderr, flush=True)) if show
                                else (lambda m: None))
     except (ModelError, UnsupportedModelError, ValueError) as exc:

@@ -139,6 +139,12 @@ def add_parser(sub) -> None:
                         "(GPTQ's codes on llama.cpp's scales, same GGUF bytes; their gain "
                         "is measured on the calibration text and shrinks on other text); "
                         "'none' no twins (a shorter profile)")
+    c.add_argument("--token-weights", choices=("none", "norm"), default="none",
+                   help="with --calib: weight each token's input by 1/d^2, d the divisor "
+                        "of the norm its layer's output meets next (LayerNorm / RMSNorm "
+                        "of the residual stream), so out_err, GPTQ and the importance "
+                        "follow what the next block sees ('norm'); 'none' (default): "
+                        "every token alike")
     c.add_argument("--calib-diag-above", type=positive_int, default=None, metavar="COLS",
                    help="with --calib: keep only diag(H) for layers with more than COLS "
                         "inputs (less memory, no +gptq there; default: full grams at "
@@ -287,10 +293,11 @@ def _calibration(args, src, chosen, kw, dist):
     memory.  Sensitivities come at the end (:func:`_finish_calibration`)."""
     if not args.calib and not args.imatrix:
         if args.calib_text or args.calib_tokens or args.sensitivity is not None \
+                or args.token_weights != "none" \
                 or args.sens_tokens != "auto" \
                 or args.calib_diag_above is not None or args.keep_grams is not None \
                 or args.validate is not None:
-            raise CliError("--calib-text/--calib-tokens/--sensitivity/--sens-tokens/"
+            raise CliError("--calib-text/--calib-tokens/--sensitivity/--sens-tokens/--token-weights/"
                            "--calib-diag-above/--keep-grams/--validate need --calib.")
         if getattr(args, "objective", "auto") not in ("weight", "auto"):
             warn(f"--objective {args.objective} without --calib/--imatrix: no layer has "
@@ -334,6 +341,7 @@ def _calibration(args, src, chosen, kw, dist):
                 full_max_cols=args.calib_diag_above, validate=args.validate,
                 split_seed=args.seed, sensitivity=sorted(names) if sens_on else False,
                 grams_for=names, sens_tokens=args.sens_tokens, heldout_grams=twins,
+                token_weights=args.token_weights == "norm",
                 log=(lambda m: print(m, file=sys.stderr, flush=True)) if show
                 else (lambda m: None))
         except (ModelError, UnsupportedModelError, ValueError) as exc:
@@ -360,6 +368,8 @@ def _calibration(args, src, chosen, kw, dist):
                "split_seed": args.seed}
         if twins:
             rec["twins"] = "held-out"   # priced on the held-out half (profile_layer)
+        if args.token_weights == "norm":
+            rec["token_weights"] = "norm"
         # profile in block order: each block's grams are needed once, then dropped
         chosen.sort(key=lambda e: (stream.stage_of(e.name) is None,
                                    stream.stage_of(e.name) or 0))

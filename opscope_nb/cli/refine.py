@@ -157,6 +157,7 @@ def _grams(args, doc, layers, src):
                                full_max_cols=cal.get("full_max_cols"), sensitivity=False,
                                validate=float(cal.get("validate") or 0.0), grams_for=want,
                                split_seed=int(cal.get("split_seed") or 0),
+                               token_weights=cal.get("token_weights") == "norm",
                                log=lambda s: None)
         out = {}
         for _k, g in st:

@@ -30,6 +30,12 @@ def _layer_norm(x, g, b, eps):
     return (xc / np.sqrt(var + np.float32(eps)) * g + b).astype(np.float32, copy=False)
 
 
+def _ln_divisor(x, eps):
+    """Per-row ``sqrt(var + eps)`` of a LayerNorm's input, float64 ``[rows]``."""
+    x64 = x.astype(np.float64)
+    return np.sqrt(x64.var(axis=-1) + float(eps))
+
+
 def _gelu(x):
     return (0.5 * x * (1.0 + erf(x * np.float32(1.0 / np.sqrt(2.0))))).astype(np.float32,
                                                                              copy=False)
@@ -77,11 +83,16 @@ def attention_bias(mask) -> np.ndarray:
     return ((1.0 - mask) * np.float32(-1e30)).astype(np.float32)[:, None, None, :]
 
 
-def block(model, i, h, bias, *, act="auto") -> np.ndarray:
+def block(model, i, h, bias, *, act="auto", norm_scale=None) -> np.ndarray:
     """Encoder block ``i`` on ``h`` ``[B*L, hidden]`` float32 with the key mask
     ``bias`` (:func:`attention_bias`, ``[B, 1, 1, L]``); returns ``[B*L, hidden]``.
     Reads only block ``i``'s tensors (:mod:`opscope_nb.profile.calib` streams the
-    model one block at a time)."""
+    model one block at a time).
+
+    ``norm_scale``, optional: called with each LayerNorm's per-row divisor
+    ``sqrt(var + eps)`` (float64 ``[B*L]``) after the attention and after the
+    feed-forward sublayer: how much a sublayer's output error at each token is
+    scaled down before the next block sees it (the calibration's token weights)."""
     cfg, T = model.config, model.tensors
     B, L = bias.shape[0], bias.shape[-1]
     H, nh = cfg["hidden"], cfg["n_heads"]
@@ -105,11 +116,16 @@ def block(model, i, h, bias, *, act="auto") -> np.ndarray:
     s /= s.sum(axis=-1, keepdims=True)
     ctx = np.matmul(s, v).transpose(0, 2, 1, 3).reshape(B * L, H)
     a = lin(b + "attention.output.dense", np.ascontiguousarray(ctx))
-    h = _layer_norm(h + a, T[b + "attention.output.LayerNorm.weight"],
+    h = h + a
+    if norm_scale is not None:
+        norm_scale(_ln_divisor(h, cfg["eps"]))
+    h = _layer_norm(h, T[b + "attention.output.LayerNorm.weight"],
                     T[b + "attention.output.LayerNorm.bias"], cfg["eps"])
     f = _gelu(lin(b + "intermediate.dense", h))
-    f = lin(b + "output.dense", f)
-    return _layer_norm(h + f, T[b + "output.LayerNorm.weight"],
+    f = h + lin(b + "output.dense", f)
+    if norm_scale is not None:
+        norm_scale(_ln_divisor(f, cfg["eps"]))
+    return _layer_norm(f, T[b + "output.LayerNorm.weight"],
                        T[b + "output.LayerNorm.bias"], cfg["eps"])
 
 

@@ -59,6 +59,12 @@ def _rms_norm(x, g, eps, offset=0.0):
     return (x / np.sqrt(ms + np.float32(eps)) * g).astype(np.float32, copy=False)
 
 
+def _rms_divisor(x, eps):
+    """Per-row ``sqrt(mean(x²) + eps)`` of an RMSNorm's input, float64 ``[rows]``."""
+    x64 = x.astype(np.float64)
+    return np.sqrt(np.einsum("ij,ij->i", x64, x64) / x64.shape[-1] + float(eps))
+
+
 def _rope_tables(config, pos, swa=False):
     hd = config["head_dim"]
     # sliding-window layers with a RoPE of their own (Gemma: ``rope_base_swa``,
@@ -182,7 +188,7 @@ def _act(cfg, g):
     return g * expit(g)
 
 
-def block(model, i, x, kc, vc, p0, ctx, *, act="auto", seqs=1) -> np.ndarray:
+def block(model, i, x, kc, vc, p0, ctx, *, act="auto", seqs=1, norm_scale=None) -> np.ndarray:
     """Block ``i`` of the decoder on ``x`` ``[T, hidden]`` float32 (the new tokens).
 
     ``kc`` / ``vc`` (``[n_kv, capacity, head_dim]`` float32, this block's
@@ -198,6 +204,13 @@ def block(model, i, x, kc, vc, p0, ctx, *, act="auto", seqs=1) -> np.ndarray:
     The linear layers then see one ``[seqs * T, in]`` input (one GEMM for
     every sequence).  ``kc = vc = None`` with ``seqs = 1`` is one sequence
     without a cache.
+
+    ``norm_scale``, optional: called with the residual stream's per-row RMS
+    ``sqrt(mean(x²) + eps)`` (float64 ``[rows]``) after the attention's and
+    after the feed-forward's output is added: the divisor every later norm
+    applies to a sublayer's output error at that token (the calibration's
+    token weights).  Not called for architectures that normalise the
+    sublayer outputs themselves (``post_norms``: Gemma 2/3).
     """
     cfg, W = model.config, model.tensors
     nm = cfg["names"]
@@ -265,6 +278,9 @@ def block(model, i, x, kc, vc, p0, ctx, *, act="auto", seqs=1) -> np.ndarray:
     if cfg.get("post_norms"):
         a = _rms_norm(a, W[name("attn_post_norm")], eps, off)
     x = x + a
+    post = cfg.get("post_norms")
+    if norm_scale is not None and not post:
+        norm_scale(_rms_divisor(x, eps))
     h = _rms_norm(x, W[name("ffn_norm")], eps, off)
     if cfg.get("fused_gate_up"):
         gu = W[name("gate_up")](h, act=act)
@@ -274,9 +290,12 @@ def block(model, i, x, kc, vc, p0, ctx, *, act="auto", seqs=1) -> np.ndarray:
         u = W[name("up")](h, act=act)
     a = _act(cfg, g) * u
     y = W[name("down")](np.ascontiguousarray(a, dtype=np.float32), act=act)
-    if cfg.get("post_norms"):
+    if post:
         y = _rms_norm(y, W[name("ffn_post_norm")], eps, off)
-    return (x + y).astype(np.float32, copy=False)
+    out = (x + y).astype(np.float32, copy=False)
+    if norm_scale is not None and not post:
+        norm_scale(_rms_divisor(out, eps))
+    return out
 
 
 def final_norm(model, x) -> np.ndarray:

@@ -144,9 +144,18 @@ class Calibration:
 
 
 class _Recorder:
-    def __init__(self, full_max_cols, want=None, split=False):
+    def __init__(self, full_max_cols, want=None, split=False, weighting=False):
         self.full_max_cols = full_max_cols
         self.want = want     # layer names whose grams are needed (None: all)
+        # ``weighting``: each token's input row is weighted by 1 / the divisor
+        # of the norm the layer's sublayer output goes through next (the
+        # model's ``norm_scale`` hook); inputs wait for it in ``waiting``
+        self.weighting = weighting
+        self.waiting = []    # [(group key, input, real rows)] until the next norm
+        self.ywait = []      # [(layer name, per-row output energies, real rows)]
+        self.energy = {}     # group key -> [sum |x|², weighted]
+        self.energy_y = {}   # layer name -> [sum |y|², weighted]
+        self.taken_energy = {}  # layer name -> (tr H, tr H_w, |Y|², |Y|²_w) of the last take
         # ``split``: a full gram also accumulates its held-out half (every
         # other sequence), which the +gptq twins are priced on
         self.split = split
@@ -175,20 +184,73 @@ class _Recorder:
         key = self.alias[name]
         if same and self.alias.get(prev) == key:
             return  # this input is already pending for the group
-        self.flush()
+        if not self.weighting:
+            self.flush()
+        elif self.pending is not None:
+            self.waiting.append(self.pending)      # until the norm its output meets
+            self.pending = None
         # accumulated once the group is known (q, then k and v with the same
         # input): only a group with a wanted member costs a gram
         self.pending = (key, x, self.rows)
 
-    def flush(self):
-        if self.pending is None:
+    def output(self, name, y):
+        """A tapped layer's output ``y``: its per-token energy, for the
+        token-weighted output energy (the sensitivity's rescaling)."""
+        if not (self.on and self.weighting) or (self.want is not None and name not in self.want):
             return
-        key, x, rows = self.pending
-        self.pending = None
+        y2 = y.reshape(-1, y.shape[-1]).astype(np.float64)
+        self.ywait.append((name, np.einsum("ij,ij->i", y2, y2), self.rows))
+
+    def norm_scale(self, d):
+        """The model's ``norm_scale`` hook: ``d`` (float64 ``[rows]``) divides
+        the sublayer's output at each token before anything downstream reads
+        it, so the inputs waiting since the last norm are accumulated with
+        token weights ``1 / d²``."""
+        if not (self.on and self.weighting):
+            return
+        if self.pending is not None:
+            self.waiting.append(self.pending)
+            self.pending = None
+        inv = 1.0 / np.square(np.asarray(d, dtype=np.float64))
+        for key, x, rows in self.waiting:
+            self._add(key, x, rows, inv)
+        self.waiting = []
+        self._outputs(inv)
+        self.prev_x = None      # the next input starts a new group's wait
+
+    def _outputs(self, inv):
+        """Sum the waiting per-token output energies, plain and weighted."""
+        for name, e, rows in self.ywait:
+            w = inv if inv is not None and inv.shape[0] == e.shape[0] else None
+            sel = rows if rows is not None and rows.shape[0] == e.shape[0] else slice(None)
+            acc = self.energy_y.setdefault(name, [0.0, 0.0])
+            acc[0] += float(e[sel].sum())
+            acc[1] += float((e if w is None else e * w)[sel].sum())
+        self.ywait = []
+
+    def flush(self):
+        """Accumulate the pending input and any waiting ones unweighted (no
+        norm follows them: a decoder's head, an architecture without the hook)."""
+        todo = self.waiting + ([self.pending] if self.pending is not None else [])
+        self.pending, self.waiting = None, []
+        for key, x, rows in todo:
+            self._add(key, x, rows, None)
+        self._outputs(None)
+
+    def _add(self, key, x, rows, inv):
+        """``H[key] += xᵀ diag(inv) x`` over the real rows (``inv`` None: 1)."""
         if self.want is not None and not any(
                 k == key and n in self.want for n, k in self.alias.items()):
             return
         x2 = x.reshape(-1, x.shape[-1])
+        if inv is not None and inv.shape[0] != x2.shape[0]:
+            inv = None
+        if self.weighting:
+            n2 = np.einsum("ij,ij->i", x2, x2, dtype=np.float64)
+            sel = rows if rows is not None and rows.shape[0] == x2.shape[0] else slice(None)
+            acc = self.energy.setdefault(key, [0.0, 0.0])
+            acc[0] += float(n2[sel].sum())
+            acc[1] += float((n2 if inv is None else n2 * inv)[sel].sum())
         full = self.full_max_cols is None or x2.shape[1] <= self.full_max_cols
         odd = None
         if self.split and full:
@@ -201,7 +263,10 @@ class _Recorder:
         if rows is not None and rows.shape[0] == x2.shape[0]:
             x2 = x2[rows]
             odd = None if odd is None else odd[rows]
+            inv = None if inv is None else inv[rows]
         x64 = x2.astype(np.float64)
+        if inv is not None:
+            x64 *= np.sqrt(inv)[:, None]
         cols = x64.shape[1]
         if full:
             # H += xᵀx in place, upper triangle (BLAS syrk): no [cols, cols]
@@ -266,7 +331,10 @@ class _Recorder:
                if n in self.alias and self.alias[n] in self.acc}
         self.heldout = {n: self.acc_b[self.alias[n]] for n in out
                         if self.alias[n] in self.acc_b}
+        self.taken_energy = {n: tuple(self.energy[self.alias[n]]) + tuple(self.energy_y[n])
+                             for n in out if self.alias[n] in self.energy and n in self.energy_y}
         self.acc, self.alias, self.acc_b, self.units = {}, {}, {}, {}
+        self.energy, self.energy_y = {}, {}
         self.prev_x = self.prev_name = None
         self.spare = spare
         return out
@@ -316,6 +384,7 @@ class _Tap:
         y = _blas_dense(self._inner, x)
         if y is None:
             y = self._inner(x, act=act)
+        self._rec.output(self._name, y)
         mine = [p for p in self._rec.perturb if p[0] == self._name]
         if not mine:
             return y
@@ -429,7 +498,7 @@ class CalibrationStream:
     def __init__(self, source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS,
                  sensitivity=True, eps=0.05, seed=0, sens_tokens=256, act="f32",
                  batch=32, window=256, log=None, validate=0.0, split_seed=0, plans=None,
-                 grams_for=None, heldout_grams=False):
+                 grams_for=None, heldout_grams=False, token_weights=False):
         from opscope_nb.data import TEXT_KEYWORDS
         from opscope_nb.models import open_model
         from opscope_nb.models.evaluate import load_passages
@@ -457,7 +526,9 @@ class CalibrationStream:
         self.act, self.eps, self.seed = act, float(eps), int(seed)
         self.rec = _Recorder(None if full_max_cols is None else int(full_max_cols),
                              None if grams_for is None else set(grams_for),
-                             split=bool(heldout_grams))
+                             split=bool(heldout_grams), weighting=bool(token_weights))
+        self.token_weights = bool(token_weights)
+        self._sens_scale = {}            # layer -> sensitivity factor (token weights)
         self.n_blocks = int(m.config["n_layers"])
         blocks = [m.block_tensors(i) for i in range(self.n_blocks)]
         in_blocks = {n for lin, oth in blocks for n in lin + oth}
@@ -641,14 +712,16 @@ class CalibrationStream:
         chunk stacked (``[n * rows, hidden]``) go through as one batch, each
         attending within itself."""
         from opscope_nb.models import bert, llama
+        hook = self.rec.norm_scale if self.rec.weighting else None
         if self.family == "encoder":
             bias = c["bias"] if n == 1 else np.concatenate([c["bias"]] * n)
-            return bert.block(self.model, i, x, bias, act=self.act)
+            return bert.block(self.model, i, x, bias, act=self.act, norm_scale=hook)
         T = x.shape[0] // n
         ctx = self._ctx.get(T)
         if ctx is None:
             ctx = self._ctx[T] = llama.rope_context(self.model.config, 0, T)
-        return llama.block(self.model, i, x, None, None, 0, ctx, act=self.act, seqs=n)
+        return llama.block(self.model, i, x, None, None, 0, ctx, act=self.act, seqs=n,
+                           norm_scale=hook)
 
     def _final(self, c, x, n=1):
         """The model output of chunk ``c`` from the last block's ``x`` (``n``
@@ -767,6 +840,13 @@ class CalibrationStream:
                 c["x"] = None
         grams = self.rec.take(lin)
         heldout, self.rec.heldout = self.rec.heldout, {}
+        for n, (tr, tr_w, den, den_w) in self.rec.taken_energy.items():
+            # the probe sets the plain output error to eps; measured with the
+            # token weights its error is eps² (tr H_w / tr H) (|Y|² / |Y|²_w)
+            # (a Gaussian Z: E|x Zᵀ|² = rows |x|²), so damage / weighted
+            # error² is the plain sensitivity times the inverse
+            if tr_w > 0 and den > 0:
+                self._sens_scale[n] = (tr / tr_w) * (den_w / den)
         self.rec.on = False
         t2 = time.perf_counter()
         self.seconds["grams"] += t2 - t1
@@ -968,12 +1048,15 @@ class CalibrationStream:
         while self.stage < self.n_blocks and (rest or self._pending or self._in_flight()
                                               or self._val_chunks):
             self.next_stage()
-        return Calibration(grams if grams is not None else {}, self.tokens, dict(self._sens),
+        sc = self._sens_scale
+        return Calibration(grams if grams is not None else {}, self.tokens,
+                           {n: v * sc.get(n, 1.0) for n, v in self._sens.items()},
                            self.metric, self.eps,
                            self.sens_tokens if self._sens_index else 0,
                            dict(self.seconds), self.n_blocks, int(self._peak),
                            self.n_layers, self.n_full, dict(self.validation),
-                           self.val_tokens if self.validate else 0, dict(self._sens_val),
+                           self.val_tokens if self.validate else 0,
+                           {n: v * sc.get(n, 1.0) for n, v in self._sens_val.items()},
                            self.sens_val_tokens)
 
 
