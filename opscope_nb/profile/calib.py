@@ -478,6 +478,21 @@ class CalibrationStream:
         priced on the other (:func:`opscope_nb.profile.mining.profile_layer`'s
         ``gram_heldout``).  Costs a second gram per full input while its
         block is profiled and half again the gram time.
+    token_weights : bool
+        Weight each token's input row by ``1 / d_t²`` in every gram, ``d_t``
+        the divisor of the norm the layer's sublayer output meets next at
+        token ``t`` (BERT: the LayerNorm's ``sqrt(var + eps)`` after the
+        sublayer; Llama family: the residual stream's RMS after the
+        sublayer's output is added; the models' ``norm_scale`` hook).  A
+        norm divides an error at that token by ``d_t``: tokens with massive
+        activations (MPNet's FFN-down: ``d_t`` up to 20x the median) dominate
+        a plain gram but hardly move what the next block sees.  ``out_err``,
+        GPTQ and the ggml importance then follow the normalised stream, and
+        each sensitivity is rescaled by ``(tr H / tr H_w) (|Y|²_w / |Y|²)``
+        (the probe's plain output error is ``eps``; for its Gaussian
+        direction the weighted one follows from these sums, taken on the
+        calibration tokens).  A decoder's head and architectures whose
+        sublayers normalise their own output (``post_norms``) stay unweighted.
 
     Attributes
     ----------
