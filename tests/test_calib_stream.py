@@ -472,14 +472,13 @@ def test_cli_interrupted_calibration_leaves_no_calib_npz(tmp_path, monkeypatch):
     assert len(json.load(open(out / "profile.json"))["layers"]) == 8
 
 
-def test_apply_restreams_grams_when_none_were_kept(tmp_path):
-    """A profile that kept no calib.npz: apply re-runs the calibration block by
-    block and writes the same arrays as apply with the kept grams."""
+def kept_vs_restreamed(tmp_path, src, *extra):
+    """Profile ``src`` twice with ``extra`` flags, keeping calib.npz (``a``) and
+    not (``b``); apply both plans and check that they write the same arrays.
+    Returns ``(a, b, arrays of a)``."""
     from opscope_nb.runtime.checkpoint import load
-    src = str(tmp_path / "m")
-    write_tiny_llama(src, seed=10, n_layers=2, hidden=64, ffn=96)
     common = ["--calib", "--calib-tokens", "80", "--rank-cap", "4", "--bpw", "4.5",
-              "--objective", "output", "--method", "greedy", "-q"]
+              "--objective", "output", "--method", "greedy", "-q", *extra]
     a, b = tmp_path / "a", tmp_path / "b"
     assert _cli("profile", src, *common, "--out", a).returncode == 0
     r = _cli("profile", src, *common, "--out", b, "--no-keep-grams")
@@ -500,6 +499,15 @@ def test_apply_restreams_grams_when_none_were_kept(tmp_path):
         va, vb = (v.arrays, lb_[n].arrays) if hasattr(v, "arrays") else ({"": v}, {"": lb_[n]})
         for k in va:
             np.testing.assert_array_equal(va[k], vb[k], err_msg=f"{n}:{k}")
+    return a, b, la
+
+
+def test_apply_restreams_grams_when_none_were_kept(tmp_path):
+    """A profile that kept no calib.npz: apply re-runs the calibration block by
+    block and writes the same arrays as apply with the kept grams."""
+    src = str(tmp_path / "m")
+    write_tiny_llama(src, seed=10, n_layers=2, hidden=64, ffn=96)
+    kept_vs_restreamed(tmp_path, src)
 
 
 def test_builtin_text_is_prose_deterministic_and_selectable(tmp_path):

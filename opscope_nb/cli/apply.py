@@ -144,9 +144,16 @@ def run(args) -> int:
                            f"calibration grams; no {gpath} (give --grams FILE).")
         from opscope_nb.profile.calib import GramsError, load_grams
         try:
-            allg, _ = load_grams(gpath)
+            allg, gmeta = load_grams(gpath)
         except (OSError, GramsError) as exc:
             raise CliError(f"{gpath}: cannot read calibration grams ({exc}).") from None
+        tw_plan = (calib or {}).get("token_weights") or "none"
+        tw_file = (gmeta or {}).get("token_weights") or "none"
+        if calib is not None and tw_plan != tw_file:
+            raise CliError(f"{gpath}: grams made with --token-weights {tw_file}, but the plan "
+                           f"was profiled with --token-weights {tw_plan}; give --grams FILE "
+                           f"(that profile's calib.npz) or remove {gpath} to re-run the "
+                           f"calibration.")
         grams = {n: allg[n] for n in want if n in allg}
         del allg
     elif args.grams and not os.path.exists(args.grams):
