@@ -385,6 +385,12 @@ def test_cli_token_weights_recorded_and_replayed(tmp_path):
     cal = json.load(open(a / "profile.json"))["settings"]["calib"]
     assert cal["token_weights"] == "norm" and cal["twins"] == "held-out"
     assert load_grams(str(a / "calib.npz"))[1]["token_weights"] == "norm"
+    # --no-twin-holdout (the default above 512 MiB grams): priced in-sample
+    d = tmp_path / "d"
+    r = _cli("profile", src, "--calib", "--calib-tokens", "80", "--rank-cap", "4", "-q",
+             "--no-twin-holdout", "--no-sensitivity", "--validate", "0", "--out", d)
+    assert r.returncode == 0, r.stderr
+    assert json.load(open(d / "profile.json"))["settings"]["calib"]["twins"] == "in-sample"
     # plain grams next to a weighted plan: refused (they give other +gptq codes)
     c = tmp_path / "c"
     assert _cli("profile", src, "--calib", "--calib-tokens", "80", "--rank-cap", "4",
@@ -393,3 +399,27 @@ def test_cli_token_weights_recorded_and_replayed(tmp_path):
     rc = _cli("apply", src, b / "plan.json", "-o", tmp_path / "c.safetensors")
     assert rc.returncode == 2 and "--token-weights none" in rc.stderr, rc.stderr
     assert len(rc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_twin_holdout_off_by_default_for_wide_grams(tmp_path, monkeypatch):
+    """Above TWIN_HOLDOUT_MAX the default prices twins on their own tokens and
+    says so (a 7B FFN-down gram is 0.97 GB: two more would break the memory
+    budget); --twin-holdout forces the held-out half."""
+    import json
+    import opscope_nb.cli.profile as prof
+    from test_calib_stream import _cli
+    src = str(tmp_path / "m")
+    write_tiny_llama(src, seed=11, n_layers=1, hidden=64, ffn=96)
+    monkeypatch.setattr(prof, "TWIN_HOLDOUT_MAX", 8 * 96 * 96 - 1)    # the FFN-down gram
+    common = ["--calib", "--calib-tokens", "60", "--rank-cap", "4", "-q", "--lr-ranks",
+              "none", "--no-sensitivity", "--validate", "0"]
+    r = _cli("profile", src, *common, "--out", tmp_path / "a")
+    assert r.returncode == 0, r.stderr
+    assert "priced on their own tokens" in r.stdout and "--twin-holdout forces it" in r.stdout
+    cal = json.load(open(tmp_path / "a" / "profile.json"))["settings"]["calib"]
+    assert cal["twins"] == "in-sample"
+    r = _cli("profile", src, *common, "--twin-holdout", "--out", tmp_path / "b")
+    assert r.returncode == 0, r.stderr
+    assert "priced on their own tokens" not in r.stdout
+    assert json.load(open(tmp_path / "b" / "profile.json"))["settings"]["calib"]["twins"] \
+        == "held-out"

@@ -145,6 +145,11 @@ def add_parser(sub) -> None:
                         "of the residual stream), so out_err, GPTQ and the importance "
                         "follow what the next block sees ('norm'); 'none' (default): "
                         "every token alike")
+    c.add_argument("--twin-holdout", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --calib: fit each +gptq twin on every other calibration "
+                        "sequence and price its out_err on the rest (default: on while "
+                        f"the widest full gram takes at most {TWIN_HOLDOUT_MAX >> 20} MiB; "
+                        "it adds two such grams per input while a layer is profiled)")
     c.add_argument("--calib-diag-above", type=positive_int, default=None, metavar="COLS",
                    help="with --calib: keep only diag(H) for layers with more than COLS "
                         "inputs (less memory, no +gptq there; default: full grams at "
@@ -193,6 +198,10 @@ BUILTIN_CALIB_TOKENS = 8192
 
 #: Largest calib.npz (float64 grams of the profiled layers) written by default.
 KEEP_GRAMS_MAX = 2 << 30
+#: Largest full gram (float64 bytes) for which ``--twin-holdout`` is on by
+#: default: the held-out half and the fitting half are two more arrays of that
+#: size while a layer is profiled (a 7B FFN-down gram is 0.97 GB).
+TWIN_HOLDOUT_MAX = 512 << 20
 
 
 def _ggml_types(args):
@@ -293,11 +302,12 @@ def _calibration(args, src, chosen, kw, dist):
     memory.  Sensitivities come at the end (:func:`_finish_calibration`)."""
     if not args.calib and not args.imatrix:
         if args.calib_text or args.calib_tokens or args.sensitivity is not None \
-                or args.token_weights != "none" \
+                or args.token_weights != "none" or args.twin_holdout is not None \
                 or args.sens_tokens != "auto" \
                 or args.calib_diag_above is not None or args.keep_grams is not None \
                 or args.validate is not None:
             raise CliError("--calib-text/--calib-tokens/--sensitivity/--sens-tokens/--token-weights/"
+                           "--twin-holdout/"
                            "--calib-diag-above/--keep-grams/--validate need --calib.")
         if getattr(args, "objective", "auto") not in ("weight", "auto"):
             warn(f"--objective {args.objective} without --calib/--imatrix: no layer has "
@@ -334,7 +344,19 @@ def _calibration(args, src, chosen, kw, dist):
         if args.calib_text == "builtin" and args.calib_tokens is None:
             args.calib_tokens = BUILTIN_CALIB_TOKENS
         # +gptq twins on the menu: fitted on half the sequences, priced on the other
-        twins = args.gptq != "none" and (args.menu != "ggml" or args.gptq == "all")
+        menu_twins = args.gptq != "none" and (args.menu != "ggml" or args.gptq == "all")
+        twins = menu_twins
+        if twins:
+            widest = max((int(e.shape[1]) for e in chosen if len(e.shape) == 2), default=0)
+            if args.calib_diag_above:
+                widest = min(widest, int(args.calib_diag_above))
+            big = 8 * widest * widest
+            if args.twin_holdout is None and big > TWIN_HOLDOUT_MAX:
+                print(f"calibration: +gptq twins priced on their own tokens (a held-out "
+                      f"half would add two {fmt_bytes(big)} grams per input; "
+                      f"--twin-holdout forces it)", flush=True)
+            twins = args.twin_holdout if args.twin_holdout is not None \
+                else big <= TWIN_HOLDOUT_MAX
         try:
             stream = CalibrationStream(
                 args.source, text=args.calib_text, max_tokens=args.calib_tokens,
@@ -366,8 +388,9 @@ def _calibration(args, src, chosen, kw, dist):
                "sens_val_tokens": stream.sens_val_tokens if ns else 0,
                "full_max_cols": args.calib_diag_above, "validate": args.validate,
                "split_seed": args.seed}
-        if twins:
-            rec["twins"] = "held-out"   # priced on the held-out half (profile_layer)
+        if menu_twins:
+            # priced on the held-out half (profile_layer's gram_heldout) or on their own
+            rec["twins"] = "held-out" if twins else "in-sample"
         if args.token_weights == "norm":
             rec["token_weights"] = "norm"
         # profile in block order: each block's grams are needed once, then dropped
