@@ -477,7 +477,7 @@ class CalibrationStream:
         fitting half), so ``+gptq`` twins can be fitted on one half and
         priced on the other (:func:`opscope_nb.profile.mining.profile_layer`'s
         ``gram_heldout``).  Costs a second gram per full input while its
-        block is profiled and half again the gram time.
+        block is profiled, and a second ``syrk`` over half the tokens.
     token_weights : bool
         Weight each token's input row by ``1 / d_t²`` in every gram, ``d_t``
         the divisor of the norm the layer's sublayer output meets next at
@@ -542,7 +542,6 @@ class CalibrationStream:
         self.rec = _Recorder(None if full_max_cols is None else int(full_max_cols),
                              None if grams_for is None else set(grams_for),
                              split=bool(heldout_grams), weighting=bool(token_weights))
-        self.token_weights = bool(token_weights)
         self._sens_scale = {}            # layer -> sensitivity factor (token weights)
         self.n_blocks = int(m.config["n_layers"])
         blocks = [m.block_tensors(i) for i in range(self.n_blocks)]
