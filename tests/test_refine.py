@@ -267,7 +267,8 @@ def test_evo_search_keeps_budget_never_worse_and_resumes_mid_generation(tiny, sc
     s2 = screened
     B = a.budget_bytes
     states = []
-    kw = dict(objective=OBJ, search="evo", offspring=5, survivors=2, preselect=3, seed=1)
+    kw = dict(objective=OBJ, search="evo", offspring=5, survivors=2, preselect=3, seed=1,
+              table=0)      # the generation arithmetic below counts candidates only
     r = rf.refine(s2, a.choice, B, evals=17, on_state=states.append, **kw)
     assert r.evals == 17 and r.forwards > 0
     assert all(rf.plan_bytes(layers, st["best"]) <= B for st in states)
@@ -310,3 +311,73 @@ def test_encoder_embedding_tables_are_scored_not_inert():
     assert cut > base + 1e-6
     assert cut == pytest.approx(sc.full_score([3, 0]), rel=1e-12, abs=1e-15)
     assert sc.score([0, 3]) == pytest.approx(sc.full_score([0, 3]), rel=1e-12, abs=1e-15)
+
+
+def test_singleton_table_measures_each_layer_alone(tiny):
+    """Each entry is the score of the base plan with that one layer changed,
+    less the base's (the cached run equals a full forward); the layers' terms
+    built from it solve to a plan within the budget; a table proportional to
+    the predicted terms gives back the exact plan of the predicted objective."""
+    _, _, layers, sc, a = tiny
+    terms = rf._terms(layers, OBJ)
+    base = rf.base_choice(layers, terms)
+    assert base == [0] * len(layers)                    # dense: the least error
+    lads = rf.ladders(layers, OBJ, keep=[a.choice])
+    tbl = {}
+    n, done = rf.singleton_table(sc, a.choice, base, lads, tbl, width=1)
+    assert done and n == len(tbl) > len(layers)
+    b0 = sc.full_score(base)
+    for (i, j), v in list(tbl.items())[:6]:
+        c = list(base)
+        c[i] = j
+        assert v == pytest.approx(sc.full_score(c) - b0, rel=1e-9, abs=1e-15)
+    for i, c in enumerate(a.choice):                   # the start's own options are in
+        assert c == base[i] or (i, c) in tbl
+    # again: nothing new to measure; a stop before the first entry measures none
+    assert rf.singleton_table(sc, a.choice, base, lads, tbl, width=1) == (0, True)
+    assert rf.singleton_table(sc, a.choice, base, lads, {}, width=1,
+                              stop=lambda: True) == (0, False)
+    tl = rf.table_layers(layers, terms, tbl, base)
+    for i, lp in enumerate(tl):
+        for j, o in enumerate(lp.options):
+            want = 0.0 if j == base[i] else max(tbl.get((i, j), -1.0), 0.0)
+            if (i, j) in tbl or j == base[i]:
+                assert o.out_err ** 2 == pytest.approx(want, rel=1e-12, abs=1e-18)
+            else:                       # predicted x the layer's measured ratio
+                assert o.out_err ** 2 > 0
+        assert lp.sensitivity == 1.0
+    c = rf.solve_table(tl, a.budget_bytes)
+    assert c is not None and rf.plan_bytes(layers, c) <= a.budget_bytes
+    prop = {(i, j): 3.0 * terms[i][j] for i in range(len(layers))
+            for j in range(len(layers[i].options))}
+    c2 = rf.solve_table(rf.table_layers(layers, terms, prop, base), a.budget_bytes)
+    assert c2 == list(a.choice)
+    with pytest.raises(ValueError, match="table_tokens"):
+        rf.PlanScorer(sc.model, layers, sc.splits["search"].chunks,
+                      sc.splits["held_out"].chunks, table_tokens=True)
+
+
+def test_refine_scores_the_table_plan_first_and_stays_never_worse(tiny):
+    """With the table on, its solved plans are scored first (before the moves),
+    the bytes stay within the budget, the held-out rule holds, and the state
+    keeps the table so a resumed run measures nothing again."""
+    _, _, layers, sc, a = tiny
+    B = a.budget_bytes
+    s2 = rf.PlanScorer(sc.model, layers, sc.splits["search"].chunks,
+                       sc.splits["held_out"].chunks, table_tokens=40)
+    states = []
+    r = rf.refine(s2, a.choice, B, objective=OBJ, evals=6, seed=2, table=1,
+                  on_state=states.append)
+    tb = r.scores["table"]
+    assert tb["rounds"] >= 1 and tb["singletons"] > len(layers) and tb["split"] == "table"
+    assert tb["complete"] and tb["entries"] == tb["singletons"]
+    assert rf.plan_bytes(layers, r.best) <= B and rf.plan_bytes(layers, r.choice) <= B
+    assert r.kept == (r.scores["best"]["held_out"] < r.scores["start"]["held_out"])
+    assert r.choice == (r.best if r.kept else list(a.choice))
+    st = states[-1]
+    assert len(st["table"]) == tb["entries"]
+    r2 = rf.refine(s2, a.choice, B, objective=OBJ, evals=6, seed=2, table=1,
+                   state=dict(st, seeds_done=False, evals=0))
+    assert r2.scores["table"]["singletons"] == 0          # every entry came from the state
+    off = rf.refine(s2, a.choice, B, objective=OBJ, evals=6, seed=2, table=0)
+    assert off.scores["table"]["rounds"] == 0

@@ -80,6 +80,15 @@ def add_refine_args(p, flag_prefix="") -> None:
                    help="score every candidate on the first N search tokens first and only "
                         "the best (--survivors) on all --tokens (multi-stage selection; "
                         "default 128; 0: every candidate on all search tokens)")
+    g.add_argument("--table", type=nonneg_int, default=1, metavar="W",
+                   help="first measure each layer alone (every other layer at its best "
+                        "option) at its start option and W ladder steps either side, "
+                        "solve the exact allocator on those measured terms, re-measure "
+                        "around its plan (up to 4 rounds) and score those plans first "
+                        "(default 1; 0: off; this package's forward only)")
+    g.add_argument("--table-tokens", type=nonneg_int, default=512, metavar="N",
+                   help="tokens of the first search windows the table is measured on "
+                        "(default 512; 0: all search tokens)")
     g.add_argument("--refine-seed", type=int, default=0, metavar="S",
                    help="seed of the moves (default 0)")
     g.add_argument("--text", metavar="FILE|sample|builtin", default=None,
@@ -196,7 +205,8 @@ def _state_key(args, doc_path, budget, start, spec) -> str:
              str(args.preselect),
              str(args.refine_seed), str(args.text),
              str(args.held_out_text), str(args.split), str(args.tokens),
-             str(args.held_out_tokens), str(args.window)]
+             str(args.held_out_tokens), str(args.window),
+             str(getattr(args, "table", 0)), str(getattr(args, "table_tokens", 0))]
     if getattr(args, "runtime", "numba") != "numba":
         parts.append(args.runtime)          # other scores: a numba state is not continued
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
@@ -257,6 +267,8 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
               split_seed=int(cal.get("split_seed") or 0) if isinstance(cal, dict) else 0,
               tokens=args.tokens, held_out_tokens=args.held_out_tokens, window=args.window,
               grams=grams, screen_tokens=args.screen_tokens or None,
+              **({"table_tokens": args.table_tokens or None}
+                 if args.table and args.runtime == "numba" else {}),
               requantize=bool((doc.get("settings") or {}).get("requantize")))
     try:
         model = open_model(src)
@@ -307,7 +319,8 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
         res = rf.refine(scorer, a0.choice, B, objective=objective, evals=args.evals,
                         minutes=args.minutes, search=args.search, offspring=args.offspring,
                         survivors=args.survivors, preselect=args.preselect,
-                        seed=args.refine_seed, seeds=seeds, state=state, on_state=on_state,
+                        seed=args.refine_seed, seeds=seeds, table=args.table,
+                        state=state, on_state=on_state,
                         log=log)
     except ValueError as exc:
         raise CliError(f"refine: {exc}") from None
@@ -351,6 +364,12 @@ def _print_report(res, scorer, m0, objective):
                                f"{name} held-out ({sc['held_out_tokens']} tok)", last]))
     if sc.get("ppl_dense") is not None and res.metric == "kl":
         print(f"dense held-out PPL {sc['ppl_dense']:.3f}")
+    tb = sc.get("table") or {}
+    if tb.get("rounds"):
+        print(f"table: {tb['singletons']} layers-alone runs this run ({tb.get('entries', 0)} "
+              f"in all) on {tb['split']} tokens in {tb['rounds']} round(s), "
+              f"{tb['seconds']:.1f}s; {tb['plans']} plan(s) solved on the measured terms "
+              f"scored first{'' if tb.get('complete') else ' (stopped by the time limit)'}")
     hs, hb = sc["start"]["held_out"], sc["best"]["held_out"]
     ratio = hb / hs if hs > 0 else float("nan")
     verdict = ("kept: the refined plan" if res.kept else

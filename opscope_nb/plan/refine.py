@@ -44,6 +44,7 @@ Layer 4 (imports :mod:`opscope_nb.models`, :mod:`opscope_nb.runtime`,
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -413,6 +414,10 @@ class PlanScorer:
         hold them (decoders), or the first search sentences up to
         ``screen_tokens`` tokens (encoders).  :func:`refine` scores every candidate there first
         and only the best on the whole search split (multi-stage selection).
+    table_tokens : int, optional
+        Also keep a *table* split, cut from the search chunks as the screen
+        is: :func:`refine` measures its singleton table there
+        (:func:`singleton_table`) instead of on the whole search split.
     blocks : dict, optional
         A dict in which :meth:`option` also keeps every ggml option's packed
         blocks under ``(layer index, option index)`` (the llama.cpp scorer
@@ -435,7 +440,7 @@ class PlanScorer:
 
     def __init__(self, model, layers, search, held_out, *, grams=None, stored=None,
                  requantize=False, act="f32", dequantise=True, screen_tokens=None,
-                 blocks=None):
+                 table_tokens=None, blocks=None):
         from opscope_nb.models.loader import is_linear
         if getattr(model, "entries", None) and not model.tensors:
             raise ValueError("PlanScorer needs a loaded model (open_model(..., lazy=False)).")
@@ -509,13 +514,12 @@ class PlanScorer:
         self.block_runs = 0
         self.token_runs = 0
         self.splits = {"search": _Split(search), "held_out": _Split(held_out)}
-        if screen_tokens is not None:
-            if isinstance(screen_tokens, bool) or not isinstance(
-                    screen_tokens, (int, np.integer)) or int(screen_tokens) < 2:
-                raise ValueError(f"screen_tokens must be an integer >= 2 or None; got "
-                                 f"{screen_tokens!r}.")
-            self.splits["screen"] = _Split(_screen_chunks(search, int(screen_tokens),
-                                                          self.family))
+        for nm, v in (("screen", screen_tokens), ("table", table_tokens)):
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 2:
+                raise ValueError(f"{nm}_tokens must be an integer >= 2 or None; got {v!r}.")
+            self.splits[nm] = _Split(_screen_chunks(search, int(v), self.family))
         for s in self.splits.values():
             self._reference(s)
 
@@ -897,9 +901,128 @@ def load_state(path, key: str):
     return st
 
 
+def base_choice(layers, terms) -> list:
+    """Per layer, the option of least predicted term (fewest bytes among ties):
+    the plan :func:`singleton_table` measures every option against (the dense
+    option where the profile has one)."""
+    return [min(range(len(lp.options)),
+                key=lambda j, i=i, lp=lp: (terms[i][j], int(lp.options[j].bytes), j))
+            for i, lp in enumerate(layers)]
+
+
+def singleton_table(scorer, plan, base, lads, table, *, width=1, split="search",
+                    order=None, stop=None) -> tuple:
+    """Measure the damage of each layer alone: ``table[(i, j)] = score(base
+    with layer i at option j) - score(base)`` on ``split``, for the options
+    within ``width`` steps of ``plan[i]`` on layer ``i``'s ladder ``lads[i]``
+    (and ``plan[i]`` itself); entries already in ``table`` are kept.
+
+    A layer's run starts at its own block from the base plan's cached input,
+    so a layer of block ``b`` costs ``n_blocks - b`` block forwards.  The
+    scorer's cache of ``split`` holds the base plan afterwards.
+
+    Parameters
+    ----------
+    scorer : PlanScorer
+    plan, base : sequence of int
+        Option index per layer: the plan whose neighbourhood is measured, and
+        the plan each option is measured against (:func:`base_choice`).
+    lads : list of list of int
+        Per layer, option indices fewest bytes first (:func:`ladders`).
+    table : dict
+        ``(layer, option) -> float``, filled in place.
+    width : int
+        Ladder steps measured either side of ``plan[i]`` (>= 0).
+    order : sequence of int, optional
+        Layers in the order to measure (default: index order); what is left
+        when ``stop`` fires stays unmeasured.
+    stop : callable, optional
+        ``stop()`` true ends the measurement early.
+
+    Returns
+    -------
+    (int, bool)
+        Entries measured by this call; ``True`` when every asked entry is in
+        ``table``.
+    """
+    base = [int(c) for c in base]
+    b_score = scorer.adopt(base, split)
+    n = 0
+    for i in (range(len(base)) if order is None else order):
+        if i in scorer.inert:
+            continue
+        lad = sorted(set(lads[i]) | {int(plan[i])},
+                     key=lambda j, i=i: (int(scorer.layers[i].options[j].bytes), j))
+        k = lad.index(int(plan[i]))
+        for j in lad[max(0, k - width):k + width + 1]:
+            if j == base[i] or (i, j) in table:
+                continue
+            if stop is not None and stop():
+                return n, False
+            c = list(base)
+            c[i] = j
+            table[(i, j)] = float(scorer.score(c, split, adopt=False)) - b_score
+            n += 1
+    return n, True
+
+
+def table_layers(layers, terms, table, base, inert=()) -> list:
+    """``layers`` whose objective term per option is the measured one: each
+    option's ``out_err`` set to ``sqrt(term)`` and ``sensitivity`` to 1, for
+    the ``"sensitivity"`` objective of the allocators.
+
+    ``term`` is ``max(table[(i, j)], 0)`` where measured, 0 for the base
+    option, else the predicted term ``terms[i][j]`` times the layer's
+    measured-to-predicted ratio (the geometric mean over its measured
+    options; the mean over all layers for a layer without one), clipped to
+    [0.1, 10].  Inert layers keep the predicted terms times the mean ratio.
+    """
+    logs = {}
+    for (i, j), m in table.items():
+        if m > 0 and terms[i][j] > 0:
+            logs.setdefault(i, []).append(math.log(m / terms[i][j]))
+    allv = [v for vs in logs.values() for v in vs]
+    glob = math.exp(float(np.mean(allv))) if allv else 1.0
+    out = []
+    for i, lp in enumerate(layers):
+        f = glob if i in inert or i not in logs else math.exp(float(np.mean(logs[i])))
+        f = min(max(f, 0.1), 10.0)
+        opts = []
+        for j, o in enumerate(lp.options):
+            if i in inert:
+                v = terms[i][j] * f
+            elif j == base[i]:
+                v = 0.0
+            elif (i, j) in table:
+                v = max(table[(i, j)], 0.0)
+            else:
+                v = terms[i][j] * f
+            opts.append(dataclasses.replace(o, out_err=math.sqrt(v)))
+        out.append(dataclasses.replace(lp, options=opts, sensitivity=1.0))
+    return out
+
+
+def solve_table(layers, budget, *, time_limit=60.0):
+    """The exact plan (:func:`opscope_nb.plan.allocate.exact_allocate`) of
+    :func:`table_layers`' layers within ``budget`` bytes, or None."""
+    from .allocate import budget_bytes, exact_allocate, silence_native_output
+    n = sum(int(lp.rows) * int(lp.cols) for lp in layers)
+    bpw = 8.0 * budget / max(n, 1)
+    for _ in range(8):          # the bits-per-weight that gives exactly ``budget`` bytes
+        b = budget_bytes(layers, budget_bpw=bpw)
+        if b == budget:
+            break
+        bpw = math.nextafter(bpw, math.inf if b < budget else -math.inf)
+    with silence_native_output():
+        a = exact_allocate(layers, budget_bpw=bpw, objective="sensitivity",
+                           time_limit=time_limit)
+    c = [int(x) for x in a.choice]
+    return c if a.feasible and plan_bytes(layers, c) <= budget else None
+
+
 def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search="local",
-           offspring=16, survivors=2, preselect=1, seed=0, seeds=(), state=None, on_state=None, log=None,
-           clock=time.perf_counter) -> RefineResult:
+           offspring=16, survivors=2, preselect=1, seed=0, seeds=(), table=1, table_rounds=4,
+           state=None, on_state=None, log=None, clock=time.perf_counter) -> RefineResult:
     """Search for a plan of ``scorer.layers`` with bytes ``<= budget`` whose
     measured score beats ``start``'s; never return one worse on the held-out split.
 
@@ -996,6 +1119,7 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         best, n_eval, accepted, history = list(start), 0, 0, []
         seen, seeds_done, prior_sec, prior_fw = {choice_key(start)}, False, 0.0, 0.0
         start_score = best_score = None
+    tbl = {(int(a), int(b)): float(v) for a, b, v in (state or {}).get("table", [])}
     runs0, sec0, fw0 = scorer.block_runs, dict(scorer.seconds), scorer.forwards
     t_prop = 0.0
     t0 = clock()
@@ -1025,6 +1149,7 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
                             for h in history],
                 "seen": sorted(seen), "seeds_done": bool(seeds_done),
                 "seconds": prior_sec + clock() - t0, "forwards": spent(),
+                "table": [[int(i), int(j), float(v)] for (i, j), v in sorted(tbl.items())],
                 "pending": None if pending is None else {
                     "kids": [[int(x) for x in k] for k in pending["kids"]],
                     "scored": [[float(v), [int(x) for x in k]]
@@ -1052,6 +1177,39 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
             best_screen = scorer.adopt(c, "screen")
         accepted += 1
         history.append((n_eval, best_score, spent()))
+        if on_state:
+            on_state(snapshot())
+
+    # the measured table: each layer alone near the start plan, solved exactly
+    tinfo = {"singletons": 0, "rounds": 0, "plans": 0, "seconds": 0.0, "complete": None,
+             "split": None}
+    if int(table) > 0 and not seeds_done and n_eval < evals and \
+            getattr(scorer, "runtime", "numba") == "numba":
+        tt = clock()
+        tsplit = "table" if "table" in scorer.splits else "search"
+        base = base_choice(layers, terms)
+        plan_t, tplans, n_meas, complete = list(start), [], 0, True
+        for _rd in range(int(table_rounds)):
+            order = sorted(range(len(layers)), key=lambda i: (-terms[i][plan_t[i]], i))
+            got, complete = singleton_table(scorer, plan_t, base, lads, tbl,
+                                            width=int(table), split=tsplit, order=order,
+                                            stop=out_of_time)
+            n_meas += got
+            tinfo["rounds"] += 1
+            c = solve_table(table_layers(layers, terms, tbl, base, scorer.inert), budget)
+            if c is None or c == plan_t:
+                break
+            tplans.append(c)
+            plan_t = c
+            if not complete:
+                break
+        known = {choice_key(c) for c in seeds}
+        seeds = [c for c in tplans if choice_key(c) not in known] + seeds
+        lads = ladders(layers, objective, keep=[start] + seeds)
+        if tsplit == "search":
+            best_score = scorer.adopt(best)         # the singletons moved the cache
+        tinfo.update(singletons=n_meas, plans=len(tplans), seconds=clock() - tt,
+                     complete=complete, split=tsplit, entries=len(tbl))
         if on_state:
             on_state(snapshot())
 
@@ -1169,7 +1327,7 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         "search_tokens": scorer.splits["search"].tokens,
         "screen_tokens": scorer.splits["screen"].tokens if screen else None,
         "held_out_tokens": scorer.splits["held_out"].tokens,
-        "runtime": getattr(scorer, "runtime", "numba")}
+        "runtime": getattr(scorer, "runtime", "numba"), "table": tinfo}
     return RefineResult(list(best) if kept else list(start), list(start), list(best), kept,
                         scores, n_eval, accepted, history, sec, search_runs, stopped,
                         scorer.metric, run_evals, forwards,
