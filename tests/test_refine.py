@@ -190,6 +190,10 @@ def test_bad_inputs_name_the_rule(tiny):
         rf.refine(sc, a.choice, a.budget_bytes, objective=OBJ, search="tabu")
     with pytest.raises(ValueError, match="evals must be"):
         rf.refine(sc, a.choice, a.budget_bytes, objective=OBJ, evals=-1)
+    with pytest.raises(ValueError, match="table must be"):
+        rf.refine(sc, a.choice, a.budget_bytes, objective=OBJ, table=-1)
+    with pytest.raises(ValueError, match="table_rounds must be"):
+        rf.refine(sc, a.choice, a.budget_bytes, objective=OBJ, table_rounds=0)
     with pytest.raises(ValueError, match="option index"):
         sc.score([99] * len(layers))
     with pytest.raises(ValueError, match="frac"):

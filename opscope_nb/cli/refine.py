@@ -238,6 +238,26 @@ def _logger(enabled, metric):
     return log
 
 
+def _table_logger(enabled):
+    """Progress of the measured table: a rewritten line on a terminal, a line
+    every 25 layer runs off one."""
+    if not enabled:
+        return None
+
+    def log(rd, k, m, el):
+        eta = (m - k) * el / k if k else None
+        line = (f"refine: table round {rd}, layer run {k}/{m}, {el:.0f}s, "
+                f"{_fmt_eta(eta)}")
+        if enabled == "bar":
+            sys.stderr.write("\r" + line + " " * 4)
+            if k == m:
+                sys.stderr.write("\n")
+        elif k % 25 == 0 or k == m:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    return log
+
+
 def refine_allocation(args, doc, layers, spec, allocs, out_dir):
     """Run the search from ``allocs``' exact (or first) plan; returns
     ``(allocs with "refined" when kept, result dict)`` and prints the report."""
@@ -311,6 +331,7 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
         print(f"refine: continuing {state_path} ({state['evals']} candidates scored, best "
               f"{state['best_score']:.5g})", flush=True)
     log = _logger(show, scorer.metric)
+    tlog = _table_logger(show)
 
     def on_state(st):
         st["key"] = key
@@ -320,7 +341,7 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
                         minutes=args.minutes, search=args.search, offspring=args.offspring,
                         survivors=args.survivors, preselect=args.preselect,
                         seed=args.refine_seed, seeds=seeds, table=args.table,
-                        state=state, on_state=on_state,
+                        state=state, on_state=on_state, table_log=tlog,
                         log=log)
     except ValueError as exc:
         raise CliError(f"refine: {exc}") from None

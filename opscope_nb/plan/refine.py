@@ -911,7 +911,7 @@ def base_choice(layers, terms) -> list:
 
 
 def singleton_table(scorer, plan, base, lads, table, *, width=1, split="search",
-                    order=None, stop=None) -> tuple:
+                    order=None, stop=None, progress=None) -> tuple:
     """Measure the damage of each layer alone: ``table[(i, j)] = score(base
     with layer i at option j) - score(base)`` on ``split``, for the options
     within ``width`` steps of ``plan[i]`` on layer ``i``'s ladder ``lads[i]``
@@ -938,6 +938,8 @@ def singleton_table(scorer, plan, base, lads, table, *, width=1, split="search",
         when ``stop`` fires stays unmeasured.
     stop : callable, optional
         ``stop()`` true ends the measurement early.
+    progress : callable, optional
+        ``progress(done, to_do)`` after each entry.
 
     Returns
     -------
@@ -946,24 +948,27 @@ def singleton_table(scorer, plan, base, lads, table, *, width=1, split="search",
         ``table``.
     """
     base = [int(c) for c in base]
-    b_score = scorer.adopt(base, split)
-    n = 0
+    todo = []
     for i in (range(len(base)) if order is None else order):
         if i in scorer.inert:
             continue
         lad = sorted(set(lads[i]) | {int(plan[i])},
                      key=lambda j, i=i: (int(scorer.layers[i].options[j].bytes), j))
         k = lad.index(int(plan[i]))
-        for j in lad[max(0, k - width):k + width + 1]:
-            if j == base[i] or (i, j) in table:
-                continue
-            if stop is not None and stop():
-                return n, False
-            c = list(base)
-            c[i] = j
-            table[(i, j)] = float(scorer.score(c, split, adopt=False)) - b_score
-            n += 1
-    return n, True
+        todo += [(i, j) for j in lad[max(0, k - width):k + width + 1]
+                 if j != base[i] and (i, j) not in table]
+    if not todo:
+        return 0, True
+    b_score = scorer.adopt(base, split)
+    for n, (i, j) in enumerate(todo):
+        if stop is not None and stop():
+            return n, False
+        c = list(base)
+        c[i] = j
+        table[(i, j)] = float(scorer.score(c, split, adopt=False)) - b_score
+        if progress is not None:
+            progress(n + 1, len(todo))
+    return len(todo), True
 
 
 def table_layers(layers, terms, table, base, inert=()) -> list:
@@ -1022,7 +1027,8 @@ def solve_table(layers, budget, *, time_limit=60.0):
 
 def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search="local",
            offspring=16, survivors=2, preselect=1, seed=0, seeds=(), table=1, table_rounds=4,
-           state=None, on_state=None, log=None, clock=time.perf_counter) -> RefineResult:
+           state=None, on_state=None, log=None, table_log=None,
+           clock=time.perf_counter) -> RefineResult:
     """Search for a plan of ``scorer.layers`` with bytes ``<= budget`` whose
     measured score beats ``start``'s; never return one worse on the held-out split.
 
@@ -1068,6 +1074,18 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
     seeds : sequence of sequences of int
         Plans scored first on the search split (the exact plans of nearby
         budgets, of other objectives); those over ``budget`` are skipped.
+    table : int
+        Ladder steps either side of each layer's option that the measured
+        table takes (>= 0; 0: no table).  Before the seeds, each layer is
+        measured alone against :func:`base_choice` (:func:`singleton_table`,
+        on the scorer's ``table`` split when it has one), the exact allocator
+        solves the measured terms (:func:`table_layers`, :func:`solve_table`),
+        and the table is measured again around its plan, up to
+        ``table_rounds`` rounds; the solved plans are scored first, as seeds.
+        The table's layer runs are not candidates (``evals`` does not count
+        them); ``minutes`` bounds them.  This package's forward only.
+    table_rounds : int
+        Most rounds of the table (>= 1).
     state : dict, optional
         A state from an earlier run (:func:`load_state`): the search continues.
     on_state : callable, optional
@@ -1075,6 +1093,9 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         and every 10 candidates (write it with :func:`save_state`).
     log : callable, optional
         ``log(evals, total, best, start, elapsed, eta)`` after each candidate.
+    table_log : callable, optional
+        ``table_log(round, done, to_do, elapsed)`` after each layer run of the
+        table.
 
     Returns
     -------
@@ -1090,8 +1111,10 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         raise ValueError(f"minutes must be a number > 0; got {minutes!r}.")
     if search not in ("local", "evo"):
         raise ValueError(f"search must be 'local' or 'evo'; got {search!r}.")
+    if isinstance(table, bool) or not isinstance(table, (int, np.integer)) or table < 0:
+        raise ValueError(f"table must be an integer >= 0 (0: no table); got {table!r}.")
     for nm, v in (("offspring", offspring), ("survivors", survivors),
-                  ("preselect", preselect)):
+                  ("preselect", preselect), ("table_rounds", table_rounds)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 1:
             raise ValueError(f"{nm} must be an integer >= 1; got {v!r}.")
     if len(start) != len(layers):
@@ -1189,11 +1212,13 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         tsplit = "table" if "table" in scorer.splits else "search"
         base = base_choice(layers, terms)
         plan_t, tplans, n_meas, complete = list(start), [], 0, True
-        for _rd in range(int(table_rounds)):
+        for rd in range(int(table_rounds)):
             order = sorted(range(len(layers)), key=lambda i: (-terms[i][plan_t[i]], i))
+            prog = None if table_log is None else (
+                lambda k, m, rd=rd: table_log(rd + 1, k, m, clock() - tt))
             got, complete = singleton_table(scorer, plan_t, base, lads, tbl,
                                             width=int(table), split=tsplit, order=order,
-                                            stop=out_of_time)
+                                            stop=out_of_time, progress=prog)
             n_meas += got
             tinfo["rounds"] += 1
             c = solve_table(table_layers(layers, terms, tbl, base, scorer.inert), budget)
