@@ -358,7 +358,7 @@ def _refine_setup(args, source, prof, calib):
     encoder's planned embedding tables from stage 0): search
     and held-out splits of ``--refine-text`` (default: the calibration text; never
     the evaluation text), the CLI's defaults otherwise (2048 search tokens, 512
-    held out, a 128-token screen)."""
+    held out, a 128-token screen, the measured table on 512 tokens)."""
     from opscope_nb.cli._common import layers_from_doc, load_profile_doc
     from opscope_nb.models.loader import open_model
     from opscope_nb.plan.refine import PlanScorer
@@ -372,7 +372,8 @@ def _refine_setup(args, source, prof, calib):
                               split=float(cal.get("validate") or 0.25),
                               split_seed=int(cal.get("split_seed") or 0),
                               tokens=args.refine_tokens, held_out_tokens=512,
-                              window=args.window, grams=grams, screen_tokens=128)
+                              window=args.window, grams=grams, screen_tokens=128,
+                              table_tokens=512)
     print(f"refine scorer ({'imatrix' if calib else 'no imatrix'}): text "
           f"{args.refine_text or args.calib_text}, search {sc.splits['search'].tokens} / "
           f"held-out {sc.splits['held_out'].tokens} tokens ({time.perf_counter() - t:.0f}s)",
