@@ -25,6 +25,15 @@ the predicted damage (free: ``preselect`` times more proposals than
 measured), a short *screen* split (``PlanScorer(screen_tokens=...)``), and
 for the best ``survivors`` that beat the parent there, the search split.
 
+Before the moves, a *measured table* (``table`` > 0, the default): each
+layer is run alone -- every other layer at its best option -- at its start
+option and its ladder neighbours (:func:`singleton_table`); the exact
+allocator solves those measured terms (:func:`table_layers`,
+:func:`solve_table`), the table grows around its plan for a few rounds, and
+the solved plans are the first seeds.  The predicted terms can be right in
+sum and several times off per layer; the table replaces them where it
+measured.
+
 Candidates are scored without re-quantising: each (layer, option) is packed
 once (:class:`PlanScorer` keeps its float32 reconstruction), and a candidate
 runs only from the first block whose tensors differ from its parent's,
@@ -60,7 +69,7 @@ from .allocate import predicted_damage
 
 __all__ = ["PlanScorer", "RefineResult", "refine", "split_passages", "text_chunks", "ladders",
            "plan_bytes", "propose", "STATE_VERSION", "load_state", "save_state",
-           "choice_key"]
+           "choice_key", "base_choice", "singleton_table", "table_layers", "solve_table"]
 
 #: Version of the state file layout (:func:`save_state`).
 STATE_VERSION = 1
