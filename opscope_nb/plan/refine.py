@@ -927,8 +927,9 @@ def singleton_table(scorer, plan, base, lads, table, *, width=1, split="search",
     (and ``plan[i]`` itself); entries already in ``table`` are kept.
 
     A layer's run starts at its own block from the base plan's cached input,
-    so a layer of block ``b`` costs ``n_blocks - b`` block forwards.  The
-    scorer's cache of ``split`` holds the base plan afterwards.
+    so a layer of block ``b`` costs ``n_blocks - b`` block forwards.  When
+    anything was measured, the scorer's cache of ``split`` holds the base
+    plan afterwards.
 
     Parameters
     ----------
