@@ -65,7 +65,7 @@ import numpy as np
 
 from opscope_nb._threads import _one_blas_thread
 
-from .allocate import predicted_damage
+from .allocate import budget_bytes, exact_allocate, predicted_damage, silence_native_output
 
 __all__ = ["PlanScorer", "RefineResult", "refine", "split_passages", "text_chunks", "ladders",
            "plan_bytes", "propose", "STATE_VERSION", "load_state", "save_state",
@@ -1020,7 +1020,6 @@ def table_layers(layers, terms, table, base, inert=()) -> list:
 def solve_table(layers, budget, *, time_limit=60.0):
     """The exact plan (:func:`opscope_nb.plan.allocate.exact_allocate`) of
     :func:`table_layers`' layers within ``budget`` bytes, or None."""
-    from .allocate import budget_bytes, exact_allocate, silence_native_output
     n = sum(int(lp.rows) * int(lp.cols) for lp in layers)
     bpw = 8.0 * budget / max(n, 1)
     for _ in range(8):          # the bits-per-weight that gives exactly ``budget`` bytes
