@@ -54,7 +54,7 @@ def _refine(prof, budget_flag, out, args, extra=()):
            args.search, "--tokens", args.tokens, "--held-out-tokens", args.held_out_tokens,
            "--screen-tokens", args.screen_tokens, "--offspring", args.offspring,
            "--survivors", args.survivors, "--preselect", args.preselect, "--runtime",
-           args.runtime, "-q", *extra]
+           args.runtime, "--act-quant", args.act_quant, "-q", *extra]
     if args.minutes:
         cmd += ["--minutes", args.minutes]
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -190,6 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runtime", choices=("numba", "llama.cpp"), default="numba",
                     help="refine --runtime: whose forward scores the candidates (llama.cpp: "
                          "the search split and the held-out check; decoders only)")
+    ap.add_argument("--act-quant", choices=("auto", "ggml", "none"), default="auto",
+                    help="refine --act-quant (default auto: ggml for the GGUF menus)")
     ap.add_argument("--eval-text", default="sample")
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--workdir", default=None)

@@ -385,3 +385,64 @@ def test_refine_scores_the_table_plan_first_and_stays_never_worse(tiny):
     assert r2.scores["table"]["singletons"] == 0          # every entry came from the state
     off = rf.refine(s2, a.choice, B, objective=OBJ, evals=6, seed=2, table=0)
     assert off.scores["table"]["rounds"] == 0
+
+
+def test_act_quant_ggml_scores_llamacpps_activations(tmp_path):
+    """``act_quant="ggml"``: each linear layer reads its input as llama.cpp's CPU
+    matmul does for the layer's ggml type; the score equals a forward whose
+    layers quantise their input by hand (the twin), an F32 source's dense
+    layers stay float, and the cache still equals a full forward."""
+    from opscope_nb.formats import ggml
+    from opscope_nb.models.loader import dense_linear
+    d = str(tmp_path / "m")
+    W = write_tiny_llama(d, seed=7, hidden=256, n_heads=4, n_kv=2, ffn=512, n_layers=2)
+    labs = ("dense", "Q8_0", "Q4_1", "Q4_K")
+    layers = []
+    for n, w in W.items():
+        if w.ndim != 2 or "embed" in n:
+            continue
+        opts = [DecompOption(Decomp.from_label("dense"), 0.0, 4 * w.size, 0)] + [
+            DecompOption(Decomp.ggml(t), 0.01, ggml.row_bytes(t, w.shape[1]) * w.shape[0], 0)
+            for t in labs[1:]]
+        layers.append(LayerProfile(n, w.shape[0], w.shape[1], 4 * w.size, opts))
+    model = open_model(d)
+    ids = _decoder_ids(model.config, model.tokenizer, load_passages("sample"), 96)
+    chunks = [ids[s:s + 48] for s in range(0, len(ids) - 1, 48)]
+    s_g = rf.PlanScorer(model, layers, chunks, chunks[:1], act_quant="ggml")
+    s_f = rf.PlanScorer(model, layers, chunks, chunks[:1])
+    rng = np.random.default_rng(0)
+    c = [int(x) for x in rng.integers(0, len(labs), len(layers))]
+    c[0], c[1] = 0, 3                   # one dense layer and one K-quant at least
+
+    class Twin:                          # the obvious twin of a layer in llama.cpp
+        def __init__(self, w, t):
+            self.lin, self.t = dense_linear(w), t
+
+        def __call__(self, x, act="auto"):
+            return self.lin(ggml.runtime_activations(np.asarray(x, np.float32), self.t),
+                            act=act)
+
+    twin = open_model(d)
+    for lp, j in zip(layers, c):
+        t = labs[j]
+        if t != "dense":
+            w = W[lp.name]
+            wq = ggml.dequantize(ggml.quantize(w, t), t, w.shape)
+            twin.tensors[lp.name] = Twin(wq, t)
+    kl = [kl_stats(llama.forward(model, ch, llama.KVCache(model.config, len(ch)), act="f32"),
+                   llama.forward(twin, ch, llama.KVCache(twin.config, len(ch)), act="f32"))[0]
+          for ch in chunks]
+    want = float(np.concatenate(kl).mean())
+    got = s_g.full_score(c)
+    assert got == pytest.approx(want, rel=1e-4)
+    q8 = [1] * len(layers)               # all Q8_0: the activations' error dominates
+    assert s_g.full_score(q8) > 2 * s_f.full_score(q8) > 0
+    z = [0] * len(layers)                # F32 source, all dense: float, as without
+    assert s_g.full_score(z) == s_f.full_score(z) < 1e-7
+    s_g.adopt(c)
+    c2 = list(c)
+    c2[-1] = 1
+    assert s_g.score(c2) == s_g.full_score(c2)
+    assert isinstance(model.tensors[layers[0].name], PackedLinear)   # restored
+    with pytest.raises(ValueError, match="act_quant"):
+        rf.PlanScorer(model, layers, chunks, chunks[:1], act_quant="int8")

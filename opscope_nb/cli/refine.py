@@ -116,6 +116,13 @@ def add_refine_args(p, flag_prefix="") -> None:
                         "the source file's, on the search and held-out tokens (the screen "
                         "stays on this package's forward); needs llama-cpp-python and a "
                         "--menu ggml profile")
+    g.add_argument("--act-quant", choices=("auto", "ggml", "none"), default="auto",
+                   help="ggml: every linear layer of this package's forward reads its input "
+                        "as llama.cpp's CPU matmul does for the layer's type (Q8_0 / Q8_K "
+                        "blocks, F16 rounding), so plans are scored by the error they add "
+                        "in llama.cpp; none: float activations (the weights' error alone); "
+                        "auto (default): ggml when every option of the profile is a ggml "
+                        "type or dense")
     g.add_argument("--restart", action="store_true",
                    help="ignore DIR/refine_state.json and start the search over")
 
@@ -197,6 +204,15 @@ def _check_llamacpp(src, layers) -> None:
                        f"-e \".[llama]\" (builds llama.cpp), or use --runtime numba.")
 
 
+def act_quant_mode(flag, layers) -> str:
+    """``--act-quant``: ``auto`` is ``ggml`` when every option of every layer is
+    a ggml type or dense (a plan for llama.cpp), else ``none``."""
+    if flag != "auto":
+        return flag
+    ok = all(o.decomp.kind in ("ggml", "dense") for lp in layers for o in lp.options)
+    return "ggml" if ok else "none"
+
+
 def _state_key(args, doc_path, budget, start, spec) -> str:
     with open(doc_path, "rb") as f:
         h = hashlib.sha256(f.read()).hexdigest()
@@ -207,6 +223,9 @@ def _state_key(args, doc_path, budget, start, spec) -> str:
              str(args.held_out_text), str(args.split), str(args.tokens),
              str(args.held_out_tokens), str(args.window),
              str(getattr(args, "table", 0)), str(getattr(args, "table_tokens", 0))]
+    aq = getattr(args, "act_quant_resolved", "none")
+    if aq != "none":
+        parts.append("act_quant=" + aq)     # other scores: a float-activation state is not continued
     if getattr(args, "runtime", "numba") != "numba":
         parts.append(args.runtime)          # other scores: a numba state is not continued
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
@@ -281,6 +300,7 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
     if args.runtime == "llama.cpp":
         _check_llamacpp(src, layers)
     show = progress_enabled(args)
+    args.act_quant_resolved = act_quant_mode(args.act_quant, layers)
     t0 = time.perf_counter()
     grams = _grams(args, doc, layers, src)
     kw = dict(text=text, held_out_text=args.held_out_text, split=split,
@@ -289,7 +309,8 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
               grams=grams, screen_tokens=args.screen_tokens or None,
               **({"table_tokens": args.table_tokens or None}
                  if args.table and args.runtime == "numba" else {}),
-              requantize=bool((doc.get("settings") or {}).get("requantize")))
+              requantize=bool((doc.get("settings") or {}).get("requantize")),
+              act_quant=args.act_quant_resolved)
     try:
         model = open_model(src)
         kw["stored"] = {e.name: e for e in tio.open_source(src).entries}
@@ -360,7 +381,9 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
         lb = a0.lower_bound
         gap = max(err - lb, 0.0) / max(err, 1e-12) if math.isfinite(lb) else math.nan
         extra = {"objective": objective, "refined_from": m0,
-                 "measured": res.scores["best"]}
+                 "measured": res.scores["best"],
+                 "act_quant": getattr(scorer, "act_quant", None) or
+                 getattr(getattr(scorer, "_ps", None), "act_quant", "none")}
         out["refined"] = (dataclasses.replace(a0, choice=c, total_err=err, total_bytes=nb,
                                               feasible=nb <= B, gap=gap, method="refined",
                                               extra=extra), res.seconds.get("total", 0.0))
@@ -380,6 +403,11 @@ def _print_report(res, scorer, m0, objective):
             row[-1] = f"{1 - s['held_out']:.5f}"
         rows.append(row)
     last = "held-out PPL" if res.metric == "kl" else "held-out cosine"
+    aq = getattr(scorer, "act_quant", None) or getattr(getattr(scorer, "_ps", None),
+                                                        "act_quant", "none")
+    if aq == "ggml":
+        print("activations: as llama.cpp's CPU matmul reads them (Q8_0 / Q8_K blocks, F16 "
+              "rounding; --act-quant ggml)")
     print(tabulate_rows(rows, ["plan", "bytes", f"predicted ({objective})",
                                f"{name} search ({sc['search_tokens']} tok)",
                                f"{name} held-out ({sc['held_out_tokens']} tok)", last]))

@@ -64,7 +64,19 @@ GGML_TYPES = {t.name: t for t in (
 _FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q3_K": "Q4_0", "Q2_K": "Q4_0",
              "TQ1_0": "Q4_0", "TQ2_0": "Q4_0", "IQ4_XS": "IQ4_NL"}
 
-__all__ = ["GGML_TYPES", "GGMLType", "row_bytes", "fallback_type", "quantize", "dequantize",
+#: What llama.cpp's CPU matmul converts its input to for weights of each type
+#: (``type_traits_cpu[...].vec_dot_type``); "F32" is no conversion.  Q8_1
+#: decodes to the same values as Q8_0.
+ACTIVATION_TYPES = {
+    "F32": "F32", "F16": "F16", "BF16": "BF16",
+    "Q8_0": "Q8_0", "Q5_0": "Q8_0", "Q4_0": "Q8_0", "IQ4_NL": "Q8_0",
+    "Q5_1": "Q8_1", "Q4_1": "Q8_1",
+    "Q6_K": "Q8_K", "Q5_K": "Q8_K", "Q4_K": "Q8_K", "Q3_K": "Q8_K", "Q2_K": "Q8_K",
+    "IQ4_XS": "Q8_K", "TQ2_0": "Q8_K", "TQ1_0": "Q8_K",
+}
+
+__all__ = ["GGML_TYPES", "GGMLType", "ACTIVATION_TYPES", "runtime_activations",
+           "row_bytes", "fallback_type", "quantize", "dequantize",
            "error_sums", "count_nonfinite"]
 
 
@@ -234,6 +246,63 @@ def dequantize(data, qtype, shape) -> np.ndarray:
         return (data.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
     from opscope_nb.kernels._ggml_quant import GGML_KERNELS
     return GGML_KERNELS[_name_key(t)][1](data, cols)
+
+
+def runtime_activations(x, qtype) -> np.ndarray:
+    """``x`` as llama.cpp's CPU matmul reads it against weights of ``qtype``.
+
+    ggml converts a matmul's input rows to the weight type's activation type
+    (:data:`ACTIVATION_TYPES`) before its block dot products: Q8_0 / Q8_1
+    blocks of 32 for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL weights, Q8_K
+    blocks of 256 for the K-quants, IQ4_XS and TQ1_0 / TQ2_0, F16 / BF16
+    rounding for F16 / BF16 weights, nothing for F32.  The result, decoded to
+    float32, times the decoded weights is llama.cpp's product up to the float
+    summation order, so a float forward through it measures the error
+    llama.cpp adds on top of the weights' own.
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (..., cols)
+        Activations (finite; rows of any leading shape).  ``cols`` must be a
+        multiple of the activation type's block (32 or 256), as the weight's
+        row length is.
+    qtype : str
+        The weight's ggml type name (``"Q4_K"``, ``"F16"``, ``"F32"`` ...).
+
+    Returns
+    -------
+    ndarray of float32, shape of ``x``
+        A new array (``x`` itself for F32).
+    """
+    name = str(qtype).upper()
+    act = ACTIVATION_TYPES.get(name)
+    if act is None:
+        raise ValueError(f"runtime_activations: unknown ggml weight type {qtype!r}; use one "
+                         f"of {sorted(ACTIVATION_TYPES)}")
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32:
+        raise TypeError(f"runtime_activations: x must be a float32 numpy array, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}; cast with "
+                        f"x.astype(np.float32)")
+    if x.ndim < 1:
+        raise ValueError("runtime_activations: x must have at least one axis (cols last).")
+    if act == "F32":
+        return x
+    if act == "F16":
+        return x.astype(np.float16).astype(np.float32)
+    if act == "BF16":
+        return (_bf16_bits(x).astype(np.uint32) << np.uint32(16)).view(np.float32) \
+            .reshape(x.shape)
+    block = 256 if act == "Q8_K" else 32
+    cols = x.shape[-1]
+    if cols % block:
+        raise ValueError(f"runtime_activations: {name} weights read {act} activations in "
+                         f"blocks of {block}, got rows of {cols} values; a {name} weight "
+                         f"cannot have such rows (see fallback_type)")
+    from opscope_nb.kernels._ggml_act import act_q8_0, act_q8_k
+    if x.size == 0:
+        return x.copy()
+    x2 = np.ascontiguousarray(x).reshape(-1, cols)
+    return (act_q8_k if act == "Q8_K" else act_q8_0)(x2).reshape(x.shape)
 
 
 def count_nonfinite(w) -> int:

@@ -34,6 +34,7 @@ from ._packed_quant import *  # noqa: F401,F403
 from ._gptq_round import *          # noqa: F401,F403
 from ._ggml_quant import *          # noqa: F401,F403
 from ._ggml_gptq import *           # noqa: F401,F403
+from ._ggml_act import *            # noqa: F401,F403
 
 from . import (
     _coerce,
@@ -56,8 +57,9 @@ from . import (
     _gptq_round as _gptq,
     _ggml_quant as _ggml,
     _ggml_gptq,
+    _ggml_act,
 )
 
 __all__ = sorted(set().union(*(m.__all__ for m in (
     _coerce, _probe, _rng, _sort, _pack, _svd, _lowrank, _monarch, _tucker, _tt, _matmul, _simd,
-    _dado, _packed_float, _simd_lowbit, _w4panel, _packed_quant, _gptq, _ggml, _ggml_gptq))))
+    _dado, _packed_float, _simd_lowbit, _w4panel, _packed_quant, _gptq, _ggml, _ggml_gptq, _ggml_act))))

@@ -412,6 +412,15 @@ class PlanScorer:
     act : {"f32", "auto", "int8"}
         Activation mode of every linear call (default ``"f32"``: the score is
         the plan's weight error alone, as ``eval`` measures it).
+    act_quant : {"none", "ggml"}
+        ``"ggml"``: every linear layer reads its input as llama.cpp's CPU
+        matmul does for the layer's ggml type
+        (:func:`opscope_nb.formats.ggml.runtime_activations`: Q8_0 / Q8_K
+        blocks for quantised types, F16 / BF16 rounding for a tensor kept in
+        those), the dense reference included (its stored types), so the
+        score is the error the plan adds in llama.cpp, not its weights' alone.
+        A layer at a non-ggml option or stored as F32 reads float32.  Default
+        ``"none"``.
     dequantise : bool
         Hold each packed option as its float32 reconstruction (default): the
         forward runs dense matmuls instead of the packed kernels (no kernel to
@@ -448,13 +457,15 @@ class PlanScorer:
     """
 
     def __init__(self, model, layers, search, held_out, *, grams=None, stored=None,
-                 requantize=False, act="f32", dequantise=True, screen_tokens=None,
-                 table_tokens=None, blocks=None):
+                 requantize=False, act="f32", act_quant="none", dequantise=True,
+                 screen_tokens=None, table_tokens=None, blocks=None):
         from opscope_nb.models.loader import is_linear
         if getattr(model, "entries", None) and not model.tensors:
             raise ValueError("PlanScorer needs a loaded model (open_model(..., lazy=False)).")
         if act not in ("f32", "auto", "int8"):
             raise ValueError(f"act must be 'f32', 'auto' or 'int8'; got {act!r}.")
+        if act_quant not in ("none", "ggml"):
+            raise ValueError(f"act_quant must be 'none' or 'ggml'; got {act_quant!r}.")
         if not search or not held_out:
             raise ValueError("PlanScorer needs chunks in both the search and the held-out "
                              "split; give a longer text.")
@@ -517,6 +528,17 @@ class PlanScorer:
         self._orig = {lp.name: model.tensors[lp.name] for i, lp in enumerate(self.layers)
                       if i not in self.inert}
         self._orig_head = model.extras.get("head")
+        #: ggml type each linear layer (and a tied head's table) runs at when
+        #: nothing planned changes it (``act_quant="ggml"``), else empty
+        self._src_types = {}
+        if act_quant == "ggml":
+            src = self.stored or _source_entries(model)
+            for n, t in model.tensors.items():
+                if is_linear(t) or n == self._embed:
+                    e = src.get(n)
+                    self._src_types[n] = _run_type(str(getattr(e, "dtype", "F32")))
+            self._orig.update({n: model.tensors[n] for n in self._src_types})
+        self.act_quant = act_quant
         self._opts = {}
         self.seconds = {"pack": 0.0, "forward": 0.0, "head": 0.0, "kl": 0.0,
                         "reference": 0.0}
@@ -576,12 +598,27 @@ class PlanScorer:
         return got
 
     def _install(self, choice):
+        """Swap ``choice``'s options in (``None``: the source's tensors, only
+        wrapped for ``act_quant="ggml"``)."""
         m = self.model
-        for i, (lp, c) in enumerate(zip(self.layers, choice)):
-            if i not in self.inert:
-                m.tensors[lp.name] = self.option(i, c)
+        types = dict(self._src_types)
+        if choice is not None:
+            for i, (lp, c) in enumerate(zip(self.layers, choice)):
+                if i not in self.inert:
+                    m.tensors[lp.name] = self.option(i, c)
+                    if types:
+                        d = lp.options[int(c)].decomp
+                        types[lp.name] = (d.qtype if d.kind == "ggml" else
+                                          types.get(lp.name) if d.kind == "dense" else None)
         if self._tied:
             m.extras.pop("head", None)      # rebuilt from the (planned) table
+        if types:
+            from opscope_nb.models.llama import head_linear
+            for n, q in types.items():
+                if q not in (None, "F32") and n != self._embed:
+                    m.tensors[n] = _AsRun(m.tensors[n], q)
+            if self._tied and types.get(self._embed) not in (None, "F32"):
+                m.extras["head"] = _AsRun(head_linear(m), types[self._embed])
 
     def _restore(self):
         m = self.model
@@ -691,9 +728,14 @@ class PlanScorer:
         split.tokens = int(sum(len(c) for c in split.chunks)) if self.family == "decoder" \
             else int(sum(float(c[1].sum()) for c in split.chunks))
         with _one_blas_thread():
-            xs = [self._embed_chunk(c) for c in split.chunks]
-            xs, _ = self._outputs(split, 0, xs, False)
-            ref, ppl = self._final(split, xs, ids_for_nll=True)
+            if self._src_types:
+                self._install(None)
+            try:
+                xs = [self._embed_chunk(c) for c in split.chunks]
+                xs, _ = self._outputs(split, 0, xs, False)
+                ref, ppl = self._final(split, xs, ids_for_nll=True)
+            finally:
+                self._restore()
         split.ref, split.ppl_dense = ref, ppl
         self.seconds = sec
         self.block_runs, self.token_runs = runs, toks
@@ -769,6 +811,46 @@ class PlanScorer:
                 return self._final(s, xs)[0]
             finally:
                 self._restore()
+
+
+class _AsRun:
+    """A linear layer that reads its input as llama.cpp's CPU matmul does for
+    the ggml type ``qtype`` (:func:`opscope_nb.formats.ggml.runtime_activations`)."""
+
+    __slots__ = ("lin", "qtype")
+
+    def __init__(self, lin, qtype):
+        self.lin, self.qtype = lin, qtype
+
+    @property
+    def shape(self):
+        return self.lin.shape
+
+    def __call__(self, x, act="auto"):
+        from opscope_nb.formats.ggml import runtime_activations
+        return self.lin(runtime_activations(np.ascontiguousarray(x, np.float32), self.qtype),
+                        act=act)
+
+
+def _run_type(dtype) -> str:
+    """The ggml type a source tensor of ``dtype`` (a GGUF type name or a numpy /
+    safetensors dtype) runs at in llama.cpp: F32 for anything unknown."""
+    from opscope_nb.formats.ggml import ACTIVATION_TYPES
+    d = dtype.upper()
+    d = {"FLOAT16": "F16", "FLOAT32": "F32", "BFLOAT16": "BF16"}.get(d, d)
+    return d if d in ACTIVATION_TYPES else "F32"
+
+
+def _source_entries(model) -> dict:
+    """name -> source entry of ``model``'s checkpoint (header only), or {}."""
+    path = getattr(model, "source_path", "")
+    if not path:
+        return {}
+    from opscope_nb import io as tio
+    try:
+        return {e.name: e for e in tio.open_source(path).entries}
+    except (OSError, ValueError):
+        return {}
 
 
 def _reference_rows(z, ids, want_nll):

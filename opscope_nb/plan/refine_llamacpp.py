@@ -278,6 +278,9 @@ class LlamaCppScorer:
         Where candidate files are written (default: a new directory under
         ``/dev/shm`` when it exists with room for four source-sized files,
         else the system's temporary directory; removed by :meth:`close`).
+    act_quant : {"none", "ggml"}
+        Passed to the numba screen's :class:`~opscope_nb.plan.refine.PlanScorer`
+        (``"ggml"``: its forward reads activations as llama.cpp does).
 
     Attributes
     ----------
@@ -298,7 +301,7 @@ class LlamaCppScorer:
 
     def __init__(self, source, model, layers, search, held_out, *, grams=None, stored=None,
                  requantize=False, screen_tokens=None, screen="numba", n_threads=None,
-                 tmpdir=None):
+                 tmpdir=None, act_quant="none"):
         from opscope_nb.models import llamacpp
         check_source(source)
         if model.family != "decoder":
@@ -335,7 +338,7 @@ class LlamaCppScorer:
                 # packing also fills the blocks the files are made of
                 self._numba = rf.PlanScorer(model, layers, sc, sc[:1], grams=grams,
                                             stored=stored, requantize=requantize,
-                                            blocks=self._blocks)
+                                            blocks=self._blocks, act_quant=act_quant)
                 self.splits["screen"] = self._numba.splits["search"]
             else:
                 self.splits["screen"] = _LSplit(sc)
