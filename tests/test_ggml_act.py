@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from opscope_nb.formats import ggml
-from opscope_nb.kernels import act_q8_0, act_q8_k
+from opscope_nb.kernels import act_f16, act_q8_0, act_q8_k
 
 FIX = pathlib.Path(__file__).parent / "fixtures" / "ggml"
 
@@ -85,6 +85,20 @@ def test_kernels_equal_numpy_twins(cols):
     np.testing.assert_array_equal(act_q8_0(x), _q8_0_twin(x))
     if cols % 256 == 0:
         np.testing.assert_array_equal(act_q8_k(x), _q8_k_twin(x))
+
+
+def test_f16_kernel_equals_numpys_cast_on_every_range():
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.standard_normal(512) * sc for sc in (1e-7, 1e-5, 1.0, 3e3, 7e4)])
+    x = np.concatenate([x, [65504, 65519.99, 65520, -65520, 2.0 ** -25, 3 * 2.0 ** -25,
+                            2.0 ** -14, -0.0, np.inf, -np.inf, 0.0, 1.0009765625 * 2]])
+    x = x.astype(np.float32).reshape(1, -1)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).astype(np.float32)
+    got = act_f16(x)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    assert np.isnan(act_f16(np.full((1, 3), np.nan, np.float32))).all()
 
 
 def test_float_types_and_shapes():
