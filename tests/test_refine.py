@@ -446,3 +446,33 @@ def test_act_quant_ggml_scores_llamacpps_activations(tmp_path):
     assert isinstance(model.tensors[layers[0].name], PackedLinear)   # restored
     with pytest.raises(ValueError, match="act_quant"):
         rf.PlanScorer(model, layers, chunks, chunks[:1], act_quant="int8")
+
+
+def test_act_quant_auto_and_cli_flag(tiny, tmp_path):
+    """``--act-quant auto`` is ``ggml`` only for an all-ggml (or dense) menu; the
+    flag reaches the scorer, the report and the resume key."""
+    from opscope_nb.cli.refine import act_quant_mode
+    d, _, layers, _, _ = tiny
+    assert act_quant_mode("auto", layers) == "none"            # int8/int4 options
+    g = [LayerProfile("x", 32, 32, 4096,
+                      [DecompOption(Decomp.from_label("dense"), 0.0, 4096, 0),
+                       DecompOption(Decomp.ggml("Q8_0"), 0.01, 1088, 0)])]
+    assert act_quant_mode("auto", g) == "ggml"
+    assert act_quant_mode("none", g) == "none"
+    prof = tmp_path / "p" / "profile.json"
+    prof.parent.mkdir()
+    prof.write_text(json.dumps({"tool": "opscope-nb", "source": {"path": d},
+                                "settings": {}, "layers": [
+                                    {"name": lp.name, "profile": lp.to_dict()}
+                                    for lp in layers]}))
+    common = ["--budget", "0.2", "--objective", OBJ, "--tokens", "64", "--held-out-tokens",
+              "48", "--window", "32", "--text", "sample", "--out", tmp_path / "o", "--table",
+              "0"]
+    rc, so, se = _cli("refine", prof, "--evals", "2", "--act-quant", "ggml", *common)
+    assert rc == 0, se
+    assert "activations: as llama.cpp's CPU matmul reads them" in so
+    rc, so, se = _cli("refine", prof, "--evals", "3", *common)      # auto = none here
+    assert rc == 0, se
+    assert "continuing" not in so and "activations:" not in so
+    rc, so, se = _cli("refine", prof, "--evals", "3", "--act-quant", "int8", *common)
+    assert rc == 2 and "--act-quant" in se
