@@ -51,6 +51,11 @@ def add_parser(sub) -> None:
     p.add_argument("--act", choices=("f32", "auto", "int8"), default="f32",
                    help="activation path of every linear layer in the quality runs "
                         "(default f32: the score is the plan's weight error alone)")
+    p.add_argument("--act-quant", choices=("none", "ggml"), default="none",
+                   help="ggml: in the quality runs every linear layer reads its input as "
+                        "llama.cpp's CPU matmul does for the type its file stores it in "
+                        "(Q8_0 / Q8_K blocks, F16 rounding), so KL and perplexity estimate "
+                        "llama.cpp's without it; none (default): float activations")
     p.add_argument("--speed-act", choices=("auto", "f32", "int8"), default="auto",
                    help="activation path of the timed runs (default auto: the fastest "
                         "path of each kind)")
@@ -91,12 +96,17 @@ def run(args) -> int:
         except FingerprintError as exc:
             raise CliError(f"{args.compressed}: {exc}; evaluate it against the source it was "
                            f"made from, or pass --force.") from None
+    if args.act_quant == "ggml" and args.runtime == "llama.cpp":
+        raise CliError("--act-quant ggml emulates llama.cpp in this package's forward; with "
+                       "--runtime llama.cpp llama.cpp quantises its activations itself: drop "
+                       "one of them.")
     first_run_notice(args)
     try:
         r = evaluate(args.source, args.compressed, text=args.text, act=args.act, speed_act=args.speed_act,
                      max_tokens=args.max_tokens, decode_steps=args.decode_steps,
                      prompt_tokens=args.prompt_tokens, window=args.window,
-                     make_progress=lambda n, w: Progress(n, w, show), runtime=args.runtime)
+                     make_progress=lambda n, w: Progress(n, w, show), runtime=args.runtime,
+                     act_quant=args.act_quant)
     except (ModelError, CheckpointError) as exc:
         raise CliError(str(exc)) from None
     comp = r["compressed"] is not None
@@ -104,7 +114,8 @@ def run(args) -> int:
         print(f"{r['arch']} {r['family']}, {r['tokens']} tokens, llama.cpp's forward "
               f"(weight bytes as stored in the files)")
     else:
-        print(f"{r['arch']} {r['family']}, {r['tokens']} tokens, act={r['act']} "
+        aq = ", llama.cpp's activations (--act-quant ggml)" if r["act_quant"] == "ggml" else ""
+        print(f"{r['arch']} {r['family']}, {r['tokens']} tokens, act={r['act']}{aq} "
               f"(speed: act={r['speed_act']})")
     rows = [("weight bytes", fmt_bytes(r["dense_weight_bytes"]),
              fmt_bytes(r["compressed_weight_bytes"]) if comp else "-")]

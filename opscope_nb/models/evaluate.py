@@ -23,6 +23,7 @@ comparison metrics are None.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -152,7 +153,7 @@ class _NoBar:
 
 def evaluate(source, compressed=None, *, text=None, act="f32", max_tokens=None,
              decode_steps=64, prompt_tokens=64, window=256, make_progress=None,
-             speed_act="auto", runtime="numba") -> dict:
+             speed_act="auto", runtime="numba", act_quant="none") -> dict:
     """Run the dense (and compressed) model on the same tokens; return the figures.
 
     Parameters
@@ -191,11 +192,18 @@ def evaluate(source, compressed=None, *, text=None, act="f32", max_tokens=None,
         same token ids, for every architecture llama.cpp loads (this
         package's architecture check does not apply); ``act`` / ``speed_act`` do not apply, the weight bytes
         are the files' tensor bytes as stored.
+    act_quant : {"none", "ggml"}
+        ``"ggml"`` (``runtime="numba"``): in the quality runs every linear layer
+        of both models reads its input as llama.cpp's CPU matmul does for the
+        type its file stores it in (:mod:`opscope_nb.models.ggml_acts`: Q8_0 /
+        Q8_K blocks, F16 rounding), so KL and perplexity estimate llama.cpp's
+        without llama.cpp.  Default ``"none"``: float activations, the
+        weights' error alone.
 
     Returns
     -------
     dict
-        Every key of :data:`JSON_KEYS` plus ``arch``, ``act``, ``source``,
+        Every key of :data:`JSON_KEYS` plus ``arch``, ``act``, ``act_quant``, ``source``,
         ``compressed``, ``peak_rss_mb``, ``load_seconds`` and, for decoders,
         ``dense_prefill_tokens_per_s``, ``compressed_prefill_tokens_per_s``,
         ``decode_steps``, ``prompt_tokens``, ``kl_max``; for encoders ``texts``.
@@ -216,6 +224,11 @@ def evaluate(source, compressed=None, *, text=None, act="f32", max_tokens=None,
         raise ValueError(f"max_tokens must be >= 2; got {max_tokens}.")
     if runtime not in ("numba", "llama.cpp"):
         raise ValueError(f"runtime must be 'numba' or 'llama.cpp'; got {runtime!r}.")
+    if act_quant not in ("none", "ggml"):
+        raise ValueError(f"act_quant must be 'none' or 'ggml'; got {act_quant!r}.")
+    if act_quant == "ggml" and runtime != "numba":
+        raise ValueError("act_quant='ggml' emulates llama.cpp in this package's forward; "
+                         "runtime='llama.cpp' quantises its activations itself: drop one.")
     passages = load_passages(text)
     mk = make_progress or (lambda n, w: _NoBar())
     if runtime == "llama.cpp":
@@ -237,25 +250,39 @@ def evaluate(source, compressed=None, *, text=None, act="f32", max_tokens=None,
     load_s = time.perf_counter() - t0
     res = {k: None for k in JSON_KEYS}
     res.update(family=dense.family, arch=dense.arch, act=act, speed_act=speed_act,
-               runtime=runtime,
+               runtime=runtime, act_quant=act_quant,
                source=os.fspath(source),
                compressed=None if compressed is None else os.fspath(compressed),
                dense_weight_bytes=dense.weight_bytes(),
                compressed_weight_bytes=None if comp is None else comp.weight_bytes(),
                load_seconds=load_s)
+    acts = _quality_acts(act_quant, source, compressed, dense, comp)
     if dense.family == "encoder":
         _eval_encoder(res, dense, comp, passages, text is None or text in TEXT_KEYWORDS, act,
-                      speed_act, max_tokens, mk)
+                      speed_act, max_tokens, mk, acts)
     else:
         _eval_decoder(res, dense, comp, passages, act, speed_act, max_tokens,
-                      decode_steps, prompt_tokens, window, mk)
+                      decode_steps, prompt_tokens, window, mk, acts)
     rss = peak_rss_mb()
     res["peak_rss_mb"] = rss if np.isfinite(rss) else None
     return res
 
 
+def _quality_acts(act_quant, source, compressed, dense, comp):
+    """``acts(model)``: the context the quality runs of ``model`` happen in
+    (llama.cpp's activations at each file's stored types for ``"ggml"``)."""
+    if act_quant != "ggml":
+        return lambda m: contextlib.nullcontext()
+    from .ggml_acts import llamacpp_activations, stored_types
+    types = {id(dense): stored_types(source)}
+    if comp is not None:
+        types[id(comp)] = stored_types(compressed)
+    return lambda m: llamacpp_activations(m, types[id(m)])
+
+
 # --------------------------------------------------------------------------- #
-def _eval_encoder(res, dense, comp, passages, builtin, act, speed_act, max_tokens, mk):
+def _eval_encoder(res, dense, comp, passages, builtin, act, speed_act, max_tokens, mk,
+                  acts):
     from . import bert
     texts = _sentences(passages) if builtin else list(passages)
     if max_tokens is not None:
@@ -275,7 +302,8 @@ def _eval_encoder(res, dense, comp, passages, builtin, act, speed_act, max_token
     embs = {}
     for j, (tag, m) in enumerate(models):
         bar.show(2 * j, f"{tag} forward")
-        embs[tag] = bert.embed(m, texts, act=act)          # quality (also a warm-up)
+        with acts(m):
+            embs[tag] = bert.embed(m, texts, act=act)      # quality
         bar.advance(1)
         bar.show(2 * j + 1, f"{tag} timed forward")
         if speed_act != act:
@@ -399,7 +427,7 @@ def _decoder_ids(cfg, tokenizer, passages, max_tokens) -> np.ndarray:
 
 
 def _eval_decoder(res, dense, comp, passages, act, speed_act, max_tokens, decode_steps,
-                  prompt_tokens, window, mk):
+                  prompt_tokens, window, mk, acts):
     from . import llama
     cfg = dense.config
     ids = _decoder_ids(cfg, dense.tokenizer, passages, max_tokens)
@@ -410,7 +438,8 @@ def _eval_decoder(res, dense, comp, passages, act, speed_act, max_tokens, decode
     bar = mk(len(starts) + len(models), n_work)
 
     def run(m, chunk):
-        return llama.forward(m, chunk, llama.KVCache(m.config, len(chunk)), act=act)
+        with acts(m):
+            return llama.forward(m, chunk, llama.KVCache(m.config, len(chunk)), act=act)
 
     _score_windows(res, ids, window, models, run, bar)
     # speed: warm prefill of a prompt, then greedy decode one token at a time

@@ -532,11 +532,12 @@ class PlanScorer:
         #: nothing planned changes it (``act_quant="ggml"``), else empty
         self._src_types = {}
         if act_quant == "ggml":
-            src = self.stored or _source_entries(model)
+            from opscope_nb.models.ggml_acts import run_type, stored_types
+            src = ({n: run_type(e.dtype) for n, e in self.stored.items()} if self.stored
+                   else stored_types(getattr(model, "source_path", "")))
             for n, t in model.tensors.items():
                 if is_linear(t) or n == self._embed:
-                    e = src.get(n)
-                    self._src_types[n] = _run_type(str(getattr(e, "dtype", "F32")))
+                    self._src_types[n] = src.get(n, "F32")
             self._orig.update({n: model.tensors[n] for n in self._src_types})
         self.act_quant = act_quant
         self._opts = {}
@@ -613,12 +614,13 @@ class PlanScorer:
         if self._tied:
             m.extras.pop("head", None)      # rebuilt from the (planned) table
         if types:
+            from opscope_nb.models.ggml_acts import RunAs
             from opscope_nb.models.llama import head_linear
             for n, q in types.items():
                 if q not in (None, "F32") and n != self._embed:
-                    m.tensors[n] = _AsRun(m.tensors[n], q)
+                    m.tensors[n] = RunAs(m.tensors[n], q)
             if self._tied and types.get(self._embed) not in (None, "F32"):
-                m.extras["head"] = _AsRun(head_linear(m), types[self._embed])
+                m.extras["head"] = RunAs(head_linear(m), types[self._embed])
 
     def _restore(self):
         m = self.model
@@ -811,46 +813,6 @@ class PlanScorer:
                 return self._final(s, xs)[0]
             finally:
                 self._restore()
-
-
-class _AsRun:
-    """A linear layer that reads its input as llama.cpp's CPU matmul does for
-    the ggml type ``qtype`` (:func:`opscope_nb.formats.ggml.runtime_activations`)."""
-
-    __slots__ = ("lin", "qtype")
-
-    def __init__(self, lin, qtype):
-        self.lin, self.qtype = lin, qtype
-
-    @property
-    def shape(self):
-        return self.lin.shape
-
-    def __call__(self, x, act="auto"):
-        from opscope_nb.formats.ggml import runtime_activations
-        return self.lin(runtime_activations(np.ascontiguousarray(x, np.float32), self.qtype),
-                        act=act)
-
-
-def _run_type(dtype) -> str:
-    """The ggml type a source tensor of ``dtype`` (a GGUF type name or a numpy /
-    safetensors dtype) runs at in llama.cpp: F32 for anything unknown."""
-    from opscope_nb.formats.ggml import ACTIVATION_TYPES
-    d = dtype.upper()
-    d = {"FLOAT16": "F16", "FLOAT32": "F32", "BFLOAT16": "BF16"}.get(d, d)
-    return d if d in ACTIVATION_TYPES else "F32"
-
-
-def _source_entries(model) -> dict:
-    """name -> source entry of ``model``'s checkpoint (header only), or {}."""
-    path = getattr(model, "source_path", "")
-    if not path:
-        return {}
-    from opscope_nb import io as tio
-    try:
-        return {e.name: e for e in tio.open_source(path).entries}
-    except (OSError, ValueError):
-        return {}
 
 
 def _reference_rows(z, ids, want_nll):
@@ -1099,6 +1061,10 @@ def table_layers(layers, terms, table, base, inert=()) -> list:
     return out
 
 
+#: share of ``refine``'s time limit the measured table may use
+TABLE_SHARE = 0.7
+
+
 def solve_table(layers, budget, *, time_limit=60.0):
     """The exact plan (:func:`opscope_nb.plan.allocate.exact_allocate`) of
     :func:`table_layers`' layers within ``budget`` bytes, or None."""
@@ -1174,7 +1140,9 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         and the table is measured again around its plan, up to
         ``table_rounds`` rounds; the solved plans are scored first, as seeds.
         The table's layer runs are not candidates (``evals`` does not count
-        them); ``minutes`` bounds them.  This package's forward only.
+        them); they stop at :data:`TABLE_SHARE` (0.7) of ``minutes``, largest
+        predicted terms first, so that the plan solved on what was measured is
+        still scored.  This package's forward only.
     table_rounds : int
         Most rounds of the table (>= 1).
     state : dict, optional
@@ -1283,6 +1251,12 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
     def out_of_time():
         return minutes is not None and clock() - t0 >= minutes * 60.0
 
+    def table_out_of_time():
+        # the table stops at TABLE_SHARE of the time limit: its solved plans
+        # and the seeds are then still scored (a table that took all the time
+        # returned the start plan unscored)
+        return minutes is not None and clock() - t0 >= TABLE_SHARE * minutes * 60.0
+
     def take(c):
         nonlocal best, best_score, best_screen, accepted
         best = list(c)
@@ -1309,7 +1283,7 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
                 lambda k, m, rd=rd: table_log(rd + 1, k, m, clock() - tt))
             got, complete = singleton_table(scorer, plan_t, base, lads, tbl,
                                             width=int(table), split=tsplit, order=order,
-                                            stop=out_of_time, progress=prog)
+                                            stop=table_out_of_time, progress=prog)
             n_meas += got
             tinfo["rounds"] += 1
             c = solve_table(table_layers(layers, terms, tbl, base, scorer.inert), budget)
