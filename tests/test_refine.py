@@ -207,14 +207,19 @@ def _cli(*args):
     return rc, out.getvalue(), err.getvalue()
 
 
-def test_cli_refine_writes_plan_resumes_and_refuses_llamacpp_on_safetensors(tiny, tmp_path):
-    d, _, layers, _, _ = tiny
+def _write_profile(tmp_path, source, layers):
     prof = tmp_path / "p" / "profile.json"
     prof.parent.mkdir()
-    prof.write_text(json.dumps({"tool": "opscope-nb", "source": {"path": d},
+    prof.write_text(json.dumps({"tool": "opscope-nb", "source": {"path": source},
                                 "settings": {}, "layers": [
                                     {"name": lp.name, "profile": lp.to_dict()}
                                     for lp in layers]}))
+    return prof
+
+
+def test_cli_refine_writes_plan_resumes_and_refuses_llamacpp_on_safetensors(tiny, tmp_path):
+    d, _, layers, _, _ = tiny
+    prof = _write_profile(tmp_path, d, layers)
     out = tmp_path / "o"
     common = ["--budget", "0.2", "--objective", OBJ, "--tokens", "64", "--held-out-tokens",
               "48", "--window", "32", "--text", "sample", "-q"]
@@ -459,12 +464,7 @@ def test_act_quant_auto_and_cli_flag(tiny, tmp_path):
                        DecompOption(Decomp.ggml("Q8_0"), 0.01, 1088, 0)])]
     assert act_quant_mode("auto", g) == "ggml"
     assert act_quant_mode("none", g) == "none"
-    prof = tmp_path / "p" / "profile.json"
-    prof.parent.mkdir()
-    prof.write_text(json.dumps({"tool": "opscope-nb", "source": {"path": d},
-                                "settings": {}, "layers": [
-                                    {"name": lp.name, "profile": lp.to_dict()}
-                                    for lp in layers]}))
+    prof = _write_profile(tmp_path, d, layers)
     common = ["--budget", "0.2", "--objective", OBJ, "--tokens", "64", "--held-out-tokens",
               "48", "--window", "32", "--text", "sample", "--out", tmp_path / "o", "--table",
               "0"]

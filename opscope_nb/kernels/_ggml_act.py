@@ -29,11 +29,25 @@ import numpy as np
 from numba import prange
 
 from ._ggml_quant import _nearest_int, _round_f16
-from ._jit import njit_parallel_exact
+from ._jit import njit_exact, njit_parallel_exact
 
 F = np.float32
 
 __all__ = ["act_q8_0", "act_q8_k", "act_f16"]
+
+
+@njit_exact
+def _absmax(v):
+    """``(max |v|, the first value of v with that magnitude)`` (ggml's strict
+    ``>`` scan, so the first one wins)."""
+    amax = F(0.0)
+    mx = F(0.0)
+    for j in range(v.shape[0]):
+        a = abs(v[j])
+        if a > amax:
+            amax = a
+            mx = v[j]
+    return amax, mx
 
 
 @njit_parallel_exact
@@ -45,11 +59,7 @@ def act_q8_0(x):
     for r in prange(rows):
         for b in range(cols // 32):
             o = b * 32
-            amax = F(0.0)
-            for j in range(32):
-                a = abs(x[r, o + j])
-                if a > amax:
-                    amax = a
+            amax, _ = _absmax(x[r, o:o + 32])
             d = F(amax / F(127.0))
             dh = _round_f16(d)
             iv = F(F(127.0) / amax) if amax != F(0.0) else F(0.0)
@@ -68,13 +78,7 @@ def act_q8_k(x):
     for r in prange(rows):
         for b in range(cols // 256):
             o = b * 256
-            amax = F(0.0)
-            mx = F(0.0)
-            for j in range(256):
-                a = abs(x[r, o + j])
-                if a > amax:
-                    amax = a
-                    mx = x[r, o + j]
+            amax, mx = _absmax(x[r, o:o + 256])
             if amax == F(0.0):
                 for j in range(256):
                     out[r, o + j] = F(0.0)
