@@ -37,16 +37,17 @@ __all__ = ["act_q8_0", "act_q8_k", "act_f16"]
 
 
 @njit_exact
-def _absmax(v):
-    """``(max |v|, the first value of v with that magnitude)`` (ggml's strict
-    ``>`` scan, so the first one wins)."""
+def _absmax(x, r, o, n):
+    """``(max |x[r, o:o+n]|, the first value with that magnitude)`` (ggml's
+    strict ``>`` scan, so the first one wins); indices, not a slice, to keep
+    the per-block loop free of array views."""
     amax = F(0.0)
     mx = F(0.0)
-    for j in range(v.shape[0]):
-        a = abs(v[j])
+    for j in range(o, o + n):
+        a = abs(x[r, j])
         if a > amax:
             amax = a
-            mx = v[j]
+            mx = x[r, j]
     return amax, mx
 
 
@@ -59,7 +60,7 @@ def act_q8_0(x):
     for r in prange(rows):
         for b in range(cols // 32):
             o = b * 32
-            amax, _ = _absmax(x[r, o:o + 32])
+            amax, _ = _absmax(x, r, o, 32)
             d = F(amax / F(127.0))
             dh = _round_f16(d)
             iv = F(F(127.0) / amax) if amax != F(0.0) else F(0.0)
@@ -78,7 +79,7 @@ def act_q8_k(x):
     for r in prange(rows):
         for b in range(cols // 256):
             o = b * 256
-            amax, mx = _absmax(x[r, o:o + 256])
+            amax, mx = _absmax(x, r, o, 256)
             if amax == F(0.0):
                 for j in range(256):
                     out[r, o + j] = F(0.0)

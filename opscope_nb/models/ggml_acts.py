@@ -15,7 +15,7 @@ import contextlib
 
 import numpy as np
 
-__all__ = ["RunAs", "run_type", "stored_types", "llamacpp_activations"]
+__all__ = ["RunAs", "run_type", "stored_types", "wrap_linears", "llamacpp_activations"]
 
 
 class RunAs:
@@ -67,6 +67,26 @@ def stored_types(path) -> dict:
         return {}
 
 
+def wrap_linears(model, types) -> dict:
+    """Wrap ``model``'s linear layers in place in :class:`RunAs` at their
+    ``types`` (name -> ggml type; missing or ``"F32"``: left as they are), and
+    a tied head at the token embedding's type.  Returns the replaced
+    tensors (name -> original); the caller puts them back."""
+    from .loader import is_linear
+    from .llama import head_linear
+    saved = {}
+    for n, t in list(model.tensors.items()):
+        q = types.get(n)
+        if q not in (None, "F32") and is_linear(t):
+            saved[n] = t
+            model.tensors[n] = RunAs(t, q)
+    cfg = model.config
+    emb = cfg.get("names", {}).get("embed")
+    if model.family == "decoder" and cfg.get("tied") and types.get(emb) not in (None, "F32"):
+        model.extras["head"] = RunAs(head_linear(model), types[emb])
+    return saved
+
+
 @contextlib.contextmanager
 def llamacpp_activations(model, types):
     """Within the block, ``model``'s linear layers (and a tied head) read their
@@ -81,21 +101,11 @@ def llamacpp_activations(model, types):
         missing here or at ``"F32"`` reads float32.  For a tied head the token
         embedding's type applies.
     """
-    from .loader import is_linear
-    from .llama import head_linear
-    saved = {}
     had_head = "head" in model.extras
     old_head = model.extras.get("head")
+    saved = {}
     try:
-        for n, t in list(model.tensors.items()):
-            q = types.get(n)
-            if q not in (None, "F32") and is_linear(t):
-                saved[n] = t
-                model.tensors[n] = RunAs(t, q)
-        cfg = model.config
-        emb = cfg.get("names", {}).get("embed")
-        if model.family == "decoder" and cfg.get("tied") and types.get(emb) not in (None, "F32"):
-            model.extras["head"] = RunAs(head_linear(model), types[emb])
+        saved = wrap_linears(model, types)
         yield model
     finally:
         model.tensors.update(saved)

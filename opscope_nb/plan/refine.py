@@ -614,13 +614,8 @@ class PlanScorer:
         if self._tied:
             m.extras.pop("head", None)      # rebuilt from the (planned) table
         if types:
-            from opscope_nb.models.ggml_acts import RunAs
-            from opscope_nb.models.llama import head_linear
-            for n, q in types.items():
-                if q not in (None, "F32") and n != self._embed:
-                    m.tensors[n] = RunAs(m.tensors[n], q)
-            if self._tied and types.get(self._embed) not in (None, "F32"):
-                m.extras["head"] = RunAs(head_linear(m), types[self._embed])
+            from opscope_nb.models.ggml_acts import wrap_linears
+            wrap_linears(m, types)          # self._orig holds what _restore puts back
 
     def _restore(self):
         m = self.model
