@@ -101,6 +101,22 @@ def test_f16_kernel_equals_numpys_cast_on_every_range():
     assert np.isnan(act_f16(np.full((1, 3), np.nan, np.float32))).all()
 
 
+def test_act_bf16_is_ggmls_conversion_on_every_range():
+    """Bit for bit the numpy form of ``ggml_compute_fp32_to_bf16``
+    (``formats.ggml._bf16_bits``) on every exponent, ties, inf, NaN, -0."""
+    from opscope_nb.formats.ggml import _bf16_bits
+    from opscope_nb.kernels import act_bf16
+    rng = np.random.default_rng(7)
+    u = rng.integers(0, 2 ** 32, 20000, dtype=np.uint64).astype(np.uint32)
+    ties = (rng.integers(0, 2 ** 16, 200, dtype=np.uint64).astype(np.uint32) << 16) | 0x8000
+    special = np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF,
+                        0x80000000, 0, 0x7F7FFFFF, 0x00000001, 0x3F808000, 0x3F818000],
+                       np.uint32)
+    x = np.concatenate([u, ties, special]).view(np.float32).reshape(1, -1)
+    want = (_bf16_bits(x).astype(np.uint32) << np.uint32(16))
+    np.testing.assert_array_equal(act_bf16(x).view(np.uint32), want)
+
+
 def test_float_types_and_shapes():
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((2, 3, 64)) * 5).astype(np.float32)

@@ -456,7 +456,7 @@ def test_act_quant_ggml_scores_llamacpps_activations(tmp_path):
 def test_act_quant_auto_and_cli_flag(tiny, tmp_path):
     """``--act-quant auto`` is ``ggml`` only for an all-ggml (or dense) menu; the
     flag reaches the scorer, the report and the resume key."""
-    from opscope_nb.cli.refine import act_quant_mode
+    from opscope_nb.plan.allocate import act_quant_mode
     d, _, layers, _, _ = tiny
     assert act_quant_mode("auto", layers) == "none"            # int8/int4 options
     g = [LayerProfile("x", 32, 32, 4096,

@@ -448,6 +448,9 @@ def _calibration(args, src, chosen, kw, dist):
             h = stream.heldout(name) if stream is not None else None
             if h is not None:
                 k["gram_heldout"] = h
+            a = stream.act_sq(name) if stream is not None else None
+            if a:
+                k["act_sq"] = a
         return k
 
     return rec, per_layer, stream

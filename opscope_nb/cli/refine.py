@@ -204,15 +204,6 @@ def _check_llamacpp(src, layers) -> None:
                        f"-e \".[llama]\" (builds llama.cpp), or use --runtime numba.")
 
 
-def act_quant_mode(flag, layers) -> str:
-    """``--act-quant``: ``auto`` is ``ggml`` when every option of every layer is
-    a ggml type or dense (a plan for llama.cpp), else ``none``."""
-    if flag != "auto":
-        return flag
-    ok = all(o.decomp.kind in ("ggml", "dense") for lp in layers for o in lp.options)
-    return "ggml" if ok else "none"
-
-
 def _state_key(args, doc_path, budget, start, spec) -> str:
     with open(doc_path, "rb") as f:
         h = hashlib.sha256(f.read()).hexdigest()
@@ -300,7 +291,7 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
     if args.runtime == "llama.cpp":
         _check_llamacpp(src, layers)
     show = progress_enabled(args)
-    args.act_quant_resolved = act_quant_mode(args.act_quant, layers)
+    args.act_quant_resolved = al.act_quant_mode(args.act_quant, layers)
     t0 = time.perf_counter()
     grams = _grams(args, doc, layers, src)
     kw = dict(text=text, held_out_text=args.held_out_text, split=split,

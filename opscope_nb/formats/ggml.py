@@ -287,20 +287,17 @@ def runtime_activations(x, qtype) -> np.ndarray:
         raise ValueError("runtime_activations: x must have at least one axis (cols last).")
     if act == "F32":
         return x
-    if act == "BF16":
-        return (_bf16_bits(x).astype(np.uint32) << np.uint32(16)).view(np.float32) \
-            .reshape(x.shape)
-    block = 256 if act == "Q8_K" else 1 if act == "F16" else 32
+    block = 256 if act == "Q8_K" else 1 if act in ("F16", "BF16") else 32
     cols = x.shape[-1]
     if cols % block:
         raise ValueError(f"runtime_activations: {name} weights read {act} activations in "
                          f"blocks of {block}, got rows of {cols} values; a {name} weight "
                          f"cannot have such rows (see fallback_type)")
-    from opscope_nb.kernels._ggml_act import act_f16, act_q8_0, act_q8_k
+    from opscope_nb.kernels._ggml_act import act_bf16, act_f16, act_q8_0, act_q8_k
     if x.size == 0:
         return x.copy()
     x2 = np.ascontiguousarray(x).reshape(-1, cols)
-    fn = act_f16 if act == "F16" else act_q8_k if act == "Q8_K" else act_q8_0
+    fn = {"F16": act_f16, "BF16": act_bf16, "Q8_K": act_q8_k}.get(act, act_q8_0)
     return fn(x2).reshape(x.shape)
 
 

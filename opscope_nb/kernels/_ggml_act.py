@@ -13,10 +13,9 @@ float summation order:
 * ``act_q8_k`` -- Q8_K blocks of 256 (``quantize_row_q8_K_ref``, which x86
   uses: ``iscale = -127 / max`` of the signed largest value, codes
   ``min(127, nearest_int(iscale * x))``, ``d = 1 / iscale`` in float32);
-* ``act_f16`` -- ggml's F16 conversion (nearest even) for F16 weights.
-
-(BF16 weights' inputs are a numpy cast in
-:func:`opscope_nb.formats.ggml.runtime_activations`.)
+* ``act_f16`` -- ggml's F16 conversion (nearest even) for F16 weights;
+* ``act_bf16`` -- ggml's BF16 conversion (``ggml_compute_fp32_to_bf16``:
+  nearest even, NaN kept quiet) for BF16 weights.
 
 ``x`` is a C-contiguous finite float32 ``[rows, cols]`` with ``cols`` a
 multiple of the block; no input validation (see
@@ -33,7 +32,7 @@ from ._jit import njit_exact, njit_parallel_exact
 
 F = np.float32
 
-__all__ = ["act_q8_0", "act_q8_k", "act_f16"]
+__all__ = ["act_q8_0", "act_q8_k", "act_f16", "act_bf16"]
 
 
 @njit_exact
@@ -120,4 +119,25 @@ def act_f16(x):
                 out[r, c] = F(np.rint(x[r, c] * F(2.0 ** 24)) * F(2.0 ** -24))
                 continue
             ob[r, c] = v
+    return out
+
+
+@njit_parallel_exact
+def act_bf16(x):
+    """``x`` float32 [rows, cols] rounded to BF16 as ggml converts it
+    (``ggml_compute_fp32_to_bf16``: nearest even on the top 16 bits, so past
+    the largest BF16 to inf; a NaN stays a quiet NaN), back in float32
+    [rows, cols]."""
+    rows, cols = x.shape
+    out = np.empty((rows, cols), np.float32)
+    xb = x.view(np.uint32)
+    ob = out.view(np.uint32)
+    for r in prange(rows):
+        for c in range(cols):
+            u = xb[r, c]
+            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):     # NaN
+                ob[r, c] = ((u >> np.uint32(16)) | np.uint32(64)) << np.uint32(16)
+            else:
+                ob[r, c] = ((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))))
+                            >> np.uint32(16)) << np.uint32(16)
     return out

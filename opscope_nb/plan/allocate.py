@@ -294,10 +294,44 @@ OBJECTIVES = ("weight", "output", "sensitivity")
 DAMAGE_FLAG_RATIO = 2.0
 
 
-def _objective_errors(layers, flat_e, objective):
+#: ``act_quant`` settings of the output objectives (see :func:`act_quant_mode`).
+ACT_QUANT = ("auto", "ggml", "none")
+
+
+def act_quant_mode(flag, layers) -> str:
+    """Resolve an ``act_quant`` setting: ``"auto"`` is ``"ggml"`` when every
+    option of every layer is a ggml type or dense (a plan for llama.cpp),
+    else ``"none"``; ``"ggml"`` / ``"none"`` are returned as given."""
+    if flag not in ACT_QUANT:
+        raise ValueError(f"act_quant must be one of {ACT_QUANT}; got {flag!r}.")
+    if flag != "auto":
+        return flag
+    ok = all(o.decomp.kind in ("ggml", "dense") for lp in layers for o in lp.options)
+    return "ggml" if ok else "none"
+
+
+def option_act_type(lp, o):
+    """The key of ``lp.act_err`` that option ``o`` reads its input at in
+    llama.cpp: its ggml type's activation type, the stored type's for dense
+    (kept as stored), None for float32 inputs and the package's own formats."""
+    from opscope_nb.formats.ggml import ACTIVATION_TYPES
+    d = o.decomp
+    if d.kind == "ggml":
+        t = d.qtype
+    elif d.kind == "dense":
+        t = str(getattr(lp, "stored_dtype", "F32")).upper()
+        t = {"FLOAT16": "F16", "FLOAT32": "F32", "BFLOAT16": "BF16"}.get(t, t)
+    else:
+        return None
+    a = ACTIVATION_TYPES.get(t)
+    return None if a in (None, "F32") else "Q8_0" if a == "Q8_1" else a
+
+
+def _objective_errors(layers, flat_e, objective, act_quant="auto"):
     """Per-option objective terms (flattened like ``flat_e``) and ``extra`` facts."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}; got {objective!r}.")
+    act = act_quant_mode(act_quant, layers) == "ggml"
     if objective == "weight":
         return flat_e, {}
     sens = [getattr(lp, "sensitivity", None) for lp in layers]
@@ -305,10 +339,12 @@ def _objective_errors(layers, flat_e, objective):
            if s is not None and all(getattr(o, "out_err", None) is not None
                                     for o in lp.options)]
     mean_s = float(np.mean(cal)) if cal else 1.0
-    out, fallback = [], 0
+    out, fallback, n_act = [], 0, 0
     for lp, s in zip(layers, sens):
         oe = [getattr(o, "out_err", None) for o in lp.options]
         has_out = all(v is not None for v in oe)
+        ae = (getattr(lp, "act_err", None) or {}) if act and has_out else {}
+        n_act += bool(ae)
         prior = float(getattr(lp, "prior_weight", 1.0))
         if objective == "output":
             fb = not has_out
@@ -325,9 +361,13 @@ def _objective_errors(layers, flat_e, objective):
             if not (math.isfinite(e) and e >= 0):
                 raise ValueError(f"layer {lp.name!r} option {o.label}: out_err must be "
                                  f"finite and >= 0; got {e}.")
-            out.append(scale * e * e)
+            # llama.cpp's rounding of the input: an error of its own, about
+            # uncorrelated with the weight's (their squares add)
+            a = float(ae.get(option_act_type(lp, o), 0.0)) if ae else 0.0
+            out.append(scale * (e * e + a * a))
     return np.asarray(out, dtype=np.float64), {
-        "objective": objective, "objective_fallback_layers": int(fallback)}
+        "objective": objective, "objective_fallback_layers": int(fallback),
+        **({"act_quant_layers": int(n_act)} if n_act else {})}
 
 
 def output_objective(layers) -> str:
@@ -343,14 +383,15 @@ def output_objective(layers) -> str:
     return "output"
 
 
-def predicted_damage(layers, choice, objective=None) -> float:
+def predicted_damage(layers, choice, objective=None, act_quant="auto") -> float:
     """The plan's predicted output damage: the sum over layers of the chosen
-    option's ``objective`` term (default :func:`output_objective`), e.g.
-    ``sum rel_err**2`` without calibration.  What a plan chosen under another
-    objective (``weight``: ``sum rel_err``) is judged by."""
+    option's ``objective`` term (default :func:`output_objective`; ``act_quant``
+    as the allocators'), e.g. ``sum rel_err**2`` without calibration.  What a
+    plan chosen under another objective (``weight``: ``sum rel_err``) is
+    judged by."""
     objective = objective or output_objective(layers)
     flat = np.asarray([float(o.rel_err) for lp in layers for o in lp.options])
-    terms, _ = _objective_errors(layers, flat, objective)
+    terms, _ = _objective_errors(layers, flat, objective, act_quant)
     starts = np.cumsum([0] + [len(lp.options) for lp in layers[:-1]])
     return float(sum(terms[s + int(c)] for s, c in zip(starts, choice)))
 
@@ -498,7 +539,7 @@ class _Problem:
     """Validated, padded option tables shared by the three solvers."""
 
     def __init__(self, layers, budget_frac, weights, budget_bpw=None, latency_frac=None,
-                 latency_m=1, objective="weight"):
+                 latency_m=1, objective="weight", act_quant="auto"):
         if isinstance(layers, (str, bytes)) or not hasattr(layers, "__len__"):
             raise TypeError(f"layers must be a sequence of LayerProfile; got "
                             f"{type(layers).__name__}.")
@@ -543,7 +584,7 @@ class _Problem:
         if not np.isfinite(flat_e).all() or (flat_e < 0).any():
             bad = flat_e[~(np.isfinite(flat_e) & (flat_e >= 0))][0]
             raise ValueError(f"option rel_err must be finite and >= 0; got {bad}.")
-        flat_e, self.obj_extra = _objective_errors(layers, flat_e, objective)
+        flat_e, self.obj_extra = _objective_errors(layers, flat_e, objective, act_quant)
         col = np.concatenate([np.arange(k) for k in nopt])
         row = np.repeat(np.arange(nl), nopt)
         cost[row, col] = wts[row] * flat_e
@@ -751,11 +792,21 @@ _COMMON_PARAMS = """budget_frac : float, optional
         such layers is in ``extra["objective_fallback_layers"]``.  Every
         ``"output"`` term, and every ``"sensitivity"`` term without a measured
         sensitivity, is multiplied by ``LayerProfile.prior_weight``.  ``total_err``,
-        ``lower_bound`` and ``gap`` are all in the chosen objective."""
+        ``lower_bound`` and ``gap`` are all in the chosen objective.
+    act_quant : {"auto", "ggml", "none"}
+        ``"ggml"``: an ``"output"`` / ``"sensitivity"`` term adds the error
+        llama.cpp's CPU matmul makes by rounding the layer's input to the
+        option's activation type (Q8_0 blocks for Q4_0 ... Q8_0, Q8_K for the
+        K-quants, F16 for F16; :data:`opscope_nb.formats.ggml.ACTIVATION_TYPES`),
+        ``out_err**2 + act_err**2`` from ``LayerProfile.act_err`` (layers
+        calibrated with it; others unchanged; their number is in
+        ``extra["act_quant_layers"]``).  ``"auto"`` (default): ``"ggml"``
+        when every option is a ggml type or dense (:func:`act_quant_mode`)."""
 
 
 def greedy_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
-                    latency_frac=None, latency_m=1, objective="weight") -> Allocation:
+                    latency_frac=None, latency_m=1, objective="weight",
+                    act_quant="auto") -> Allocation:
     """Greedy Lagrangian allocation (the upstream rule).
 
     Start with every layer dense (option 0); while the plan exceeds the
@@ -776,7 +827,7 @@ def greedy_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
     Allocation
     """
     pb = _Problem(layers, budget_frac, weights, budget_bpw, latency_frac, latency_m,
-                  objective)
+                  objective, act_quant)
     if not pb.feasible:
         return pb.result(pb.smallest(), "greedy")
     return pb.result(pb.greedy(), "greedy")
@@ -784,7 +835,7 @@ def greedy_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
 
 def dado_allocate(layers, budget_frac=None, cfg: DadoConfig = DadoConfig(), *,
                   budget_bpw=None, weights=None, latency_frac=None,
-                  latency_m=1, objective="weight") -> Allocation:
+                  latency_m=1, objective="weight", act_quant="auto") -> Allocation:
     """DADO allocation: greedy warm start refined by cross-entropy search.
 
     Per-layer categorical marginals start at ``0.4/K`` plus ``0.6`` on the
@@ -814,7 +865,7 @@ def dado_allocate(layers, budget_frac=None, cfg: DadoConfig = DadoConfig(), *,
         raise ValueError(f"cfg.penalty must be finite and >= 0; got {cfg.penalty!r}.")
     seed = check_int(cfg.seed, "cfg.seed", 0) & 0xFFFFFFFFFFFFFFFF
     pb = _Problem(layers, budget_frac, weights, budget_bpw, latency_frac, latency_m,
-                  objective)
+                  objective, act_quant)
     if not pb.feasible:
         return pb.result(pb.smallest(), "dado")
     g = np.asarray(pb.greedy(), dtype=np.int64)
@@ -861,7 +912,7 @@ def _pareto_reduce(pb):
 
 def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
                    time_limit=60.0, latency_frac=None, latency_m=1,
-                   objective="weight") -> Allocation:
+                   objective="weight", act_quant="auto") -> Allocation:
     """The optimal plan, from a MILP solved by HiGHS (:func:`scipy.optimize.milp`).
 
     Binaries ``x_ij`` (one per non-dominated option), ``sum_j x_ij = 1`` per
@@ -910,7 +961,7 @@ def exact_allocate(layers, budget_frac=None, *, budget_bpw=None, weights=None,
         raise ValueError(f"time_limit must be a finite number of seconds > 0; got "
                          f"{time_limit!r}.")
     pb = _Problem(layers, budget_frac, weights, budget_bpw, latency_frac, latency_m,
-                  objective)
+                  objective, act_quant)
     if not pb.feasible:
         return pb.result(pb.smallest(), "exact",
                          extra={"solver": "highs", "status": "infeasible"})

@@ -65,7 +65,8 @@ import numpy as np
 
 from opscope_nb._threads import _one_blas_thread
 
-from .allocate import budget_bytes, exact_allocate, predicted_damage, silence_native_output
+from .allocate import (act_quant_mode, budget_bytes, exact_allocate, predicted_damage,
+                       silence_native_output)
 
 __all__ = ["PlanScorer", "RefineResult", "refine", "split_passages", "text_chunks", "ladders",
            "plan_bytes", "propose", "STATE_VERSION", "load_state", "save_state",
@@ -239,8 +240,10 @@ def choice_key(choice) -> str:
 
 
 def _terms(layers, objective):
-    """Per layer, per option: the predicted objective term."""
-    return [[predicted_damage([lp], [j], objective) for j in range(len(lp.options))]
+    """Per layer, per option: the predicted objective term (``act_quant``
+    resolved over all the layers, as the allocators do)."""
+    aq = act_quant_mode("auto", layers)
+    return [[predicted_damage([lp], [j], objective, aq) for j in range(len(lp.options))]
             for lp in layers]
 
 
@@ -1052,7 +1055,8 @@ def table_layers(layers, terms, table, base, inert=()) -> list:
             else:
                 v = terms[i][j] * f
             opts.append(dataclasses.replace(o, out_err=math.sqrt(v)))
-        out.append(dataclasses.replace(lp, options=opts, sensitivity=1.0))
+        # the measured terms hold the activations' error already
+        out.append(dataclasses.replace(lp, options=opts, sensitivity=1.0, act_err=None))
     return out
 
 

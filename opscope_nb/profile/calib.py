@@ -172,6 +172,10 @@ class _Recorder:
         self.on = True
         self.perturb = ()    # (name, eps, rng, state, r0, r1, last chunk): see _Tap
         self.spare = []      # the last stage's full accumulators, reused once free
+        # group key -> {activation type: sum_t w_t (x̂_t - x_t)² per input}: the
+        # rounding llama.cpp's matmul applies to the input (:func:`_act_sq`)
+        self.act_acc = {}
+        self.taken_act = {}  # layer name -> its group's act_acc entry of the last take
 
     def observe(self, name, x):
         if not self.on:
@@ -264,6 +268,13 @@ class _Recorder:
             x2 = x2[rows]
             odd = None if odd is None else odd[rows]
             inv = None if inv is None else inv[rows]
+        sq = _act_sq(x2, inv)
+        acc_a = self.act_acc.setdefault(key, {})
+        for a, v in sq.items():
+            if a in acc_a:
+                acc_a[a] += v
+            else:
+                acc_a[a] = v
         x64 = x2.astype(np.float64)
         if inv is not None:
             x64 *= np.sqrt(inv)[:, None]
@@ -333,11 +344,46 @@ class _Recorder:
                         if self.alias[n] in self.acc_b}
         self.taken_energy = {n: tuple(self.energy[self.alias[n]]) + tuple(self.energy_y[n])
                              for n in out if self.alias[n] in self.energy and n in self.energy_y}
+        self.taken_act = {n: self.act_acc[self.alias[n]] for n in out
+                          if self.alias[n] in self.act_acc}
         self.acc, self.alias, self.acc_b, self.units = {}, {}, {}, {}
-        self.energy, self.energy_y = {}, {}
+        self.energy, self.energy_y, self.act_acc = {}, {}, {}
         self.prev_x = self.prev_name = None
         self.spare = spare
         return out
+
+
+#: llama.cpp's activation types (:data:`opscope_nb.formats.ggml.ACTIVATION_TYPES`;
+#: Q8_1 decodes to Q8_0's values) -> a weight type that reads them, and the
+#: block the input's length must be a multiple of.
+ACT_TYPES = {"F16": ("F16", 1), "BF16": ("BF16", 1), "Q8_0": ("Q8_0", 32),
+             "Q8_K": ("Q4_K", 256)}
+
+
+def _act_sq(x, inv=None) -> dict:
+    """The rounding llama.cpp's CPU matmul applies to the input rows ``x``
+    (float ``[tokens, cols]``), per activation type of :data:`ACT_TYPES` that
+    ``cols`` allows: ``sum_t inv_t (x̂_tc - x_tc)²`` (float64 ``[cols]``; ``inv``
+    float64 ``[tokens]`` token weights, None: 1), summed in token order.  With
+    the weight's column norms it gives the output error the rounding adds
+    (:func:`opscope_nb.profile.mining.activation_errors`)."""
+    from opscope_nb.formats.ggml import runtime_activations
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = {}
+    if x.ndim != 2 or x.shape[0] == 0:
+        return out
+    w = None if inv is None else np.sqrt(inv).astype(np.float32)[:, None]
+    for a, (wt, block) in ACT_TYPES.items():
+        if x.shape[1] % block:
+            continue
+        # float32 differences (the two are close: a few ulps of rounding at
+        # most), squares summed in float64; no [tokens, cols] float64 copy
+        d = runtime_activations(x, wt)
+        d = d - x if d is x else np.subtract(d, x, out=d)
+        if w is not None:
+            d *= w
+        out[a] = np.einsum("ij,ij->j", d, d, dtype=np.float64)
+    return out
 
 
 def _seq_rows(c):
@@ -611,6 +657,7 @@ class CalibrationStream:
         self.stage = -1                  # last finished stage
         self.current = {}                # grams of the last finished stage
         self.current_heldout = {}        # their held-out halves (heldout_grams=True)
+        self.current_act = {}            # their inputs' activation rounding (_act_sq)
         self.seconds = {"load": time.perf_counter() - t0, "grams": 0.0, "sensitivity": 0.0}
         self.n_layers = 0
         self.n_full = 0
@@ -804,7 +851,7 @@ class CalibrationStream:
         if k > self.n_blocks:
             return None
         m = self.model
-        self.current, self.current_heldout = {}, {}
+        self.current, self.current_heldout, self.current_act = {}, {}, {}
         t0 = time.perf_counter()
         names = self._stage_names[k] if k < self.n_blocks else (
             [self._head] if self._head else [])
@@ -880,6 +927,7 @@ class CalibrationStream:
         m.drop(names)
         self.stage = k
         self.current, self.current_heldout = grams, heldout
+        self.current_act, self.rec.taken_act = self.rec.taken_act, {}
         self.n_layers += len(grams)
         self.n_full += sum(1 for g in grams.values() if g.ndim == 2)
         if self.on_stage is not None:
@@ -1054,6 +1102,13 @@ class CalibrationStream:
         (encoder sentences, decoder windows), float64 ``[cols, cols]``; None
         without it.  Call after :meth:`gram` of the same name."""
         return self.current_heldout.get(name)
+
+    def act_sq(self, name):
+        """What llama.cpp's rounding of ``name``'s input costs, per activation
+        type (``{"F16": [cols], "Q8_0": [cols], ...}``, float64, summed over
+        the calibration tokens with the gram's token weights; :func:`_act_sq`);
+        None without it.  Call after :meth:`gram` of the same name."""
+        return self.current_act.get(name)
 
     def result(self, grams=None, *, rest=True) -> Calibration:
         """Run the remaining stages (``rest=False``: only while a sensitivity

@@ -188,6 +188,13 @@ class LayerProfile:
         besides the ``n`` strata, each holding more than a stratum's share of
         the weight's or output's energy; :mod:`opscope_nb.profile.sampling`),
         None when every row was measured.
+    act_err : dict or None
+        The relative output error llama.cpp's CPU matmul adds by rounding this
+        layer's input to each activation type (``{"F16": ..., "BF16": ...,
+        "Q8_0": ..., "Q8_K": ...}``, the types the row length allows;
+        :func:`activation_errors`), measured on the calibration tokens; None
+        without calibration.  The allocators' ``act_quant="ggml"`` adds the
+        option's type's value to its ``out_err`` (as squares).
     """
 
     name: str
@@ -201,6 +208,7 @@ class LayerProfile:
     sensitivity_val: float | None = None
     prior_weight: float = 1.0
     sample: dict | None = None
+    act_err: dict | None = None
 
     @property
     def f32_bytes(self) -> int:
@@ -231,7 +239,9 @@ class LayerProfile:
                    else {"sensitivity_val": float(self.sensitivity_val)}),
                 **({} if self.prior_weight == 1.0
                    else {"prior_weight": float(self.prior_weight)}),
-                **({} if self.sample is None else {"sample": dict(self.sample)})}
+                **({} if self.sample is None else {"sample": dict(self.sample)}),
+                **({} if not self.act_err else
+                   {"act_err": {k: float(v) for k, v in self.act_err.items()}})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayerProfile":
@@ -252,7 +262,9 @@ class LayerProfile:
                    None if sens is None else float(sens), str(d.get("stored_dtype", "F32")),
                    None if sv is None else float(sv),
                    check_prior_weight(d.get("prior_weight", 1.0)),
-                   dict(d["sample"]) if d.get("sample") else None)
+                   dict(d["sample"]) if d.get("sample") else None,
+                   {str(k): float(v) for k, v in d["act_err"].items()}
+                   if d.get("act_err") else None)
 
 
 def check_prior_weight(value) -> float:
@@ -322,7 +334,8 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
                   latency=None, intn_bits=(6, 5, 3), int2_groups=(32,), gram=None,
                   gptq=True, sensitivity=None, stored_dtype="F32", menu="default",
                   ggml_types=None, lr_ranks=LR_RANKS, prior_weight=1.0,
-                  requantize=False, sample_rows="all", gram_heldout=None) -> LayerProfile:
+                  requantize=False, sample_rows="all", gram_heldout=None,
+                  act_sq=None) -> LayerProfile:
     """Measure every applicable compression option of one weight.
 
     Options, in order: dense (the weight as the source stores it, at its
@@ -401,6 +414,12 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         ``gram`` (more tokens: its error on new text is not above the price,
         in expectation).  Ignored (twins priced on ``gram``) when either half
         holds no token.
+    act_sq : dict of str -> array_like, optional
+        Per llama.cpp activation type (``"F16"``, ``"BF16"``, ``"Q8_0"``,
+        ``"Q8_K"``), the input rounding summed over the calibration tokens of
+        ``gram`` (float64 ``[cols]``,
+        :meth:`opscope_nb.profile.calib.CalibrationStream.act_sq`): gives
+        :attr:`LayerProfile.act_err`.  Needs ``gram``.
     sensitivity : float, optional
         Stored as ``LayerProfile.sensitivity`` (finite, ``>= 0``).
     stored_dtype : str
@@ -544,13 +563,72 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         # idle threads spin on their cores (a 4096 x 11008 Tucker HOSVD under load:
         # 10.9 CPU s with the default threads, 1.8 with one); the big LAPACK calls
         # raise it themselves (``blas_threads``), the row blocks run on every core.
+        act_sq = _check_act_sq(act_sq, cols, gram)
         from opscope_nb._threads import _one_blas_thread
         with pinned_gram(gram), _one_blas_thread():
-            return _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols,
-                                 gs, nbits, g2s, with_gptq, stored_dtype, lrs, rank_cap, seed,
-                                 sensitivity, prior_weight, ggml_gptq)
+            lp = _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols,
+                               gs, nbits, g2s, with_gptq, stored_dtype, lrs, rank_cap, seed,
+                               sensitivity, prior_weight, ggml_gptq)
+            if act_sq:
+                lp.act_err = activation_errors(w, act_sq, meas.den())
+            return lp
     finally:
         pin.close()
+
+
+def _check_act_sq(act_sq, cols, gram):
+    """``profile_layer``'s ``act_sq`` validated: a dict of activation type ->
+    float64 ``[cols]`` (finite, >= 0), or None."""
+    if act_sq is None:
+        return None
+    from .calib import ACT_TYPES
+    if not isinstance(act_sq, dict):
+        raise TypeError(f"act_sq must be a dict of activation type -> [cols] array "
+                        f"(CalibrationStream.act_sq) or None; got {type(act_sq).__name__}.")
+    if gram is None:
+        raise ValueError("act_sq needs gram= from the same calibration tokens: the "
+                         "activation error is relative to the output energy tr(W H Wᵀ).")
+    out = {}
+    for a, v in act_sq.items():
+        if a not in ACT_TYPES:
+            raise ValueError(f"act_sq: unknown activation type {a!r}; use keys of "
+                             f"{sorted(ACT_TYPES)}.")
+        v = np.asarray(v, dtype=np.float64)
+        if v.shape != (cols,) or not np.isfinite(v).all() or (v < 0).any():
+            raise ValueError(f"act_sq[{a!r}] must be {cols} finite values >= 0 (one per input "
+                             f"column); got shape {v.shape}.")
+        out[a] = v
+    return out
+
+
+def activation_errors(w, act_sq, den) -> dict:
+    """The relative output error llama.cpp's rounding of a layer's input adds,
+    per activation type: ``sqrt(sum_c e_c |W[:, c]|² / den)``.
+
+    ``(X̂ - X) Wᵀ`` has squared norm ``sum_c e_c |W[:, c]|²`` when the rounding
+    errors of different inputs are uncorrelated (each block's rounding is
+    about uniform, independent of its neighbours' digits); cross terms are
+    left out.  The column norms are the weight's, not each option's decoded
+    weight's (they differ by the weight error, a few percent of a few
+    percent).
+
+    Parameters
+    ----------
+    w : ndarray of float32, shape (rows, cols)
+    act_sq : dict of str -> ndarray of float64, shape (cols,)
+        ``e_c = sum_t w_t (x̂_tc - x_tc)²`` per activation type
+        (:meth:`opscope_nb.profile.calib.CalibrationStream.act_sq`).
+    den : float
+        ``tr(W H Wᵀ)`` with the gram of the same tokens and token weights.
+
+    Returns
+    -------
+    dict of str -> float
+        Per activation type; 0.0 when ``den`` is 0.
+    """
+    cn = np.einsum("ij,ij->j", w, w, dtype=np.float64)
+    return {a: (math.sqrt(max(float(v @ cn), 0.0) / den) if den > 0 else 0.0)
+            for a, v in sorted(act_sq.items())}
 
 
 def _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols, gs, nbits,
