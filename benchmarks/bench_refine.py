@@ -27,7 +27,8 @@ held-out cosine of both plans.
 Usage: ``python benchmarks/bench_refine.py [--model smollm2|gemma3-270m|minilm]
 [--presets Q4_K_M] [--imatrix yes|no|both] [--evals 300] [--minutes 15]
 [--search local|evo] [--offspring 16] [--survivors 2] [--preselect 4]
-[--screen-tokens 128] [--tokens 2048] [--held-out-tokens 512] [--runtime numba|llama.cpp]
+[--screen-tokens 128] [--tokens 2048] [--table-tokens N] [--held-out-tokens 512]
+[--runtime numba|llama.cpp]
 [--workdir DIR]``.  ``--runtime llama.cpp``: refine scores its candidates' GGUF
 files with llama.cpp (:mod:`opscope_nb.plan.refine_llamacpp`); the refine line
 gives its wall and CPU seconds and the load average before and after.
@@ -57,6 +58,8 @@ def _refine(prof, budget_flag, out, args, extra=()):
            args.runtime, "--act-quant", args.act_quant, "-q", *extra]
     if args.minutes:
         cmd += ["--minutes", args.minutes]
+    if args.table_tokens:
+        cmd += ["--table-tokens", args.table_tokens]
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     load0 = os.getloadavg()
     stdout, secs = _run(cmd, "refine")
@@ -185,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--screen-tokens", type=int, default=128,
                     help="tokens of the screen split (0: none)")
     ap.add_argument("--tokens", type=int, default=2048, help="search tokens")
+    ap.add_argument("--table-tokens", type=int, default=None,
+                    help="refine --table-tokens (default: refine's)")
     ap.add_argument("--held-out-tokens", type=int, default=512,
                     help="held-out tokens of refine's never-worse check")
     ap.add_argument("--runtime", choices=("numba", "llama.cpp"), default="numba",

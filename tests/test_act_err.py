@@ -174,3 +174,29 @@ def test_cli_profile_calib_records_act_err(tmp_path):
                                  for rec in doc["layers"])
     plan = json.load(open(os.path.join(out, "plan.json")))
     assert "act_quant_layers" in json.dumps(plan)
+
+
+def test_plan_validation_reads_llamacpps_activations(tmp_path):
+    """``CalibrationStream(plans=..., act_quant="ggml")``: a Q8_0 plan measures
+    more than with float activations (its inputs go through Q8_0 blocks), a
+    dense plan the same; the result says which."""
+    from opscope_nb.formats import Decomp
+    from opscope_nb.models.loader import is_linear
+    from opscope_nb.models import open_model
+    from opscope_nb.profile.calib import CalibrationStream
+    src = str(tmp_path / "m")
+    write_tiny_llama(src, seed=6, n_layers=2, hidden=256, ffn=512)
+    m = open_model(src)
+    names = [n for n, t in m.tensors.items() if is_linear(t)]
+    q8 = {n: Decomp(kind="ggml", qtype="Q8_0") for n in names}
+    dense = {n: Decomp(kind="dense") for n in names}
+    got = {}
+    for aq in ("none", "ggml"):
+        st = CalibrationStream(src, max_tokens=400, sensitivity=False, window=100,
+                               validate=0.5, plans={"q8": q8, "dense": dense}, act_quant=aq)
+        got[aq] = st.result(rest=False).validation
+    assert got["ggml"]["q8"]["act_quant"] == "ggml" and got["none"]["q8"]["act_quant"] == "none"
+    assert got["ggml"]["q8"]["measured"] > 1.5 * got["none"]["q8"]["measured"] > 0
+    assert got["ggml"]["dense"]["measured"] == got["none"]["dense"]["measured"]
+    with pytest.raises(ValueError, match="act_quant must be 'none' or 'ggml'"):
+        CalibrationStream(src, max_tokens=400, validate=0.5, plans={"q8": q8}, act_quant="yes")

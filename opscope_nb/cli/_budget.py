@@ -574,7 +574,8 @@ def validate_plans(source, cal, layers, allocs, show=False) -> dict:
                                validate=float(cal["validate"]),
                                split_seed=int(cal.get("split_seed") or 0),
                                token_weights=cal.get("token_weights") == "norm", sensitivity=False,
-                               plans=plans, grams_for={
+                               plans=plans, act_quant=al.act_quant_mode("auto", layers),
+                               grams_for={
                                    n for plan in plans.values() for n, d in plan.items()
                                    if d.reads_gram},
                                log=(lambda s: print(s, file=sys.stderr, flush=True)) if show
@@ -601,6 +602,7 @@ def validate_plans(source, cal, layers, allocs, show=False) -> dict:
                     + ", " if pred is not None else "")
             ratio = (f" ({meas['measured'] / pred:.2f}x the prediction)"
                      if pred and pred > 0 else "")
-            print(f"validation ({meas['tokens']} held-out tokens, {meas['metric']}): {m}: "
+            acts = ", llama.cpp's activations" if meas.get("act_quant") == "ggml" else ""
+            print(f"validation ({meas['tokens']} held-out tokens, {meas['metric']}{acts}): {m}: "
                   f"{ptxt}measured {meas['measured']:.4g}{ratio} ({extra})")
     return out

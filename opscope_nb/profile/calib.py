@@ -517,6 +517,12 @@ class CalibrationStream:
         (``+gptq`` from that block's grams) and the plan's activations go
         through them next to the dense ones; :attr:`validation` (and
         :attr:`Calibration.validation`) get each plan's metric.
+    act_quant : {"none", "ggml"}
+        ``"ggml"``: each plan's ggml-type layers read their inputs as
+        llama.cpp's CPU matmul does (:class:`opscope_nb.models.ggml_acts.RunAs`:
+        Q8_0 / Q8_K blocks), so the measured metric is what the plan costs in
+        llama.cpp (the dense layers, the reference's included, read floats:
+        F16 rounding is a thousandth of it).
     heldout_grams : bool
         Also accumulate each full gram's held-out half (:meth:`heldout`):
         the sequences alternate between the halves (the first one in the
@@ -559,7 +565,8 @@ class CalibrationStream:
     def __init__(self, source, *, text=None, max_tokens=None, full_max_cols=FULL_MAX_COLS,
                  sensitivity=True, eps=0.05, seed=0, sens_tokens=256, act="f32",
                  batch=32, window=256, log=None, validate=0.0, split_seed=0, plans=None,
-                 grams_for=None, heldout_grams=False, token_weights=False):
+                 grams_for=None, heldout_grams=False, token_weights=False,
+                 act_quant="none"):
         from opscope_nb.data import TEXT_KEYWORDS
         from opscope_nb.models import open_model
         from opscope_nb.models.evaluate import load_passages
@@ -577,6 +584,9 @@ class CalibrationStream:
             raise ValueError(f"validate must be a fraction in [0, 1); got {validate!r}.")
         self.validate, self.split_seed = float(validate), int(split_seed)
         self.plans = {str(k): dict(v) for k, v in (plans or {}).items()}
+        if act_quant not in ("none", "ggml"):
+            raise ValueError(f"act_quant must be 'none' or 'ggml'; got {act_quant!r}.")
+        self.act_quant = act_quant
         if self.plans and not self.validate:
             raise ValueError("plans are measured on the validation part: give validate > 0.")
         self.log = log if log is not None else (_stderr_log if sys.stderr.isatty()
@@ -1039,6 +1049,9 @@ class CalibrationStream:
                     w = np.asarray(lay._inner.arrays["w"], dtype=np.float32)
                     packed[key] = PackedLinear.pack(w, d, gram=grams.get(n))
                 swaps[n] = packed[key]
+                if self.act_quant == "ggml" and d.kind == "ggml":
+                    from opscope_nb.models.ggml_acts import RunAs
+                    swaps[n] = RunAs(packed[key], d.qtype)
             saved = {}
             for n, lay in swaps.items():
                 if tied:
@@ -1053,7 +1066,7 @@ class CalibrationStream:
                     self.validation[p] = {
                         "metric": "kl", "measured": float(np.concatenate([x[0] for x in st]).mean()),
                         "top1": float(np.concatenate([x[1] for x in st]).mean()),
-                        "tokens": self.val_tokens}
+                        "tokens": self.val_tokens, "act_quant": self.act_quant}
                 else:
                     self._val_states[p] = self._run_chunks(fn, self._val_chunks,
                                                            self._val_states[p])
@@ -1071,7 +1084,8 @@ class CalibrationStream:
             for p, outs in self._val_states.items():
                 cos = cosine(np.concatenate(self._val_dense), np.concatenate(outs))
                 self.validation[p] = {"metric": "1-cos", "measured": float(np.mean(1 - cos)),
-                                      "cosine": float(np.mean(cos)), "tokens": self.val_tokens}
+                                      "cosine": float(np.mean(cos)), "tokens": self.val_tokens,
+                                      "act_quant": self.act_quant}
             self._val_states = {}
 
     def __iter__(self):
