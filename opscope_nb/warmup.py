@@ -105,6 +105,11 @@ def _profile_ggml(types):
     gptq = [t for t in types if str(t).upper() in GPTQ_TYPES]
     if gptq:
         quantize_gptq(w, gptq[0], np.eye(256))
+    # llama.cpp's input rounding per activation type (profile --calib's
+    # act_err, refine / eval --act-quant)
+    from .formats.ggml import runtime_activations
+    for t in ("Q8_0", "Q4_K", "F16", "BF16"):
+        runtime_activations(w, t)
 
 
 def _profile_svd(_):
