@@ -315,12 +315,12 @@ def option_act_type(lp, o):
     llama.cpp: its ggml type's activation type, the stored type's for dense
     (kept as stored), None for float32 inputs and the package's own formats."""
     from opscope_nb.formats.ggml import ACTIVATION_TYPES
+    from opscope_nb.models.ggml_acts import run_type
     d = o.decomp
     if d.kind == "ggml":
         t = d.qtype
     elif d.kind == "dense":
-        t = str(getattr(lp, "stored_dtype", "F32")).upper()
-        t = {"FLOAT16": "F16", "FLOAT32": "F32", "BFLOAT16": "BF16"}.get(t, t)
+        t = run_type(getattr(lp, "stored_dtype", "F32"))
     else:
         return None
     a = ACTIVATION_TYPES.get(t)

@@ -378,8 +378,8 @@ def _act_sq(x, inv=None) -> dict:
             continue
         # float32 differences (the two are close: a few ulps of rounding at
         # most), squares summed in float64; no [tokens, cols] float64 copy
-        d = runtime_activations(x, wt)
-        d = d - x if d is x else np.subtract(d, x, out=d)
+        d = runtime_activations(x, wt)       # a new array for every type here
+        d -= x
         if w is not None:
             d *= w
         out[a] = np.einsum("ij,ij->j", d, d, dtype=np.float64)

@@ -414,12 +414,6 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         ``gram`` (more tokens: its error on new text is not above the price,
         in expectation).  Ignored (twins priced on ``gram``) when either half
         holds no token.
-    act_sq : dict of str -> array_like, optional
-        Per llama.cpp activation type (``"F16"``, ``"BF16"``, ``"Q8_0"``,
-        ``"Q8_K"``), the input rounding summed over the calibration tokens of
-        ``gram`` (float64 ``[cols]``,
-        :meth:`opscope_nb.profile.calib.CalibrationStream.act_sq`): gives
-        :attr:`LayerProfile.act_err`.  Needs ``gram``.
     sensitivity : float, optional
         Stored as ``LayerProfile.sensitivity`` (finite, ``>= 0``).
     stored_dtype : str
@@ -481,6 +475,12 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         where the candidates' errors nearly tie).  Bytes and flops are exact
         either way.  ``latency`` still
         packs every row of each option to time it.
+    act_sq : dict of str -> array_like, optional
+        Per llama.cpp activation type (``"F16"``, ``"BF16"``, ``"Q8_0"``,
+        ``"Q8_K"``), the input rounding summed over the calibration tokens of
+        ``gram`` (float64 ``[cols]``,
+        :meth:`opscope_nb.profile.calib.CalibrationStream.act_sq`): gives
+        :attr:`LayerProfile.act_err`.  Needs ``gram``.
 
     Returns
     -------
