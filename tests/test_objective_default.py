@@ -168,3 +168,60 @@ def test_cli_profile_weighs_the_head(tmp_path, tied):
     g = plan["methods"]["greedy"]
     assert g["total_err"] == pytest.approx(sum(
         (4.0 if r["name"] == head else 1.0) * r["rel_err"] ** 2 for r in g["layers"]))
+
+
+# --- an encoder's word embedding without calibration (issue 55 item 5: MPNet Q6_K) ---
+def test_word_embedding_by_layout(tmp_path):
+    import gguf
+    from opscope_nb.models.loader import EMBED_PRIOR, word_embedding
+    assert EMBED_PRIOR == 2.0
+    for p in ("", "bert.", "model."):
+        names = [p + "embeddings.word_embeddings.weight", p + "encoder.layer.0.output.dense.weight"]
+        assert word_embedding(str(tmp_path), names) == (names[0], 2.0)
+    # a decoder's token table (tied head or a plain lookup) is not weighed here
+    assert word_embedding(str(tmp_path), ["model.embed_tokens.weight",
+                                          "model.layers.0.mlp.down_proj.weight"]) is None
+    for arch, want in (("bert", ("token_embd.weight", 2.0)), ("llama", None)):
+        p = tmp_path / f"{arch}.gguf"
+        wr = gguf.GGUFWriter(str(p), arch)
+        wr.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+        wr.add_tensor("blk.0.attn_q.weight", np.zeros((8, 8), np.float32))
+        for step in (wr.write_header_to_file, wr.write_kv_data_to_file,
+                     wr.write_tensors_to_file, wr.close):
+            step()
+        assert word_embedding(str(p), ["token_embd.weight", "blk.0.attn_q.weight"]) == want
+        assert word_embedding(str(p), ["blk.0.attn_q.weight"]) is None
+
+
+def test_cli_profile_weighs_an_encoders_word_embedding_without_calib(tmp_path, capsys):
+    import json
+    from safetensors.numpy import save_file
+    from opscope_nb.cli import main
+    from opscope_nb.cli import profile as cp
+    rng = np.random.default_rng(0)
+    t = {"embeddings.word_embeddings.weight": rng.standard_normal((64, 32)).astype(np.float32),
+         "encoder.layer.0.output.dense.weight": rng.standard_normal((32, 64)).astype(np.float32)}
+    src = tmp_path / "model.safetensors"
+    save_file(t, str(src))
+    out = tmp_path / "o"
+    assert main(["profile", str(src), "--include-embeddings", "--menu", "ggml", "--types",
+                 "Q8_0,Q4_0", "--method", "greedy", "--out", str(out), "-q"]) == 0
+    assert "word embedding: embeddings.word_embeddings.weight weighs 2x" in capsys.readouterr().out
+    doc = json.load(open(out / "profile.json"))
+    got = {r["name"]: r["profile"].get("prior_weight") for r in doc["layers"]}
+    assert got == {"embeddings.word_embeddings.weight": 2.0,
+                   "encoder.layer.0.output.dense.weight": None}
+    g = json.load(open(out / "plan.json"))["methods"]["greedy"]
+    assert g["total_err"] == pytest.approx(sum(
+        (2.0 if "embeddings" in r["name"] else 1.0) * r["rel_err"] ** 2 for r in g["layers"]))
+    # with --calib (a stream) the table keeps weight 1: it takes the measured mean
+    layers = [LayerProfile.from_dict(r["profile"]) for r in doc["layers"]]
+    for lp in layers:
+        lp.prior_weight = 1.0
+    recs = [{"profile": {}} for _ in layers]
+    from opscope_nb.io import open_source
+    cp._data_free_priors({"src": open_source(str(src)), "stream": object()}, recs, layers)
+    assert [lp.prior_weight for lp in layers] == [1.0, 1.0]
+    cp._data_free_priors({"src": open_source(str(src)), "stream": None}, recs, layers)
+    assert {lp.name: lp.prior_weight for lp in layers} == {
+        "embeddings.word_embeddings.weight": 2.0, "encoder.layer.0.output.dense.weight": 1.0}

@@ -319,11 +319,13 @@ def test_auto_sens_tokens_fit_the_work_budget(tmp_path, monkeypatch):
         rest = sum(2 * numel[n] for lin2, _ in blocks[b:] for n in lin2) + hw
         per_tok += len(lin) * rest
     per_tok += hw                                           # the head's own probe
+    # the token table's lookup probe: every block from the first, then the head
+    per_tok += sum(2 * numel[n] for lin, _ in blocks for n in lin) + hw
     monkeypatch.setattr(calib, "SENS_WORK", per_tok * 100.0)
     st = calib.CalibrationStream(str(tmp_path), sens_tokens="auto", validate=0.25)
     assert st.sens_val_dropped and st.sens_val_tokens == 0
     assert st.sens_tokens == 96 and st.sens_block_forwards == sum(
-        3 + 1 - st.stage_of(n) for n in st.sens_layers)
+        3 + 1 - st.stage_of(n) for n in st.sens_layers) + (3 + 1)      # + the lookup
     monkeypatch.setattr(calib, "SENS_WORK", 1.0)
     assert calib.CalibrationStream(str(tmp_path), sens_tokens="auto").sens_tokens == 32
     with pytest.raises(ValueError, match="sens_tokens"):

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from opscope_nb.profile.mining import LayerProfile
-from opscope_nb.models.loader import HEAD_PRIOR_PER_BLOCK, output_head
+from opscope_nb.models.loader import HEAD_PRIOR_PER_BLOCK, output_head, word_embedding
 from opscope_nb.profile.checkpoint import (
     FingerprintError,
     check_fingerprints,
@@ -451,6 +451,9 @@ def _calibration(args, src, chosen, kw, dist):
             a = stream.act_sq(name) if stream is not None else None
             if a:
                 k["act_sq"] = a
+        lk = stream.lookup(name) if stream is not None else None
+        if lk is not None:
+            k["lookup"] = lk
         return k
 
     return rec, per_layer, stream
@@ -472,6 +475,12 @@ def _finish_calibration(st, records, layers):
         if sv is not None:
             lp.sensitivity_val = float(sv)
             rec["profile"]["sensitivity_val"] = float(sv)
+        if lp.lookup is not None:
+            for key, got in (("sensitivity", cal.lookup_sensitivity),
+                             ("sensitivity_val", cal.lookup_sensitivity_val)):
+                if got.get(lp.name) is not None:
+                    lp.lookup[key] = float(got[lp.name])
+            rec["profile"]["lookup"] = lp.to_dict()["lookup"]
     summ = cal.summary()
     st["settings"]["calib"].update(wall_seconds=sum(summ["seconds"].values()),
                                    seconds=summ["seconds"])
@@ -703,23 +712,29 @@ def _dask_loop(args, st, bar, save):
     return recs, [s[1] for s in slots if s is not None], reused, [skips[i] for i in sorted(skips)]
 
 
-def _head_prior(st, records, layers) -> None:
-    """Give a decoder's output head its data-free weight in the output objective
-    (:func:`opscope_nb.models.loader.output_head`) when it is profiled."""
+def _data_free_priors(st, records, layers) -> None:
+    """Give a decoder's output head (:func:`opscope_nb.models.loader.output_head`)
+    and, without calibration, an encoder's word embedding
+    (:func:`opscope_nb.models.loader.word_embedding`) their data-free weight in
+    the output objective when they are profiled."""
     src = st["src"]
     if src.kind not in ("gguf", "safetensors", "safetensors-dir"):
         return
-    got = output_head(src.path, (e.name for e in src.entries))
-    if got is None:
-        return
-    name, weight = got
-    for rec, lp in zip(records, layers):
-        if lp.name == name:
-            lp.prior_weight = weight
-            rec["profile"]["prior_weight"] = weight
-            print(f"output head: {name} weighs {weight:g}x in the output objective "
-                  f"({HEAD_PRIOR_PER_BLOCK:g} x blocks; a measured sensitivity "
-                  f"replaces it)")
+    names = [e.name for e in src.entries]
+    got = [("output head", output_head(src.path, names),
+            f"({HEAD_PRIOR_PER_BLOCK:g} x blocks; a measured sensitivity replaces it)")]
+    if st["stream"] is None:
+        got.append(("word embedding", word_embedding(src.path, names),
+                    "(every block reads it; without --calib only)"))
+    for what, item, why in got:
+        if item is None:
+            continue
+        name, weight = item
+        for rec, lp in zip(records, layers):
+            if lp.name == name:
+                lp.prior_weight = weight
+                rec["profile"]["prior_weight"] = weight
+                print(f"{what}: {name} weighs {weight:g}x in the output objective {why}")
 
 
 def _validate_plans(st, layers, allocs, args) -> dict:
@@ -804,7 +819,7 @@ def run(args) -> int:
             lambda st_, bar_, save_: _dask_loop(args, st_, bar_, save_))
         records, layers, reused, skips = loop(st, bar, save)
         bar.close()
-        _head_prior(st, records, layers)
+        _data_free_priors(st, records, layers)
         _finish_calibration(st, records, layers)
     finally:
         bar.close()

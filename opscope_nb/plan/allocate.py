@@ -339,24 +339,32 @@ def _objective_errors(layers, flat_e, objective, act_quant="auto"):
            if s is not None and all(getattr(o, "out_err", None) is not None
                                     for o in lp.options)]
     mean_s = float(np.mean(cal)) if cal else 1.0
-    out, fallback, n_act = [], 0, 0
+    out, fallback, n_act, n_look = [], 0, 0, 0
     for lp, s in zip(layers, sens):
         oe = [getattr(o, "out_err", None) for o in lp.options]
         has_out = all(v is not None for v in oe)
         ae = (getattr(lp, "act_err", None) or {}) if act and has_out else {}
         n_act += bool(ae)
         prior = float(getattr(lp, "prior_weight", 1.0))
+        lk = getattr(lp, "lookup", None) or None
+        ls = None if lk is None else lk.get("sensitivity")
+        if ls is not None and not (math.isfinite(float(ls)) and float(ls) >= 0):
+            raise ValueError(f"layer {lp.name!r} lookup sensitivity must be finite and "
+                             f">= 0; got {ls!r}.")
+        n_look += lk is not None
         if objective == "output":
-            fb = not has_out
+            fb = not has_out and lk is None
             scale = prior
+            lscale = 1.0 if has_out else prior
         else:
-            fb = not has_out or s is None
-            scale = mean_s * prior if fb else float(s)
+            fb = (not has_out or s is None) and (lk is None or ls is None)
+            scale = mean_s * prior if (not has_out or s is None) else float(s)
+            lscale = float(ls) if ls is not None else mean_s * (1.0 if has_out else prior)
             if s is not None and not (math.isfinite(float(s)) and float(s) >= 0):
                 raise ValueError(f"layer {lp.name!r} sensitivity must be finite and >= 0; "
                                  f"got {s!r}.")
         fallback += fb
-        for o, v in zip(lp.options, oe):
+        for j, (o, v) in enumerate(zip(lp.options, oe)):
             e = float(v) if has_out else float(o.rel_err)
             if not (math.isfinite(e) and e >= 0):
                 raise ValueError(f"layer {lp.name!r} option {o.label}: out_err must be "
@@ -364,10 +372,19 @@ def _objective_errors(layers, flat_e, objective, act_quant="auto"):
             # llama.cpp's rounding of the input: an error of its own, about
             # uncorrelated with the weight's (their squares add)
             a = float(ae.get(option_act_type(lp, o), 0.0)) if ae else 0.0
-            out.append(scale * (e * e + a * a))
+            t = scale * (e * e + a * a)
+            if lk is not None:
+                # the table read as a lookup: added to a tied head's term; an
+                # untied table has no other output, its lookup replaces the
+                # weight-error fallback
+                le = lk["err"][j]
+                le = float(o.rel_err) if le is None else float(le)
+                t = (t if has_out else 0.0) + lscale * le * le
+            out.append(t)
     return np.asarray(out, dtype=np.float64), {
         "objective": objective, "objective_fallback_layers": int(fallback),
-        **({"act_quant_layers": int(n_act)} if n_act else {})}
+        **({"act_quant_layers": int(n_act)} if n_act else {}),
+        **({"lookup_layers": int(n_look)} if n_look else {})}
 
 
 def output_objective(layers) -> str:

@@ -1055,8 +1055,9 @@ def table_layers(layers, terms, table, base, inert=()) -> list:
             else:
                 v = terms[i][j] * f
             opts.append(dataclasses.replace(o, out_err=math.sqrt(v)))
-        # the measured terms hold the activations' error already
-        out.append(dataclasses.replace(lp, options=opts, sensitivity=1.0, act_err=None))
+        # the measured terms hold the activations' and the lookup's error already
+        out.append(dataclasses.replace(lp, options=opts, sensitivity=1.0, act_err=None,
+                                       lookup=None))
     return out
 
 

@@ -34,6 +34,14 @@ over the blocks as the grams: a layer of block ``b`` costs ``n_blocks - b``
 block forwards over at most ``sens_tokens`` tokens (:attr:`CalibrationStream.
 sens_block_forwards`), and each pending perturbed activation is held until the
 head (``sens_tokens x hidden`` float32 each).
+
+A token-embedding table (a decoder's, tied to its head or not; an encoder's
+word embeddings) is also read as a lookup: its quantised rows enter the
+residual stream before the first block.  For that role the stream counts the
+rows the calibration tokens look up (:meth:`CalibrationStream.lookup`) and
+probes a perturbation ``s Z`` of the looked-up rows (``Z`` per table row from
+an explicit seed, ``||s Z[ids]|| = eps ||T[ids]||`` over the sensitivity
+tokens) from the embedding on: :attr:`Calibration.lookup_sensitivity`.
 """
 from __future__ import annotations
 
@@ -63,6 +71,9 @@ SENS_WORK = 30e12
 SENS_BATCH_ROWS = 512
 #: Logits (rows x vocabulary) of the perturbed runs at a decoder's head per call.
 SENS_BATCH_LOGITS = 2 ** 21
+#: Suffix of a lookup probe's run name (``"token_embd.weight#lookup"``): a tied
+#: table's head probe runs under the table's own name.
+LOOKUP = "#lookup"
 
 #: Default ``full_max_cols``: ``None`` keeps the full gram at every width (the
 #: diagonal-only fallback is an explicit choice, never silent).
@@ -112,6 +123,16 @@ class Calibration:
         text it was not measured on (empty without a held-out part).
     sens_val_tokens : int
         Held-out tokens those forwards ran on.
+    lookup_sensitivity : dict of str -> float
+        Per token-embedding table profiled: ``metric / eps**2`` of a
+        perturbation of the rows the sensitivity tokens look up (relative
+        size ``eps``), run from the embedding on.  With the rows' relative
+        error weighted by how often each is looked up
+        (:attr:`opscope_nb.profile.mining.LayerProfile.lookup`) it predicts
+        what the quantised table costs as a lookup; a tied table's head role
+        is in :attr:`sensitivity`.
+    lookup_sensitivity_val : dict of str -> float
+        The same probe on the held-out part.
     """
 
     grams: dict
@@ -129,6 +150,8 @@ class Calibration:
     val_tokens: int = 0
     sensitivity_val: dict = field(default_factory=dict)
     sens_val_tokens: int = 0
+    lookup_sensitivity: dict = field(default_factory=dict)
+    lookup_sensitivity_val: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         """JSON-ready facts (no arrays)."""
@@ -621,13 +644,21 @@ class CalibrationStream:
             want = set(sensitivity)
             sens = [n for n in all_lin if n in want]
         self._sens_index = {n: all_lin.index(n) for n in sens}
+        #: the token-embedding table the forward looks rows up in (None: none)
+        self.lookup_table = self._lookup_name(m)
+        lk = self.lookup_table
+        if lk is not None and lk in m.entries and (
+                sensitivity is True or (sensitivity not in (False, None)
+                                        and lk in set(sensitivity))):
+            self._sens_index[lk + LOOKUP] = len(all_lin)
         #: the held-out sensitivity probe was left out to keep the work in budget
         self.sens_val_dropped = False
+        sens = list(sens) + [n for n in self._sens_index if n.endswith(LOOKUP)]
         if auto_sens:
             sens_tokens, drop = self._auto_sens_tokens(m, blocks, sens, validate)
             self.sens_val_dropped = drop
         #: the layers whose sensitivity the sweep measures, in block order
-        self.sens_layers = list(sens)
+        self.sens_layers = [n for n in sens if not n.endswith(LOOKUP)]
         #: ``on_stage(stage, grams)`` after each stage (e.g. a :class:`GramsWriter`)
         self.on_stage = None
         self.metric = "1-cos" if self.family == "encoder" else "kl"
@@ -648,7 +679,7 @@ class CalibrationStream:
         m.drop(tables)
         self._stem = sum(int(m.tensors[n].nbytes) for n in stem if n in m.tensors)
         # every stage from the layer's own to the head (included)
-        self.sens_block_forwards = sum(self.n_blocks + 1 - self._order[n] for n in sens)
+        self.sens_block_forwards = sum(self.n_blocks + 1 - self._order.get(n, 0) for n in sens)
         if self._sens_val_chunks:
             self.sens_block_forwards *= 2
         self._val_dense = None           # dense validation activations per chunk
@@ -672,6 +703,100 @@ class CalibrationStream:
         self.n_layers = 0
         self.n_full = 0
 
+    def _lookup_name(self, m):
+        """The table the forward looks token rows up in: a decoder's token
+        embedding (tied to the head or not), an encoder's word embeddings."""
+        if self.family == "decoder":
+            return m.config["names"].get("embed")
+        return m.config.get("prefix", "") + "embeddings.word_embeddings.weight"
+
+    def _lookup_setup(self, cal_ids, sens_parts):
+        """Count the rows the calibration tokens ``cal_ids`` (1-D arrays of
+        real tokens) look up; with the lookup probe on, give each sensitivity
+        chunk of ``sens_parts`` (``[(chunk, ids [rows], real rows or None)]``
+        per part) its perturbed embedding ``x_lookup`` (the table is still
+        loaded here)."""
+        ids = np.concatenate([np.asarray(a, np.int64).reshape(-1) for a in cal_ids]) \
+            if cal_ids else np.zeros(0, np.int64)
+        r, c = np.unique(ids, return_counts=True)
+        self._lookup_counts = (r, c.astype(np.float64))
+        key = (self.lookup_table or "") + LOOKUP
+        if key not in self._sens_index:
+            return
+        from opscope_nb.models import bert, llama
+        m, name = self.model, self.lookup_table
+        table = m.tensors[name]
+        for part in sens_parts:
+            if not part:
+                continue
+            flat = [np.asarray(i, np.int64).reshape(-1) for _, i, _ in part]
+            uniq, inv = np.unique(np.concatenate(flat), return_inverse=True)
+            rows = np.asarray(table[uniq], dtype=np.float32)
+            # Z per table row, from the row's own seed: a row looked up in two
+            # chunks or parts moves the same way (as a quantisation error does)
+            z = np.stack([np.random.default_rng([self.seed, self._sens_index[key], int(u)])
+                          .standard_normal(rows.shape[1], dtype=np.float32) for u in uniq])
+            real = np.concatenate([np.ones(len(f), bool) if rr is None else np.asarray(rr, bool)
+                                   for f, (_, _, rr) in zip(flat, part)])
+            num = float(np.linalg.norm(rows[inv[real]].astype(np.float64)))
+            den = float(np.linalg.norm(z[inv[real]].astype(np.float64)))
+            sc = np.float32(self.eps * num / den if den > 0 else 0.0)
+            off = 0
+            try:
+                m.tensors[name] = rows + sc * z        # compact table: ids remapped
+                for (c, i, _), f in zip(part, flat):
+                    loc = inv[off:off + len(f)].reshape(np.shape(i))
+                    off += len(f)
+                    c["x_lookup"] = (bert.embed_tokens(m, loc) if self.family == "encoder"
+                                     else llama.embed_tokens(m, loc))
+            finally:
+                m.tensors[name] = table
+
+    def _lookup_plans(self):
+        """Each plan's validation chunks embedded with its own type of the
+        lookup table (``_val_x0``; the table is still loaded here).  The rows
+        are quantised without a gram: an imatrix-weighted or ``+gptq`` type of
+        a tied table is looked up at its plain rounding here (its head role
+        runs the gram's, as ``apply`` writes it for both)."""
+        self._val_x0 = {}
+        name, m = self.lookup_table, self.model
+        if not self._val_chunks or name is None or name not in m.tensors:
+            return
+        import dataclasses
+        from opscope_nb.formats import approximate
+        from opscope_nb.models import bert, llama
+        table = m.tensors[name]
+        flat = [np.asarray(c["ids"], np.int64).reshape(-1) for c in self._val_chunks]
+        uniq, inv = np.unique(np.concatenate(flat), return_inverse=True)
+        rows = None
+        for p, plan in self.plans.items():
+            d = plan.get(name)
+            if d is None or d.kind == "dense":
+                continue
+            if rows is None:
+                rows = np.asarray(table[uniq], dtype=np.float32)
+            if d.rounding is not None:
+                d = dataclasses.replace(d, rounding=None)
+            xs, off = [], 0
+            try:
+                m.tensors[name] = np.asarray(approximate(rows, d), dtype=np.float32)
+                for c, f in zip(self._val_chunks, flat):
+                    loc = inv[off:off + len(f)].reshape(np.shape(c["ids"]))
+                    off += len(f)
+                    xs.append(bert.embed_tokens(m, loc) if self.family == "encoder"
+                              else llama.embed_tokens(m, loc))
+            finally:
+                m.tensors[name] = table
+            self._val_x0[p] = xs
+
+    def lookup(self, name):
+        """``(rows, counts)``: the rows of token-embedding table ``name`` that
+        the calibration tokens (the fitting part) look up, int64 ``[k]``
+        ascending, and how often, float64 ``[k]``; None for another name."""
+        if name != self.lookup_table or getattr(self, "_lookup_counts", None) is None:
+            return None
+        return self._lookup_counts
+
     def _auto_sens_tokens(self, m, blocks, sens, validate) -> tuple:
         """``(tokens, drop_heldout)`` for ``sens_tokens="auto"``: 256 tokens (and
         the held-out probe) while the perturbed forwards' work stays within
@@ -685,7 +810,9 @@ class CalibrationStream:
         nb = len(blocks)
         per_block = [2.0 * sum(numel(n) for n in lin) for lin, _ in blocks]
         head = 2.0 * (numel(self._head) if self._head else 0)
-        per_tok = sum(sum(per_block[order.get(n, nb):]) + head for n in sens)
+        # the lookup probe runs from the embedding on: every block and the head
+        per_tok = sum(sum(per_block[order.get(n, 0 if n.endswith(LOOKUP) else nb):]) + head
+                      for n in sens)
         if per_tok <= 0:
             return SENS_TOKENS, False
         runs = 2 if validate else 1
@@ -737,7 +864,7 @@ class CalibrationStream:
             for s in range(0, len(ts), batch):
                 ids, mask = bert.tokenize_batch(m, ts[s:s + batch])
                 out.append({"x": bert.embed_tokens(m, ids), "bias": bert.attention_bias(mask),
-                            "mask": mask, "rows": mask.reshape(-1) > 0})
+                            "mask": mask, "rows": mask.reshape(-1) > 0, "ids": ids})
             return out
 
         self._cal = chunks(cal)
@@ -746,6 +873,10 @@ class CalibrationStream:
         self._val_chunks = chunks(val) if self.plans else []
         self.tokens, self.sens_tokens, self.val_tokens = int(ntok), int(nsens), int(nval)
         self.sens_val_tokens = int(nsval) if self._sens_val_chunks else 0
+        self._lookup_setup([c["ids"][c["mask"] > 0] for c in self._cal],
+                           [[(c, c["ids"], c["rows"]) for c in ch]
+                            for ch in (self._sens_chunks, self._sens_val_chunks)])
+        self._lookup_plans()
 
     def _setup_decoder(self, passages, max_tokens, sens_tokens, window):
         from opscope_nb.models import llama
@@ -769,13 +900,18 @@ class CalibrationStream:
                      for s in range(0, len(ids), window)]
         self._sens_chunks = [{"x": llama.embed_tokens(m, sens_ids), "rows": None}] \
             if self._sens_index else []
-        self._val_chunks = [{"x": llama.embed_tokens(m, vids[s:s + window]), "rows": None}
+        self._val_chunks = [{"x": llama.embed_tokens(m, vids[s:s + window]), "rows": None,
+                             "ids": vids[s:s + window]}
                             for s in range(0, len(vids), window)] if self.plans else []
         self._sens_val_chunks = [{"x": llama.embed_tokens(m, sval_ids), "rows": None}] \
             if self._sens_index and len(sval_ids) >= 2 else []
         self.sens_val_tokens = int(len(sval_ids)) if self._sens_val_chunks else 0
         self.tokens, self.sens_tokens, self.val_tokens = (int(len(ids)), int(len(sens_ids)),
                                                           int(len(vids)))
+        self._lookup_setup([ids], [[(ch[0], i, None)] if ch else [] for ch, i in
+                                   ((self._sens_chunks, sens_ids),
+                                    (self._sens_val_chunks, sval_ids))])
+        self._lookup_plans()
         self._ctx = {}
 
     def _block(self, i, c, x, n=1):
@@ -963,18 +1099,22 @@ class CalibrationStream:
         a 4096-input layer gave the same bits)."""
         head = k == self.n_blocks
         starts = [n for n in lin if n in self._pending]
+        lk = (self.lookup_table or "") + LOOKUP
+        lk = lk if k == 0 and lk in self._pending else None
         for part in self._sparts:
             ch, states = part["chunks"], part["states"]
             if part["clean"] is None:
                 part["clean"] = [c["x"] for c in ch]
             xin = part["clean"]
             # the clean run, the perturbed runs in flight, one new run per layer
-            # of this stage (its Z from a generator seeded by the layer alone)
-            runs = [None] + list(states) + starts
-            inputs = [xin] + [states[n] for n in states] + [xin] * len(starts)
+            # of this stage (its Z from a generator seeded by the layer alone),
+            # and at the first stage the lookup probe (its input perturbed)
+            runs = [None] + list(states) + starts + ([lk] if lk else [])
+            inputs = [xin] + [states[n] for n in states] + [xin] * len(starts) + (
+                [[c["x_lookup"] for c in ch]] if lk else [])
             first = 1 + len(states)
             probes = {n: (np.random.default_rng([self.seed, self._sens_index[n]]), {})
-                      for n in starts}
+                      for n in starts + ([lk] if lk else [])}
             outs = [[None] * len(ch) for _ in runs]
             for j, c in enumerate(ch):
                 rows = xin[j].shape[0]
@@ -1012,7 +1152,11 @@ class CalibrationStream:
                 for i in range(1, len(runs)):
                     states[runs[i]] = outs[i]
             part["clean"] = outs[0]
-        self._pending.difference_update(lin)
+        self._pending.difference_update(lin + ([lk] if lk else []))
+        if lk:
+            for part in self._sparts:
+                for c in part["chunks"]:
+                    c.pop("x_lookup", None)
 
     def _in_flight(self) -> int:
         return sum(len(p["states"]) for p in self._sparts)
@@ -1026,7 +1170,9 @@ class CalibrationStream:
         m = self.model
         if self._val_dense is None:
             self._val_dense = [c["x"] for c in self._val_chunks]
-            self._val_states = {p: list(self._val_dense) for p in self.plans}
+            # a plan's own lookup table type embeds its chunks (_lookup_plans)
+            self._val_states = {p: list(self._val_x0.get(p, self._val_dense))
+                                for p in self.plans}
         # a decoder's head is scored chunk by chunk: the logits of every held-out
         # token at once (tokens x vocab floats, twice) would not fit in memory
         stream_kl = k == self.n_blocks and self.family == "decoder"
@@ -1132,15 +1278,21 @@ class CalibrationStream:
                                               or self._val_chunks):
             self.next_stage()
         sc = self._sens_scale
+
+        def lookups(d):
+            return {n[:-len(LOOKUP)]: v for n, v in d.items() if n.endswith(LOOKUP)}
+
         return Calibration(grams if grams is not None else {}, self.tokens,
-                           {n: v * sc.get(n, 1.0) for n, v in self._sens.items()},
+                           {n: v * sc.get(n, 1.0) for n, v in self._sens.items()
+                            if not n.endswith(LOOKUP)},
                            self.metric, self.eps,
                            self.sens_tokens if self._sens_index else 0,
                            dict(self.seconds), self.n_blocks, int(self._peak),
                            self.n_layers, self.n_full, dict(self.validation),
                            self.val_tokens if self.validate else 0,
-                           {n: v * sc.get(n, 1.0) for n, v in self._sens_val.items()},
-                           self.sens_val_tokens)
+                           {n: v * sc.get(n, 1.0) for n, v in self._sens_val.items()
+                            if not n.endswith(LOOKUP)},
+                           self.sens_val_tokens, lookups(self._sens), lookups(self._sens_val))
 
 
 class StreamedGrams:

@@ -178,7 +178,9 @@ class LayerProfile:
         objective has no measured sensitivity for); 1 for most layers.  The
         command line sets it for a decoder's output head (the logits
         projection, or the token embedding when the head is tied to it):
-        :func:`opscope_nb.models.loader.output_head`.  A measured
+        :func:`opscope_nb.models.loader.output_head`; and, without
+        calibration, for an encoder's word embedding:
+        :func:`opscope_nb.models.loader.word_embedding`.  A measured
         :attr:`sensitivity` replaces it.
     sample : dict or None
         The row sample the row-wise options' errors were estimated from
@@ -195,6 +197,20 @@ class LayerProfile:
         :func:`activation_errors`), measured on the calibration tokens; None
         without calibration.  The allocators' ``act_quant="ggml"`` adds the
         option's type's value to its ``out_err`` (as squares).
+    lookup : dict or None
+        A token-embedding table's role as a lookup (its rows enter the
+        residual stream), measured on the calibration tokens: ``err`` (per
+        option, in order: the relative error of the looked-up rows, each row
+        weighted by how often it is looked up,
+        ``sqrt(sum_r c_r |w_r - ŵ_r|² / sum_r c_r |w_r|²)``; None for an
+        option that is not row-wise), ``tokens`` and ``rows`` (looked-up
+        tokens, distinct rows), ``sensitivity`` (and ``sensitivity_val``):
+        the lookup probe's (:attr:`opscope_nb.profile.calib.Calibration.lookup_sensitivity`),
+        None when not measured.  The output objectives add
+        ``sensitivity x err²`` to the layer's term (a tied head's error and
+        its lookup's are about independent: on Gemma 3 270M at IQ4_NL the
+        two alone cost KL 0.052 and 0.068, both together 0.116).  None for
+        every other layer.
     """
 
     name: str
@@ -209,6 +225,7 @@ class LayerProfile:
     prior_weight: float = 1.0
     sample: dict | None = None
     act_err: dict | None = None
+    lookup: dict | None = None
 
     @property
     def f32_bytes(self) -> int:
@@ -241,7 +258,8 @@ class LayerProfile:
                    else {"prior_weight": float(self.prior_weight)}),
                 **({} if self.sample is None else {"sample": dict(self.sample)}),
                 **({} if not self.act_err else
-                   {"act_err": {k: float(v) for k, v in self.act_err.items()}})}
+                   {"act_err": {k: float(v) for k, v in self.act_err.items()}}),
+                **({} if not self.lookup else {"lookup": _lookup_json(self.lookup)})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayerProfile":
@@ -264,7 +282,24 @@ class LayerProfile:
                    check_prior_weight(d.get("prior_weight", 1.0)),
                    dict(d["sample"]) if d.get("sample") else None,
                    {str(k): float(v) for k, v in d["act_err"].items()}
-                   if d.get("act_err") else None)
+                   if d.get("act_err") else None,
+                   _lookup_json(d["lookup"], len(opts)) if d.get("lookup") else None)
+
+
+def _lookup_json(lk, n_options=None) -> dict:
+    """:attr:`LayerProfile.lookup` with plain JSON types (``n_options``: the
+    count its ``err`` must have)."""
+    def f(v):
+        return None if v is None else float(v)
+    if n_options is not None and len(lk["err"]) != n_options:
+        raise ValueError(f"lookup err has {len(lk['err'])} values for {n_options} options: "
+                         f"the profile is damaged; profile the layer again.")
+    out = {"err": [f(v) for v in lk["err"]], "tokens": int(lk["tokens"]),
+           "rows": int(lk["rows"])}
+    for k in ("sensitivity", "sensitivity_val"):
+        if lk.get(k) is not None:
+            out[k] = float(lk[k])
+    return out
 
 
 def check_prior_weight(value) -> float:
@@ -335,7 +370,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
                   gptq=True, sensitivity=None, stored_dtype="F32", menu="default",
                   ggml_types=None, lr_ranks=LR_RANKS, prior_weight=1.0,
                   requantize=False, sample_rows="all", gram_heldout=None,
-                  act_sq=None) -> LayerProfile:
+                  act_sq=None, lookup=None) -> LayerProfile:
     """Measure every applicable compression option of one weight.
 
     Options, in order: dense (the weight as the source stores it, at its
@@ -481,6 +516,13 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         ``gram`` (float64 ``[cols]``,
         :meth:`opscope_nb.profile.calib.CalibrationStream.act_sq`): gives
         :attr:`LayerProfile.act_err`.  Needs ``gram``.
+    lookup : (array_like, array_like), optional
+        For a token-embedding table: the rows the calibration tokens look up
+        (int ``[k]``, distinct, in ``[0, rows)``) and how often (float
+        ``[k]``, > 0; :meth:`opscope_nb.profile.calib.CalibrationStream.lookup`).
+        Each row-wise option's rows are quantised as for the weight (same
+        gram, same GPTQ choices) to give :attr:`LayerProfile.lookup` (its
+        ``sensitivity`` is set later, from the whole model's sweep).
 
     Returns
     -------
@@ -564,6 +606,7 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
         # 10.9 CPU s with the default threads, 1.8 with one); the big LAPACK calls
         # raise it themselves (``blas_threads``), the row blocks run on every core.
         act_sq = _check_act_sq(act_sq, cols, gram)
+        lookup = _check_lookup(lookup, rows)
         from opscope_nb._threads import _one_blas_thread
         with pinned_gram(gram), _one_blas_thread():
             lp = _measure_menu(name, meas, menu, ggml_types, own, n0, spec, ref, rows, cols,
@@ -571,9 +614,60 @@ def profile_layer(name, w, *, rank_cap=48, groups=(32, 128), seed=0,
                                sensitivity, prior_weight, ggml_gptq)
             if act_sq:
                 lp.act_err = activation_errors(w, act_sq, meas.den())
+            if lookup is not None:
+                lp.lookup = _lookup_errors(meas, lp, own, *lookup)
             return lp
     finally:
         pin.close()
+
+
+def _check_lookup(lookup, rows):
+    """``profile_layer``'s ``lookup`` validated: ``(rows int64 [k], counts
+    float64 [k])`` or None."""
+    if lookup is None:
+        return None
+    try:
+        r, c = lookup
+    except (TypeError, ValueError):
+        raise TypeError("lookup must be a pair (rows, counts) "
+                        "(CalibrationStream.lookup) or None.") from None
+    r, c = np.asarray(r), np.asarray(c, dtype=np.float64)
+    if r.ndim != 1 or c.shape != r.shape or not np.issubdtype(r.dtype, np.integer):
+        raise ValueError(f"lookup: rows must be a 1-D integer array and counts the same "
+                         f"shape; got {r.dtype} {r.shape} and {c.shape}.")
+    if r.size == 0 or (r < 0).any() or (r >= rows).any() or np.unique(r).size != r.size:
+        raise ValueError(f"lookup: rows must be distinct indices in [0, {rows}) (at least "
+                         f"one); got {r.size} value(s) in [{r.min() if r.size else 0}, "
+                         f"{r.max() if r.size else 0}].")
+    if not np.isfinite(c).all() or (c <= 0).any():
+        raise ValueError("lookup: counts must be finite and > 0 (how often each row is "
+                         "looked up).")
+    return r.astype(np.int64), c
+
+
+def _lookup_errors(meas, lp, own, idx, counts) -> dict:
+    """:attr:`LayerProfile.lookup` without its sensitivity: each option's
+    relative error over the looked-up rows, weighted by ``counts``."""
+    w = meas.w
+    den = float(counts @ np.einsum("ij,ij->i", w[idx], w[idx], dtype=np.float64))
+    items = [(o.decomp, None) for o in lp.options
+             if o.decomp.kind in ROW_KINDS and o.decomp.lr is None
+             and o.decomp.kind != "dense" and (own is None or o.decomp != Decomp.ggml(own))]
+    per = {}
+    meas._rows(items, idx, per)
+    err = []
+    for o in lp.options:
+        d = o.decomp
+        if d.kind == "dense" or (own is not None and d == Decomp.ggml(own)):
+            err.append(0.0)        # the rows as stored
+            continue
+        got = per.get(d.label)
+        if not got:
+            err.append(None)       # not row-wise (or not representable there)
+            continue
+        num = float(counts @ got[0][0])
+        err.append(math.sqrt(num / den) if den > 0 else 0.0)
+    return {"err": err, "tokens": int(round(float(counts.sum()))), "rows": int(idx.size)}
 
 
 def _check_act_sq(act_sq, cols, gram):
