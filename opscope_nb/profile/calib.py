@@ -645,12 +645,13 @@ class CalibrationStream:
             sens = [n for n in all_lin if n in want]
         self._sens_index = {n: all_lin.index(n) for n in sens}
         #: the token-embedding table the forward looks rows up in (None: none)
-        self.lookup_table = self._lookup_name(m)
-        lk = self.lookup_table
+        self.lookup_table = lk = self._lookup_name(m)
+        #: the lookup probe's run name
+        self._lookup_key = (lk or "") + LOOKUP
         if lk is not None and lk in m.entries and (
                 sensitivity is True or (sensitivity not in (False, None)
                                         and lk in set(sensitivity))):
-            self._sens_index[lk + LOOKUP] = len(all_lin)
+            self._sens_index[self._lookup_key] = len(all_lin)
         #: the held-out sensitivity probe was left out to keep the work in budget
         self.sens_val_dropped = False
         sens = list(sens) + [n for n in self._sens_index if n.endswith(LOOKUP)]
@@ -720,7 +721,7 @@ class CalibrationStream:
             if cal_ids else np.zeros(0, np.int64)
         r, c = np.unique(ids, return_counts=True)
         self._lookup_counts = (r, c.astype(np.float64))
-        key = (self.lookup_table or "") + LOOKUP
+        key = self._lookup_key
         if key not in self._sens_index:
             return
         from opscope_nb.models import bert, llama
@@ -793,7 +794,7 @@ class CalibrationStream:
         """``(rows, counts)``: the rows of token-embedding table ``name`` that
         the calibration tokens (the fitting part) look up, int64 ``[k]``
         ascending, and how often, float64 ``[k]``; None for another name."""
-        if name != self.lookup_table or getattr(self, "_lookup_counts", None) is None:
+        if name != self.lookup_table:
             return None
         return self._lookup_counts
 
@@ -1099,8 +1100,7 @@ class CalibrationStream:
         a 4096-input layer gave the same bits)."""
         head = k == self.n_blocks
         starts = [n for n in lin if n in self._pending]
-        lk = (self.lookup_table or "") + LOOKUP
-        lk = lk if k == 0 and lk in self._pending else None
+        lk = self._lookup_key if k == 0 and self._lookup_key in self._pending else None
         for part in self._sparts:
             ch, states = part["chunks"], part["states"]
             if part["clean"] is None:

@@ -654,7 +654,7 @@ def _lookup_errors(meas, lp, own, idx, counts) -> dict:
              if o.decomp.kind in ROW_KINDS and o.decomp.lr is None
              and o.decomp.kind != "dense" and (own is None or o.decomp != Decomp.ggml(own))]
     per = {}
-    meas._rows(items, idx, per)
+    meas._rows(items, idx, per, outputs=False)     # the weight errors only
     err = []
     for o in lp.options:
         d = o.decomp
@@ -1095,11 +1095,11 @@ class _Measure:
         self.options.append(DecompOption(d, err, int(nb), flops(*self.w.shape, d), lat, oerr,
                                          se[0], se[1]))
 
-    def _rows(self, items, idx, per):
+    def _rows(self, items, idx, per, outputs=True):
         """Per-row squared errors of each row-wise option on rows ``idx``:
         ``per[label]`` gets ``(weight, output)`` float64 ``[len(idx)]`` arrays
-        appended (output None without a gram; None for the option when it
-        cannot represent these rows)."""
+        appended (output None without a gram or with ``outputs=False``; None
+        for the option when it cannot represent these rows)."""
         from opscope_nb.formats.gptq import row_output_energy
         from opscope_nb.kernels import residual_rows
         ws = np.ascontiguousarray(self.w[idx], dtype=np.float32)
@@ -1125,7 +1125,7 @@ class _Measure:
                 per[d.label] = None
                 continue
             oy = None
-            if g is not None:
+            if g is not None and outputs:
                 t0 = time.perf_counter()
                 oy = (row_output_energy(e, self.split[1], self._factor_b) if twin
                       else row_output_energy(e, g, self._factor))
