@@ -291,20 +291,27 @@ class _Scorer:
         llm.close()
         self.ppl_ref = self._ppl(self.ref)
 
-    def _ppl(self, logits):
+    def _nll(self, logits):
         from opscope_nb.models.evaluate import _nll
-        return float(np.exp(np.concatenate([_nll(lg[:-1], c[1:])
-                                            for lg, c in zip(logits, self.chunks)]).mean()))
+        return np.concatenate([_nll(lg[:-1], c[1:]) for lg, c in zip(logits, self.chunks)])
 
-    def score(self, path):
+    def _ppl(self, logits):
+        return float(np.exp(self._nll(logits).mean()))
+
+    def score(self, path, nll=False):
+        """``{"kl", "top1", "ppl"}`` of the file at ``path``; ``nll=True``
+        also returns its per-token negative log-likelihoods (float64), for a
+        paired comparison of two files' perplexities."""
         from opscope_nb.models import llamacpp
         from opscope_nb.models.evaluate import kl_stats
         llm = llamacpp.load(path, n_ctx=self.window)
         got = [llamacpp.logits(llm, c) for c in self.chunks]
         llm.close()
         kl, agree = zip(*(kl_stats(r, g) for r, g in zip(self.ref, got)))
-        return {"kl": float(np.concatenate(kl).mean()),
-                "top1": float(np.concatenate(agree).mean()), "ppl": self._ppl(got)}
+        nl = np.asarray(self._nll(got), np.float64)
+        out = {"kl": float(np.concatenate(kl).mean()),
+               "top1": float(np.concatenate(agree).mean()), "ppl": float(np.exp(nl.mean()))}
+        return (out, nl) if nll else out
 
 
 def preset_choice(layers, held):

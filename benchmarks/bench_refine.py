@@ -28,6 +28,7 @@ Usage: ``python benchmarks/bench_refine.py [--model smollm2|gemma3-270m|minilm]
 [--presets Q4_K_M] [--imatrix yes|no|both] [--evals 300] [--minutes 15]
 [--search local|evo] [--offspring 16] [--survivors 2] [--preselect 4]
 [--screen-tokens 128] [--tokens 2048] [--table-tokens N] [--held-out-tokens 512]
+[--accept-z Z]
 [--runtime numba|llama.cpp]
 [--workdir DIR]``.  ``--runtime llama.cpp``: refine scores its candidates' GGUF
 files with llama.cpp (:mod:`opscope_nb.plan.refine_llamacpp`); the refine line
@@ -44,6 +45,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from opscope_nb.plan.refine import PAIR_BATCH, paired_z  # noqa: E402
 from bench_heldout import _run, _sources  # noqa: E402
 from bench_gguf import (  # noqa: E402  (the preset machinery, shared)
     _Scorer, _imatrix, _profiles, _quantize_logged, _source, _tensors, _write_f16)
@@ -60,6 +62,8 @@ def _refine(prof, budget_flag, out, args, extra=()):
         cmd += ["--minutes", args.minutes]
     if args.table_tokens:
         cmd += ["--table-tokens", args.table_tokens]
+    if args.accept_z is not None:
+        cmd += ["--accept-z", args.accept_z]
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     load0 = os.getloadavg()
     stdout, secs = _run(cmd, "refine")
@@ -120,7 +124,9 @@ def _decoder(args, root):
                         cmd += ["--grams", grams]
                     _run(cmd, "apply")
                     files[m] = g
-            sc = {k: scorer.score(p) for k, p in files.items()}
+            sc, nll = {}, {}
+            for k, p in files.items():
+                sc[k], nll[k] = scorer.score(p, nll=True)
             ref = pdoc["refine"]["scores"]
             row = {"preset": preset, "imatrix": v, "bpw": bpw, "llama_cpp": sc,
                    "refine": pdoc["refine"], "kept": pdoc["refine"]["kept"]}
@@ -135,7 +141,14 @@ def _decoder(args, root):
                   f"returned plan {kr:.5f} ({kr / kp:.3f}x the preset, {kr / ke:.3f}x the "
                   f"exact); PPL preset {sc['preset']['ppl']:.3f}, exact "
                   f"{sc['exact']['ppl']:.3f}, returned "
-                  f"{sc.get('refined', sc['exact'])['ppl']:.3f}\n", flush=True)
+                  f"{sc.get('refined', sc['exact'])['ppl']:.3f}", flush=True)
+            # a perplexity gap is a mean NLL difference: is it larger than its noise?
+            ret = "refined" if "refined" in nll else "exact"
+            z = paired_z(nll[ret], nll["preset"], PAIR_BATCH)
+            row["ppl_z"] = z
+            print(f"   returned plan's PPL / the preset's: {sc[ret]['ppl'] / sc['preset']['ppl']:.4f}"
+                  f"; paired z of the per-token NLL difference {z:+.2f} (positive: ours lower; "
+                  f"batches of {PAIR_BATCH} tokens)\n", flush=True)
             for p in files.values():
                 os.remove(p)
     return rows
@@ -190,6 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=2048, help="search tokens")
     ap.add_argument("--table-tokens", type=int, default=None,
                     help="refine --table-tokens (default: refine's)")
+    ap.add_argument("--accept-z", type=float, default=None,
+                    help="refine --accept-z (default: refine's)")
     ap.add_argument("--held-out-tokens", type=int, default=512,
                     help="held-out tokens of refine's never-worse check")
     ap.add_argument("--runtime", choices=("numba", "llama.cpp"), default="numba",

@@ -61,6 +61,17 @@ def positive_float(text: str) -> float:
     return v
 
 
+def nonneg_float(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0; got {text!r}")
+    if not (math.isfinite(v) and v >= 0.0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0; got {text}")
+    return v
+
+
 def positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -417,7 +428,7 @@ def layers_from_doc(doc: dict, path: str) -> list:
 
 
 __all__ = [
-    "PROG", "PROFILE_FORMAT", "CliError", "Parser", "budget_arg", "positive_float",
+    "PROG", "PROFILE_FORMAT", "CliError", "Parser", "budget_arg", "positive_float", "nonneg_float",
     "positive_int", "nonneg_int", "int_list", "regex_arg", "add_source_args",
     "peak_rss_mb", "atomic_write", "json_text", "finite", "fmt_bytes",
     "fmt_err", "fmt_us", "ensure_outdir", "write", "tabulate_rows", "warn", "Progress",

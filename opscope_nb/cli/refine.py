@@ -26,6 +26,7 @@ from ._common import (
     positive_float,
     positive_int,
     progress_enabled,
+    nonneg_float,
     nonneg_int,
     tabulate_rows,
     warn,
@@ -89,6 +90,11 @@ def add_refine_args(p, flag_prefix="") -> None:
     g.add_argument("--table-tokens", type=nonneg_int, default=512, metavar="N",
                    help="tokens of the first search windows the table is measured on "
                         "(default 512; 0: all search tokens)")
+    g.add_argument("--accept-z", type=nonneg_float, default=None, metavar="Z",
+                   help="keep a move only when it lowers the search score by at least Z "
+                        "standard errors of the paired per-token (per-sentence) difference "
+                        "(default 2, opscope_nb.plan.refine.ACCEPT_Z; 0: any lower score, "
+                        "which fits the search text's noise)")
     g.add_argument("--refine-seed", type=int, default=0, metavar="S",
                    help="seed of the moves (default 0)")
     g.add_argument("--text", metavar="FILE|sample|builtin", default=None,
@@ -213,7 +219,8 @@ def _state_key(args, doc_path, budget, start, spec) -> str:
              str(args.refine_seed), str(args.text),
              str(args.held_out_text), str(args.split), str(args.tokens),
              str(args.held_out_tokens), str(args.window),
-             str(getattr(args, "table", 0)), str(getattr(args, "table_tokens", 0))]
+             str(getattr(args, "table", 0)), str(getattr(args, "table_tokens", 0)),
+             f"accept_z={float(getattr(args, 'accept_z', 0.0))!r}"]
     aq = getattr(args, "act_quant_resolved", "none")
     if aq != "none":
         parts.append("act_quant=" + aq)     # other scores: a float-activation state is not continued
@@ -277,6 +284,8 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
     from opscope_nb import io as tio
     if spec.get("latency_frac") is not None:
         raise CliError("refine keeps the byte budget only; drop --latency-budget.")
+    if getattr(args, "accept_z", None) is None:
+        args.accept_z = rf.ACCEPT_Z
     m0 = "exact" if "exact" in allocs else next(iter(allocs))
     a0 = allocs[m0][0]
     if not a0.feasible:
@@ -353,7 +362,7 @@ def refine_allocation(args, doc, layers, spec, allocs, out_dir):
                         minutes=args.minutes, search=args.search, offspring=args.offspring,
                         survivors=args.survivors, preselect=args.preselect,
                         seed=args.refine_seed, seeds=seeds, table=args.table,
-                        state=state, on_state=on_state, table_log=tlog,
+                        accept_z=args.accept_z, state=state, on_state=on_state, table_log=tlog,
                         log=log)
     except ValueError as exc:
         raise CliError(f"refine: {exc}") from None
@@ -415,9 +424,11 @@ def _print_report(res, scorer, m0, objective):
     verdict = ("kept: the refined plan" if res.kept else
                "not kept: the start plan" if res.best != res.start else
                "no better plan found: the start plan")
+    z = sc.get("held_out_z")
+    zs = "" if res.best == res.start or z is None else f", paired z {z:+.2f}"
     print(f"refine: {res.evals} candidates ({res.run_evals} this run, stopped: {res.stopped}), "
-          f"{res.accepted} moves kept; held-out {name} {ratio:.3f}x the {m0} plan's -- "
-          f"{verdict}")
+          f"{res.accepted} moves kept (each >= {sc.get('accept_z', 0.0):g} standard errors "
+          f"lower); held-out {name} {ratio:.3f}x the {m0} plan's{zs} -- {verdict}")
     sec = res.seconds
     tot = max(sec.get("search", 0.0), 1e-9)
     fps = res.forwards_per_second()

@@ -70,12 +70,20 @@ from .allocate import (act_quant_mode, budget_bytes, exact_allocate, predicted_d
 
 __all__ = ["PlanScorer", "RefineResult", "refine", "split_passages", "text_chunks", "ladders",
            "plan_bytes", "propose", "STATE_VERSION", "load_state", "save_state",
-           "choice_key", "base_choice", "singleton_table", "table_layers", "solve_table"]
+           "choice_key", "base_choice", "singleton_table", "table_layers", "solve_table",
+           "paired_z", "PAIR_BATCH", "ACCEPT_Z"]
 
 #: Version of the state file layout (:func:`save_state`).
 STATE_VERSION = 1
 #: Rows of logits turned into float64 log-probabilities at once (the reference).
 _ROWS = 64
+#: Consecutive next-token positions per unit of :func:`paired_z` in
+#: :func:`refine` (decoders): neighbouring tokens' KL is correlated, so the
+#: standard error comes from the means of batches of this many tokens.
+PAIR_BATCH = 16
+#: :func:`refine`'s default ``accept_z``: a move is kept when it lowers the
+#: search score by at least this many standard errors of the paired difference.
+ACCEPT_Z = 2.0
 
 
 def _kl_kernel():
@@ -381,6 +389,7 @@ class _Split:
         self.cache = None        # per stage 0..n_blocks: per chunk, the stage's input
         self.cache_key = None    # the plan (tuple of option indices) the cache belongs to
         self.cache_score = None
+        self.cache_rows = None   # the cached plan's per-unit losses (:attr:`PlanScorer.last_rows`)
         self.tokens = 0
         self.ppl_dense = None
 
@@ -457,6 +466,11 @@ class PlanScorer:
         Block forwards run (one per block per split pass; the head counts as one).
     token_runs : int
         Tokens run through a stage, summed over stage runs (:attr:`forwards`).
+    last_rows : ndarray of float64 or None
+        The per-unit losses of the last :meth:`score` call, whose mean is the
+        score: ``[tokens]`` KL per next-token position (decoders, chunk after
+        chunk, clipped at 0) or ``[sentences]`` ``1 - cos`` (encoders).
+        :func:`refine`'s paired test reads them.
     """
 
     def __init__(self, model, layers, search, held_out, *, grams=None, stored=None,
@@ -548,6 +562,7 @@ class PlanScorer:
                         "reference": 0.0}
         self.block_runs = 0
         self.token_runs = 0
+        self.last_rows = None
         self.splits = {"search": _Split(search), "held_out": _Split(held_out)}
         for nm, v in (("screen", screen_tokens), ("table", table_tokens)):
             if v is None:
@@ -681,7 +696,7 @@ class PlanScorer:
         m = self.model
         self.block_runs += 1
         self.token_runs += split.tokens
-        nll = []
+        nll, rows = [], None
         if self.family == "encoder":
             embs = []
             for (ids, mask), x in zip(split.chunks, xs):
@@ -692,8 +707,8 @@ class PlanScorer:
             if split.ref is None:
                 out = (e, None)
             else:
-                cos = cosine(split.ref, e)
-                out = (float(np.mean(1.0 - cos)), None)
+                rows = 1.0 - np.asarray(cosine(split.ref, e), np.float64)
+                out = (float(np.mean(rows)), None)
         else:
             kls, refs = [], []
             t1 = t0
@@ -712,13 +727,17 @@ class PlanScorer:
                 if nl is not None:
                     nll.append(nl)
                 del z
-            out = (refs, None) if split.ref is None else (
-                float(np.maximum(np.concatenate(kls), 0.0).mean()), None)
+            if split.ref is None:
+                out = (refs, None)
+            else:
+                rows = np.maximum(np.concatenate(kls), 0.0)
+                out = (float(rows.mean()), None)
         if ids_for_nll and nll:
             out = (out[0], float(np.exp(np.concatenate(nll).mean())))
         t2 = time.perf_counter()
         self.seconds["head"] += t1 - t0
         self.seconds["kl"] += t2 - t1
+        self.last_rows = rows
         return out
 
     def _reference(self, split):
@@ -740,6 +759,15 @@ class PlanScorer:
         self.seconds = sec
         self.block_runs, self.token_runs = runs, toks
         self.seconds["reference"] += time.perf_counter() - t0
+
+    def units(self, split) -> int:
+        """Entries of :attr:`last_rows` a score on ``split`` gives: its tokens
+        (decoders) or sentences (encoders).  The screen and table splits are
+        prefixes of the search split: their units are its first ones."""
+        ch = self.splits[split].chunks
+        if self.family == "decoder":
+            return int(sum(len(c) for c in ch))
+        return int(sum(np.asarray(c[1]).shape[0] for c in ch))
 
     @property
     def forwards(self) -> float:
@@ -778,6 +806,7 @@ class PlanScorer:
         if start is None or start > self.n_blocks:      # nothing the forward reads changed
             if adopt:
                 s.cache_key = c
+            self.last_rows = s.cache_rows
             return s.cache_score
         with _one_blas_thread():
             self._install(c)
@@ -793,6 +822,7 @@ class PlanScorer:
                 self._restore()
         if adopt:
             s.cache, s.cache_key, s.cache_score = new, c, val
+            s.cache_rows = self.last_rows
         return (val, p) if ppl else val
 
     def adopt(self, choice, split="search"):
@@ -845,6 +875,45 @@ def _kl_rows(z, ref, ids, want_nll):
         rows = np.arange(len(ids) - 1)
         nll = lse[rows] - z[rows, ids[rows + 1]].astype(np.float64)
     return kl, nll
+
+
+def paired_z(new, old, batch=1) -> float:
+    """How many standard errors ``new``'s mean lies below ``old``'s, paired.
+
+    Parameters
+    ----------
+    new, old : ndarray of float, shape (n,)
+        Per-unit losses of two plans on the same units (:attr:`PlanScorer.last_rows`).
+    batch : int
+        Consecutive units per batch (>= 1): the standard error of the mean
+        difference is that of the means of ``ceil(n / batch)`` batches (the
+        last may be short), which holds when neighbouring units correlate.
+
+    Returns
+    -------
+    float
+        ``mean(old - new) / se``: positive when ``new`` is lower; ``+inf`` /
+        ``-inf`` when the difference is the same nonzero value everywhere or
+        there are fewer than 2 batches, ``0.0`` when it is zero.
+    """
+    new = np.asarray(new, np.float64)
+    old = np.asarray(old, np.float64)
+    if new.shape != old.shape or new.ndim != 1:
+        raise ValueError(f"new and old must be 1-D of one length; got shapes {new.shape} "
+                         f"and {old.shape}.")
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise ValueError(f"batch must be an integer >= 1; got {batch!r}.")
+    d = old - new
+    n = len(d)
+    if n == 0:
+        return 0.0
+    starts = np.arange(0, n, int(batch))
+    means = np.add.reduceat(d, starts) / np.diff(np.append(starts, n))
+    mu = float(d.mean())
+    se = float(means.std(ddof=1) / math.sqrt(len(means))) if len(means) > 1 else 0.0
+    if se > 0.0:
+        return mu / se
+    return 0.0 if mu == 0.0 else math.copysign(math.inf, mu)
 
 
 def _log_softmax64(z):
@@ -1084,7 +1153,7 @@ def solve_table(layers, budget, *, time_limit=60.0):
 
 def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search="local",
            offspring=16, survivors=2, preselect=1, seed=0, seeds=(), table=1, table_rounds=4,
-           state=None, on_state=None, log=None, table_log=None,
+           accept_z=ACCEPT_Z, state=None, on_state=None, log=None, table_log=None,
            clock=time.perf_counter) -> RefineResult:
     """Search for a plan of ``scorer.layers`` with bytes ``<= budget`` whose
     measured score beats ``start``'s; never return one worse on the held-out split.
@@ -1094,7 +1163,9 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
     scored there first and only those that beat the best plan there -- at
     most ``survivors`` of them, best first -- are scored on the search split
     (EvoPress's multi-stage selection); the best of those replaces the best
-    plan when it scores lower on the search split.
+    plan when it scores lower on the search split by at least ``accept_z``
+    standard errors of the paired per-token (per-sentence) difference
+    (:func:`paired_z`).
 
     Parameters
     ----------
@@ -1145,6 +1216,14 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         still scored.  This package's forward only.
     table_rounds : int
         Most rounds of the table (>= 1).
+    accept_z : float
+        A candidate replaces the best plan only when its search score is lower
+        and :func:`paired_z` of its per-unit losses against the best plan's
+        (:attr:`PlanScorer.last_rows`; batches of :data:`PAIR_BATCH` tokens
+        for decoders, single sentences for encoders) is at least
+        ``accept_z`` (>= 0; default :data:`ACCEPT_Z`, 2).  ``0``: any lower
+        score.  A gain carried by a few tokens of the search text is noise to
+        held-out text; the test keeps the moves whose gain is spread.
     state : dict, optional
         A state from an earlier run (:func:`load_state`): the search continues.
     on_state : callable, optional
@@ -1170,6 +1249,11 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         raise ValueError(f"minutes must be a number > 0; got {minutes!r}.")
     if search not in ("local", "evo"):
         raise ValueError(f"search must be 'local' or 'evo'; got {search!r}.")
+    if isinstance(accept_z, bool) or not isinstance(accept_z, (int, float, np.integer,
+                                                               np.floating)) or \
+            not (accept_z >= 0) or math.isinf(accept_z):
+        raise ValueError(f"accept_z must be a finite number >= 0 (0: any lower score); "
+                         f"got {accept_z!r}.")
     if isinstance(table, bool) or not isinstance(table, (int, np.integer)) or table < 0:
         raise ValueError(f"table must be an integer >= 0 (0: no table); got {table!r}.")
     for nm, v in (("offspring", offspring), ("survivors", survivors),
@@ -1209,7 +1293,9 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
     def spent():
         return prior_fw + scorer.forwards - fw0
 
+    batch = PAIR_BATCH if scorer.metric == "kl" else 1
     cur = scorer.adopt(best)
+    best_rows = getattr(scorer, "last_rows", None)
     if start_score is None:
         start_score = best_score = cur
         history.append((0, cur, spent()))
@@ -1257,10 +1343,28 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
         # returned the start plan unscored)
         return minutes is not None and clock() - t0 >= TABLE_SHARE * minutes * 60.0
 
+    def prefix_units(split):
+        # the leading search rows a split (a prefix of the search chunks) holds
+        if split not in scorer.splits or not hasattr(scorer, "units"):
+            return 0
+        return scorer.units(split)
+
+    def better(v, rows, skip=0):
+        # lower, and by enough standard errors of the paired difference, on
+        # the search rows past the first ``skip`` (those that selected the
+        # candidate: a plan picked on some tokens is judged on others)
+        if rows is None or best_rows is None:
+            return v < best_score
+        r, b = (rows[skip:], best_rows[skip:]) if 0 < skip < len(rows) else (rows, best_rows)
+        if not r.mean() < b.mean():
+            return False
+        return accept_z <= 0 or paired_z(r, b, batch) >= accept_z
+
     def take(c):
-        nonlocal best, best_score, best_screen, accepted
+        nonlocal best, best_score, best_screen, accepted, best_rows
         best = list(c)
         best_score = scorer.adopt(c)
+        best_rows = getattr(scorer, "last_rows", None)
         if screen:
             best_screen = scorer.adopt(c, "screen")
         accepted += 1
@@ -1269,6 +1373,7 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
             on_state(snapshot())
 
     # the measured table: each layer alone near the start plan, solved exactly
+    table_keys = set()      # the plans solved on it (judged on the other search tokens)
     tinfo = {"singletons": 0, "rounds": 0, "plans": 0, "seconds": 0.0, "complete": None,
              "split": None}
     if int(table) > 0 and not seeds_done and n_eval < evals and \
@@ -1295,9 +1400,12 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
                 break
         known = {choice_key(c) for c in seeds}
         seeds = [c for c in tplans if choice_key(c) not in known] + seeds
+        if tsplit == "table":
+            table_keys.update(choice_key(c) for c in tplans)
         lads = ladders(layers, objective, keep=[start] + seeds)
         if tsplit == "search":
             best_score = scorer.adopt(best)         # the singletons moved the cache
+            best_rows = getattr(scorer, "last_rows", None)
         tinfo.update(singletons=n_meas, plans=len(tplans), seconds=clock() - tt,
                      complete=complete, split=tsplit, entries=len(tbl))
         if on_state:
@@ -1314,14 +1422,17 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
             v = scorer.score(sd)
             n_eval += 1
             run_evals += 1
-            if v < best_score:
+            skip = prefix_units("table") if choice_key(sd) in table_keys else 0
+            if better(v, getattr(scorer, "last_rows", None), skip):
                 take(sd)
             report()
         seeds_done = n_eval < evals and not out_of_time()
     misses = 0
+    rows_of = {}            # this generation's per-unit search losses, by plan
     local = search == "local"
     lam = 1 if local else int(offspring)
     while True:
+        rows_of.clear()
         if pending is not None:         # a generation an earlier run left unfinished
             kids = [[int(x) for x in k] for k in pending["kids"]]
             scored = [(float(v), [int(x) for x in k]) for v, k in pending["scored"]]
@@ -1369,7 +1480,10 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
             if n_eval >= evals or out_of_time():
                 break
             seen.add(choice_key(c))
-            scored.append((scorer.score(c, "screen") if screen else scorer.score(c), c))
+            v = scorer.score(c, "screen") if screen else scorer.score(c)
+            scored.append((v, c))
+            if not screen:
+                rows_of[choice_key(c)] = getattr(scorer, "last_rows", None)
             n_eval += 1
             run_evals += 1
             report()
@@ -1381,10 +1495,17 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
             # stage 2: the best few that beat the best plan on the screen
             order = sorted(range(len(scored)), key=lambda k: (scored[k][0], k))
             pool = [scored[k][1] for k in order if scored[k][0] < best_screen]
-            scored = [(scorer.score(c), c) for c in pool[:int(survivors)]]
+            scored = []
+            for c in pool[:int(survivors)]:
+                scored.append((scorer.score(c), c))
+                rows_of[choice_key(c)] = getattr(scorer, "last_rows", None)
         if scored:
             v, c = min(scored, key=lambda t: t[0])
-            if v < best_score:
+            rows = rows_of.get(choice_key(c))
+            if rows is None and v < best_score:     # scored by an earlier run: again
+                scorer.score(c)
+                rows = getattr(scorer, "last_rows", None)
+            if better(v, rows, prefix_units("screen") if screen else 0):
                 take(c)
                 continue
         if on_state and n_eval % 10 < len(kids):
@@ -1398,10 +1519,14 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
     # never worse: both plans on the held-out split
     th = clock()
     h_start, ppl_start = scorer.score(start, "held_out", adopt=False, ppl=True)
+    rows_start = getattr(scorer, "last_rows", None)
     if best == start:
-        h_best, ppl_best = h_start, ppl_start
+        h_best, ppl_best, z_held = h_start, ppl_start, 0.0
     else:
         h_best, ppl_best = scorer.score(best, "held_out", adopt=False, ppl=True)
+        rows_best = getattr(scorer, "last_rows", None)
+        z_held = None if rows_start is None or rows_best is None else \
+            paired_z(rows_best, rows_start, batch)
     t_held = clock() - th
     kept = best != start and h_best < h_start
     sec.update(propose=t_prop, search=t_search, held_out=t_held, total=clock() - t_all)
@@ -1414,6 +1539,7 @@ def refine(scorer, start, budget, *, objective, evals=200, minutes=None, search=
                  "predicted": predicted_damage(layers, best, objective),
                  "bytes": plan_bytes(layers, best), "ppl": ppl_best},
         "ppl_dense": ppl_dense, "budget": budget, "objective": objective,
+        "held_out_z": z_held, "accept_z": float(accept_z),
         "search_tokens": scorer.splits["search"].tokens,
         "screen_tokens": scorer.splits["screen"].tokens if screen else None,
         "held_out_tokens": scorer.splits["held_out"].tokens,

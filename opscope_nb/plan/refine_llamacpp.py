@@ -294,6 +294,9 @@ class LlamaCppScorer:
         Per runtime, ``[candidate forwards, tokens, seconds]`` of its scoring
         forwards (llama.cpp: assemble + load + forward; numba: the screen's
         block runs, partial forwards counted by their tokens and stages).
+    last_rows : ndarray of float64 or None
+        The per-token KL of the last :meth:`score` call (as
+        :attr:`~opscope_nb.plan.refine.PlanScorer.last_rows`).
     """
 
     runtime = "llama.cpp"
@@ -358,6 +361,7 @@ class LlamaCppScorer:
         self._own = {"pack": 0.0, "assemble": 0.0, "load": 0.0, "llama": 0.0, "kl": 0.0,
                      "reference": 0.0}
         self._memo = {}
+        self.last_rows = None
         self._n_files = 0
         self.runs = {"llama.cpp": [0, 0, 0.0]}
         self._llamacpp = llamacpp
@@ -512,8 +516,9 @@ class LlamaCppScorer:
         r[0] += 1
         r[1] += s.tokens
         r[2] += t4 - t0 - (t1 - t0)         # packing is counted apart (once per option)
-        val = float(np.maximum(np.concatenate(kls), 0.0).mean())
-        return (val, float(np.exp(np.concatenate(nll).mean()))) if ppl else val
+        rows = np.maximum(np.concatenate(kls), 0.0)
+        val = float(rows.mean())
+        return ((val, float(np.exp(np.concatenate(nll).mean()))) if ppl else val), rows
 
     def score(self, choice, split="search", *, adopt=None, ppl=False):
         """The measured score of ``choice`` on ``split``: llama.cpp's mean
@@ -527,14 +532,16 @@ class LlamaCppScorer:
         c = self._check(choice)
         if split == "screen" and self._numba is not None:
             v = self._numba.score(c, "search", adopt=adopt)
+            self.last_rows = self._numba.last_rows
             return (v, None) if ppl else v
         key = (split, c, bool(ppl))
         got = self._memo.get(key)
         if got is None:
             got = self._memo[key] = self._run(c, split, ppl)
             if ppl:
-                self._memo[(split, c, False)] = got[0]
-        return got
+                self._memo[(split, c, False)] = (got[0][0], got[1])
+        self.last_rows = got[1]
+        return got[0]
 
     def adopt(self, choice, split="search"):
         """Score ``choice`` on ``split`` (the numba screen keeps it as its cache)."""
@@ -545,4 +552,4 @@ class LlamaCppScorer:
         c = self._check(choice)
         if split == "screen" and self._numba is not None:
             return self._numba.full_score(c, "search")
-        return self._run(c, split, False)
+        return self._run(c, split, False)[0]
