@@ -27,7 +27,7 @@ held-out cosine of both plans.
 Usage: ``python benchmarks/bench_refine.py [--model smollm2|gemma3-270m|minilm]
 [--presets Q4_K_M] [--imatrix yes|no|both] [--evals 300] [--minutes 15]
 [--search local|evo] [--offspring 16] [--survivors 2] [--preselect 4]
-[--screen-tokens 128] [--tokens 2048] [--table-tokens N] [--held-out-tokens 512]
+[--screen-tokens 128] [--tokens 2048] [--table-tokens N] [--held-out-tokens 2048]
 [--accept-z Z]
 [--runtime numba|llama.cpp]
 [--workdir DIR]``.  ``--runtime llama.cpp``: refine scores its candidates' GGUF
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
                     help="refine --table-tokens (default: refine's)")
     ap.add_argument("--accept-z", type=float, default=None,
                     help="refine --accept-z (default: refine's)")
-    ap.add_argument("--held-out-tokens", type=int, default=512,
+    ap.add_argument("--held-out-tokens", type=int, default=2048,
                     help="held-out tokens of refine's never-worse check")
     ap.add_argument("--runtime", choices=("numba", "llama.cpp"), default="numba",
                     help="refine --runtime: whose forward scores the candidates (llama.cpp: "

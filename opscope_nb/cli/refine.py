@@ -111,8 +111,9 @@ def add_refine_args(p, flag_prefix="") -> None:
                    help="search tokens (decoders) or token cap of the search sentences "
                         "(encoders); default 2048 (the screen takes most candidates; "
                         "512 let plans fit the search text that lost on held-out text)")
-    g.add_argument("--held-out-tokens", type=positive_int, default=512, metavar="N",
-                   help="held-out tokens (default 512)")
+    g.add_argument("--held-out-tokens", type=positive_int, default=2048, metavar="N",
+                   help="held-out tokens of the never-worse check (default 2048: per-token "
+                        "KL is heavy-tailed, and on 512 a few tokens decided it)")
     g.add_argument("--window", type=positive_int, default=256, metavar="T",
                    help="decoder window (tokens per forward, fresh context each; default 256)")
     g.add_argument("--runtime", choices=("numba", "llama.cpp"), default="numba",

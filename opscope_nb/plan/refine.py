@@ -194,7 +194,7 @@ def _encoder_chunks(model, texts, max_tokens, batch=32):
 
 
 def text_chunks(model, *, text=None, held_out_text=None, split=0.25, split_seed=0,
-                tokens=2048, held_out_tokens=512, window=256) -> tuple:
+                tokens=2048, held_out_tokens=2048, window=256) -> tuple:
     """``(search chunks, held-out chunks)`` of ``model`` from text, as
     :meth:`PlanScorer.from_text` describes (the llama.cpp scorer takes the
     same windows)."""
@@ -576,7 +576,7 @@ class PlanScorer:
     # ---- construction from text ------------------------------------------ #
     @classmethod
     def from_text(cls, model, layers, *, text=None, held_out_text=None, split=0.25,
-                  split_seed=0, tokens=2048, held_out_tokens=512, window=256, **kw):
+                  split_seed=0, tokens=2048, held_out_tokens=2048, window=256, **kw):
         """A scorer whose search and held-out chunks come from text.
 
         ``text`` (a path, ``"sample"``, ``"builtin"`` or None = the sample,
