@@ -939,7 +939,9 @@ class RefineResult:
         The best plan measured lower than the start on the held-out split.
     scores : dict
         ``start`` / ``best`` -> ``{"search", "held_out", "predicted", "bytes",
-        "ppl"}`` (``ppl``: held-out perplexity, decoders; ``ppl_dense`` too).
+        "ppl"}`` (``ppl``: held-out perplexity, decoders; ``ppl_dense`` too);
+        ``held_out_z``: :func:`paired_z` of the best plan against the start on
+        the held-out split (``0.0`` when they are the same plan); ``accept_z``.
     evals : int
         Candidates scored in all runs (the resumed ones included).
     accepted : int
